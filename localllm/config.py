@@ -1,0 +1,106 @@
+"""Configuration objects passed down from the front ends to the engine and model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    architecture: str = "LlamaForCausalLM"
+    model_type: str = "llama"
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelConfig:
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+        if arch not in supported:
+            raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(supported))})")
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
+            rope = None
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=rope,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            architecture=arch,
+            model_type=cfg.get("model_type", "llama"),
+        )
+
+    def to_hf(self) -> dict:
+        return {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+
+    @property
+    def num_params(self) -> int:
+        h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
+        attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return L * per_layer + emb + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the serving engine; the CLI and server fill it, the engine reads it."""
+
+    max_model_len: int | None = None  # None: the model's context length
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    num_kv_blocks: int | None = None  # None: sized from memory
+    kv_memory_bytes: int | None = None  # explicit KV budget
+    memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"
+    num_threads: int | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,273 @@
+"""LLMEngine: the one door. add_request / step / abort, and a streaming generate on top."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import EngineConfig
+from ..hardware import available_memory
+from ..model.loader import LoadedModel
+from ..sampling import SamplingParams
+from ..tokenizer import IncrementalDetokenizer
+from .block_manager import BlockManager
+from .runner import ModelRunner
+from .scheduler import Scheduler
+from .sequence import Sequence, SeqStatus
+
+
+class ContextLengthError(ValueError):
+    """A prompt (plus the tokens asked for) does not fit the context."""
+
+    def __init__(self, message: str, prompt_tokens: int, limit: int):
+        super().__init__(message)
+        self.prompt_tokens, self.limit = prompt_tokens, limit
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    delta: str
+    text: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[dict] = field(default_factory=list)
+
+
+class _Output:
+    """Per-request text state: incremental detokenizing and stop strings held back until they
+    can no longer match."""
+
+    def __init__(self, detok: IncrementalDetokenizer, stop: list[str]):
+        self.detok, self.stop = detok, stop
+        self.text = ""  # everything decoded (may include held-back text)
+        self.emitted = 0
+        self.stopped = False
+
+    def add(self, token_ids: list[int], final: bool) -> str:
+        if token_ids:
+            self.text += self.detok.add(token_ids)
+        if final:
+            self.text += self.detok.flush()
+        if self.stop:
+            start = max(0, self.emitted - max(len(s) for s in self.stop))
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text, self.stopped = self.text[:min(hits)], True
+                final = True
+        end = len(self.text) if final else len(self.text) - self._held()
+        delta = self.text[self.emitted:end]
+        self.emitted = max(self.emitted, end)
+        return delta
+
+    def _held(self) -> int:
+        """Length of the longest tail that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    @property
+    def visible(self) -> str:
+        return self.text[:self.emitted]
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        self.loaded = loaded
+        self.config = config = config or EngineConfig()
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        self.max_model_len = min(config.max_model_len or loaded.extra["max_model_len"],
+                                 loaded.extra["max_model_len"])
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(loaded.model, config.block_size, self.num_blocks, loaded.kv_dtype,
+                                  loaded.eos_ids)
+        self.eos_ids = loaded.eos_ids
+        self._seqs: dict[str, Sequence] = {}
+        self._outputs: dict[str, _Output] = {}
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+        self.stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
+                      "steps": 0, "max_batch_size": 0, "preemptions": 0}
+
+    # ---- sizing ---------------------------------------------------------------------------
+    def _blocks_from_memory(self) -> int:
+        cfg, c = self.config, self.model_config
+        per_block = c.kv_bytes_per_token(self.loaded.kv_dtype.itemsize) * cfg.block_size
+        if cfg.kv_memory_bytes:
+            budget = cfg.kv_memory_bytes
+        else:
+            free = available_memory(self.loaded.model.device)
+            # CPU: leave most RAM to the user; the KV need of max_num_seqs full contexts caps it
+            budget = int(free * (cfg.memory_utilization if self.loaded.model.device != "cpu" else 0.25))
+            budget = min(budget, 4 << 30, cfg.max_num_seqs * self.max_model_len * per_block // cfg.block_size)
+        blocks = budget // per_block
+        min_blocks = -(-self.max_model_len // cfg.block_size)
+        if blocks < min_blocks:
+            blocks = min_blocks  # one full-length sequence must always fit
+        return int(blocks)
+
+    # ---- requests -------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        """A string, token ids, or chat messages -> prompt token ids."""
+        from ..chat import render_chat
+
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            text = render_chat(self.tokenizer.chat_template, prompt, bos_token=self.tokenizer.bos_token,
+                               eos_token=self.tokenizer.eos_token)
+            return self.tokenizer.encode(text)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in 0..{self.model_config.vocab_size - 1}")
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        ids = self.encode_prompt(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        n = len(ids)
+        limit = self.max_model_len
+        if n >= limit:
+            raise ContextLengthError(
+                f"prompt is {n} tokens but the context is {limit} tokens (no room to generate)", n, limit)
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise ContextLengthError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} tokens "
+                f"exceeds the context of {limit} tokens", n, limit)
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        capacity = self.num_blocks * self.config.block_size
+        if n + max_tokens > capacity:
+            raise ContextLengthError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {n + max_tokens} KV slots but the "
+                f"whole KV cache holds {capacity}", n, capacity)
+        with self._lock:
+            rid = request_id or f"req-{next(self._ids)}"
+            if rid in self._seqs:
+                raise ValueError(f"request id {rid!r} is already in use")
+            seq = Sequence(rid, ids, params, max_tokens)
+            self._seqs[rid] = seq
+            stops = params.stop
+            self._outputs[rid] = _Output(IncrementalDetokenizer(self.tokenizer, ids), stops)
+            self.scheduler.add(seq)
+            self.stats["requests"] += 1
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free everything it holds. False if it was not live."""
+        with self._lock:
+            seq = self._seqs.pop(request_id, None)
+            self._outputs.pop(request_id, None)
+            if seq is None or seq.is_finished:
+                return False
+            self.scheduler.finish(seq, "abort")
+            return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            batch = self.scheduler.schedule()
+            if not batch.seqs:
+                return []
+            self.stats["steps"] += 1
+            self.stats["max_batch_size"] = max(self.stats["max_batch_size"], len(batch.seqs))
+            self.stats["preemptions"] = self.scheduler.num_preemptions
+            for seq in batch.seqs:
+                if seq.num_computed_tokens == seq.num_cached_tokens and seq.num_preemptions == 0 \
+                        and not seq.output_ids and not getattr(seq, "_counted", False):
+                    self.stats["prompt_tokens"] += seq.num_prompt_tokens
+                    self.stats["cached_tokens"] += seq.num_cached_tokens
+                    seq._counted = True
+            tokens = self.runner.step(batch.seqs, batch.num_new_tokens)
+            outs = []
+            for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, tokens):
+                seq.num_computed_tokens += n
+                self.block_manager.hash_full_blocks(seq)
+                if tok is None:
+                    continue
+                outs.append(self._append(seq, [tok]))
+            return outs
+
+    def _append(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        """Add sampled tokens to a sequence, decide whether it is finished, make its output."""
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        p = seq.params
+        reason, kept = None, []
+        for t in new:
+            kept.append(t)
+            if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
+                reason = "stop"
+                break
+            if seq.num_output_tokens + len(kept) >= seq.max_tokens or \
+                    seq.num_tokens + len(kept) >= self.max_model_len:
+                reason = "length"
+                break
+        seq.token_ids.extend(kept)
+        self.stats["generated_tokens"] += len(kept)
+        out = self._outputs[seq.request_id]
+        visible = kept[:-1] if reason == "stop" else kept  # the stop token itself is not text
+        delta = out.add(visible, final=reason is not None)
+        if out.stopped:
+            reason = "stop"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._seqs.pop(seq.request_id, None)
+            self._outputs.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, delta, out.visible, kept, seq.output_ids, reason is not None,
+                             reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.logprobs)
+
+    def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None
+                 ) -> Iterator[RequestOutput]:
+        """Stream one request's outputs (runs the engine loop itself; for single-user front ends)."""
+        rid = self.add_request(prompt, params)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.abort(rid)  # a consumer that stops early (Ctrl-C) frees the request's blocks
+
+    # ---- stats ----------------------------------------------------------------------------
+    def cache_stats(self) -> dict:
+        s = self.stats
+        return {**s, "hit_rate": s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
+                "kv_blocks_total": self.num_blocks, "kv_blocks_used": self.block_manager.num_used_blocks,
+                "running": self.num_running, "waiting": self.num_waiting}
+
+    def live_sequences(self) -> list[Sequence]:
+        return [s for s in self._seqs.values() if s.status != SeqStatus.FINISHED]

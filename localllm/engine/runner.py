@@ -1,0 +1,109 @@
+"""Turns a scheduled batch into tensors, runs the model, samples.
+
+Prefill, chunked prefill, prefix-hit extend, decode and speculative verify all take this one
+path: the new tokens of every sequence are concatenated and described by positions, slot
+mapping, per-sequence query/context lengths and block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.attention import AttnMeta
+from ..model.llama import LlamaModel
+from ..sampling import apply_penalties, sample_row, top_logprobs
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, block_size: int, num_blocks: int, kv_dtype: torch.dtype,
+                 eos_ids: set[int]):
+        self.model = model
+        self.eos_ids = sorted(eos_ids)
+        self.block_size = block_size
+        self.device = model.device
+        model.allocate_kv_cache(num_blocks, block_size, kv_dtype)
+        self.default_generator = torch.Generator().manual_seed(0)
+
+    def prepare(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
+        bs = self.block_size
+        ids, pos, q_starts, ctx_lens, tables = [], [], [], [], []
+        start = 0
+        for seq, n in zip(seqs, counts):
+            first = seq.num_computed_tokens
+            ids.extend(seq.token_ids[first:first + n])
+            pos.extend(range(first, first + n))
+            q_starts.append(start)
+            ctx_lens.append(first + n)
+            tables.append(seq.block_table)
+            start += n
+        B, Lmax = len(seqs), max(ctx_lens)
+        max_blocks = max(len(t) for t in tables)
+        bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
+        positions = torch.tensor(pos, dtype=torch.int64)
+        # slot of every context position of every sequence, then the new tokens' slots
+        offs = torch.arange(Lmax)
+        gather = bt.gather(1, (offs // bs).expand(B, -1).clamp_max(max_blocks - 1)) * bs + offs % bs
+        ctx = torch.tensor(ctx_lens)
+        valid = offs.unsqueeze(0) < ctx.unsqueeze(1)
+        gather = gather.masked_fill(~valid, 0)
+        row = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
+        slot_mapping = gather[row, positions]
+        decode_only = all(n == 1 for n in counts)
+        mask = valid.view(B, 1, 1, Lmax) if decode_only and not bool(valid.all()) else None
+        meta = AttnMeta(slot_mapping, q_starts, list(counts), ctx_lens, decode_only, gather, mask)
+        if self.device != "cpu":
+            dev = self.device
+            meta.slot_mapping = slot_mapping.to(dev)
+            meta.cu_seqlens_q = torch.tensor([0] + list(torch.tensor(counts).cumsum(0).tolist()),
+                                             dtype=torch.int32, device=dev)
+            meta.cached_lens = torch.tensor([c - n for c, n in zip(ctx_lens, counts)], dtype=torch.int32, device=dev)
+            meta.context_lens = ctx.to(dev, torch.int32)
+            meta.block_tables = bt.to(dev, torch.int32)
+        ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return ids_t, positions.to(self.device), meta
+
+    @torch.inference_mode()
+    def forward_hidden(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
+        ids, positions, meta = self.prepare(seqs, counts)
+        return self.model(ids, positions, meta)
+
+    @torch.inference_mode()
+    def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """One new token per row of `hidden` (the last position of each sequence)."""
+        head = self.model.head
+        if not any(s.params.needs_logits for s in seqs):
+            return head.greedy(hidden).tolist()
+        logits = head(hidden)
+        out = []
+        for row, seq in zip(logits, seqs):
+            p = seq.params
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                row = apply_penalties(row.clone(), p, seq.prompt_ids, seq.output_ids)
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+                row = row.clone()
+                row[self.eos_ids] = float("-inf")
+            tok = sample_row(row, p, seq.generator or self.default_generator)
+            if p.logprobs is not None:
+                seq.logprobs.append(top_logprobs(row, tok, p.logprobs))
+            out.append(tok)
+        return out
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence], counts: list[int]) -> list[int | None]:
+        """Run one flattened batch. Returns the sampled token of each sequence whose pending
+        tokens were all computed this step, None for a prompt chunk still prefilling."""
+        hidden = self.forward_hidden(seqs, counts)
+        last, who = [], []
+        idx = 0
+        for i, (seq, n) in enumerate(zip(seqs, counts)):
+            idx += n
+            if seq.num_computed_tokens + n >= seq.num_tokens:
+                last.append(idx - 1)
+                who.append(i)
+        out: list[int | None] = [None] * len(seqs)
+        if who:
+            toks = self.sample(hidden[last], [seqs[i] for i in who])
+            for i, t in zip(who, toks):
+                out[i] = t
+        return out

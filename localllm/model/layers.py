@@ -1,0 +1,177 @@
+"""Building blocks of the decoder: linear layers in each precision, RMSNorm, RoPE, LM head."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quant.int4 import Int4Weight, quantize_rtn
+
+
+class DenseLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.out_features = weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4. On CPU: torch's int4pack kernel (fed bf16: with fp32 activations it takes a
+    path 5-30x slower). On CUDA: our Triton kernel."""
+
+    def __init__(self, w: Int4Weight, act_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                 device: str = "cpu"):
+        super().__init__()
+        n, k = w.shape
+        self.out_features, self.group_size = n, w.group_size
+        self.bias = None if bias is None else nn.Parameter(bias.to(act_dtype), requires_grad=False)
+        self.cuda_path = device.startswith("cuda")
+        if self.cuda_path:
+            self.register_buffer("qweight", w.packed().to(device))
+            self.register_buffer("scales", w.scales.to(device, act_dtype))
+            self.register_buffer("zeros", w.zeros.to(device, act_dtype))
+        else:
+            # the CPU kernel always runs in bf16: fp32 would hit a slow path, fp16 risks overflow
+            self.kernel_dtype = torch.bfloat16
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 2))
+            sz = torch.stack([w.scales, w.zeros], dim=-1).to(self.kernel_dtype).contiguous()
+            self.register_buffer("scales_zeros", sz)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.cuda_path:
+            from localllm_kernels import int4_matmul
+
+            y = int4_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2.to(self.kernel_dtype), self.packed, self.group_size,
+                                                  self.scales_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8, per output channel, symmetric."""
+
+    def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype, bias: torch.Tensor | None = None):
+        super().__init__()
+        w = weight.float()
+        scale = (w.abs().amax(1) / 127).clamp_min(1e-10)
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
+        self.kernel_dtype = torch.bfloat16 if act_dtype == torch.float32 else act_dtype
+        self.register_buffer("scales", scale.to(self.kernel_dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.to(act_dtype), requires_grad=False)
+        self.out_features = weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.kernel_dtype), self.qweight, self.scales)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    # fp32 exactly as transformers computes it, so long positions give the same angles
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv.float()
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        lo, hi = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        lo_wl, hi_wl = old_ctx / lo, old_ctx / hi
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > lo_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= hi_wl) & (wavelen <= lo_wl)
+        return torch.where(is_mid, mid, scaled).float()
+    if kind == "linear":
+        return (inv / scaling["factor"]).float()
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """HF rotate_half RoPE with a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 dtype: torch.dtype):
+        super().__init__()
+        inv = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.half = head_dim // 2
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin, self.half), _rotate(k, cos, sin, self.half)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # as transformers: normalize in fp32, cast, then scale
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LMHead(nn.Module):
+    """Logits over the vocabulary.
+
+    `weight` holds the exact head (e.g. the Q8_0 embedding dequantized to fp32). With
+    `fast_greedy`, greedy rows are scored by an int4 copy and the top candidates are
+    re-scored exactly: the argmax equals the exact head's unless the true winner falls outside
+    the int4 top-k, at a fraction of the bandwidth."""
+
+    def __init__(self, weight: torch.Tensor, fast_greedy: bool = False, rescore_k: int = 32,
+                 device: str = "cpu"):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # [V, H] exact
+        self.rescore_k = rescore_k
+        self.fast = None
+        if fast_greedy:
+            v, h = weight.shape
+            group = 32 if h % 32 == 0 else None
+            if group:
+                self.fast = Int4Linear(quantize_rtn(weight.float(), group), torch.bfloat16, device=device)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h.to(self.weight.dtype), self.weight).float()
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """Argmax token per row, equal to forward(h).argmax(-1)."""
+        if self.fast is None:
+            return self.forward(h).argmax(-1)
+        approx = self.fast(h.to(torch.bfloat16))
+        cand = approx.topk(self.rescore_k, dim=-1).indices  # [B, k]
+        rows = self.weight[cand]  # [B, k, H]
+        exact = torch.einsum("bkh,bh->bk", rows, h.to(self.weight.dtype))
+        return cand.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1)

@@ -1,0 +1,62 @@
+"""One config-driven Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias), SmolLM (tied head)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import AttnMeta, make_attention
+from .layers import LMHead, RMSNorm, RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, qkv: nn.Module, o: nn.Module, gate_up: nn.Module, down: nn.Module,
+                 input_norm: RMSNorm, post_norm: RMSNorm):
+        super().__init__()
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.input_norm, self.post_norm = input_norm, post_norm
+        self.H, self.KVH, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.split = [self.H * self.D, self.KVH * self.D, self.KVH * self.D]
+        self.inter = cfg.intermediate_size
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm,
+                 head: LMHead, act_dtype: torch.dtype, max_positions: int, device: str = "cpu"):
+        super().__init__()
+        self.cfg, self.act_dtype, self.device = cfg, act_dtype, device
+        self.embed = nn.Parameter(embed, requires_grad=False)  # [V, H]
+        self.layers = nn.ModuleList(layers)
+        self.norm, self.head = norm, head
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype)
+        self.scale = cfg.head_dim ** -0.5
+        self.attention = make_attention(device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        c = self.cfg
+        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        # one tensor per layer: a single big tensor makes compiled graphs copy all of it
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                           torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(c.num_layers)]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """Hidden states [T, hidden] of a flattened batch of new tokens."""
+        x = self.embed[input_ids].to(self.act_dtype)
+        T = x.shape[0]
+        attend, scale, rope = self.attention, self.scale, self.rope
+        for layer, (kc, vc) in zip(self.layers, self.kv_caches):
+            h = layer.input_norm(x)
+            q, k, v = layer.qkv(h).split(layer.split, dim=-1)
+            q, k = rope(positions, q.view(T, layer.H, layer.D), k.view(T, layer.KVH, layer.D))
+            a = attend(q, k, v.view(T, layer.KVH, layer.D), kc, vc, meta, scale)
+            x = x + layer.o(a)
+            g, u = layer.gate_up(layer.post_norm(x)).split(layer.inter, dim=-1)
+            x = x + layer.down(F.silu(g) * u)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)

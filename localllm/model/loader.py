@@ -1,0 +1,347 @@
+"""Checkpoints -> a ready LlamaModel: GGUF files and HF directories (safetensors only).
+
+Both sources expose tensors under HF names with HF's rotate_half q/k row order, so the model
+and the exporters see one layout. Linear layers are built in the precision the caller asks
+for: GGUF Q4_0/Q4_1 stay int4 (a lossless repack), everything else is dequantized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from ..quant.int4 import Int4Weight, quantize_rtn
+from ..tokenizer import LLMTokenizer
+from .gguf import GGUFError, GGUFFile, dequantize, read_gguf
+from .layers import DenseLinear, Int4Linear, Int8Linear, LMHead, RMSNorm
+from .llama import DecoderLayer, LlamaModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
+
+
+class ModelLoadError(ValueError):
+    """A model file is missing, corrupt, truncated or unsupported."""
+
+
+_GGUF_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _qk_row_perm(n_heads: int, head_dim: int) -> torch.Tensor:
+    """GGUF (llama) stores q/k rows for interleaved-pair RoPE; this index turns them into HF's
+    rotate_half order: new row (h, a, b) = old row (h, b, a)."""
+    return torch.arange(n_heads * head_dim).view(n_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
+
+
+class GGUFWeights:
+    def __init__(self, path: Path):
+        try:
+            self.file: GGUFFile = read_gguf(path)
+        except GGUFError as e:
+            raise ModelLoadError(str(e)) from None
+        self.path = path
+        meta = self.file.metadata
+        arch = meta.get("general.architecture")
+        if arch not in ("llama", "qwen2", "mistral"):
+            raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (supported: llama, qwen2, mistral)")
+        self.arch = arch
+
+        def m(key, default=None):
+            return meta.get(f"{arch}.{key}", default)
+
+        try:
+            heads = m("attention.head_count")
+            hidden = m("embedding_length")
+            self.config = ModelConfig(
+                vocab_size=m("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+                hidden_size=hidden, intermediate_size=m("feed_forward_length"),
+                num_layers=m("block_count"), num_heads=heads,
+                num_kv_heads=m("attention.head_count_kv") or heads,
+                head_dim=m("attention.key_length") or hidden // heads,
+                rms_norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-5)),
+                rope_theta=float(m("rope.freq_base", 10000.0)),
+                max_position_embeddings=int(m("context_length", 4096)),
+                tie_word_embeddings="output.weight" not in self.file.tensors,
+                qkv_bias="blk.0.attn_q.bias" in self.file.tensors,
+                architecture={"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                              "mistral": "MistralForCausalLM"}[arch],
+                model_type=arch,
+            )
+        except (KeyError, TypeError) as e:
+            raise ModelLoadError(f"{path}: GGUF metadata is missing a required key ({e})") from None
+        if "rope_freqs.weight" in self.file.tensors:
+            raise ModelLoadError(f"{path}: GGUF rope_freqs (Llama-3.1 rope scaling) is not supported yet; "
+                                 "use the HF checkpoint of this model")
+        c = self.config
+        self.perms = {}
+        if arch == "llama":  # llama.cpp un-permutes q/k for llama only
+            self.perms = {"q_proj": _qk_row_perm(c.num_heads, c.head_dim),
+                          "k_proj": _qk_row_perm(c.num_kv_heads, c.head_dim)}
+
+    def tokenizer(self) -> LLMTokenizer:
+        try:
+            return LLMTokenizer.from_gguf(self.file.metadata, str(self.path))
+        except KeyError as e:
+            raise ModelLoadError(f"{self.path}: GGUF tokenizer metadata is missing {e}") from None
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+
+    def _gguf_name(self, name: str) -> str:
+        if name == "model.embed_tokens.weight":
+            return "token_embd.weight"
+        if name == "lm_head.weight":
+            return "output.weight"
+        if name == "model.norm.weight":
+            return "output_norm.weight"
+        _, _, i, rest = name.split(".", 3)  # model.layers.{i}.{module}.{weight|bias}
+        module, kind = rest.rsplit(".", 1)
+        short = next(k for k, v in _GGUF_NAMES.items() if v == module)
+        return f"blk.{i}.{short}.{kind}"
+
+    def _tensor(self, name: str):
+        g = self._gguf_name(name)
+        t = self.file.tensors.get(g)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: tensor {g} is missing")
+        return t
+
+    def _perm(self, name: str) -> torch.Tensor | None:
+        return next((p for k, p in self.perms.items() if f".{k}." in name), None)
+
+    def dense(self, name: str) -> torch.Tensor:
+        w = torch.from_numpy(np.array(dequantize(self._tensor(name))))
+        perm = self._perm(name)
+        return w[perm] if perm is not None else w
+
+    def int4(self, name: str) -> Int4Weight | None:
+        """Q4_0 / Q4_1 blocks of 32 as an exact Int4Weight (group 32), else None."""
+        t = self._tensor(name)
+        kind = t.qtype.name
+        if kind not in ("Q4_0", "Q4_1"):
+            return None
+        n, k = t.shape
+        bsz = 18 if kind == "Q4_0" else 20
+        raw = torch.from_numpy(np.array(t.data)).view(n, k // 32, bsz)
+        d = raw[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+        qs = raw[..., bsz - 16:]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
+        if kind == "Q4_1":  # w = d*q + m = (q - 8)*d + (m + 8d)
+            m = raw[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+            zeros = m + 8 * d
+        else:  # w = d*(q - 8)
+            zeros = torch.zeros_like(d)
+        w = Int4Weight(q, d.t().contiguous(), zeros.t().contiguous(), 32)
+        perm = self._perm(name)
+        return w.permute_rows(perm) if perm is not None else w
+
+    def has(self, name: str) -> bool:
+        try:
+            return self._gguf_name(name) in self.file.tensors
+        except StopIteration:
+            return False
+
+    def extra_eos_ids(self) -> set[int]:
+        return set()
+
+
+class HFWeights:
+    def __init__(self, path: Path):
+        self.path = path
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)")
+        try:
+            self.raw_config = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_file}: invalid JSON ({e})") from None
+        try:
+            self.config = ModelConfig.from_hf(self.raw_config)
+        except (KeyError, ValueError) as e:
+            raise ModelLoadError(f"{cfg_file}: {e}") from None
+        self.quant = self.raw_config.get("quantization_config")
+        self.files = self._weight_files()
+        self.index = self._index()
+
+    def _weight_files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ModelLoadError(f"{index}: invalid index ({e})") from None
+            files = [self.path / n for n in names]
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise ModelLoadError(f"{self.path}: shard(s) listed in the index are missing: {', '.join(missing)}")
+            return files
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            pickles = [p.name for p in self.path.glob("*.bin")] + [p.name for p in self.path.glob("*.pth")]
+            hint = f" (found {', '.join(pickles)}: pickle checkpoints are never loaded)" if pickles else ""
+            raise ModelLoadError(f"{self.path}: no *.safetensors weights{hint}")
+        return files
+
+    def _index(self) -> dict:
+        from safetensors import safe_open
+
+        index = {}
+        for f in self.files:
+            try:
+                end = _safetensors_data_end(f)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ModelLoadError(f"{f}: corrupt safetensors header ({e})") from None
+            if end > f.stat().st_size:
+                raise ModelLoadError(f"{f}: truncated safetensors file (needs {end} bytes, has {f.stat().st_size})")
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    index.update(dict.fromkeys(h.keys(), f))
+            except Exception as e:
+                raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
+        return index
+
+    def has(self, name: str) -> bool:
+        return name in self.index
+
+    def dense(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        f = self.index.get(name)
+        if f is None:
+            raise ModelLoadError(f"{self.path}: tensor {name} is missing")
+        with safe_open(str(f), framework="pt") as h:
+            return h.get_tensor(name)
+
+    def int4(self, name: str) -> Int4Weight | None:
+        if self.quant is None:
+            return None
+        from ..quant import formats  # AWQ / GPTQ checkpoints
+
+        return formats.load_int4(self, name)
+
+    def tokenizer(self) -> LLMTokenizer:
+        try:
+            return LLMTokenizer.from_dir(self.path, self.extra_eos_ids())
+        except (FileNotFoundError, ValueError) as e:
+            raise ModelLoadError(str(e)) from None
+
+    def extra_eos_ids(self) -> set[int]:
+        gen = self.path / "generation_config.json"
+        ids = set()
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        eos = self.raw_config.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return {int(i) for i in ids}
+
+
+def _safetensors_data_end(f: Path) -> int:
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if n > f.stat().st_size:
+            raise ValueError(f"header length {n} exceeds the file")
+        header = json.loads(fh.read(n))
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    return 8 + n + (max(ends) if ends else 0)
+
+
+def open_weights(path: str | os.PathLike):
+    path = Path(path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path}: unsupported model file (expected a .gguf file or a model directory)")
+        return GGUFWeights(path)
+    if path.is_dir():
+        return HFWeights(path)
+    raise ModelLoadError(f"{path}: no such file or directory")
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: LLMTokenizer
+    config: ModelConfig
+    eos_ids: set[int]
+    precision: str  # what the weights run in, for display
+    kv_dtype: torch.dtype
+    source: str
+    extra: dict = field(default_factory=dict)
+
+
+def _resolve_precision(precision: str, weights, device: str) -> tuple[str, torch.dtype]:
+    """-> (linear mode, activation dtype)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    native_int4 = isinstance(weights, GGUFWeights) and weights.int4("model.layers.0.mlp.gate_proj.weight") is not None
+    quantized = isinstance(weights, HFWeights) and weights.quant is not None
+    if precision == "auto":
+        if native_int4 or quantized:
+            return "int4", (torch.bfloat16 if device == "cpu" else torch.float16)
+        return ("float32", torch.float32) if device == "cpu" else ("bfloat16", torch.bfloat16)
+    if precision in DTYPES:
+        return precision, DTYPES[precision]
+    return precision, (torch.bfloat16 if device == "cpu" else torch.float16)
+
+
+def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device: str):
+    biases = [n.replace(".weight", ".bias") for n in names]
+    bias = torch.cat([weights.dense(b).float() for b in biases]) if all(weights.has(b) for b in biases) else None
+    if mode == "int4":
+        parts = [weights.int4(n) for n in names]
+        if all(p is not None for p in parts):
+            return Int4Linear(Int4Weight.cat(parts), act_dtype, bias, device)
+    w = torch.cat([weights.dense(n).float() for n in names])
+    if mode == "int4":  # quantize on load: largest group that divides K
+        group = next((g for g in (128, 64, 32) if w.shape[1] % g == 0), None)
+        if group is not None:
+            return Int4Linear(quantize_rtn(w, group), act_dtype, bias, device)
+    if mode == "int8" and device == "cpu":
+        return Int8Linear(w, act_dtype, bias)
+    return DenseLinear(w.to(device, act_dtype), None if bias is None else bias.to(device, act_dtype))
+
+
+def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "cpu",
+               max_model_len: int | None = None, fast_head: bool = True) -> LoadedModel:
+    weights = open_weights(path)
+    cfg = weights.config
+    mode, act_dtype = _resolve_precision(precision, weights, device)
+    tokenizer = weights.tokenizer()
+    layers = []
+    try:
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            att, mlp = p + "self_attn.", p + "mlp."
+            layers.append(DecoderLayer(
+                cfg,
+                _linear(weights, [att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"], mode,
+                        act_dtype, device),
+                _linear(weights, [att + "o_proj.weight"], mode, act_dtype, device),
+                _linear(weights, [mlp + "gate_proj.weight", mlp + "up_proj.weight"], mode, act_dtype, device),
+                _linear(weights, [mlp + "down_proj.weight"], mode, act_dtype, device),
+                RMSNorm(weights.dense(p + "input_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
+                RMSNorm(weights.dense(p + "post_attention_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
+            ))
+        # the embedding and head stay exact (fp32 on CPU): they are where rounding flips tokens
+        head_dtype = torch.float32 if device == "cpu" else act_dtype
+        embed = weights.dense("model.embed_tokens.weight").to(device, head_dtype)
+        head_w = embed if cfg.tie_word_embeddings or not weights.has("lm_head.weight") else \
+            weights.dense("lm_head.weight").to(device, head_dtype)
+        norm = RMSNorm(weights.dense("model.norm.weight").to(device, act_dtype), cfg.rms_norm_eps)
+    except (GGUFError, KeyError) as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    head = LMHead(head_w, fast_greedy=fast_head and mode in ("int4", "int8") and device == "cpu", device=device)
+    model = LlamaModel(cfg, embed, layers, norm, head, act_dtype, max_len, device)
+    eos = set(tokenizer.eos_ids) | weights.extra_eos_ids()
+    return LoadedModel(model, tokenizer, cfg, eos, mode if mode != "int4" else "int4 (bf16 activations)"
+                       if device == "cpu" else "int4", act_dtype, str(path), {"max_model_len": max_len})

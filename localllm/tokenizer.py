@@ -1,0 +1,182 @@
+"""Tokenizer wrapper (built from tokenizer.json or a GGUF vocab) and the incremental detokenizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+# Pre-tokenizer regexes of the byte-level BPE families llama.cpp knows by `tokenizer.ggml.pre`.
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _token_content(tok) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+@dataclass
+class TokenizerInfo:
+    tokenizer: Tokenizer
+    bos_token: str | None = None
+    eos_token: str | None = None
+    add_bos: bool = False
+    chat_template: str | None = None
+    extra_eos_ids: set[int] = field(default_factory=set)
+
+
+class LLMTokenizer:
+    """Encode/decode plus the special tokens and chat template a model ships with."""
+
+    def __init__(self, info: TokenizerInfo):
+        self.tok = info.tokenizer
+        self.bos_token, self.eos_token = info.bos_token, info.eos_token
+        self.bos_id = self.tok.token_to_id(info.bos_token) if info.bos_token else None
+        self.eos_id = self.tok.token_to_id(info.eos_token) if info.eos_token else None
+        self.add_bos = info.add_bos
+        self.chat_template = info.chat_template
+        self.eos_ids = set(info.extra_eos_ids)
+        if self.eos_id is not None:
+            self.eos_ids.add(self.eos_id)
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Chat prompts are rendered with their BOS already in the text,
+        so the default never adds one (no doubled BOS)."""
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(i)
+
+    def fingerprint(self) -> tuple:
+        """What two models must share for one to draft for the other."""
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        probe = "Hello, world! 12345 ünïcödé 你好 <|im_end|>"
+        return (len(vocab), tuple(self.tok.encode(probe).ids), self.eos_id)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_dir(cls, path: str | Path, extra_eos_ids: set[int] | None = None) -> LLMTokenizer:
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise FileNotFoundError(f"{path}: no tokenizer.json (only fast tokenizers are supported)")
+        try:
+            tok = Tokenizer.from_file(str(tj))
+        except Exception as e:
+            raise ValueError(f"{tj}: cannot parse tokenizer ({e})") from None
+        cfg = {}
+        tc = path / "tokenizer_config.json"
+        if tc.is_file():
+            cfg = json.loads(tc.read_text(encoding="utf-8"))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: use "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja = path / "chat_template.jinja"
+        if template is None and jinja.is_file():
+            template = jinja.read_text(encoding="utf-8")
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:  # Llama-style post-processors add BOS; detect it
+            plain = tok.encode("a", add_special_tokens=False).ids
+            add_bos = len(tok.encode("a", add_special_tokens=True).ids) > len(plain)
+        return cls(TokenizerInfo(
+            tok, _token_content(cfg.get("bos_token")), _token_content(cfg.get("eos_token")),
+            bool(add_bos), template, set(extra_eos_ids or ()),
+        ))
+
+    @classmethod
+    def from_gguf(cls, meta: dict, source: str = "GGUF file") -> LLMTokenizer:
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"{source}: tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE)")
+        tokens = meta["tokenizer.ggml.tokens"]
+        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                   fuse_unk=False, byte_fallback=False))
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+        if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+            split = pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated")
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        elif pre == "qwen2":
+            split = pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated")
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        elif pre in ("smollm", "starcoder", "refact"):  # these split every digit
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        # control (3) and user-defined (4) tokens are matched whole, before BPE
+        specials = [AddedToken(tokens[i], special=(ty == 3), normalized=False)
+                    for i, ty in enumerate(types) if ty in (3, 4)]
+        tok.add_tokens(specials)
+
+        def name(key):
+            i = meta.get(key)
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        return cls(TokenizerInfo(
+            tok, name("tokenizer.ggml.bos_token_id"), name("tokenizer.ggml.eos_token_id"),
+            bool(meta.get("tokenizer.ggml.add_bos_token", False)), meta.get("tokenizer.chat_template"),
+            {int(meta["tokenizer.ggml.eot_token_id"])} if "tokenizer.ggml.eot_token_id" in meta else set(),
+        ))
+
+    def save_hf(self, out: Path) -> None:
+        """Write tokenizer.json + tokenizer_config.json (HF layout)."""
+        self.tok.save(str(out / "tokenizer.json"))
+        cfg = {
+            "bos_token": self.bos_token, "eos_token": self.eos_token, "add_bos_token": self.add_bos,
+            "chat_template": self.chat_template, "model_max_length": 1 << 30,
+            "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+        }
+        (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a small window of recent tokens and holds back text that ends in an incomplete
+    UTF-8 sequence (U+FFFD), so a stream never shows broken characters and the joined deltas
+    equal the full decode."""
+
+    def __init__(self, tokenizer: LLMTokenizer, prompt_ids: list[int] | None = None):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-6:]) if prompt_ids else []
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids.extend(token_ids)
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset])
+        text = dec(self.ids[self.prefix_offset:])
+        if text.endswith("\ufffd") or len(text) <= len(prefix):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix):]
+
+    def flush(self) -> str:
+        """Whatever is held back at the end (e.g. a truly invalid byte sequence)."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix):] if len(text) > len(prefix) else ""
