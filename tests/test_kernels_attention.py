@@ -98,6 +98,7 @@ PREFILL_CASES = [
     (6, 2, 128, 8, [(11, 21), (0, 0), (3, 1), (0, 9)], 16, 16),           # GQA 3, empty seq, small tiles
     (8, 1, 64, 32, [(45, 7), (0, 13), (70, 2)], None, None),              # GQA 8 (4 tokens per tile)
     (8, 1, 128, 16, [(21, 11)], 16, 16),                                   # GQA 8, 2 tokens per tile
+    (2, 1, 80, 16, [(17, 6), (0, 3)], None, None),                         # head_dim 80 (padded to 128)
 ]
 
 
@@ -131,7 +132,7 @@ def test_flash_attn_varlen_paged(case, dtype):
 
 
 def test_flash_attn_default_out_and_strided_inputs():
-    """Default allocation, and q/k/v as views of one fused qkv buffer (GQA 3, fp32)."""
+    """Default allocation, q/k/v as views of one fused qkv buffer, int64 metadata (GQA 3, fp32)."""
     gen = torch.Generator().manual_seed(7)
     h, kvh, d, bs = 3, 1, 64, 8
     seqs = [(5, 12), (0, 6)]
@@ -145,9 +146,9 @@ def test_flash_attn_default_out_and_strided_inputs():
     q = qkv[:, :h * d].view(total_q, h, d)
     k = qkv[:, h * d:(h + kvh) * d].view(total_q, kvh, d)
     v = qkv[:, (h + kvh) * d:].view(total_q, kvh, d)
-    cu = torch.tensor([0, 12, 18], dtype=torch.int32, device=DEV)
-    cached_t = torch.tensor([5, 0], dtype=torch.int32, device=DEV)
-    out = flash_attn_varlen_paged(q, k, v, k_cache, v_cache, cu, cached_t, block_tables, 0.125)
+    cu = torch.tensor([0, 12, 18], dtype=torch.int64, device=DEV)
+    cached_t = torch.tensor([5, 0], dtype=torch.int64, device=DEV)
+    out = flash_attn_varlen_paged(q, k, v, k_cache, v_cache, cu, cached_t, block_tables.long(), 0.125)
     ref = torch.cat([ref_attention(q[cu[i]:cu[i + 1]].cpu(), *kvs[i], seqs[i][0], 0.125) for i in range(2)])
     assert out.shape == q.shape and out.is_contiguous()
     assert rel_err(out.cpu(), ref) < 1e-3
@@ -161,6 +162,7 @@ DECODE_CASES = [
     (6, 2, 128, 8, [9, 40, 0, 23], 3),            # GQA 3, splits + merge, empty splits
     (8, 1, 64, 32, [70, 2, 31], None),            # GQA 8, default splits
     (16, 2, 64, 8, [0, 0], 2),                    # padding-only batch -> zeros
+    (3, 3, 80, 16, [5, 38], 2),                   # head_dim 80 (padded to 128)
 ]
 
 
@@ -190,7 +192,7 @@ def test_paged_decode_attention(case, dtype):
 
 
 def test_decode_matches_prefill_last_row():
-    """store_kv -> prefill of a prompt, then decode of its last token: same answer both ways."""
+    """store_kv -> prefill of a prompt, then decode of its last token (int64 metadata): same answer."""
     gen = torch.Generator().manual_seed(11)
     h, kvh, d, bs, n = 6, 2, 64, 8, 21
     num_blocks = 6
@@ -206,6 +208,6 @@ def test_decode_matches_prefill_last_row():
     cu = torch.tensor([0, n], dtype=torch.int32, device=DEV)
     pre = flash_attn_varlen_paged(q, k, v, k_cache, v_cache, cu, torch.zeros(1, dtype=torch.int32, device=DEV),
                                   table, d ** -0.5)
-    dec = paged_decode_attention(q[-1:], k_cache, v_cache, torch.tensor([n], dtype=torch.int32, device=DEV),
-                                 table, d ** -0.5, 2)
+    dec = paged_decode_attention(q[-1:], k_cache, v_cache, torch.tensor([n], dtype=torch.int64, device=DEV),
+                                 table.long(), d ** -0.5, 2)
     assert rel_err(dec.cpu(), pre[-1:].cpu().double()) < 1e-4
