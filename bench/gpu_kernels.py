@@ -241,8 +241,8 @@ def compile_check(dtype, quick: bool = False) -> int:
 
     # import_module: the package re-exports a function named int4_matmul, which shadows the
     # submodule for `import localllm_kernels.int4_matmul as ...`.
-    fa, i4, kv, pd = (importlib.import_module(f"localllm_kernels.{m}")
-                      for m in ("flash_attention", "int4_matmul", "kv_store", "paged_decode"))
+    fa, i4, kv, pd, rn, rp = (importlib.import_module(f"localllm_kernels.{m}") for m in
+                              ("flash_attention", "int4_matmul", "kv_store", "paged_decode", "rmsnorm", "rope"))
 
     launches = []
 
@@ -254,7 +254,8 @@ def compile_check(dtype, quick: bool = False) -> int:
             return lambda *a, **kw: launches.append((self.kern, a, kw))
 
     mods = [(fa, "_prefill_kernel"), (pd, "_decode_split_kernel"), (pd, "_decode_merge_kernel"),
-            (i4, "_int4_mm_kernel"), (i4, "_int4_dequant_kernel"), (kv, "_store_kv_kernel")]
+            (i4, "_int4_mm_kernel"), (i4, "_int4_dequant_kernel"), (kv, "_store_kv_kernel"),
+            (rn, "_rms_norm_kernel"), (rp, "_rope_kernel")]
     saved = [(m, name, getattr(m, name)) for m, name in mods]
     for m, name, kern in saved:
         setattr(m, name, Recorder(kern))
@@ -275,6 +276,11 @@ def compile_check(dtype, quick: bool = False) -> int:
                 pd.paged_decode_attention(q[:batch], kc, kc, torch.empty(batch, **i32),
                                           torch.empty(batch, 64, **i32), 0.1, None)
             kv.store_kv(k, k, kc, kc, torch.empty(512, dtype=torch.int64, device=meta))
+            cs = torch.empty(4096, d, dtype=dtype, device=meta)
+            rp.apply_rope(torch.empty(512, dtype=torch.int64, device=meta), q, k, cs, cs)
+        hidden = torch.empty(512, 4096, dtype=dtype, device=meta)
+        rn.rms_norm(hidden, hidden[0], 1e-5)
+        rn.rms_norm(hidden, hidden[0], 1e-5, residual=hidden)
         for m, n, kk in [FULL["int4"][i] for i in (0, 4, 5)] if quick else FULL["int4"]:
             i4.int4_matmul(torch.empty(m, kk, dtype=dtype, device=meta),
                            torch.empty(n, kk // 2, dtype=torch.uint8, device=meta),

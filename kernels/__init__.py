@@ -8,12 +8,16 @@ from .flash_attention import flash_attn_varlen_paged
 from .int4_matmul import int4_dequantize, int4_matmul
 from .kv_store import store_kv
 from .paged_decode import default_num_splits, paged_decode_attention
+from .rmsnorm import rms_norm
+from .rope import apply_rope
 
 __all__ = [
+    "apply_rope",
     "default_num_splits",
     "flash_attn_varlen_paged",
     "int4_dequantize",
     "int4_matmul",
     "paged_decode_attention",
+    "rms_norm",
     "store_kv",
 ]

@@ -39,5 +39,5 @@ def test_gpu_kernels_compile_for_hopper():
     assert res.returncode == 0, res.stdout + res.stderr
     assert " 0 failed" in res.stdout
     for kernel in ("_prefill_kernel", "_decode_split_kernel", "_decode_merge_kernel", "_int4_mm_kernel",
-                   "_int4_dequant_kernel", "_store_kv_kernel"):
+                   "_int4_dequant_kernel", "_store_kv_kernel", "_rms_norm_kernel", "_rope_kernel"):
         assert kernel in res.stdout

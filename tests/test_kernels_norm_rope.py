@@ -1,0 +1,61 @@
+"""rms_norm (optionally fused with the residual add) and apply_rope against torch references."""
+
+import pytest
+import torch
+from localllm_kernels import apply_rope, rms_norm
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
+
+
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: fp32 normalise, cast, scale."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_ref(positions, x, cos, sin):
+    half = x.shape[-1] // 2
+    c = cos[positions].unsqueeze(1).double()
+    s = sin[positions].unsqueeze(1).double()
+    xd = x.double()
+    return xd * c + torch.cat([-xd[..., half:], xd[..., :half]], dim=-1) * s
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 96])
+def test_rms_norm(n, dtype):
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(2, 5, n, generator=gen) * 3).to(dtype)
+    r = torch.randn(2, 5, n, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
+    # one ulp of slack: the kernel's rsqrt and reduction order differ from torch's
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    out = rms_norm(x.to(DEV), w.to(DEV), 1e-5)
+    torch.testing.assert_close(out.cpu(), rms_norm_ref(x, w, 1e-5), **tol)
+    out, h = rms_norm(x.to(DEV), w.to(DEV), 1e-5, residual=r.to(DEV))
+    assert torch.equal(h.cpu(), x + r)
+    torch.testing.assert_close(out.cpu(), rms_norm_ref(x + r, w, 1e-5), **tol)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_apply_rope(dtype, inplace):
+    gen = torch.Generator().manual_seed(3)
+    t, h, kvh, d, max_pos = 7, 6, 2, 64, 50
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=gen).to(dtype)
+    q = qkv[:, :h * d].view(t, h, d)  # strided views, as the engine's fused projection gives
+    k = qkv[:, h * d:(h + kvh) * d].view(t, kvh, d)
+    positions = torch.randint(0, max_pos, (t,), generator=gen)
+    ref_q, ref_k = rope_ref(positions, q, cos, sin), rope_ref(positions, k, cos, sin)
+    qd, kd = qkv.to(DEV)[:, :h * d].view(t, h, d), qkv.to(DEV)[:, h * d:(h + kvh) * d].view(t, kvh, d)
+    oq, ok = apply_rope(positions.to(DEV), qd, kd, cos.to(DEV), sin.to(DEV), inplace=inplace)
+    if inplace:
+        assert oq.data_ptr() == qd.data_ptr() and ok.data_ptr() == kd.data_ptr()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(oq.cpu().double(), ref_q, **tol)
+    torch.testing.assert_close(ok.cpu().double(), ref_k, **tol)
