@@ -35,8 +35,10 @@ class BlockManager:
         self.hash_fn = hash_fn
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.cached: dict[int, int] = {}  # hash -> block id
-        # ref_count == 0 blocks, least recently used first; contents kept until reallocated
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # ref_count == 0 blocks, least recently used first; contents kept until reallocated.
+        # Block 0 is never handed out: padded gathers point at it, and the runner zeroes it, so
+        # masked-out padding can never inject NaNs from uninitialized memory.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
 
     # ---- accounting -----------------------------------------------------------------
     @property
@@ -45,7 +47,11 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.capacity_blocks - len(self.free)
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.num_blocks - 1
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -156,7 +162,7 @@ class BlockManager:
         for s in live:
             for bid in s.block_table:
                 refs[bid] += 1
-        for b in self.blocks:
+        for b in self.blocks[1:]:
             assert b.ref_count == refs[b.block_id], (b, refs[b.block_id])
             assert (b.ref_count == 0) == (b.block_id in self.free), b
         for h, bid in self.cached.items():

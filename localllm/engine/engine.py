@@ -119,7 +119,7 @@ class LLMEngine:
             budget = int(free * (cfg.memory_utilization if self.loaded.model.device != "cpu" else 0.25))
             budget = min(budget, 4 << 30, cfg.max_num_seqs * self.max_model_len * per_block // cfg.block_size)
         blocks = budget // per_block
-        min_blocks = -(-self.max_model_len // cfg.block_size)
+        min_blocks = -(-self.max_model_len // cfg.block_size) + 1  # + the null block
         if blocks < min_blocks:
             blocks = min_blocks  # one full-length sequence must always fit
         return int(blocks)
@@ -156,7 +156,7 @@ class LLMEngine:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} tokens "
                 f"exceeds the context of {limit} tokens", n, limit)
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
-        capacity = self.num_blocks * self.config.block_size
+        capacity = self.block_manager.capacity_blocks * self.config.block_size
         if n + max_tokens > capacity:
             raise ContextLengthError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {n + max_tokens} KV slots but the "

@@ -22,7 +22,10 @@ class ModelRunner:
         self.eos_ids = sorted(eos_ids)
         self.block_size = block_size
         self.device = model.device
-        model.allocate_kv_cache(num_blocks, block_size, kv_dtype)
+        self.kv_caches = model.new_kv_cache(num_blocks, block_size, kv_dtype)
+        for k, v in self.kv_caches:  # the null block (see BlockManager)
+            k[0].zero_()
+            v[0].zero_()
         self.default_generator = torch.Generator().manual_seed(0)
 
     def prepare(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
@@ -66,7 +69,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_hidden(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
         ids, positions, meta = self.prepare(seqs, counts)
-        return self.model(ids, positions, meta)
+        return self.model(ids, positions, meta, self.kv_caches)
 
     @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[int]:

@@ -33,22 +33,23 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype)
         self.scale = cfg.head_dim ** -0.5
         self.attention = make_attention(device)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+    def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
         c = self.cfg
         shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        # one tensor per layer: a single big tensor makes compiled graphs copy all of it
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                           torch.zeros(shape, dtype=dtype, device=self.device)) for _ in range(c.num_layers)]
+        # one tensor per layer: a single big tensor makes compiled graphs copy all of it. Every
+        # slot is written before it is read, so the memory needs no zeroing.
+        return [(torch.empty(shape, dtype=dtype, device=self.device),
+                 torch.empty(shape, dtype=dtype, device=self.device)) for _ in range(c.num_layers)]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] of a flattened batch of new tokens."""
         x = self.embed[input_ids].to(self.act_dtype)
         T = x.shape[0]
         attend, scale, rope = self.attention, self.scale, self.rope
-        for layer, (kc, vc) in zip(self.layers, self.kv_caches):
+        for layer, (kc, vc) in zip(self.layers, kv_caches):
             h = layer.input_norm(x)
             q, k, v = layer.qkv(h).split(layer.split, dim=-1)
             q, k = rope(positions, q.view(T, layer.H, layer.D), k.view(T, layer.KVH, layer.D))

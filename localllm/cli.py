@@ -1,0 +1,159 @@
+"""The `localllm` command line (typer). Front ends only build requests and print what comes back."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    name="localllm", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Run large language models locally: one-shot (run), interactive (chat), or as an OpenAI-compatible "
+         "server (serve).",
+)
+
+# ---- options shared by the commands that load a model ------------------------------------------
+ModelArg = Annotated[Optional[str], typer.Argument(help="Alias from models.toml, hub repo org/name, model "
+                                                         "directory or .gguf file (default: the embedded model).")]
+QuantOpt = Annotated[str, typer.Option("--quant", "--precision", help="auto|float32|bfloat16|float16|int8|int4")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto|cpu|cuda")]
+CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context length (default: the model's).")]
+KvMemOpt = Annotated[Optional[float], typer.Option("--kv-memory", help="GiB of memory for the KV cache.")]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """Print a clear one-line error on stderr and exit (never a traceback for user mistakes)."""
+    typer.echo(f"Error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def engine_config(ctx: int | None = None, kv_memory: float | None = None, threads: int | None = None, **kw):
+    from .config import EngineConfig
+
+    return EngineConfig(max_model_len=ctx, kv_memory_bytes=int(kv_memory * (1 << 30)) if kv_memory else None,
+                        num_threads=threads, **kw)
+
+
+def open_engine(model: str | None, quant: str, device: str, config):
+    """build_engine with every user-facing failure turned into a one-line error."""
+    from .hub import HubError
+    from .llm import build_engine
+    from .model.loader import ModelLoadError
+    from .registry import UnknownModelError
+
+    try:
+        return build_engine(model, quant, device, config)
+    except (UnknownModelError, ModelLoadError, HubError, FileNotFoundError) as e:
+        raise fail(str(e)) from None
+    except ValueError as e:
+        raise fail(str(e), 2) from None
+
+
+def sampling_params(**kw):
+    from .sampling import SamplingError, SamplingParams
+
+    try:
+        return SamplingParams(**kw)
+    except SamplingError as e:
+        raise fail(f"invalid value for --{e.param.replace('_', '-')}: {e}", 2) from None
+
+
+# ---- run ------------------------------------------------------------------------------------------
+@app.command()
+def run(
+    args: Annotated[Optional[list[str]], typer.Argument(help="[MODEL] PROMPT... (piped stdin goes before the prompt)",
+                                                        show_default=False)] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model (instead of the first argument).")] = None,
+    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="Max new tokens (default: until "
+                                                                                 "the model stops).")] = None,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option("--top-p")] = 0.95,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = 0,
+    min_p: Annotated[float, typer.Option("--min-p")] = 0.0,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Same seed, same output.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Token counts, TTFT and speed on stderr.")] = False,
+    quant: QuantOpt = "auto",
+    device: DeviceOpt = "auto",
+    ctx: CtxOpt = None,
+    kv_memory: KvMemOpt = None,
+    threads: ThreadsOpt = None,
+):
+    """Answer one prompt and exit: `localllm run [MODEL] PROMPT` or `echo PROMPT | localllm run`."""
+    from .registry import load_registry, looks_like_model
+
+    words = list(args or [])
+    if model is None and words and looks_like_model(words[0], load_registry()):
+        model = words.pop(0)
+    elif model is None and len(words) > 1 and " " not in words[0]:
+        from .registry import resolve_model
+
+        try:  # a mistyped model name should not silently become part of the prompt
+            resolve_model(words[0])
+        except ValueError as e:
+            if getattr(e, "suggestions", None):
+                raise fail(str(e)) from None
+    piped = "" if sys.stdin.isatty() else sys.stdin.read()
+    parts = [p for p in (piped.strip("\n"), " ".join(words)) if p.strip()]
+    if not parts:
+        raise fail("no prompt: pass it as arguments or pipe it on stdin (e.g. echo hi | localllm run)", 2)
+    prompt = "\n\n".join(parts)
+    params = sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                             min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [])
+    engine = open_engine(model, quant, device, engine_config(ctx, kv_memory, threads))
+    if raw:
+        request = prompt
+    else:
+        request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    _stream_answer(engine, request, params, verbose)
+
+
+def _stream_answer(engine, request, params, verbose: bool) -> None:
+    from .chat import ChatTemplateError
+    from .engine.engine import ContextLengthError
+
+    out = sys.stdout
+    t0 = time.perf_counter()
+    first = last = None
+    try:
+        for o in engine.generate(request, params):
+            if first is None:
+                first = time.perf_counter()
+            if o.delta:
+                out.write(o.delta)
+                out.flush()
+            last = o
+    except (ContextLengthError, ChatTemplateError) as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        out.write("\n")
+        raise typer.Exit(130) from None
+    out.write("\n")
+    out.flush()
+    if verbose and last is not None:
+        end = time.perf_counter()
+        n = len(last.token_ids)
+        decode = (n - 1) / (end - first) if n > 1 and end > first else 0.0
+        typer.echo(
+            f"prompt tokens: {last.num_prompt_tokens} ({last.num_cached_tokens} from prefix cache) | "
+            f"completion tokens: {n} | TTFT: {(first - t0) * 1000:.0f} ms | decode: {decode:.1f} tok/s | "
+            f"finish: {last.finish_reason}", err=True)
+
+
+@app.callback()
+def _root() -> None:
+    """Run large language models locally."""
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The Python API, in vLLM's shape: LLM(model).generate(prompts, params) / .chat(conversations, params)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import EngineConfig
+from .engine.engine import LLMEngine, RequestOutput
+from .hardware import pick_device
+from .sampling import SamplingParams
+
+
+def build_engine(model: str | None = None, precision: str = "auto", device: str = "auto",
+                 config: EngineConfig | None = None) -> LLMEngine:
+    """Resolve a MODEL argument (alias, org/name, directory, .gguf), fetch it if needed, load it."""
+    from .hub import ensure_local
+    from .model.loader import load_model
+    from .registry import resolve_model
+
+    config = config or EngineConfig()
+    ref = resolve_model(model)
+    path = ensure_local(ref)
+    dev = pick_device(device)
+    loaded = load_model(path, precision, dev, config.max_model_len)
+    loaded.extra["name"] = ref.name
+    return LLMEngine(loaded, config)
+
+
+@dataclass
+class CompletionOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, precision: str = "auto", device: str = "auto", **engine_kwargs):
+        self.engine = build_engine(model, precision, device, EngineConfig(**engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def _run(self, prompts: list, params: SamplingParams | list[SamplingParams] | None) -> list[CompletionOutput]:
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("params list must have one entry per prompt")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        prompt_ids = {rid: list(self.engine._seqs[rid].prompt_ids) for rid in ids}
+        done: dict[str, RequestOutput] = {}
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        finally:
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort(rid)
+        return [CompletionOutput(done[r].text, done[r].token_ids, done[r].finish_reason, prompt_ids[r],
+                                 done[r].num_cached_tokens, done[r].logprobs) for r in ids]
+
+    def generate(self, prompts: str | list[str] | list[list[int]], params=None) -> list[CompletionOutput]:
+        """Raw completion of each prompt (no chat template)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run(list(prompts), params)
+
+    def chat(self, conversations: list[dict] | list[list[dict]], params=None) -> list[CompletionOutput]:
+        """Each conversation (a list of {"role", "content"}) rendered with the model's chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self._run(list(conversations), params)

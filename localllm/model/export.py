@@ -1,0 +1,48 @@
+"""Write any checkpoint we can load as a Hugging Face directory (config.json, model.safetensors,
+tokenizer files), with weights dequantized. Used to make test fixtures and for interop."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .loader import open_weights
+
+
+def hf_tensor_names(num_layers: int, tied: bool, qkv_bias: bool) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{m}_proj.weight" for m in "qkvo"]
+        names += [p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+        if qkv_bias:
+            names += [p + f"self_attn.{m}_proj.bias" for m in "qkv"]
+    return names
+
+
+def export_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype = torch.float32,
+              num_layers: int | None = None) -> Path:
+    """`num_layers` keeps only the first layers (small fixtures for fast tests)."""
+    w = open_weights(src)
+    cfg = w.config
+    if num_layers is not None:
+        cfg.num_layers = num_layers
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {n: w.dense(n).to(dtype).contiguous()
+               for n in hf_tensor_names(cfg.num_layers, cfg.tie_word_embeddings, cfg.qkv_bias)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tok = w.tokenizer()
+    hf = cfg.to_hf()
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    hf["bos_token_id"], hf["eos_token_id"] = tok.bos_id, tok.eos_id
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": tok.bos_id, "eos_token_id": sorted(tok.eos_ids)}, indent=2))
+    tok.save_hf(out)
+    return out

@@ -1,0 +1,140 @@
+"""models.toml -> ModelSpec, and MODEL arguments -> what to load."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+REGISTRY_PATH = Path(__file__).resolve().parent.parent / "models.toml"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+class UnknownModelError(ValueError):
+    def __init__(self, name: str, suggestions: list[str]):
+        hint = f"; did you mean: {', '.join(suggestions)}?" if suggestions else ""
+        super().__init__(f"unknown model {name!r}{hint} (see `localllm list`; a hub repo id 'org/name', "
+                         "a local model directory or a .gguf file also work)")
+        self.name, self.suggestions = name, suggestions
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    repo: str
+    revision: str = "main"
+    family: str = ""
+    context: int | None = None
+    params: int | None = None
+    aliases: list[str] = field(default_factory=list)
+    draft: str | None = None
+    embedded: str | None = None
+    awq: str | None = None
+    gptq: str | None = None
+    gguf_repo: str | None = None
+    gguf_file: str | None = None
+
+    def embedded_path(self) -> Path | None:
+        """The GGUF shipped inside an installed package, located without importing it."""
+        if not self.embedded:
+            return None
+        package, _, rel = self.embedded.partition("/")
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            return None
+        if spec is None or not spec.origin:
+            return None
+        path = Path(spec.origin).parent / rel
+        return path if path.is_file() else None
+
+
+@dataclass
+class Registry:
+    models: dict[str, ModelSpec]
+    default: str
+
+    def lookup(self, name: str) -> ModelSpec | None:
+        key = name.lower()
+        for spec in self.models.values():
+            if key == spec.name.lower() or key in (a.lower() for a in spec.aliases) or key == spec.repo.lower():
+                return spec
+        return None
+
+    def names(self) -> list[str]:
+        return [n for s in self.models.values() for n in [s.name, *s.aliases]]
+
+    def suggest(self, name: str) -> list[str]:
+        names = self.names()
+        close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.5)
+        return close or [n for n in names if name.lower() in n][:3]
+
+
+def load_registry(path: str | os.PathLike | None = None) -> Registry:
+    path = Path(path or os.environ.get("LOCALLLM_MODELS") or REGISTRY_PATH)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"model registry {path} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"model registry {path}: {e}") from None
+    models = {}
+    for name, d in data.get("models", {}).items():
+        v = d.get("variants", {})
+        gguf = v.get("gguf") or {}
+        models[name] = ModelSpec(
+            name=name, repo=d["repo"], revision=d.get("revision", "main"), family=d.get("family", ""),
+            context=d.get("context"), params=d.get("params"), aliases=list(d.get("aliases", [])),
+            draft=d.get("draft"), embedded=d.get("embedded"), awq=v.get("awq"), gptq=v.get("gptq"),
+            gguf_repo=gguf.get("repo"), gguf_file=gguf.get("file"),
+        )
+    return Registry(models, data.get("default", next(iter(models), "")))
+
+
+@dataclass
+class ModelRef:
+    """What a MODEL argument names: a local file/dir to load, or a hub repo to fetch first."""
+
+    name: str
+    local_path: Path | None = None
+    repo: str | None = None
+    revision: str = "main"
+    spec: ModelSpec | None = None
+
+
+def looks_like_model(arg: str, registry: Registry) -> bool:
+    """For `run [MODEL] [PROMPT...]`: is the first word meant as a model name?"""
+    if registry.lookup(arg) or _REPO_ID.match(arg) or arg.endswith(".gguf"):
+        return True
+    p = Path(arg).expanduser()
+    return p.is_dir() and (p / "config.json").is_file()
+
+
+def resolve_model(name: str | None, registry: Registry | None = None) -> ModelRef:
+    registry = registry or load_registry()
+    name = name or registry.default
+    p = Path(name).expanduser()
+    if p.exists() and (p.is_file() or (p / "config.json").is_file()):
+        return ModelRef(name, local_path=p.resolve())
+    spec = registry.lookup(name)
+    if spec is not None:
+        embedded = spec.embedded_path()
+        if embedded is not None:
+            return ModelRef(spec.name, local_path=embedded, repo=spec.repo, revision=spec.revision, spec=spec)
+        return ModelRef(spec.name, repo=spec.repo, revision=spec.revision, spec=spec)
+    if _REPO_ID.match(name) and not p.exists():
+        return ModelRef(name, repo=name)
+    if p.is_dir():
+        raise UnknownModelError(f"{name} (a directory without config.json)", [])
+    if name.endswith(".gguf") or os.sep in name:
+        raise UnknownModelError(f"{name} (no such file or directory)", [])
+    raise UnknownModelError(name, registry.suggest(name))
