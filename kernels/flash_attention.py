@@ -73,9 +73,9 @@ def _prefill_kernel(
     hi = num_seqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        first = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid
-        lo = tl.where(first <= pid, mid, lo)
-        hi = tl.where(first <= pid, hi, mid)
+        right = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid <= pid  # one test drives both bounds
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
     seq = lo
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start

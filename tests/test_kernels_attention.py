@@ -99,6 +99,7 @@ PREFILL_CASES = [
     (8, 1, 64, 32, [(45, 7), (0, 13), (70, 2)], None, None),              # GQA 8 (4 tokens per tile)
     (8, 1, 128, 16, [(21, 11)], 16, 16),                                   # GQA 8, 2 tokens per tile
     (2, 1, 80, 16, [(17, 6), (0, 3)], None, None),                         # head_dim 80 (padded to 128)
+    (2, 2, 64, 32, [(3 * i, (5 * i) % 7 + 1) for i in range(9)], 16, 16),  # 9 seqs (binary search), BLOCK_N < block
 ]
 
 
