@@ -64,3 +64,41 @@ def hf_export_dir(tmp_path_factory, gguf_path) -> Path:
     from localllm.model.export import export_hf
 
     return export_hf(gguf_path, tmp_path_factory.mktemp("hf") / "smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, fp32_model):
+    """A 2-layer random Llama (GQA 4:2) with the real tokenizer: fast engine tests. Weights are
+    scaled up so logits are peaked: greedy ties would make token-exact comparisons flaky."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from localllm.model.export import hf_tensor_names
+    from localllm.model.loader import load_model
+
+    out = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    out.mkdir()
+    V, H, F, L, heads, kvh, hd = 49152, 64, 128, 2, 4, 2, 16
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": H,
+           "intermediate_size": F, "num_hidden_layers": L, "num_attention_heads": heads,
+           "num_key_value_heads": kvh, "head_dim": hd, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "max_position_embeddings": 1024, "tie_word_embeddings": True, "eos_token_id": 2}
+    (out / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    shapes = {"q_proj": (heads * hd, H), "k_proj": (kvh * hd, H), "v_proj": (kvh * hd, H), "o_proj": (H, heads * hd),
+              "gate_proj": (F, H), "up_proj": (F, H), "down_proj": (H, F)}
+    tensors = {}
+    for name in hf_tensor_names(L, True, False):
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            t = torch.ones(H)
+        elif name == "model.embed_tokens.weight":
+            t = torch.randn(V, H, generator=g)
+        else:
+            shape = shapes[name.split(".")[-2]]
+            t = torch.randn(shape, generator=g) * 2 / shape[1] ** 0.5
+        tensors[name] = t.contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    fp32_model.tokenizer.save_hf(out)
+    return load_model(out, "float32")

@@ -18,7 +18,7 @@ from ..tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import Sequence, SeqStatus
+from .sequence import SeqStatus, Sequence
 
 
 class ContextLengthError(ValueError):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from .block_manager import BlockManager
-from .sequence import Sequence, SeqStatus
+from .sequence import SeqStatus, Sequence
 
 
 @dataclass

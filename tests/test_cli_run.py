@@ -1,0 +1,103 @@
+"""`localllm run` end to end, and the promised errors for bad input."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from localllm.model.loader import ModelLoadError, load_model
+
+EXE = [sys.executable, "-m", "localllm.cli"]
+
+
+def run(args, stdin="", env=None, timeout=180):
+    e = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), **(env or {})}
+    return subprocess.run(EXE + args, input=stdin, capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def test_pipe_answers_paris():
+    r = run(["run", "--temperature", "0", "-v"], stdin="What is the capital of France?\n")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert r.stdout.endswith("\n") and "\x1b" not in r.stdout  # no escape codes when piped
+    assert "prompt tokens: 37" in r.stderr and "finish: stop" in r.stderr
+
+
+def test_stdin_goes_before_prompt_args_and_system_prompt():
+    # the rendered prompt: system, then piped text, blank line, arguments
+    from localllm.chat import render_chat
+    from localllm.llm import build_engine
+
+    eng = build_engine(None)
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "The cat sat on the mat.\n\nSummarize the text above."}]
+    r = run(["run", "--temperature", "0", "-n", "1", "-v", "--system", "Be brief.", "Summarize the text above."],
+            stdin="The cat sat on the mat.\n")
+    assert r.returncode == 0, r.stderr
+    n = len(eng.tokenizer.encode(render_chat(eng.tokenizer.chat_template, msgs)))
+    assert f"prompt tokens: {n} " in r.stderr
+
+
+def test_no_prompt_exits_2():
+    r = run(["run"], stdin="")
+    assert r.returncode == 2 and "no prompt" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unknown_model_lists_close_matches():
+    r = run(["run", "smollm2-135x", "hello", "there"])
+    assert r.returncode == 1
+    assert "unknown model 'smollm2-135x'" in r.stderr and "smollm2-135m" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_prompt_longer_than_context_names_both_counts():
+    r = run(["run", "--ctx", "64", "--temperature", "0"], stdin="word " * 200)
+    assert r.returncode == 1, r.stderr
+    assert "context is 64 tokens" in r.stderr and "prompt is 2" in r.stderr and r.stdout == ""
+
+
+def test_bad_sampling_value_is_named():
+    r = run(["run", "--top-p", "1.5", "hi"])
+    assert r.returncode == 2 and "--top-p" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_and_corrupt_files(tmp_path, gguf_path):
+    r = run(["run", str(tmp_path / "nope.gguf"), "hi"])
+    assert r.returncode == 1 and "nope.gguf" in r.stderr
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + b"\0" * 100)
+    with pytest.raises(ModelLoadError, match="bad magic"):
+        load_model(bad)
+    cut = tmp_path / "cut.gguf"
+    with open(gguf_path, "rb") as f:
+        cut.write_bytes(f.read(50_000_000))
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf: truncated file: tensor"):
+        load_model(cut)
+    header_cut = tmp_path / "header.gguf"
+    with open(gguf_path, "rb") as f:
+        header_cut.write_bytes(f.read(500_000))
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_model(header_cut)
+    r = run(["run", str(cut), "hi"])
+    assert r.returncode == 1 and "truncated" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_truncated_and_pickle_only_safetensors_dirs(tmp_path, tiny_model):
+    src = Path(tiny_model.source)
+    d = tmp_path / "cut"
+    shutil.copytree(src, d)
+    st = d / "model.safetensors"
+    data = st.read_bytes()
+    st.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: truncated safetensors file"):
+        load_model(d)
+    st.write_bytes(b"\xff" * 16)
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        load_model(d)
+    st.unlink()
+    (d / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ModelLoadError, match="pickle checkpoints are never loaded"):
+        load_model(d)
