@@ -146,6 +146,64 @@ def _stream_answer(engine, request, params, verbose: bool) -> None:
             f"finish: {last.finish_reason}", err=True)
 
 
+# ---- serve ----------------------------------------------------------------------------------------
+@app.command()
+def serve(
+    model: ModelArg = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 exposes it to the network).")]
+        = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LOCALLLM_API_KEY",
+                                                   help="Require 'Authorization: Bearer KEY' (not on /health).")]
+        = None,
+    cors_origin: Annotated[Optional[list[str]], typer.Option("--cors-origin",
+                                                             help="Allowed CORS origin (repeatable; '*' = any).")]
+        = None,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait beyond the running batch; "
+                                                               "more get 429.")] = 256,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Most sequences in one batch.")] = 64,
+    quant: QuantOpt = "auto",
+    device: DeviceOpt = "auto",
+    ctx: CtxOpt = None,
+    kv_memory: KvMemOpt = None,
+    threads: ThreadsOpt = None,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "warning",
+):
+    """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
+    from .registry import resolve_model
+
+    if not 0 < port < 65536:
+        raise fail(f"--port must be in 1..65535, got {port}", 2)
+    if max_queue < 0 or max_num_seqs < 1:
+        raise fail("--max-queue must be >= 0 and --max-num-seqs >= 1", 2)
+    try:  # name mistakes fail now, not after the server started
+        ref = resolve_model(model)
+    except ValueError as e:
+        raise fail(str(e)) from None
+    from .server import ServerConfig, create_app
+    from .server import serve as run_server
+
+    spec = ref.spec
+    model_id = spec.name if spec else ref.name
+    aliases = [ref.name, *(spec.aliases if spec else []), *([ref.repo] if ref.repo else [])]
+    if ref.local_path is not None and spec is None:
+        from pathlib import Path
+
+        aliases += [Path(ref.name).name, Path(ref.name).stem]
+    config = engine_config(ctx, kv_memory, threads, max_num_seqs=max_num_seqs)
+
+    def load():
+        from .llm import build_engine
+
+        return build_engine(model, quant, device, config)
+
+    cfg = ServerConfig(model_id, aliases, api_key, list(cors_origin or []), max_queue, max_num_seqs)
+    typer.echo(f"localllm serve: {model_id} on http://{host}:{port}/v1 (loading the model; /health is 503 "
+               f"until it is ready){' - API key required' if api_key else ''}", err=True)
+    code = run_server(create_app(cfg, load), host, port, log_level)
+    raise typer.Exit(code)
+
+
 @app.callback()
 def _root() -> None:
     """Run large language models locally."""
