@@ -1,0 +1,187 @@
+"""The OpenAI wire format: request models (pydantic), response/chunk builders, OpenAI-shaped errors.
+
+Responses are plain dicts built here so their shape is exactly what OpenAI/vLLM send (which
+keys are present, which are null) and nothing depends on pydantic's serialisation options.
+Unknown request fields are ignored, as vLLM does; fields we cannot honour (tools, JSON mode,
+echo, suffix, best_of) are refused with a 400 naming them rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---- requests ---------------------------------------------------------------------------------
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class ChatMessage(_Model):
+    role: str
+    # a string, or OpenAI content parts [{"type": "text", "text": ...}]; null for e.g. tool-call turns
+    content: Union[str, list[dict[str, Any]], None] = None
+    name: str | None = None
+
+
+class _SamplingRequest(_Model):
+    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI + vLLM extras)."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    # int lists before str lists: pydantic's smart union picks the exact match either way
+    prompt: Union[str, list[int], list[list[int]], list[str]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """ChatMessage models -> {"role", "content"} dicts for the chat template (text parts joined)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content[{j}]: only text content parts are supported "
+                                        f"(got type {part.get('type')!r})", param=f"messages[{i}].content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+# ---- responses --------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": use, "system_fingerprint": None}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def completion_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": use, "system_fingerprint": None}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict, finish_reason: str | None = None,
+               logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
+                     finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+
+
+def chat_logprobs(entries: list[dict], token_text) -> dict:
+    """Engine logprob entries {"token_id", "logprob", "top": [(id, lp)]} -> OpenAI chat logprobs."""
+    def item(tid: int, lp: float) -> dict:
+        s = token_text(tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**item(e["token_id"], e["logprob"]),
+                         "top_logprobs": [item(t, lp) for t, lp in e["top"]]} for e in entries]}
+
+
+def completion_logprobs(entries: list[dict], token_text, offset: int = 0) -> dict:
+    """Engine logprob entries -> OpenAI legacy completions logprobs (tokens, token_logprobs, ...)."""
+    tokens, offsets = [], []
+    for e in entries:
+        s = token_text(e["token_id"])
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in e["top"]} for e in entries],
+            "text_offset": offsets}

@@ -1,0 +1,696 @@
+"""`localllm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) around one LLMEngine.
+
+One thread owns the engine (EngineLoop): between steps it admits the requests HTTP handlers
+queued, applies their aborts, then runs engine.step() while there is work and sleeps on a
+condition when idle. Each output goes to the asyncio queue of the HTTP request that asked for
+it (loop.call_soon_threadsafe). Handlers never call the engine themselves: engine.step() holds
+the engine lock for a whole forward pass, which would stall the event loop. Concurrent HTTP
+requests meet in the engine and are batched together (continuous batching).
+
+The model loads in a background thread after the server starts listening: /health answers 503
+until it is ready, then 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import openai_schema as oai
+from .metrics import ServerMetrics
+from .openai_schema import APIError
+
+
+class ShutdownError(RuntimeError):
+    """The server is stopping; in-flight requests are ended with this."""
+
+
+# ---- the engine loop thread --------------------------------------------------------------------
+@dataclass
+class _Pending:
+    prompt: Any
+    params: Any
+    request_id: str
+    sink: Callable[[Any], None]  # called with each RequestOutput, or an exception that ends the request
+    done: Callable[[BaseException | None], None]  # admission result
+
+
+class EngineLoop:
+    """The one thread that calls engine.add_request / step / abort."""
+
+    def __init__(self, engine, log: Callable[[str], None] = print):
+        self.engine = engine
+        self.log = log
+        self._cv = threading.Condition()
+        self._adds: list[_Pending] = []
+        self._aborts: list[str] = []
+        self._sinks: dict[str, Callable[[Any], None]] = {}
+        self._closed = False
+        self.stats: dict = engine.cache_stats()  # snapshot, refreshed by the loop thread
+        self.pending = 0  # submitted, not yet admitted (read by the 429 check)
+        self._thread = threading.Thread(target=self._run, name="localllm-engine-loop", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def submit(self, p: _Pending) -> None:
+        with self._cv:
+            if self._closed:
+                p.done(ShutdownError("the server is shutting down"))
+                return
+            self._adds.append(p)
+            self.pending += 1
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            self._aborts.append(request_id)
+            self._cv.notify()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread; every live request gets a ShutdownError."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not (self._adds or self._aborts or self._closed or engine.has_unfinished()):
+                    self._cv.wait()
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+                closed = self._closed
+            for p in adds:  # before aborts: an abort may name a request submitted in the same batch
+                try:
+                    engine.add_request(p.prompt, p.params, p.request_id)
+                except Exception as e:  # noqa: BLE001 - the handler maps it to an HTTP answer
+                    p.done(e)
+                else:
+                    self._sinks[p.request_id] = p.sink
+                    p.done(None)
+                with self._cv:
+                    self.pending -= 1
+            for rid in aborts:
+                engine.abort(rid)
+                self._sinks.pop(rid, None)
+            if closed:
+                self._fail_all(ShutdownError("the server is shutting down"))
+                self.stats = engine.cache_stats()
+                return
+            if engine.has_unfinished():
+                try:
+                    outs = engine.step()
+                except Exception as e:  # noqa: BLE001 - an engine bug must not kill the server
+                    self.log(f"engine step failed: {type(e).__name__}: {e}")
+                    self._fail_all(e)
+                    outs = []
+                for out in outs:
+                    sink = self._sinks.get(out.request_id)
+                    if sink is not None:
+                        sink(out)
+                        if out.finished:
+                            del self._sinks[out.request_id]
+            self.stats = engine.cache_stats()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, sink in list(self._sinks.items()):
+            self.engine.abort(rid)
+            sink(exc)
+        self._sinks.clear()
+
+
+# ---- server state ------------------------------------------------------------------------------
+@dataclass
+class ServerConfig:
+    model_id: str  # the id /v1/models returns
+    aliases: list[str] = field(default_factory=list)  # other names a request may use (alias, hub repo)
+    api_key: str | None = None
+    cors_origins: list[str] = field(default_factory=list)
+    max_queue: int = 256  # requests beyond the engine's batch (max_num_seqs) that may wait
+    max_num_seqs: int = 64
+
+
+class ServerState:
+    def __init__(self, cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[[str], None]):
+        self.cfg = cfg
+        self.load_engine = load_engine
+        self.log = log
+        self.names = {n.lower() for n in [cfg.model_id, *cfg.aliases] if n}
+        self.created = oai.now()
+        self.engine = None
+        self.loop: EngineLoop | None = None
+        self.load_error: str | None = None
+        self.closing = False
+        self.metrics = ServerMetrics()
+        self.live = 0  # engine requests admitted or being admitted, not finished (429 check)
+        self.aloop: asyncio.AbstractEventLoop | None = None
+        self.on_fatal: Callable[[], None] = lambda: None
+
+    def start_loading(self) -> None:
+        self.aloop = asyncio.get_running_loop()
+        threading.Thread(target=self._load, name="localllm-loader", daemon=True).start()
+
+    def _load(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            engine = self.load_engine()
+        except BaseException as e:  # noqa: BLE001 - reported, then the server exits
+            self.load_error = str(e) or type(e).__name__
+            self.log(f"Error: could not load the model: {self.load_error}")
+            self.on_fatal()
+            return
+        if self.closing:
+            return
+        self.engine = engine
+        self.loop = EngineLoop(engine, self.log).start()
+        self.log(f"model {self.cfg.model_id} loaded in {time.perf_counter() - t0:.1f} s "
+                 f"(context {engine.max_model_len} tokens, {engine.cache_stats()['kv_blocks_total']} KV blocks); ready")
+
+    def begin_shutdown(self) -> None:
+        """Called from the signal handler: end in-flight requests now so connections close fast."""
+        self.closing = True
+        if self.aloop is not None:
+            self.aloop.call_soon_threadsafe(self._close_loop)
+
+    def _close_loop(self) -> None:
+        if self.loop is not None:
+            self.loop.close(timeout=0)
+
+    def require_ready(self) -> EngineLoop:
+        if self.closing:
+            raise APIError(503, "the server is shutting down", "service_unavailable", code="server_shutting_down")
+        if self.loop is None:
+            raise APIError(503, "the model is still loading; retry shortly", "service_unavailable",
+                           code="model_loading", headers={"Retry-After": "1"})
+        return self.loop
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name.lower() not in self.names:
+            raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.cfg.model_id}`.",
+                           param="model", code="model_not_found")
+
+
+# ---- one HTTP request's engine requests --------------------------------------------------------
+class Generation:
+    """The engine requests behind one HTTP request (one per prompt x n) and their outputs."""
+
+    def __init__(self, state: ServerState, prompts: list, params: list, n: int, max_tokens_param: str,
+                 prompt_param: str):
+        self.state, self.n = state, n
+        self.jobs = [(p, params[j]) for p in prompts for j in range(n)]  # choice index = prompt * n + j
+        base = oai.new_id("r")
+        self.rids = [f"{base}-{i}" for i in range(len(self.jobs))]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.live: set[int] = set()
+        self.finals: dict[int, Any] = {}
+        self.max_tokens_param, self.prompt_param = max_tokens_param, prompt_param
+        self.t0 = time.perf_counter()
+        self.first_token = False
+
+    async def start(self) -> None:
+        state = self.state
+        loop = state.require_ready()
+        cap = state.cfg.max_num_seqs + state.cfg.max_queue
+        if state.live + len(self.jobs) > cap:
+            raise APIError(429, f"the server is busy: {state.live} requests in flight and the queue is full "
+                                f"(--max-queue {state.cfg.max_queue}); retry shortly", "rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        aloop = asyncio.get_running_loop()
+        futs = []
+        for i, ((prompt, params), rid) in enumerate(zip(self.jobs, self.rids)):
+            fut = aloop.create_future()
+            futs.append(fut)
+            self.live.add(i)
+            state.live += 1
+            loop.submit(_Pending(prompt, params, rid, self._sink(aloop, i), self._done(aloop, fut)))
+        errors = [r for r in await asyncio.gather(*futs, return_exceptions=True) if isinstance(r, BaseException)]
+        if errors:
+            self.close()
+            raise self._api_error(errors[0])
+
+    def _sink(self, aloop: asyncio.AbstractEventLoop, i: int):
+        def put(item):
+            try:
+                aloop.call_soon_threadsafe(self.queue.put_nowait, (i, item))
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+        return put
+
+    @staticmethod
+    def _done(aloop: asyncio.AbstractEventLoop, fut: asyncio.Future):
+        def resolve(exc):
+            if not fut.done():
+                fut.set_exception(exc) if exc is not None else fut.set_result(None)
+
+        def done(exc):
+            try:
+                aloop.call_soon_threadsafe(resolve, exc)
+            except RuntimeError:
+                pass
+        return done
+
+    def _api_error(self, e: BaseException) -> APIError:
+        from .chat import ChatTemplateError
+        from .engine.engine import ContextLengthError
+        from .sampling import SamplingError
+
+        if isinstance(e, APIError):
+            return e
+        if isinstance(e, ContextLengthError):
+            mt = self.jobs[0][1].max_tokens
+            what = "messages" if self.prompt_param == "messages" else "prompt"
+            if mt is not None and e.prompt_tokens < e.limit:
+                msg = (f"This model's maximum context length is {e.limit} tokens. However, you requested "
+                       f"{e.prompt_tokens + mt} tokens ({e.prompt_tokens} in the {what}, {mt} in the completion). "
+                       f"Please reduce the length of the {what} or {self.max_tokens_param}.")
+                param = self.max_tokens_param
+            else:
+                msg = (f"This model's maximum context length is {e.limit} tokens. However, your {what} "
+                       f"resulted in {e.prompt_tokens} tokens. Please reduce the length of the {what}.")
+                param = self.prompt_param
+            return APIError(400, msg, param=param, code="context_length_exceeded")
+        if isinstance(e, SamplingError):
+            param = self.max_tokens_param if e.param == "max_tokens" else e.param
+            return APIError(400, str(e).replace("max_tokens", param, 1), param=param)
+        if isinstance(e, ChatTemplateError):
+            return APIError(400, str(e), param="messages")
+        if isinstance(e, ShutdownError):
+            return APIError(503, str(e), "service_unavailable", code="server_shutting_down")
+        if isinstance(e, ValueError):  # e.g. token ids out of range, empty prompt
+            return APIError(400, f"{self.prompt_param}: {e}", param=self.prompt_param)
+        return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+
+    async def outputs(self, request: Request | None = None) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, RequestOutput) until every choice finished. With `request`, a client that
+        disconnects (non-streaming) is noticed within a second and its requests aborted."""
+        while len(self.finals) < len(self.jobs):
+            try:
+                i, item = await asyncio.wait_for(self.queue.get(), 1.0) if request else await self.queue.get()
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.close()
+                    return
+                continue
+            if isinstance(item, BaseException):
+                self._finish(i, None)
+                raise self._api_error(item)
+            if not self.first_token and item.new_token_ids:
+                self.first_token = True
+                self.state.metrics.ttft.observe(time.perf_counter() - self.t0)
+            if item.finished:
+                self.finals[i] = item
+                self._finish(i, item.finish_reason)
+            yield i, item
+        self.state.metrics.e2e.observe(time.perf_counter() - self.t0)
+
+    def _finish(self, i: int, reason: str | None) -> None:
+        if i in self.live:
+            self.live.discard(i)
+            self.state.live -= 1
+            self.state.metrics.finished[reason or "error"] += 1
+
+    def close(self) -> None:
+        """Abort whatever is still running (client gone, error, shutdown)."""
+        loop = self.state.loop
+        for i in list(self.live):
+            if loop is not None:
+                loop.abort(self.rids[i])
+            self._finish(i, "abort")
+
+    def usage(self) -> dict:
+        finals = [self.finals.get(i) for i in range(len(self.jobs))]
+        firsts = [o for i, o in enumerate(finals) if o is not None and i % self.n == 0]
+        return oai.usage(sum(o.num_prompt_tokens for o in firsts),
+                         sum(len(o.token_ids) for o in finals if o is not None),
+                         sum(o.num_cached_tokens for o in firsts))
+
+
+# ---- request -> engine requests ------------------------------------------------------------------
+def _sampling(body: oai._SamplingRequest, max_tokens: int | None, max_tokens_param: str, logprobs: int | None,
+              seed_offset: int = 0):
+    from .sampling import SamplingError, SamplingParams
+
+    def pick(v, default):
+        return default if v is None else v
+
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=pick(body.temperature, 1.0), top_p=pick(body.top_p, 1.0),
+            top_k=pick(body.top_k, 0), min_p=pick(body.min_p, 0.0),
+            repetition_penalty=pick(body.repetition_penalty, 1.0),
+            presence_penalty=pick(body.presence_penalty, 0.0), frequency_penalty=pick(body.frequency_penalty, 0.0),
+            seed=None if body.seed is None else body.seed + seed_offset,
+            stop=body.stop or [], stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
+            logprobs=logprobs, min_tokens=body.min_tokens)
+    except SamplingError as e:
+        param = max_tokens_param if e.param == "max_tokens" else e.param
+        raise APIError(400, str(e).replace("max_tokens", param, 1), param=param) from None
+
+
+def _check_common(body: oai._SamplingRequest) -> None:
+    if not 1 <= body.n <= 16:
+        raise APIError(400, f"n must be between 1 and 16, got {body.n}", param="n")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+def _params_list(body, max_tokens, max_tokens_param, logprobs) -> list:
+    return [_sampling(body, max_tokens, max_tokens_param, logprobs, j) for j in range(body.n)]
+
+
+def _sse(obj: dict | str) -> str:
+    text = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n"
+
+
+# ---- the app ------------------------------------------------------------------------------------
+class _AuthMiddleware:
+    """Bearer-key check for everything but /health and CORS preflights (pure ASGI: streams untouched)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health" or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        msg = "Incorrect API key provided." if auth else "Missing API key: send it as 'Authorization: Bearer KEY'."
+        err = APIError(401, msg, code="invalid_api_key")
+        await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+
+
+def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[[str], None] | None = None
+               ) -> FastAPI:
+    """The FastAPI app. `load_engine()` builds the LLMEngine (called in a background thread)."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    state = ServerState(cfg, load_engine, log)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.start_loading()
+        yield
+        state.closing = True
+        if state.loop is not None:
+            await asyncio.to_thread(state.loop.close)
+
+    app = FastAPI(title="localllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    if cfg.api_key:
+        app.add_middleware(_AuthMiddleware, key=cfg.api_key)
+    if cfg.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"])
+
+    # ---- errors, always in OpenAI's shape ----
+    def error_response(e: APIError) -> JSONResponse:
+        state.metrics.errors[e.status] += 1
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            ctx = first.get("ctx") or {}
+            return error_response(APIError(400, f"invalid JSON in the request body: {ctx.get('error', first.get('msg'))}"))
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        if not loc:  # no body, or not an object
+            return error_response(APIError(400, "the request body must be a JSON object "
+                                                "(with Content-Type: application/json)"))
+        parts = [f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: {er.get('msg')}"
+                 for er in errs[:5]]
+        return error_response(APIError(400, "; ".join(parts), param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(e.status_code, str(e.detail), kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log(f"internal error on {request.url.path}: {type(e).__name__}: {e}")
+        return error_response(APIError(500, f"internal error: {type(e).__name__}", "internal_error"))
+
+    # ---- endpoints ----
+    @app.get("/health")
+    async def health():
+        if state.load_error:
+            return JSONResponse({"status": "error", "error": state.load_error}, status_code=503)
+        if state.loop is None or state.closing:
+            return JSONResponse({"status": "loading" if not state.closing else "shutting down"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        loop = state.loop
+        extra = {"num_requests_in_flight": state.live, "num_requests_pending_admission": loop.pending if loop else 0}
+        return PlainTextResponse(state.metrics.render(loop.stats if loop else None, extra),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        state.require_ready()
+        return {"object": "list", "data": [{
+            "id": cfg.model_id, "object": "model", "created": state.created, "owned_by": "localllm",
+            "max_model_len": state.engine.max_model_len}]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        state.require_ready()
+        state.check_model(model_id)
+        return {"id": cfg.model_id, "object": "model", "created": state.created, "owned_by": "localllm",
+                "max_model_len": state.engine.max_model_len}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: oai.ChatCompletionRequest, request: Request):
+        state.metrics.http_requests += 1
+        state.require_ready()
+        state.check_model(body.model)
+        _check_common(body)
+        if body.tools:
+            raise APIError(400, "tools / function calling is not supported by this server", param="tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format other than 'text' is not supported", param="response_format")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be between 0 and 20, got {body.top_logprobs}",
+                           param="top_logprobs")
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        mt_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = _params_list(body, max_tokens, mt_param, logprobs)
+        gen = Generation(state, [oai.message_dicts(body.messages)], params, body.n, mt_param, "messages")
+        await gen.start()
+        rid, created, name = oai.new_id("chatcmpl"), oai.now(), cfg.model_id
+        token_text = _token_text(state.engine)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _stream(gen, _chat_events(gen, rid, created, name, include_usage, body.logprobs, token_text))
+        try:
+            async for _ in gen.outputs(request):
+                pass
+        finally:
+            gen.close()
+        if len(gen.finals) < len(gen.jobs):  # the client went away
+            return Response(status_code=499)
+        choices = [oai.chat_choice(i, o.text, o.finish_reason,
+                                   oai.chat_logprobs(o.logprobs, token_text) if body.logprobs else None)
+                   for i, o in sorted(gen.finals.items())]
+        return oai.chat_response(rid, created, name, choices, gen.usage())
+
+    @app.post("/v1/completions")
+    async def completions(body: oai.CompletionRequest, request: Request):
+        state.metrics.http_requests += 1
+        state.require_ready()
+        state.check_model(body.model)
+        _check_common(body)
+        for param, bad in (("echo", body.echo), ("suffix", body.suffix), ("best_of", (body.best_of or 1) > 1)):
+            if bad:
+                raise APIError(400, f"{param} is not supported by this server", param=param)
+        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+            raise APIError(400, f"logprobs must be between 0 and 20, got {body.logprobs}", param="logprobs")
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts or any(not p for p in prompts):
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if len(prompts) * body.n > 16:
+            raise APIError(400, f"at most 16 choices per request (prompts x n), got {len(prompts) * body.n}",
+                           param="prompt")
+        params = _params_list(body, body.max_tokens, "max_tokens", body.logprobs)
+        gen = Generation(state, prompts, params, body.n, "max_tokens", "prompt")
+        await gen.start()
+        rid, created, name = oai.new_id("cmpl"), oai.now(), cfg.model_id
+        token_text = _token_text(state.engine)
+        want_lp = body.logprobs is not None
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _stream(gen, _completion_events(gen, rid, created, name, include_usage, want_lp, token_text))
+        try:
+            async for _ in gen.outputs(request):
+                pass
+        finally:
+            gen.close()
+        if len(gen.finals) < len(gen.jobs):
+            return Response(status_code=499)
+        choices = [oai.completion_choice(i, o.text, o.finish_reason,
+                                         oai.completion_logprobs(o.logprobs, token_text) if want_lp else None)
+                   for i, o in sorted(gen.finals.items())]
+        return oai.completion_response(rid, created, name, choices, gen.usage())
+
+    @app.post("/tokenize")
+    def tokenize(body: oai.TokenizeRequest):
+        state.require_ready()
+        state.check_model(body.model)
+        engine = state.engine
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
+        from .chat import ChatTemplateError
+
+        try:
+            if body.messages is not None:
+                tokens = engine.encode_prompt(oai.message_dicts(body.messages))
+            else:
+                tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from None
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    def detokenize(body: oai.DetokenizeRequest):
+        state.require_ready()
+        state.check_model(body.model)
+        engine = state.engine
+        vocab = engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in 0..{vocab - 1}, got {bad[0]}", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+def _token_text(engine) -> Callable[[int], str]:
+    tok = engine.tokenizer
+    return lambda tid: tok.decode([tid], skip_special_tokens=False)
+
+
+def _stream(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _chat_events(gen: Generation, rid: str, created: int, name: str, include_usage: bool, want_lp: bool,
+                       token_text) -> AsyncIterator[str]:
+    """vLLM's sequence: a role chunk per choice, content deltas, a finish chunk, [usage], [DONE]."""
+    seen = [0] * len(gen.jobs)  # logprob entries already sent, per choice
+    try:
+        for i in range(len(gen.jobs)):
+            yield _sse(oai.chat_chunk(rid, created, name, i, {"role": "assistant", "content": ""}))
+        async for i, out in gen.outputs():
+            lp = None
+            if want_lp:
+                entries = out.logprobs[seen[i]:seen[i] + len(out.new_token_ids)]
+                seen[i] += len(entries)
+                lp = oai.chat_logprobs(entries, token_text) if entries else None
+            if not out.delta and not out.finished and lp is None:
+                continue  # text held back (partial UTF-8 or a possible stop string)
+            delta = {"content": out.delta} if out.delta else {}
+            yield _sse(oai.chat_chunk(rid, created, name, i, delta, out.finish_reason if out.finished else None, lp))
+        if include_usage:
+            yield _sse(oai.usage_chunk(rid, created, name, "chat.completion.chunk", gen.usage()))
+    except APIError as e:  # after the headers: an error event, then [DONE]
+        gen.state.metrics.errors[e.status] += 1
+        yield _sse(e.body())
+    finally:
+        gen.close()
+    yield _sse("[DONE]")
+
+
+async def _completion_events(gen: Generation, rid: str, created: int, name: str, include_usage: bool,
+                             want_lp: bool, token_text) -> AsyncIterator[str]:
+    seen = [0] * len(gen.jobs)
+    offsets = [0] * len(gen.jobs)
+    try:
+        async for i, out in gen.outputs():
+            lp = None
+            if want_lp:
+                entries = out.logprobs[seen[i]:seen[i] + len(out.new_token_ids)]
+                seen[i] += len(entries)
+                lp = oai.completion_logprobs(entries, token_text, offsets[i]) if entries else None
+                if lp:
+                    offsets[i] += sum(len(t) for t in lp["tokens"])
+            if not out.delta and not out.finished and lp is None:
+                continue
+            yield _sse(oai.completion_chunk(rid, created, name, i, out.delta,
+                                            out.finish_reason if out.finished else None, lp))
+        if include_usage:
+            yield _sse(oai.usage_chunk(rid, created, name, "text_completion", gen.usage()))
+    except APIError as e:
+        gen.state.metrics.errors[e.status] += 1
+        yield _sse(e.body())
+    finally:
+        gen.close()
+    yield _sse("[DONE]")
+
+
+# ---- running it ---------------------------------------------------------------------------------
+def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> int:
+    """Run uvicorn until SIGINT/SIGTERM. Returns the exit code (0 after a signal, 1 if the model
+    failed to load)."""
+    import signal
+
+    import uvicorn
+
+    state: ServerState = app.state.server
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            state.begin_shutdown()  # end in-flight streams now instead of waiting for them
+
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                    timeout_graceful_shutdown=5, lifespan="on"))
+
+    def fatal():
+        server.should_exit = True
+    state.on_fatal = fatal
+    # uvicorn re-raises the signal it caught after a graceful shutdown; with these no-op handlers
+    # in place that re-raise is harmless and the process exits 0 instead of dying of SIGTERM.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, f: None)
+    server.run()
+    if not server.started and not state.load_error:
+        return 1  # could not bind (uvicorn printed why)
+    return 1 if state.load_error else 0
