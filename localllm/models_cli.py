@@ -1,0 +1,279 @@
+"""`localllm list / show / rm`: what is known (models.toml), what is here (embedded or in the HF
+cache), what a model is (read from config.json / GGUF metadata and the tokenizer, never the
+weights), and freeing the cache of one model."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections import Counter
+from pathlib import Path
+
+from .hub import HubError, Variant, cached_snapshot, hub_cache, human_bytes, repo_dir, spec_variants
+from .registry import ModelRef, ModelSpec, load_registry, resolve_model
+
+_GGUF_QUANT = re.compile(r"[.\-_](i?q\d\w*|f16|bf16|f32)\.gguf$", re.IGNORECASE)
+
+
+# ---- list -------------------------------------------------------------------------------------
+def _scan() -> dict[str, object]:
+    """repo id -> CachedRepoInfo of the models in the HF cache (empty if there is no cache)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        info = scan_cache_dir(hub_cache())
+    except CacheNotFound:
+        return {}
+    return {r.repo_id: r for r in info.repos if r.repo_type == "model"}
+
+
+def _latest_snapshot(info) -> Path | None:
+    revs = sorted(info.revisions, key=lambda r: r.last_modified, reverse=True)
+    return Path(revs[0].snapshot_path) if revs else None
+
+
+def _kind_of(path: Path | None) -> str:
+    """bf16 / awq / gptq / gguf of a downloaded snapshot, from its files and config.json."""
+    if path is None:
+        return "?"
+    if any(path.glob("*.gguf")):
+        return "gguf"
+    try:
+        q = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        q = {}
+    return str(q.get("quant_method", "safetensors")).lower()
+
+
+def list_models() -> list[dict]:
+    reg = load_registry()
+    cache = _scan()
+    rows = []
+
+    def row(name, repo, variant, status, size, path, spec: ModelSpec | None = None):
+        return {"name": name, "repo": repo, "variant": variant, "status": status, "size_bytes": size,
+                "path": str(path) if path else None, "aliases": list(spec.aliases) if spec else [],
+                "default": bool(spec) and spec.name == reg.default}
+
+    for spec in reg.models.values():
+        mine = []
+        emb = spec.embedded_path()
+        if emb is not None:
+            m = _GGUF_QUANT.search(emb.name)
+            mine.append(row(spec.name, spec.repo, f"gguf-{m.group(1).lower()}" if m else "gguf", "embedded",
+                            emb.stat().st_size, emb, spec))
+        for v in spec_variants(spec):
+            info = cache.pop(v.repo, None)
+            if info is not None:
+                mine.append(row(spec.name, v.repo, v.kind, "downloaded", info.size_on_disk,
+                                _latest_snapshot(info), spec))
+        rows += mine or [row(spec.name, spec.repo, "bf16", "available", None, None, spec)]
+    for repo_id, info in sorted(cache.items()):
+        snap = _latest_snapshot(info)
+        rows.append(row(repo_id, repo_id, _kind_of(snap), "downloaded", info.size_on_disk, snap))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("NAME", "VARIANT", "SIZE", "STATUS", "REPO")
+    body = [(r["name"] + (" *" if r["default"] else ""), r["variant"],
+             human_bytes(r["size_bytes"]) if r["size_bytes"] is not None else "-", r["status"], r["repo"])
+            for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in [head, *body]]
+    return "\n".join(lines) + "\n(* default model; `localllm pull NAME` downloads an available one)"
+
+
+# ---- show -------------------------------------------------------------------------------------
+def local_path(ref: ModelRef) -> Path | None:
+    """Where a model is on disk without downloading anything (embedded, local, or any cached variant)."""
+    if ref.local_path is not None:
+        return ref.local_path
+    variants = spec_variants(ref.spec) if ref.spec is not None else [Variant(ref.repo, ref.revision)]
+    for v in variants:
+        p = cached_snapshot(v.repo, v.revision, v.filename)
+        if p is not None:
+            return p / v.filename if v.filename else p
+    return None
+
+
+def _template_family(template: str | None) -> str:
+    if not template:
+        return "chatml (built-in default)"
+    for mark, name in (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"), ("[INST]", "mistral/llama2"),
+                       ("<start_of_turn>", "gemma")):
+        if mark in template:
+            return name
+    return "custom"
+
+
+def _quantization(weights) -> str:
+    from .model.loader import GGUFWeights
+
+    if isinstance(weights, GGUFWeights):
+        kinds = Counter(t.qtype.name for n, t in weights.file.tensors.items() if len(t.shape) > 1)
+        return ", ".join(f"{k} ({n} tensors)" for k, n in kinds.most_common())
+    q = weights.quant
+    if q:
+        return f"{q.get('quant_method', '?')} {q.get('bits', '?')}-bit, group {q.get('group_size', '?')}"
+    dtypes = {str(v) for v in [weights.raw_config.get("torch_dtype") or weights.raw_config.get("dtype")] if v}
+    return ", ".join(sorted(dtypes)) or "unknown"
+
+
+def _plan(ref: ModelRef, path: Path) -> str | None:
+    """The precision planner's choice, if that module exists yet (it is optional here)."""
+    try:
+        from . import planner  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    plan_for = getattr(planner, "plan_for", None)
+    if plan_for is None:
+        return None
+    try:
+        plan = plan_for(path)
+    except Exception as e:  # the planner is someone else's module: never let it break `show`
+        return f"(planner failed: {e})"
+    explain = getattr(plan, "explain", None)
+    return str(explain() if callable(explain) else plan)
+
+
+def describe(model: str | None, prompt: str | None = None, system: str | None = None) -> dict:
+    from .chat import render_chat
+    from .model.loader import GGUFWeights, open_weights
+
+    ref = resolve_model(model)
+    spec = ref.spec
+    info: dict = {"name": ref.name, "repo": ref.repo, "aliases": list(spec.aliases) if spec else [],
+                  "embedded": bool(spec and ref.local_path is not None and ref.local_path == spec.embedded_path())}
+    path = local_path(ref)
+    info["downloaded"] = path is not None
+    info["path"] = str(path) if path else None
+    if path is None:
+        if prompt is not None:
+            raise HubError(f"{ref.name} is not downloaded: `localllm pull {ref.name}` first (--prompt needs "
+                           "its tokenizer)")
+        info.update({"parameters": spec.params if spec else None, "context_length": spec.context if spec else None,
+                     "architecture": None, "quantization": None, "chat_template": None, "stop_tokens": []})
+        return info
+    weights = open_weights(path)  # headers and metadata only: no tensor is read
+    cfg = weights.config
+    tok = weights.tokenizer()
+    stop_ids = sorted(set(tok.eos_ids) | weights.extra_eos_ids())
+    size = path.stat().st_size if path.is_file() else sum(
+        f.stat().st_size for f in path.iterdir() if f.is_file())
+    info.update({
+        "format": "gguf" if isinstance(weights, GGUFWeights) else "safetensors",
+        "architecture": cfg.architecture,
+        "parameters": cfg.num_params,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "layers": cfg.num_layers,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "vocab_size": cfg.vocab_size,
+        "quantization": _quantization(weights),
+        "size_bytes": size,
+        "chat_template": {"family": _template_family(tok.chat_template), "template": tok.chat_template},
+        "bos_token": {"id": tok.bos_id, "text": tok.bos_token, "added_to_raw_prompts": tok.add_bos},
+        "stop_tokens": [{"id": i, "text": tok.id_to_token(i)} for i in stop_ids],
+        "plan": _plan(ref, path),
+    })
+    if prompt is not None:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        text = render_chat(tok.chat_template, messages, bos_token=tok.bos_token, eos_token=tok.eos_token)
+        ids = tok.encode(text)  # exactly what the engine sends: the template's own BOS, none added
+        leading = 0
+        while tok.bos_id is not None and leading < len(ids) and ids[leading] == tok.bos_id:
+            leading += 1
+        info["prompt"] = {"text": text, "token_ids": ids, "num_tokens": len(ids), "leading_bos": leading,
+                          "template_has_bos": bool(tok.bos_token) and text.startswith(tok.bos_token)}
+    return info
+
+
+def format_show(info: dict) -> str:
+    out = [f"  {'name':<16}{info['name']}"]
+
+    def add(key, value):
+        if value not in (None, "", []):
+            out.append(f"  {key:<16}{value}")
+
+    add("repo", info.get("repo"))
+    if not info["downloaded"]:
+        add("parameters", f"{info['parameters']:,}" if info.get("parameters") else None)
+        add("context length", info.get("context_length"))
+        out.append(f"  not downloaded: `localllm pull {info['name']}`")
+        return "Model\n" + "\n".join(out)
+    add("architecture", info["architecture"])
+    add("parameters", f"{info['parameters'] / 1e6:.1f}M ({info['parameters']:,})")
+    add("context length", info["context_length"])
+    add("embedding", info["embedding_length"])
+    add("layers", f"{info['layers']} ({info['heads']} heads, {info['kv_heads']} KV heads)")
+    add("quantization", info["quantization"])
+    add("format", info["format"])
+    add("size", human_bytes(info["size_bytes"]))
+    add("path", info["path"] + ("  (embedded)" if info["embedded"] else ""))
+    add("plan", info.get("plan"))
+    out.append("Chat")
+    add("template", info["chat_template"]["family"])
+    bos = info["bos_token"]
+    add("bos", f"{bos['text']!r} (id {bos['id']})" if bos["id"] is not None else "none")
+    add("stop tokens", ", ".join(f"{t['text']!r} (id {t['id']})" for t in info["stop_tokens"]))
+    p = info.get("prompt")
+    if p is not None:
+        out.append("Prompt")
+        out += ["    " + line for line in p["text"].splitlines()]
+        add("tokens", p["num_tokens"])
+        add("token ids", " ".join(map(str, p["token_ids"])))
+        add("leading BOS", p["leading_bos"])
+    return "Model\n" + "\n".join(out)
+
+
+# ---- rm ---------------------------------------------------------------------------------------
+def remove(model: str) -> list[str]:
+    """Delete every cached revision of the model's repos (all variants of a registry alias).
+    Returns one line per repo deleted."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    reg = load_registry()
+    spec = reg.lookup(model)
+    if spec is not None:
+        repos = [v.repo for v in spec_variants(spec)]
+    else:
+        ref = resolve_model(model, reg)
+        if ref.repo is None:
+            raise HubError(f"{model} is a local file or directory, not a downloaded model: delete it yourself")
+        repos = [ref.repo]
+    try:
+        scan = scan_cache_dir(hub_cache())
+        cached = [r for r in scan.repos if r.repo_type == "model" and r.repo_id in repos]
+    except CacheNotFound:
+        scan, cached = None, []
+    leftovers = [r for r in repos if repo_dir(r).is_dir() and r not in {c.repo_id for c in cached}]
+    if not cached and not leftovers:
+        if spec is not None and spec.embedded_path() is not None:
+            raise HubError(f"{spec.name} is the embedded model (inside the {spec.embedded.split('/')[0]} package); "
+                           "it is not in the download cache and cannot be removed with `rm` "
+                           f"(pip uninstall {spec.embedded.split('/')[0]} would)")
+        raise HubError(f"{model} is not downloaded (see `localllm list`)")
+    lines = []
+    if cached:
+        hashes = [rev.commit_hash for r in cached for rev in r.revisions]
+        others = [r for r in scan.repos if r not in cached and any(v.commit_hash in hashes for v in r.revisions)]
+        if hashes and not others:
+            strategy = scan.delete_revisions(*hashes)
+            strategy.execute()
+        for r in cached:  # a repo whose hash another repo shares, or one without revisions: remove its folder
+            shutil.rmtree(r.repo_path, ignore_errors=True)
+            lines.append(f"deleted {r.repo_id} ({len(r.revisions)} revision{'s' * (len(r.revisions) != 1)}, "
+                         f"{human_bytes(r.size_on_disk)} freed)")
+    for repo in leftovers:  # only partial downloads: no snapshot, so scan_cache_dir skips it
+        d = repo_dir(repo)
+        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(d, ignore_errors=True)
+        lines.append(f"deleted {repo} (partial download, {human_bytes(size)} freed)")
+    if spec is not None and spec.embedded_path() is not None:
+        lines.append(f"(the embedded {spec.name} stays: it is part of the {spec.embedded.split('/')[0]} package)")
+    return lines

@@ -1,0 +1,395 @@
+"""`localllm chat`: a ChatSession (conversation, settings, slash commands, one streamed reply at a
+time) and two thin I/O loops around it: prompt-toolkit on a terminal, plain lines from a pipe.
+
+One engine lives for the whole session, so each turn re-sends the conversation and the prefix cache
+serves the earlier turns' KV: `/stats` shows how many prompt tokens came from the cache.
+
+A reply stopped with Ctrl-C is KEPT in the conversation as far as it got (what you saw is what the
+model remembers); `/retry` regenerates it, `/undo` drops the exchange.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HELP = """\
+Commands:
+  /help, /?                 this help
+  /system [TEXT]            show or set the system prompt
+  /set NAME VALUE           temperature, top_p, top_k, max_tokens, seed (VALUE 'none' unsets max_tokens/seed)
+  /show                     model and settings
+  /stats                    last reply: tokens, TTFT, tokens/s, prompt tokens served from the prefix cache
+  /clear                    forget the conversation (keeps the system prompt)
+  /save FILE, /load FILE    the conversation as JSON
+  /retry                    regenerate the last reply
+  /undo                     drop the last exchange
+  /exit, /bye               leave (or Ctrl+D)
+Input: \"\"\" starts and ends a multi-line message. Ctrl+C stops a reply (the partial reply is kept)."""
+
+SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "seed": int,
+            "min_p": float, "repeat_penalty": float}
+
+
+def history_path() -> Path:
+    home = os.environ.get("LOCALLLM_HOME")
+    base = Path(home).expanduser() if home else Path("~/.local/share/localllm").expanduser()
+    return base / "history"
+
+
+@dataclass
+class ReplyStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float = 0.0
+    tokens_per_s: float = 0.0
+    seconds: float = 0.0
+    finish_reason: str | None = None
+    interrupted: bool = False
+
+
+class ChatSession:
+    """Everything of `chat` except the terminal. `out` gets replies and command output, `note`
+    gets hints and errors (the same terminal in the REPL; stderr when reading a pipe)."""
+
+    def __init__(self, engine, model_name: str = "", system: str | None = None,
+                 out: Callable[[str], None] | None = None, note: Callable[[str], None] | None = None,
+                 **settings):
+        self.engine = engine
+        self.model_name = model_name
+        self.system = system
+        self.messages: list[dict] = []
+        self.settings = {"temperature": 0.7, "top_p": 0.95, "top_k": 0, "max_tokens": None, "seed": None,
+                         "min_p": 0.0, "repeat_penalty": 1.0}
+        self.settings.update({k: v for k, v in settings.items() if k in SETTABLE})
+        self.params()  # fail early on bad settings
+        self.out = out or _stdout
+        self.note = note or _stdout
+        self.interrupt = threading.Event()
+        self.last: ReplyStats | None = None
+        self._block: list[str] | None = None  # lines of an open \"\"\" block
+
+    # ---- input ----------------------------------------------------------------------------
+    @property
+    def in_block(self) -> bool:
+        return self._block is not None
+
+    def cancel_block(self) -> None:
+        self._block = None
+
+    def feed(self, line: str) -> str | None:
+        """One input line -> a complete message/command, or None while a \"\"\" block is open."""
+        if self._block is None:
+            if not line.lstrip().startswith('"""'):
+                return line
+            rest = line.lstrip()[3:]
+            if rest.endswith('"""'):  # \"\"\"one line\"\"\"
+                return rest[:-3]
+            self._block = [rest] if rest else []
+            return None
+        if line.rstrip().endswith('"""'):
+            self._block.append(line.rstrip()[:-3])
+            text, self._block = "\n".join(self._block).strip("\n"), None
+            return text
+        self._block.append(line)
+        return None
+
+    def handle(self, text: str) -> bool:
+        """Act on one complete input. False: the user asked to leave."""
+        if text.startswith("/"):
+            return self.command(text)
+        if not text.strip():
+            return True
+        self.messages.append({"role": "user", "content": text})
+        self.reply()
+        return True
+
+    # ---- generation -----------------------------------------------------------------------
+    def params(self):
+        from .sampling import SamplingParams
+
+        s = self.settings
+        return SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
+                              top_k=s["top_k"], min_p=s["min_p"], repetition_penalty=s["repeat_penalty"],
+                              seed=s["seed"])
+
+    def conversation(self) -> list[dict]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+
+    def reply(self) -> ReplyStats | None:
+        """Stream the assistant's answer to the conversation; stops early when `interrupt` is set
+        (or on KeyboardInterrupt). The partial answer is kept."""
+        from .chat import ChatTemplateError
+        from .engine.engine import ContextLengthError
+
+        self.interrupt.clear()
+        stats, text, last = ReplyStats(), "", None
+        t0 = time.perf_counter()
+        first = None
+        gen = self.engine.generate(self.conversation(), self.params())
+        try:
+            for o in gen:
+                if first is None:
+                    first = time.perf_counter()
+                last = o
+                if o.delta:
+                    text += o.delta
+                    self.out(o.delta)
+                if self.interrupt.is_set() and not o.finished:
+                    stats.interrupted = True
+                    break
+        except KeyboardInterrupt:
+            stats.interrupted = True
+        except (ContextLengthError, ChatTemplateError) as e:
+            self.messages.pop()
+            self.note(f"Error: {e}. Use /undo or /clear to make room.\n")
+            return None
+        finally:
+            gen.close()  # aborts the request (frees its KV blocks) if it did not finish
+        end = time.perf_counter()
+        if last is not None:
+            n = len(last.token_ids)
+            stats.prompt_tokens, stats.cached_tokens, stats.completion_tokens = (
+                last.num_prompt_tokens, last.num_cached_tokens, n)
+            stats.finish_reason = "interrupted" if stats.interrupted else last.finish_reason
+            stats.ttft_ms = (first - t0) * 1000
+            stats.tokens_per_s = (n - 1) / (end - first) if n > 1 and end > first else 0.0
+            stats.seconds = end - t0
+        self.out("\n")
+        if stats.interrupted:
+            self.note("[reply stopped; the partial reply is kept: /retry to regenerate, /undo to drop it]\n")
+        if text or not stats.interrupted:
+            self.messages.append({"role": "assistant", "content": text})
+        else:  # stopped before any text: as if the message was never sent
+            self.messages.pop()
+        self.last = stats
+        return stats
+
+    # ---- slash commands -------------------------------------------------------------------
+    def command(self, line: str) -> bool:
+        name, _, arg = line.strip().partition(" ")
+        arg = arg.strip()
+        name = name.lower()
+        if name in ("/exit", "/bye", "/quit"):
+            return False
+        handler = {
+            "/help": self._help, "/?": self._help, "/system": self._system, "/set": self._set,
+            "/show": self._show, "/stats": self._stats, "/clear": self._clear, "/save": self._save,
+            "/load": self._load, "/retry": self._retry, "/undo": self._undo,
+        }.get(name)
+        if handler is None:
+            self.note(f"Unknown command '{name}'. Type /? for help\n")
+            return True
+        handler(arg)
+        return True
+
+    def _help(self, arg: str) -> None:
+        self.out(HELP + "\n")
+
+    def _system(self, arg: str) -> None:
+        if not arg:
+            self.out(f"system prompt: {self.system!r}\n" if self.system else "no system prompt set\n")
+            return
+        self.system = arg
+        self.out("system prompt set\n")
+
+    def _set(self, arg: str) -> None:
+        from .sampling import SamplingError
+
+        key, _, value = arg.partition(" ")
+        key, value = key.replace("-", "_").lower(), value.strip()
+        if key == "system":
+            return self._system(value)
+        if key not in SETTABLE or not value:
+            self.note(f"usage: /set {{{'|'.join(SETTABLE)}}} VALUE\n")
+            return
+        try:
+            if value.lower() == "none" and key in ("max_tokens", "seed"):
+                v = None
+            else:
+                v = SETTABLE[key](value)
+        except ValueError:
+            self.note(f"invalid value for {key}: {value!r} is not {'an integer' if SETTABLE[key] is int else 'a number'}\n")
+            return
+        old = self.settings[key]
+        self.settings[key] = v
+        try:
+            self.params()
+        except SamplingError as e:
+            self.settings[key] = old
+            self.note(f"invalid value for {key}: {e}\n")
+            return
+        self.out(f"{key} = {v}\n")
+
+    def _show(self, arg: str) -> None:
+        loaded = getattr(self.engine, "loaded", None)
+        lines = [f"model: {self.model_name}"]
+        if loaded is not None:
+            lines += [f"path: {loaded.source}", f"precision: {loaded.precision}"]
+        lines.append(f"context: {self.engine.max_model_len} tokens")
+        lines += [f"{k}: {v}" for k, v in self.settings.items()]
+        lines.append(f"system: {self.system!r}" if self.system else "system: (none)")
+        lines.append(f"messages: {len(self.messages)}")
+        self.out("\n".join(lines) + "\n")
+
+    def _stats(self, arg: str) -> None:
+        s = self.last
+        if s is None:
+            self.out("no reply yet\n")
+            return
+        total = self.engine.cache_stats()
+        self.out(f"prompt tokens: {s.prompt_tokens} ({s.cached_tokens} from prefix cache) | "
+                 f"completion tokens: {s.completion_tokens} | TTFT: {s.ttft_ms:.0f} ms | "
+                 f"{s.tokens_per_s:.1f} tok/s | finish: {s.finish_reason}\n"
+                 f"session: {total['prompt_tokens']} prompt tokens, hit rate {total['hit_rate']:.0%}\n")
+
+    def _clear(self, arg: str) -> None:
+        self.messages.clear()
+        self.last = None
+        self.out("cleared the conversation" + (" (system prompt kept)" if self.system else "") + "\n")
+
+    def _save(self, arg: str) -> None:
+        if not arg:
+            self.note("usage: /save FILE\n")
+            return
+        data = {"model": self.model_name, "system": self.system, "settings": self.settings,
+                "messages": self.messages}
+        try:
+            Path(arg).expanduser().write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        except OSError as e:
+            self.note(f"cannot save to {arg}: {e.strerror or e}\n")
+            return
+        self.out(f"saved {len(self.messages)} messages to {arg}\n")
+
+    def _load(self, arg: str) -> None:
+        if not arg:
+            self.note("usage: /load FILE\n")
+            return
+        try:
+            data = json.loads(Path(arg).expanduser().read_text())
+        except OSError as e:
+            self.note(f"cannot read {arg}: {e.strerror or e}\n")
+            return
+        except ValueError as e:
+            self.note(f"{arg} is not JSON: {e}\n")
+            return
+        msgs = data.get("messages", data.get("conversation")) if isinstance(data, dict) else data
+        system = data.get("system") if isinstance(data, dict) else None
+        if not isinstance(msgs, list) or not all(
+                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str) for m in msgs):
+            self.note(f"{arg}: expected {{\"messages\": [{{\"role\": \"user\"|\"assistant\", \"content\": str}}]}}\n")
+            return
+        if msgs and msgs[0]["role"] == "system":
+            system, msgs = msgs[0]["content"], msgs[1:]
+        self.messages = [{"role": m["role"], "content": m["content"]} for m in msgs]
+        self.system = system
+        self.last = None
+        self.out(f"loaded {len(self.messages)} messages from {arg}\n")
+
+    def _retry(self, arg: str) -> None:
+        if self.messages and self.messages[-1]["role"] == "assistant":
+            self.messages.pop()
+        if not self.messages or self.messages[-1]["role"] != "user":
+            self.note("nothing to retry\n")
+            return
+        self.reply()
+
+    def _undo(self, arg: str) -> None:
+        if not self.messages:
+            self.note("nothing to undo\n")
+            return
+        if self.messages[-1]["role"] == "assistant":
+            self.messages.pop()
+        if self.messages and self.messages[-1]["role"] == "user":
+            self.messages.pop()
+        self.out("removed the last exchange\n")
+
+    def stats_dict(self) -> dict | None:
+        return asdict(self.last) if self.last else None
+
+
+def _stdout(s: str) -> None:
+    sys.stdout.write(s)
+    sys.stdout.flush()
+
+
+# ---- the two loops ----------------------------------------------------------------------------
+def run_pipe(session: ChatSession, lines) -> int:
+    """Non-interactive: one input line at a time (\"\"\" blocks work), replies on stdout."""
+    for raw in lines:
+        text = session.feed(raw.rstrip("\n"))
+        if text is not None and not session.handle(text):
+            return 0
+    if session.in_block:
+        session.note('Error: input ended inside a """ block\n')
+        return 1
+    return 0
+
+
+def _reply_in_thread(session: ChatSession, text: str) -> bool:
+    """Generate in a worker so Ctrl-C (SIGINT, delivered to the main thread) only sets the
+    interrupt flag: the engine is never stopped half-way through a step."""
+    result = [True]
+    worker = threading.Thread(target=lambda: result.__setitem__(0, session.handle(text)), daemon=True)
+    worker.start()
+    while worker.is_alive():
+        try:
+            worker.join(0.05)
+        except KeyboardInterrupt:
+            session.interrupt.set()
+    return result[0]
+
+
+def run_repl(session: ChatSession, input=None, output=None, history: Path | None = None,
+             banner: str | None = None, threaded: bool = True) -> int:
+    """The prompt-toolkit loop. `input`/`output` let tests drive it with a pipe input."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    hist = InMemoryHistory()
+    if history is not None:
+        try:
+            history.parent.mkdir(parents=True, exist_ok=True)
+            hist = FileHistory(str(history))
+        except OSError:
+            session.note(f"(cannot write history to {history}; history is not saved)\n")
+    kb = KeyBindings()
+
+    @kb.add("c-c")
+    def _(event):  # Ctrl-C: clear a typed line; on an empty line, say how to leave
+        buf = event.current_buffer
+        if buf.text:
+            buf.reset()
+        else:
+            event.app.exit(exception=KeyboardInterrupt)
+
+    prompt = PromptSession(history=hist, key_bindings=kb, input=input, output=output)
+    if banner:
+        session.note(banner + "\n")
+    while True:
+        try:
+            line = prompt.prompt("... " if session.in_block else ">>> ",
+                                 placeholder=None if session.in_block else "Send a message (/? for help)")
+        except KeyboardInterrupt:
+            if session.in_block:
+                session.cancel_block()
+            else:
+                session.note("Use Ctrl+D or /bye to exit.\n")
+            continue
+        except EOFError:
+            return 0
+        text = session.feed(line)
+        if text is None:
+            continue
+        alive = _reply_in_thread(session, text) if threaded else session.handle(text)
+        if not alive:
+            return 0
