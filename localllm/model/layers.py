@@ -33,6 +33,8 @@ class Int4Linear(nn.Module):
         self.out_features, self.group_size = n, w.group_size
         self.bias = None if bias is None else nn.Parameter(bias.to(act_dtype), requires_grad=False)
         self.cuda_path = device.startswith("cuda")
+        # GPTQ act-order: the weight's K was permuted at load, so the input is gathered the same way
+        self.register_buffer("in_perm", None if w.in_perm is None else w.in_perm.to(device, torch.long))
         if self.cuda_path:
             self.register_buffer("qweight", w.packed().to(device))
             self.register_buffer("scales", w.scales.to(device, act_dtype))
@@ -47,6 +49,8 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if self.in_perm is not None:
+            x2 = x2.index_select(-1, self.in_perm)
         if self.cuda_path:
             from localllm_kernels import int4_matmul
 
@@ -57,6 +61,19 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+
+class ConcatLinear(nn.Module):
+    """Several linears on the same input, outputs concatenated: a fused qkv / gate_up whose parts
+    cannot share one int4 matrix (act-order checkpoints with different input permutations)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 class Int8Linear(nn.Module):

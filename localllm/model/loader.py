@@ -19,7 +19,7 @@ from ..config import ModelConfig
 from ..quant.int4 import Int4Weight, quantize_rtn
 from ..tokenizer import LLMTokenizer
 from .gguf import GGUFError, GGUFFile, dequantize, read_gguf
-from .layers import DenseLinear, Int4Linear, Int8Linear, LMHead, RMSNorm
+from .layers import ConcatLinear, DenseLinear, Int4Linear, Int8Linear, LMHead, RMSNorm
 from .llama import DecoderLayer, LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -168,7 +168,9 @@ class HFWeights:
             self.config = ModelConfig.from_hf(self.raw_config)
         except (KeyError, ValueError) as e:
             raise ModelLoadError(f"{cfg_file}: {e}") from None
-        self.quant = self.raw_config.get("quantization_config")
+        from ..quant import formats  # AWQ / GPTQ (also legacy quant_config.json / quantize_config.json)
+
+        self.quant = formats.read_quant_config(path, self.raw_config)
         self.files = self._weight_files()
         self.index = self._index()
 
@@ -216,6 +218,11 @@ class HFWeights:
         from safetensors import safe_open
 
         f = self.index.get(name)
+        if f is None and self.quant is not None and name.endswith(".weight") and \
+                self.has(name[: -len("weight")] + "qweight"):
+            from ..quant import formats
+
+            return formats.load_dense(self, name)  # a packed int4 module, dequantized
         if f is None:
             raise ModelLoadError(f"{self.path}: tensor {name} is missing")
         with safe_open(str(f), framework="pt") as h:
@@ -299,9 +306,15 @@ def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device
     if mode == "int4":
         parts = [weights.int4(n) for n in names]
         if all(p is not None for p in parts):
-            return Int4Linear(Int4Weight.cat(parts), act_dtype, bias, device)
+            if Int4Weight.can_cat(parts):
+                return Int4Linear(Int4Weight.cat(parts), act_dtype, bias, device)
+            # act-order parts with different input permutations: one int4 matmul each
+            sizes = [p.shape[0] for p in parts]
+            bs = [None] * len(parts) if bias is None else list(bias.split(sizes))
+            return ConcatLinear([Int4Linear(p, act_dtype, b, device) for p, b in zip(parts, bs)])
     w = torch.cat([weights.dense(n).float() for n in names])
-    if mode == "int4":  # quantize on load: largest group that divides K
+    prequantized = isinstance(weights, HFWeights) and weights.quant is not None
+    if mode == "int4" and not prequantized:  # quantize on load: largest group that divides K
         group = next((g for g in (128, 64, 32) if w.shape[1] % g == 0), None)
         if group is not None:
             return Int4Linear(quantize_rtn(w, group), act_dtype, bias, device)

@@ -20,6 +20,9 @@ class Int4Weight:
     scales: torch.Tensor  # [K // group_size, N] float32
     zeros: torch.Tensor  # [K // group_size, N] float32
     group_size: int
+    # act-order (GPTQ desc_act): K was permuted at load so groups are contiguous; the layer must
+    # feed x[..., in_perm]. dequantize() returns the matrix in that permuted column order.
+    in_perm: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -37,15 +40,28 @@ class Int4Weight:
         return (self.q[:, 0::2] | (self.q[:, 1::2] << 4)).contiguous()
 
     def permute_rows(self, perm: torch.Tensor) -> Int4Weight:
-        return Int4Weight(self.q[perm], self.scales[:, perm], self.zeros[:, perm], self.group_size)
+        return Int4Weight(self.q[perm], self.scales[:, perm], self.zeros[:, perm], self.group_size, self.in_perm)
+
+    def dequantize_logical(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight W with y = x @ W.T in the checkpoint's own column order (undoes in_perm)."""
+        w = self.dequantize(dtype)
+        return w if self.in_perm is None else w[:, torch.argsort(self.in_perm)]
 
     @staticmethod
     def cat(parts: list[Int4Weight]) -> Int4Weight:
-        """Concatenate along the output dim (fused qkv / gate_up)."""
+        """Concatenate along the output dim (fused qkv / gate_up). Parts must share the group size
+        and the input permutation (see `can_cat`)."""
         g = parts[0].group_size
-        assert all(p.group_size == g for p in parts)
+        assert Int4Weight.can_cat(parts)
         return Int4Weight(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts], 1),
-                          torch.cat([p.zeros for p in parts], 1), g)
+                          torch.cat([p.zeros for p in parts], 1), g, parts[0].in_perm)
+
+    @staticmethod
+    def can_cat(parts: list[Int4Weight]) -> bool:
+        p0 = parts[0]
+        same_perm = all((p.in_perm is None) == (p0.in_perm is None) and
+                        (p.in_perm is None or torch.equal(p.in_perm, p0.in_perm)) for p in parts)
+        return same_perm and all(p.group_size == p0.group_size for p in parts)
 
 
 def quantize_rtn(w: torch.Tensor, group_size: int = 32) -> Int4Weight:

@@ -1,0 +1,514 @@
+"""Our own 4-bit quantizer: RTN, GPTQ and AWQ, writing standard AutoGPTQ/GPTQModel and AutoAWQ
+checkpoints (config.json with quantization_config, model.safetensors, tokenizer files).
+
+Calibration runs a plain fp32 torch forward over the dense weights, one decoder layer at a time
+(the whole model never runs at once):
+
+- RTN: per-group min/max rounding, no data.
+- GPTQ (Frantar et al.; the reference `fasterquant`): per linear, H = 2/n X Xᵀ of its inputs,
+  1% mean-diagonal damping, upper Cholesky factor of H⁻¹, columns quantized left to right with
+  the error spread over the not-yet-quantized columns (lazy 128-column blocks), optional
+  act-order. Layers and, within a layer, qkv -> o -> gate/up -> down are quantized in sequence,
+  each fed the outputs of what is already quantized (true-sequential).
+- AWQ (Lin et al.; AutoAWQ's algorithm): per input channel scales s = x̄^α / w̄^(1-α), α on a
+  20-point grid, chosen to minimize the error of the block's output (attention / MLP / down),
+  folded into the previous RMSNorm or linear; then a per-group clipping search, then the same
+  min/max rounding as AutoAWQ.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..model.layers import rope_inv_freq
+from ..model.loader import HFWeights, open_weights
+from .calib_text import CALIBRATION
+from .formats import AWQ_ORDER
+
+METHODS = ("rtn", "gptq", "awq")
+LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+_HF = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+       "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+class QuantizeError(ValueError):
+    """Bad quantizer input (method, group size, source model)."""
+
+
+@dataclass
+class QLinear:
+    """One quantized linear in checkpoint terms: w[n, k] = (q[k, n] - z[g_idx[k], n]) * s[g_idx[k], n]."""
+
+    q: torch.Tensor  # int32 [K, N], 0..15
+    z: torch.Tensor  # int32 [G, N], 0..15 (true zero point)
+    s: torch.Tensor  # float16 [G, N]
+    g_idx: torch.Tensor  # int32 [K]
+
+    def dequantize(self) -> torch.Tensor:
+        g = self.g_idx.long()
+        return ((self.q.float() - self.z[g].float()) * self.s[g].float()).t().contiguous()
+
+
+@dataclass
+class QuantizeResult:
+    path: Path
+    method: str
+    group_size: int
+    seconds: float
+    calib_tokens: int
+    dequantized: dict[str, torch.Tensor] = field(default_factory=dict)  # HF weight name -> [N, K]
+
+
+# ---- rounding ---------------------------------------------------------------------------------
+def _fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-65504, 65504).half().float()
+
+
+def minmax_params(w: torch.Tensor, sym: bool, zero_in_range: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (fp16-representable) and integer zero per row of a group `w` [N, g].
+
+    zero_in_range=True is GPTQ's quantizer (the range always includes 0; sym: zero 8);
+    False is AutoAWQ's pseudo_quantize (plain min/max)."""
+    lo, hi = w.amin(1), w.amax(1)
+    if zero_in_range:
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)
+    if sym:
+        hi = torch.maximum(lo.abs(), hi)
+        lo = -hi
+        hi = torch.where(hi == 0, torch.ones_like(hi), hi)
+        lo = torch.where(lo == 0, -torch.ones_like(lo), lo)
+        scale = _fp16((hi - lo) / 15).clamp_min(6.2e-5)
+        return scale, torch.full_like(scale, 8.0)
+    scale = _fp16(((hi - lo) / 15).clamp_min(1e-5)).clamp_min(6.2e-5)
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    return scale, zero
+
+
+def quantize_cols(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """w [N, c] with per-row scale/zero [N] -> q [N, c] in 0..15."""
+    return torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, 15)
+
+
+def rtn(w: torch.Tensor, group: int, sym: bool, zero_in_range: bool, v1_zeros: bool = False) -> QLinear:
+    """Round-to-nearest per group of `group` input channels. w [N, K] fp32."""
+    n, k = w.shape
+    wg = w.reshape(n, k // group, group).transpose(0, 1).reshape(-1, group)  # [G*N, g]
+    s, z = minmax_params(wg, sym, zero_in_range)
+    if v1_zeros:
+        z = z.clamp(min=1)
+    q = quantize_cols(wg, s, z).view(k // group, n, group).permute(0, 2, 1).reshape(k, n)
+    return QLinear(q.int(), z.view(-1, n).int(), s.view(-1, n).half(), (torch.arange(k) // group).int())
+
+
+# ---- GPTQ -------------------------------------------------------------------------------------
+def gptq(w: torch.Tensor, H: torch.Tensor, group: int, sym: bool = True, act_order: bool = False,
+         damp_percent: float = 0.01, block: int = 128) -> QLinear:
+    """GPTQ of one linear: w [N, K] fp32, H [K, K] = 2/n Σ x xᵀ of its inputs."""
+    W = w.clone().float()
+    n, k = W.shape
+    H = H.clone().double()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    perm = torch.arange(k)
+    if act_order:  # quantize the columns with the largest activations first
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    H += torch.eye(k, dtype=H.dtype) * damp_percent * torch.mean(torch.diag(H))
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    Q = torch.zeros(n, k)
+    S = torch.zeros(k // group, n)
+    Z = torch.zeros(k // group, n)
+    block = max(group, block // group * group)  # groups never straddle a block
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
+        Err1 = torch.zeros_like(W1)
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group == 0:  # scale/zero from the group's columns as updated so far
+                s, z = minmax_params(W1[:, i:i + group], sym, zero_in_range=True)
+                if not sym:
+                    z = z.clamp(min=1)  # v1 checkpoints store zero - 1 in 4 bits
+                S[col // group], Z[col // group] = s, z
+            wcol = W1[:, i]
+            q = torch.clamp(torch.round(wcol / s) + z, 0, 15)
+            Q[:, col] = q
+            err = (wcol - (q - z) * s) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    inv = torch.argsort(perm)
+    g_idx = (torch.arange(k) // group)[inv]  # original column c sits at permuted position inv[c]
+    return QLinear(Q[:, inv].t().int().contiguous(), Z.int(), S.half(), g_idx.int())
+
+
+# ---- reference forward (fp32, dense) ---------------------------------------------------------
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+class RefModel:
+    """fp32 dense weights of a Llama-family checkpoint plus the pieces of its forward."""
+
+    def __init__(self, weights, cfg):
+        self.cfg = cfg
+        self.embed = weights.dense("model.embed_tokens.weight").float()
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            L = {m: weights.dense(p + _HF[m] + ".weight").float() for m in LINEARS}
+            for m in ("q", "k", "v"):
+                b = p + _HF[m] + ".bias"
+                L[m + "_bias"] = weights.dense(b).float() if weights.has(b) else None
+            L["in_norm"] = weights.dense(p + "input_layernorm.weight").float()
+            L["post_norm"] = weights.dense(p + "post_attention_layernorm.weight").float()
+            self.layers.append(L)
+        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.inv_freq = inv
+
+    def rope(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        f = torch.outer(torch.arange(T, dtype=torch.float32), self.inv_freq)
+        e = torch.cat([f, f], -1)
+        return e.cos(), e.sin()
+
+    def attention(self, L: dict, h: torch.Tensor, cos, sin) -> torch.Tensor:
+        """Attention core of normed input h [B, T, hidden] -> input of o_proj [B, T, H*D]."""
+        c = self.cfg
+        B, T, _ = h.shape
+        q = F.linear(h, L["q"], L["q_bias"]).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = F.linear(h, L["k"], L["k_bias"]).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = F.linear(h, L["v"], L["v_bias"]).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        half = c.head_dim // 2
+
+        def rot(x):
+            return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+        o = F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True,
+                                           enable_gqa=c.num_kv_heads != c.num_heads)
+        return o.transpose(1, 2).reshape(B, T, -1)
+
+    def mlp_act(self, L: dict, h: torch.Tensor) -> torch.Tensor:
+        return F.silu(F.linear(h, L["gate"])) * F.linear(h, L["up"])
+
+    def layer(self, L: dict, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        eps = self.cfg.rms_norm_eps
+        x = x + F.linear(self.attention(L, _rms(x, L["in_norm"], eps), cos, sin), L["o"])
+        return x + F.linear(self.mlp_act(L, _rms(x, L["post_norm"], eps)), L["down"])
+
+
+def _hessian(x: torch.Tensor) -> torch.Tensor:
+    x = x.reshape(-1, x.shape[-1]).double()
+    return 2.0 / x.shape[0] * (x.t() @ x)
+
+
+# ---- AWQ --------------------------------------------------------------------------------------
+def _awq_fake_quant(w: torch.Tensor, group: int) -> torch.Tensor:
+    n, k = w.shape
+    wg = w.reshape(-1, group)
+    s, z = minmax_params(wg, sym=False, zero_in_range=False)
+    return ((quantize_cols(wg, s, z) - z[:, None]) * s[:, None]).view(n, k)
+
+
+def _awq_search(x: torch.Tensor, ws: list[torch.Tensor], group: int, block_out: Callable, n_grid: int = 20
+                ) -> torch.Tensor:
+    """Per-input-channel scales for the linears `ws` (all fed x) minimizing the error of
+    block_out(list of weights) against the unquantized block output (AutoAWQ, duo scaling)."""
+    x_mean = x.reshape(-1, x.shape[-1]).abs().mean(0)
+    wcat = torch.cat(ws)
+    wa = wcat.abs().view(-1, group)
+    w_mean = (wa / (wa.amax(1, keepdim=True) + 1e-6)).view(wcat.shape).mean(0)
+    ref = block_out(ws)
+    best, best_s = math.inf, torch.ones_like(x_mean)
+    for r in range(n_grid):
+        a = r / n_grid
+        s = (x_mean.pow(a) / (w_mean.pow(1 - a) + 1e-4)).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        out = block_out([_awq_fake_quant(w * s, group) / s for w in ws])
+        loss = (ref - out).pow(2).mean().item()
+        if loss < best:
+            best, best_s = loss, s
+    return best_s
+
+
+def _awq_clip(w: torch.Tensor, x: torch.Tensor, group: int, n_grid: int = 20, max_shrink: float = 0.5,
+              n_tokens: int = 512) -> torch.Tensor:
+    """AutoAWQ's clipping search: per (output row, group) the max |w| that minimizes the group's
+    output error; returns w clamped to it."""
+    n, k = w.shape
+    x = x.reshape(-1, k)
+    x = x[:: max(1, x.shape[0] // n_tokens)].view(-1, k // group, group)  # [T, G, g]
+    wg = w.view(n, k // group, group)
+    out = torch.empty_like(wg)
+    for b in range(0, n, 256):
+        wb = wg[b:b + 256]
+        org_max = wb.abs().amax(-1, keepdim=True)  # [c, G, 1]
+        best_max, min_err = org_max.clone(), torch.full_like(org_max, math.inf)
+        ref = torch.einsum("tgk,cgk->cgt", x, wb)
+        for i in range(int(max_shrink * n_grid)):
+            mx = org_max * (1 - i / n_grid)
+            qw = _awq_fake_quant(torch.clamp(wb, -mx, mx).reshape(-1, k), group).view_as(wb)
+            err = (torch.einsum("tgk,cgk->cgt", x, qw) - ref).pow(2).mean(-1, keepdim=True)
+            better = err < min_err
+            min_err[better], best_max[better] = err[better], mx[better]
+        out[b:b + 256] = torch.clamp(wb, -best_max, best_max)
+    return out.view(n, k)
+
+
+def _awq_layer(ref: RefModel, L: dict, x: torch.Tensor, cos, sin, group: int, clip: bool) -> None:
+    """Scale search + folding + clipping for one layer, in place on L (weights stay fp32)."""
+    c, eps = ref.cfg, ref.cfg.rms_norm_eps
+    h = _rms(x, L["in_norm"], eps)
+    # 1) input_layernorm -> q, k, v; judged on the attention output
+    def attn_out(ws):
+        return F.linear(ref.attention({**L, "q": ws[0], "k": ws[1], "v": ws[2]}, h, cos, sin), L["o"])
+
+    s = _awq_search(h, [L["q"], L["k"], L["v"]], group, attn_out)
+    L["in_norm"] = L["in_norm"] / s
+    for m in ("q", "k", "v"):
+        L[m] = L[m] * s
+    # 2) v -> o (only without GQA: v's outputs must be o's inputs one to one)
+    a = ref.attention(L, _rms(x, L["in_norm"], eps), cos, sin)
+    if c.num_kv_heads == c.num_heads and L["v_bias"] is None:
+        s = _awq_search(a, [L["o"]], group, lambda ws: F.linear(a, ws[0]))
+        L["v"] = L["v"] / s[:, None]
+        L["o"] = L["o"] * s
+        a = a / s
+    if clip:
+        L["v"] = _awq_clip(L["v"], _rms(x, L["in_norm"], eps), group)
+        L["o"] = _awq_clip(L["o"], a, group)
+    x2 = x + F.linear(a, L["o"])
+    h2 = _rms(x2, L["post_norm"], eps)
+    # 3) post_attention_layernorm -> gate, up; judged on the MLP output
+    s = _awq_search(h2, [L["gate"], L["up"]], group,
+                    lambda ws: F.linear(F.silu(F.linear(h2, ws[0])) * F.linear(h2, ws[1]), L["down"]))
+    L["post_norm"] = L["post_norm"] / s
+    L["gate"], L["up"] = L["gate"] * s, L["up"] * s
+    h2 = _rms(x2, L["post_norm"], eps)
+    # 4) up -> down
+    act = ref.mlp_act(L, h2)
+    s = _awq_search(act, [L["down"]], group, lambda ws: F.linear(act, ws[0]))
+    L["up"] = L["up"] / s[:, None]
+    L["down"] = L["down"] * s
+    if clip:
+        L["gate"] = _awq_clip(L["gate"], h2, group)
+        L["up"] = _awq_clip(L["up"], h2, group)
+        L["down"] = _awq_clip(L["down"], ref.mlp_act(L, h2), group)
+
+
+# ---- driver -----------------------------------------------------------------------------------
+def calibration_ids(tokenizer, texts: list[str] | None, num_samples: int, seq_len: int) -> torch.Tensor:
+    """Concatenated calibration text cut into [B, seq_len] blocks (AutoAWQ style)."""
+    ids = tokenizer.encode("\n\n".join(texts or CALIBRATION))
+    if len(ids) < 64:
+        raise QuantizeError(f"calibration text is too short ({len(ids)} tokens; need at least 64)")
+    seq_len = min(seq_len, len(ids))
+    n = min(num_samples, len(ids) // seq_len)
+    return torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+
+
+def default_group_size(k_dims: list[int]) -> int:
+    """128 unless an input dim is not a multiple of it (SmolLM2: 576 = 9 * 64)."""
+    return next((g for g in (128, 64, 32) if all(k % g == 0 for k in k_dims)), 0)
+
+
+def quantize_model(src: str | Path, out: str | Path, method: str = "gptq", bits: int = 4,
+                   group_size: int | None = None, calib_texts: list[str] | None = None,
+                   num_samples: int = 128, seq_len: int = 512, act_order: bool = False, sym: bool = True,
+                   awq_clip: bool = True, keep_dequantized: bool = False,
+                   progress: Callable[[str], None] | None = None) -> QuantizeResult:
+    """Quantize a dense checkpoint (HF directory or GGUF) into a standard AWQ/GPTQ directory.
+
+    `rtn` writes a GPTQ-format checkpoint (no calibration); `sym` applies to gptq/rtn (AWQ is
+    always asymmetric, as AutoAWQ's gemm)."""
+    t0 = time.perf_counter()
+    if method not in METHODS:
+        raise QuantizeError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if bits != 4:
+        raise QuantizeError(f"--bits {bits} is not supported (only 4)")
+    weights = open_weights(src)
+    if isinstance(weights, HFWeights) and weights.quant is not None:
+        raise QuantizeError(f"{src} is already quantized ({weights.quant['quant_method']}); "
+                            "quantize the original float checkpoint")
+    cfg = weights.config
+    k_dims = [cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size]
+    if group_size is None:
+        group_size = default_group_size(k_dims)
+        if not group_size:
+            raise QuantizeError(f"no group size in 128/64/32 divides the input dims {k_dims}")
+    bad = [k for k in k_dims if k % group_size]
+    if group_size not in (32, 64, 128) or bad:
+        hint = default_group_size(k_dims)
+        raise QuantizeError(f"--group-size {group_size} does not divide the input dim(s) {bad or k_dims} "
+                            f"(supported: 32, 64, 128{'; use --group-size ' + str(hint) if hint else ''})")
+    say = progress or (lambda _msg: None)
+    if method == "awq" and act_order:
+        raise QuantizeError("--act-order applies to GPTQ only")
+    ref = RefModel(weights, cfg)
+    tok = weights.tokenizer()
+    qlinears: dict[str, QLinear] = {}
+    n_tokens = 0
+    with torch.inference_mode():
+        if method == "rtn":
+            for i, L in enumerate(ref.layers):
+                for m in LINEARS:
+                    qlinears[f"model.layers.{i}.{_HF[m]}"] = rtn(L[m], group_size, sym, zero_in_range=True,
+                                                                  v1_zeros=not sym)
+        else:
+            ids = calibration_ids(tok, calib_texts, num_samples, seq_len)
+            n_tokens = ids.numel()
+            x = ref.embed[ids]
+            cos, sin = ref.rope(ids.shape[1])
+            for i, L in enumerate(ref.layers):
+                p = f"model.layers.{i}."
+                if method == "gptq":
+                    x = _gptq_layer(ref, L, x, cos, sin, group_size, sym, act_order, qlinears, p)
+                else:
+                    _awq_layer(ref, L, x, cos, sin, group_size, awq_clip)
+                    x_next = ref.layer(L, x, cos, sin)  # AutoAWQ feeds the next layer unquantized outputs
+                    for m in LINEARS:
+                        qlinears[p + _HF[m]] = rtn(L[m], group_size, sym=False, zero_in_range=False)
+                    x = x_next
+                say(f"layer {i + 1}/{cfg.num_layers} quantized")
+    path = _write_checkpoint(weights, cfg, ref, qlinears, Path(out), method, group_size, sym, act_order)
+    deq = {k + ".weight": v.dequantize() for k, v in qlinears.items()} if keep_dequantized else {}
+    return QuantizeResult(path, method, group_size, time.perf_counter() - t0, n_tokens, deq)
+
+
+def _gptq_layer(ref: RefModel, L: dict, x: torch.Tensor, cos, sin, group: int, sym: bool, act_order: bool,
+                qlinears: dict, p: str) -> torch.Tensor:
+    """True-sequential GPTQ of one layer: each stage sees the outputs of the quantized ones."""
+    eps = ref.cfg.rms_norm_eps
+
+    def run(names: list[str], inp: torch.Tensor) -> None:
+        H = _hessian(inp)
+        for m in names:  # same input, same H
+            ql = gptq(L[m], H, group, sym, act_order)
+            qlinears[p + _HF[m]] = ql
+            L[m] = ql.dequantize()
+
+    h = _rms(x, L["in_norm"], eps)
+    run(["q", "k", "v"], h)
+    a = ref.attention(L, h, cos, sin)
+    run(["o"], a)
+    x = x + F.linear(a, L["o"])
+    h2 = _rms(x, L["post_norm"], eps)
+    run(["gate", "up"], h2)
+    act = ref.mlp_act(L, h2)
+    run(["down"], act)
+    return x + F.linear(act, L["down"])
+
+
+# ---- writing ----------------------------------------------------------------------------------
+def _to_int32(x: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(x.numpy().astype(np.int64).astype(np.uint32).view(np.int32).copy())
+
+
+def pack_awq(q: torch.Tensor) -> torch.Tensor:
+    """int [R, C] -> int32 [R, C/8], nibble i of word c = column 8c + AWQ_ORDER[i]."""
+    r, c = q.shape
+    q = q.long().view(r, c // 8, 8)[..., AWQ_ORDER]
+    return _to_int32(sum(q[..., i] << (4 * i) for i in range(8)))
+
+
+def pack_cols(q: torch.Tensor) -> torch.Tensor:
+    """int [R, C] -> int32 [R, ceil(C/8)], sequential nibbles (GPTQ qzeros)."""
+    r, c = q.shape
+    q = F.pad(q.long(), (0, -c % 8)).view(r, -1, 8)
+    return _to_int32(sum(q[..., i] << (4 * i) for i in range(8)))
+
+
+def pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """int [R, C] -> int32 [R/8, C], nibble j of row r = row 8r + j (GPTQ qweight)."""
+    r, c = q.shape
+    q = q.long().view(r // 8, 8, c)
+    return _to_int32(sum(q[:, j] << (4 * j) for j in range(8)))
+
+
+def _write_checkpoint(weights, cfg, ref: RefModel, qlinears: dict[str, QLinear], out: Path, method: str,
+                      group: int, sym: bool, act_order: bool) -> Path:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": ref.embed.half()}
+    for i, L in enumerate(ref.layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = L["in_norm"].half()
+        t[p + "post_attention_layernorm.weight"] = L["post_norm"].half()
+        for m in ("q", "k", "v"):
+            if L[m + "_bias"] is not None:
+                t[p + _HF[m] + ".bias"] = L[m + "_bias"].half()
+    t["model.norm.weight"] = weights.dense("model.norm.weight").half()
+    if not cfg.tie_word_embeddings and weights.has("lm_head.weight"):
+        t["lm_head.weight"] = weights.dense("lm_head.weight").half()
+    for name, ql in qlinears.items():
+        if method == "awq":
+            t[name + ".qweight"] = pack_awq(ql.q)
+            t[name + ".qzeros"] = pack_awq(ql.z)
+        else:
+            t[name + ".qweight"] = pack_rows(ql.q)
+            t[name + ".qzeros"] = pack_cols((ql.z - 1) & 15)  # checkpoint_format "gptq" (v1)
+            t[name + ".g_idx"] = ql.g_idx.int()
+        t[name + ".scales"] = ql.s.half()
+    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    if method == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
+              "modules_to_not_convert": None}
+    else:
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": sym,
+              "damp_percent": 0.01, "true_sequential": True, "static_groups": False, "checkpoint_format": "gptq",
+              "lm_head": False, "pack_dtype": "int32", "meta": {"quantizer": [f"localllm:{method}"]}}
+    tok = weights.tokenizer()
+    if isinstance(weights, HFWeights):
+        hf = dict(weights.raw_config)
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                  "generation_config.json"):
+            if (weights.path / f).is_file() and (weights.path / f).resolve() != (out / f).resolve():
+                shutil.copy(weights.path / f, out / f)
+    else:
+        hf = cfg.to_hf()
+        hf["bos_token_id"], hf["eos_token_id"] = tok.bos_id, tok.eos_id
+        (out / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": tok.bos_id, "eos_token_id": sorted(tok.eos_ids)}, indent=2))
+        tok.save_hf(out)
+    hf["torch_dtype"] = "float16"
+    hf["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    if method != "awq":  # older GPTQ loaders read this file
+        (out / "quantize_config.json").write_text(json.dumps(qc, indent=2))
+    return out
+
+
+# ---- evaluation -------------------------------------------------------------------------------
+def perplexity(loaded, ids: list[int], window: int = 512) -> float:
+    """exp(mean NLL) of `ids` under a LoadedModel, in non-overlapping windows."""
+    from ..config import EngineConfig
+    from ..engine.engine import LLMEngine
+    from ..engine.sequence import Sequence
+    from ..sampling import SamplingParams
+
+    eng = LLMEngine(loaded, EngineConfig(num_kv_blocks=window // 16 + 4, max_model_len=window))
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start:start + window]
+        if len(chunk) < 2:
+            break
+        seq = Sequence("ppl", chunk, SamplingParams(), 1)
+        eng.block_manager.allocate(seq, len(chunk))
+        hidden = eng.runner.forward_hidden([seq], [len(chunk)])
+        logits = loaded.model.logits(hidden).float()
+        nll += F.cross_entropy(logits[:-1], torch.tensor(chunk[1:]), reduction="sum").item()
+        count += len(chunk) - 1
+        eng.block_manager.free_seq(seq)
+    return math.exp(nll / count)
