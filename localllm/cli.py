@@ -22,6 +22,9 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="auto|cpu|cuda")]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context length (default: the model's).")]
 KvMemOpt = Annotated[Optional[float], typer.Option("--kv-memory", help="GiB of memory for the KV cache.")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
+DraftOpt = Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: a draft MODEL, 'ngram' "
+                                                                 "(prompt lookup) or 'auto' (the registry's pairing).")]
+SpecTokensOpt = Annotated[int, typer.Option("--spec-tokens", help="Initial speculative tokens per step (k).")]
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
@@ -30,11 +33,14 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def engine_config(ctx: int | None = None, kv_memory: float | None = None, threads: int | None = None, **kw):
+def engine_config(ctx: int | None = None, kv_memory: float | None = None, threads: int | None = None,
+                  draft: str | None = None, spec_tokens: int = 4, **kw):
     from .config import EngineConfig
 
+    if not 1 <= spec_tokens <= 16:
+        raise fail(f"invalid value for --spec-tokens: must be in 1..16, got {spec_tokens}", 2)
     return EngineConfig(max_model_len=ctx, kv_memory_bytes=int(kv_memory * (1 << 30)) if kv_memory else None,
-                        num_threads=threads, **kw)
+                        num_threads=threads, speculative=draft, num_speculative_tokens=spec_tokens, **kw)
 
 
 def open_engine(model: str | None, quant: str, device: str, config):
@@ -84,6 +90,8 @@ def run(
     ctx: CtxOpt = None,
     kv_memory: KvMemOpt = None,
     threads: ThreadsOpt = None,
+    draft: DraftOpt = None,
+    spec_tokens: SpecTokensOpt = 4,
 ):
     """Answer one prompt and exit: `localllm run [MODEL] PROMPT` or `echo PROMPT | localllm run`."""
     from .registry import load_registry, looks_like_model
@@ -106,7 +114,7 @@ def run(
     prompt = "\n\n".join(parts)
     params = sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [])
-    engine = open_engine(model, quant, device, engine_config(ctx, kv_memory, threads))
+    engine = open_engine(model, quant, device, engine_config(ctx, kv_memory, threads, draft, spec_tokens))
     if raw:
         request = prompt
     else:
@@ -144,6 +152,11 @@ def _stream_answer(engine, request, params, verbose: bool) -> None:
             f"prompt tokens: {last.num_prompt_tokens} ({last.num_cached_tokens} from prefix cache) | "
             f"completion tokens: {n} | TTFT: {(first - t0) * 1000:.0f} ms | decode: {decode:.1f} tok/s | "
             f"finish: {last.finish_reason}", err=True)
+        spec = engine.cache_stats()["speculative"]
+        if spec is not None:
+            typer.echo(f"speculative: {spec['accepted']}/{spec['proposed']} proposals accepted "
+                       f"({spec['acceptance_rate']:.0%}), {spec['mean_accepted_length']:.2f} tokens per verify step",
+                       err=True)
 
 
 # ---- serve ----------------------------------------------------------------------------------------
@@ -201,6 +214,132 @@ def serve(
     typer.echo(f"localllm serve: {model_id} on http://{host}:{port}/v1 (loading the model; /health is 503 "
                f"until it is ready){' - API key required' if api_key else ''}", err=True)
     code = run_server(create_app(cfg, load), host, port, log_level)
+    raise typer.Exit(code)
+
+
+# ---- pull / list / show / rm ----------------------------------------------------------------------
+def _ref(model: str | None):
+    from .registry import resolve_model
+
+    try:
+        return resolve_model(model)
+    except ValueError as e:
+        raise fail(str(e)) from None
+
+
+@app.command()
+def pull(
+    model: Annotated[str, typer.Argument(help="Alias from models.toml or hub repo org/name.")],
+    quant: Annotated[str, typer.Option("--quant", help="Variant: auto|bf16|awq|gptq|gguf (repos from models.toml).")]
+        = "auto",
+    revision: Annotated[Optional[str], typer.Option("--revision", help="Branch, tag or commit.")] = None,
+):
+    """Download a model into the Hugging Face cache (resumable; only what is missing)."""
+    from .hub import HubError, variant_for
+    from .hub import pull as hub_pull
+
+    ref = _ref(model)
+    try:
+        v = variant_for(ref, quant, revision)
+        result = hub_pull(v.repo, v.revision, v.filename)
+    except HubError as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        typer.echo("\nError: interrupted; run the same command again to resume the download", err=True)
+        raise typer.Exit(130) from None
+    typer.echo(result.summary())
+
+
+@app.command("list")
+def list_(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False):
+    """Models from models.toml and what is downloaded (embedded, HF cache)."""
+    import json
+
+    from .models_cli import format_table, list_models
+
+    rows = list_models()
+    typer.echo(json.dumps(rows, indent=2) if as_json else format_table(rows))
+
+
+@app.command()
+def show(
+    model: ModelArg = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", help="Show this message rendered with the chat "
+                                                                   "template, and its token ids.")] = None,
+    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt for --prompt.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+):
+    """What a model is: architecture, size, quantization, chat template, stop tokens (no weights loaded)."""
+    import json
+
+    from .chat import ChatTemplateError
+    from .hub import HubError
+    from .model.loader import ModelLoadError
+    from .models_cli import describe, format_show
+
+    try:
+        info = describe(model, prompt, system)
+    except (HubError, ModelLoadError, ChatTemplateError, ValueError) as e:
+        raise fail(str(e)) from None
+    typer.echo(json.dumps(info, indent=2, ensure_ascii=False) if as_json else format_show(info))
+
+
+@app.command()
+def rm(model: Annotated[str, typer.Argument(help="Alias or hub repo org/name.")]):
+    """Delete a downloaded model (all its variants and revisions) from the Hugging Face cache."""
+    from .hub import HubError
+    from .models_cli import remove
+
+    try:
+        lines = remove(model)
+    except (HubError, ValueError) as e:
+        raise fail(str(e)) from None
+    typer.echo("\n".join(lines))
+
+
+# ---- chat -----------------------------------------------------------------------------------------
+@app.command()
+def chat(
+    model: ModelArg = None,
+    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", "-n", help="Max new tokens per reply.")] = None,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option("--top-p")] = 0.95,
+    top_k: Annotated[int, typer.Option("--top-k", help="0 = off.")] = 0,
+    seed: Annotated[Optional[int], typer.Option(help="Same seed, same replies.")] = None,
+    history: Annotated[bool, typer.Option("--history/--no-history", help="Keep input history in "
+                                                                         "$LOCALLLM_HOME/history.")] = True,
+    quant: QuantOpt = "auto",
+    device: DeviceOpt = "auto",
+    ctx: CtxOpt = None,
+    kv_memory: KvMemOpt = None,
+    threads: ThreadsOpt = None,
+    draft: DraftOpt = None,
+    spec_tokens: SpecTokensOpt = 4,
+):
+    """Interactive chat (/? for commands). With stdin not a terminal, reads one message per line."""
+    from .repl import ChatSession, history_path, run_pipe, run_repl
+
+    sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    engine = open_engine(model, quant, device, engine_config(ctx, kv_memory, threads, draft, spec_tokens))
+    name = engine.loaded.extra.get("name", model or "")
+    interactive = sys.stdin.isatty()
+
+    def note(s: str) -> None:
+        (sys.stdout if interactive else sys.stderr).write(s)
+        (sys.stdout if interactive else sys.stderr).flush()
+
+    session = ChatSession(engine, name, system, note=note, max_tokens=max_tokens, temperature=temperature,
+                          top_p=top_p, top_k=top_k, seed=seed)
+    try:
+        if not interactive:
+            code = run_pipe(session, sys.stdin)
+        else:
+            banner = (f"localllm chat: {name} ({engine.loaded.precision}, context {engine.max_model_len}). "
+                      '/? for help, """ for multi-line input, Ctrl+D or /bye to exit.')
+            code = run_repl(session, history=history_path() if history else None, banner=banner)
+    except KeyboardInterrupt:
+        code = 130
     raise typer.Exit(code)
 
 

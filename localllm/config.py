@@ -103,4 +103,6 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int | None = None
     seed: int = 0
+    speculative: str | None = None  # None | "ngram" | a draft model (alias, path, repo) | "auto"
+    num_speculative_tokens: int = 4  # the initial (and largest) k
     extra: dict = field(default_factory=dict)

@@ -12,18 +12,32 @@ from .sampling import SamplingParams
 
 def build_engine(model: str | None = None, precision: str = "auto", device: str = "auto",
                  config: EngineConfig | None = None) -> LLMEngine:
-    """Resolve a MODEL argument (alias, org/name, directory, .gguf), fetch it if needed, load it."""
+    """Resolve a MODEL argument (alias, org/name, directory, .gguf), fetch it if needed, load it
+    (and its draft model when `config.speculative` names one)."""
+    config = config or EngineConfig()
+    dev = pick_device(device)
+    ref, loaded = _load(model, precision, dev, config.max_model_len)
+    draft = None
+    spec = config.speculative
+    if spec not in (None, "ngram"):
+        if spec == "auto":
+            spec = ref.spec.draft if ref.spec is not None else None
+            if spec is None:
+                raise ValueError(f"no draft model is paired with {ref.name} in models.toml; "
+                                 "pass --draft MODEL or --draft ngram")
+        _, draft = _load(spec, "auto", dev, config.max_model_len)
+    return LLMEngine(loaded, config, draft)
+
+
+def _load(model: str | None, precision: str, device: str, max_model_len: int | None):
     from .hub import ensure_local
     from .model.loader import load_model
     from .registry import resolve_model
 
-    config = config or EngineConfig()
     ref = resolve_model(model)
-    path = ensure_local(ref)
-    dev = pick_device(device)
-    loaded = load_model(path, precision, dev, config.max_model_len)
+    loaded = load_model(ensure_local(ref), precision, device, max_model_len)
     loaded.extra["name"] = ref.name
-    return LLMEngine(loaded, config)
+    return ref, loaded
 
 
 @dataclass
@@ -37,8 +51,12 @@ class CompletionOutput:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, precision: str = "auto", device: str = "auto", **engine_kwargs):
-        self.engine = build_engine(model, precision, device, EngineConfig(**engine_kwargs))
+    def __init__(self, model: str | None = None, precision: str = "auto", device: str = "auto",
+                 draft: str | None = None, spec_tokens: int = 4, **engine_kwargs):
+        """`draft`: a draft model (alias, path, repo), "ngram" for prompt lookup, or "auto" for
+        the registry's pairing; `spec_tokens`: the initial number of speculative tokens."""
+        config = EngineConfig(speculative=draft, num_speculative_tokens=spec_tokens, **engine_kwargs)
+        self.engine = build_engine(model, precision, device, config)
         self.tokenizer = self.engine.tokenizer
 
     def _run(self, prompts: list, params: SamplingParams | list[SamplingParams] | None) -> list[CompletionOutput]:

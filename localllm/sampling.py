@@ -32,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the chosen)
     min_tokens: int = 0
+    spec_tokens: int | None = None  # speculative tokens per step (None: the engine's; 0: off)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -65,6 +66,8 @@ class SamplingParams:
             raise SamplingError("stop", "must be a non-empty string or a list of non-empty strings")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise SamplingError("logprobs", f"must be an integer in 0..20, got {self.logprobs!r}")
+        if self.spec_tokens is not None and (not isinstance(self.spec_tokens, int) or not 0 <= self.spec_tokens <= 16):
+            raise SamplingError("spec_tokens", f"must be an integer in 0..16, got {self.spec_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise SamplingError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
 

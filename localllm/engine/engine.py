@@ -19,6 +19,7 @@ from .block_manager import BlockManager
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import SeqStatus, Sequence
+from .speculative import AdaptiveK, DraftProposer, NgramProposer, SpecStats, spec_eligible
 
 
 class ContextLengthError(ValueError):
@@ -85,7 +86,7 @@ class _Output:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, draft: LoadedModel | None = None):
         self.loaded = loaded
         self.config = config = config or EngineConfig()
         self.tokenizer = loaded.tokenizer
@@ -100,6 +101,9 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, config.block_size, self.num_blocks, loaded.kv_dtype,
                                   loaded.eos_ids)
         self.eos_ids = loaded.eos_ids
+        self.proposer = self._make_proposer(draft)
+        self.adaptive = AdaptiveK(config.num_speculative_tokens)
+        self.spec_stats = SpecStats()
         self._seqs: dict[str, Sequence] = {}
         self._outputs: dict[str, _Output] = {}
         self._ids = itertools.count()
@@ -123,6 +127,21 @@ class LLMEngine:
         if blocks < min_blocks:
             blocks = min_blocks  # one full-length sequence must always fit
         return int(blocks)
+
+    def _make_proposer(self, draft: LoadedModel | None):
+        spec = self.config.speculative
+        if draft is not None:
+            if draft.tokenizer.fingerprint() != self.tokenizer.fingerprint():
+                raise ValueError(f"draft model {draft.extra.get('name', draft.source)} does not share the target's "
+                                 "tokenizer (vocabulary or token ids differ); pick a draft from the same family")
+            bm = BlockManager(self.num_blocks, self.config.block_size, enable_prefix_caching=False)
+            runner = ModelRunner(draft.model, self.config.block_size, self.num_blocks, draft.kv_dtype, draft.eos_ids)
+            return DraftProposer(runner, bm)
+        if spec == "ngram":
+            return NgramProposer()
+        if spec:
+            raise ValueError(f"speculative={spec!r} needs a loaded draft model (or use 'ngram')")
+        return None
 
     # ---- requests -------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
@@ -180,8 +199,14 @@ class LLMEngine:
             self._outputs.pop(request_id, None)
             if seq is None or seq.is_finished:
                 return False
-            self.scheduler.finish(seq, "abort")
+            self._release(seq, "abort")
             return True
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if self.proposer is not None:
+            self.proposer.release(seq.request_id)
+            self.adaptive.forget(seq.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -197,30 +222,68 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         with self._lock:
-            batch = self.scheduler.schedule()
+            proposals = self._propose() if self.proposer is not None else {}
+            batch = self.scheduler.schedule({s: len(p.tokens) for s, p in proposals.items()})
             if not batch.seqs:
                 return []
             self.stats["steps"] += 1
             self.stats["max_batch_size"] = max(self.stats["max_batch_size"], len(batch.seqs))
             self.stats["preemptions"] = self.scheduler.num_preemptions
-            for seq in batch.seqs:
-                if seq.num_computed_tokens == seq.num_cached_tokens and seq.num_preemptions == 0 \
-                        and not seq.output_ids and not getattr(seq, "_counted", False):
+            verify = {}
+            for seq, n in zip(batch.seqs, batch.num_new_tokens):
+                if not seq.counted:  # first scheduling of this request (not after a preemption)
+                    seq.counted = True
                     self.stats["prompt_tokens"] += seq.num_prompt_tokens
                     self.stats["cached_tokens"] += seq.num_cached_tokens
-                    seq._counted = True
-            tokens = self.runner.step(batch.seqs, batch.num_new_tokens)
+                p = proposals.get(seq)
+                if p is not None and n == 1 + len(p.tokens):
+                    seq.token_ids.extend(p.tokens)  # verified (and rolled back) below
+                    verify[seq] = p
+            results = self.runner.step(batch.seqs, batch.num_new_tokens, verify)
             outs = []
-            for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, tokens):
-                seq.num_computed_tokens += n
-                self.block_manager.hash_full_blocks(seq)
-                if tok is None:
-                    continue
-                outs.append(self._append(seq, [tok]))
+            for seq, n, new in zip(batch.seqs, batch.num_new_tokens, results):
+                if seq in verify:
+                    self._rollback(seq, verify[seq].tokens, new)
+                else:
+                    seq.num_computed_tokens += n
+                if new is None:  # a prompt chunk: its full blocks become reusable now
+                    self.block_manager.hash_full_blocks(seq)
+                else:
+                    outs.append(self._append(seq, new))
             return outs
 
+    def _propose(self) -> dict:
+        running = self.scheduler.running
+        cands, ks = [], []
+        for s in running:
+            if s.num_tokens - s.num_computed_tokens != 1 or not spec_eligible(s.params):
+                continue
+            room = min(s.max_tokens - s.num_output_tokens, self.max_model_len - s.num_tokens) - 1
+            k = min(self.adaptive.choose(s.request_id, len(running)), room,
+                    s.params.spec_tokens if s.params.spec_tokens is not None else room)
+            if k > 0:
+                cands.append(s)
+                ks.append(k)
+        if not cands:
+            return {}
+        return {s: p for s, p in zip(cands, self.proposer.propose(cands, ks)) if p.tokens}
+
+    def _rollback(self, seq: Sequence, drafts: list[int], new: list[int]) -> None:
+        """Keep the KV of the pending token and the accepted drafts; drop the rest."""
+        accepted = len(new) - 1
+        del seq.token_ids[seq.num_tokens - len(drafts):]
+        seq.num_computed_tokens = seq.num_tokens + accepted
+        self.block_manager.truncate(seq, seq.num_computed_tokens)
+        st = self.spec_stats
+        st.proposed += len(drafts)
+        st.accepted += accepted
+        st.verify_steps += 1
+        st.emitted += len(new)
+        self.adaptive.update(seq.request_id, len(drafts), accepted)
+
     def _append(self, seq: Sequence, new: list[int]) -> RequestOutput:
-        """Add sampled tokens to a sequence, decide whether it is finished, make its output."""
+        """Add sampled (or verified) tokens to a sequence, decide whether it is finished, make
+        its output."""
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         p = seq.params
@@ -235,6 +298,9 @@ class LLMEngine:
                 reason = "length"
                 break
         seq.token_ids.extend(kept)
+        # a stop inside accepted drafts leaves KV past the kept tokens: it is never reused
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+        self.block_manager.hash_full_blocks(seq)  # before a finish frees them: the next turn reuses them
         self.stats["generated_tokens"] += len(kept)
         out = self._outputs[seq.request_id]
         visible = kept[:-1] if reason == "stop" else kept  # the stop token itself is not text
@@ -242,7 +308,7 @@ class LLMEngine:
         if out.stopped:
             reason = "stop"
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self._release(seq, reason)
             self._seqs.pop(seq.request_id, None)
             self._outputs.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, delta, out.visible, kept, seq.output_ids, reason is not None,
@@ -266,6 +332,7 @@ class LLMEngine:
     def cache_stats(self) -> dict:
         s = self.stats
         return {**s, "hit_rate": s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
+                "speculative": self.spec_stats.as_dict() if self.proposer is not None else None,
                 "kv_blocks_total": self.num_blocks, "kv_blocks_used": self.block_manager.num_used_blocks,
                 "running": self.num_running, "waiting": self.num_waiting}
 

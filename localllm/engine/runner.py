@@ -11,8 +11,9 @@ import torch
 
 from ..model.attention import AttnMeta
 from ..model.llama import LlamaModel
-from ..sampling import apply_penalties, sample_row, top_logprobs
+from ..sampling import apply_penalties, filter_probs, sample_row, top_logprobs
 from .sequence import Sequence
+from .speculative import accept_greedy, accept_sampling
 
 
 class ModelRunner:
@@ -93,20 +94,29 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence], counts: list[int]) -> list[int | None]:
-        """Run one flattened batch. Returns the sampled token of each sequence whose pending
-        tokens were all computed this step, None for a prompt chunk still prefilling."""
+    def step(self, seqs: list[Sequence], counts: list[int], verify: dict | None = None) -> list[list[int] | None]:
+        """Run one flattened batch. Returns, per sequence, the tokens to append: one sampled
+        token when its pending tokens were all computed, the verified run for a speculative
+        sequence (`verify[seq]` is its Proposal), None for a prompt chunk still prefilling."""
         hidden = self.forward_hidden(seqs, counts)
+        out: list[list[int] | None] = [None] * len(seqs)
         last, who = [], []
-        idx = 0
+        end = 0
         for i, (seq, n) in enumerate(zip(seqs, counts)):
-            idx += n
-            if seq.num_computed_tokens + n >= seq.num_tokens:
-                last.append(idx - 1)
+            end += n
+            if verify and seq in verify:
+                out[i] = self._verify(hidden[end - n:end], seq, verify[seq])
+            elif seq.num_computed_tokens + n >= seq.num_tokens:
+                last.append(end - 1)
                 who.append(i)
-        out: list[int | None] = [None] * len(seqs)
         if who:
-            toks = self.sample(hidden[last], [seqs[i] for i in who])
-            for i, t in zip(who, toks):
-                out[i] = t
+            for i, t in zip(who, self.sample(hidden[last], [seqs[i] for i in who])):
+                out[i] = [t]
         return out
+
+    def _verify(self, rows: torch.Tensor, seq: Sequence, proposal) -> list[int]:
+        head = self.model.head
+        if seq.params.greedy:
+            return accept_greedy(proposal.tokens, head.greedy(rows).tolist())
+        p = torch.stack([filter_probs(r, seq.params) for r in head(rows)])
+        return accept_sampling(proposal.tokens, p, proposal.q, seq.generator or self.default_generator)

@@ -35,6 +35,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    counted: bool = False  # prompt counted in the engine's cache statistics
     logprobs: list[dict] = field(default_factory=list)
 
     def __post_init__(self):

@@ -286,18 +286,20 @@ class LoadedModel:
 
 
 def _resolve_precision(precision: str, weights, device: str) -> tuple[str, torch.dtype]:
-    """-> (linear mode, activation dtype)."""
+    """-> (linear mode, activation dtype). On CPU the int4/int8 kernels take bf16 inputs but the
+    residual stream, attention and KV cache stay fp32: that keeps results independent of how
+    requests are batched (bf16 attention flipped greedy tokens between batch shapes)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     native_int4 = isinstance(weights, GGUFWeights) and weights.int4("model.layers.0.mlp.gate_proj.weight") is not None
     quantized = isinstance(weights, HFWeights) and weights.quant is not None
     if precision == "auto":
         if native_int4 or quantized:
-            return "int4", (torch.bfloat16 if device == "cpu" else torch.float16)
+            return "int4", (torch.float32 if device == "cpu" else torch.float16)
         return ("float32", torch.float32) if device == "cpu" else ("bfloat16", torch.bfloat16)
     if precision in DTYPES:
         return precision, DTYPES[precision]
-    return precision, (torch.bfloat16 if device == "cpu" else torch.float16)
+    return precision, (torch.float32 if device == "cpu" else torch.float16)
 
 
 def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device: str):
@@ -356,5 +358,5 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     head = LMHead(head_w, fast_greedy=fast_head and mode in ("int4", "int8") and device == "cpu", device=device)
     model = LlamaModel(cfg, embed, layers, norm, head, act_dtype, max_len, device)
     eos = set(tokenizer.eos_ids) | weights.extra_eos_ids()
-    return LoadedModel(model, tokenizer, cfg, eos, mode if mode != "int4" else "int4 (bf16 activations)"
-                       if device == "cpu" else "int4", act_dtype, str(path), {"max_model_len": max_len})
+    desc = "int4 weights, bf16 matmul inputs, fp32 activations" if mode == "int4" and device == "cpu" else mode
+    return LoadedModel(model, tokenizer, cfg, eos, desc, act_dtype, str(path), {"max_model_len": max_len})
