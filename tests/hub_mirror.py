@@ -22,7 +22,7 @@ import re
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -71,7 +71,7 @@ class HubMirror:
         self.stalled = threading.Event()  # set once a stalled response has sent its bytes
         self._lock = threading.Lock()
         handler = functools.partial(_Handler, self)
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server = _Server(("127.0.0.1", 0), handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -96,6 +96,14 @@ class HubMirror:
     def gets(self, fragment: str = "/resolve/") -> list[tuple[str, str, dict]]:
         """GET requests whose path contains `fragment` (default: file downloads)."""
         return [r for r in list(self.requests) if r[0] == "GET" and fragment in r[1]]
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):  # clients that hang up are normal here
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -273,7 +281,3 @@ def gguf_repo(root: Path) -> Path:
     return d
 
 
-@dataclass
-class MirrorSetup:
-    mirror: HubMirror
-    env: dict = field(default_factory=dict)
