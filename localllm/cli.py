@@ -343,6 +343,31 @@ def chat(
     raise typer.Exit(code)
 
 
+@app.command()
+def bench(
+    model: ModelArg = None,
+    quant: QuantOpt = "auto",
+    runs: Annotated[int, typer.Option(help="Runs per figure (the median is reported).")] = 5,
+    quick: Annotated[bool, typer.Option("--quick", help="CI-sized: short prompts, few runs.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    threads: ThreadsOpt = None,
+):
+    """Measure prefill, decode, batching, prefix-cache and speculative speed on this machine."""
+    import json
+
+    from .bench import BenchConfig, render, run_bench
+
+    if runs < 1:
+        raise fail("invalid value for --runs: must be >= 1", 2)
+    cfg = BenchConfig.quick() if quick else BenchConfig(runs=runs)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    result = run_bench(model, quant, cfg, threads, log=lambda m: typer.echo(m, err=True))
+    typer.echo(json.dumps(result, indent=2) if as_json else render(result))
+
+
 @app.callback()
 def _root() -> None:
     """Run large language models locally."""
