@@ -298,17 +298,12 @@ class Generation:
             return APIError(400, f"{self.prompt_param}: {e}", param=self.prompt_param)
         return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
 
-    async def outputs(self, request: Request | None = None) -> AsyncIterator[tuple[int, Any]]:
-        """(choice index, RequestOutput) until every choice finished. With `request`, a client that
-        disconnects (non-streaming) is noticed within a second and its requests aborted."""
+    async def outputs(self) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, RequestOutput) until every choice finished (or the client went away)."""
         while len(self.finals) < len(self.jobs):
-            try:
-                i, item = await asyncio.wait_for(self.queue.get(), 1.0) if request else await self.queue.get()
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self.close()
-                    return
-                continue
+            i, item = await self.queue.get()
+            if i is None:  # see watch_disconnect
+                return
             if isinstance(item, BaseException):
                 self._finish(i, None)
                 raise self._api_error(item)
@@ -320,6 +315,25 @@ class Generation:
                 self._finish(i, item.finish_reason)
             yield i, item
         self.state.metrics.e2e.observe(time.perf_counter() - self.t0)
+
+    async def watch_disconnect(self, request: Request) -> None:
+        """For non-streaming answers: abort at once when the client hangs up (streams get this from
+        Starlette, which cancels the event generator)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.close()
+        self.queue.put_nowait((None, None))
+
+    async def collect(self, request: Request) -> bool:
+        """Run to the end; False if the client disconnected first."""
+        watcher = asyncio.create_task(self.watch_disconnect(request))
+        try:
+            async for _ in self.outputs():
+                pass
+        finally:
+            watcher.cancel()
+            self.close()
+        return len(self.finals) == len(self.jobs)
 
     def _finish(self, i: int, reason: str | None) -> None:
         if i in self.live:
@@ -515,12 +529,7 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _stream(gen, _chat_events(gen, rid, created, name, include_usage, body.logprobs, token_text))
-        try:
-            async for _ in gen.outputs(request):
-                pass
-        finally:
-            gen.close()
-        if len(gen.finals) < len(gen.jobs):  # the client went away
+        if not await gen.collect(request):  # the client went away
             return Response(status_code=499)
         choices = [oai.chat_choice(i, o.text, o.finish_reason,
                                    oai.chat_logprobs(o.logprobs, token_text) if body.logprobs else None)
@@ -557,12 +566,7 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _stream(gen, _completion_events(gen, rid, created, name, include_usage, want_lp, token_text))
-        try:
-            async for _ in gen.outputs(request):
-                pass
-        finally:
-            gen.close()
-        if len(gen.finals) < len(gen.jobs):
+        if not await gen.collect(request):
             return Response(status_code=499)
         choices = [oai.completion_choice(i, o.text, o.finish_reason,
                                          oai.completion_logprobs(o.logprobs, token_text) if want_lp else None)

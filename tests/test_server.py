@@ -371,3 +371,15 @@ def test_sixteen_concurrent_streams_are_batched(server):
     m = server.metrics()
     assert m["localllm_max_batch_size"] >= 4  # they shared engine steps
     assert m["localllm_kv_blocks_used"] == 0 and m["localllm_num_requests_in_flight"] == 0
+
+
+def test_disconnect_while_waiting_for_non_streamed_answer_aborts(server):
+    aborted = server.metrics()['localllm_requests_total{finish_reason="abort"}']
+    with pytest.raises(httpx.TimeoutException):  # the client gives up and hangs up
+        post_timeout = httpx.Timeout(60, read=1.0)
+        httpx.post(server.base + "/v1/completions", timeout=post_timeout,
+                   json={"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True})
+    assert wait_for(lambda: server.metrics()["localllm_num_requests_running"] == 0, 10)
+    m = server.metrics()
+    assert m["localllm_kv_blocks_used"] == 0
+    assert m['localllm_requests_total{finish_reason="abort"}'] == aborted + 1
