@@ -1,0 +1,174 @@
+"""`localllm chat`: the ChatSession logic with the real default model, the prompt-toolkit loop
+through a pipe input, and the pipe (non-TTY) mode of the real CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import make_engine
+
+from localllm.repl import ChatSession, run_pipe, run_repl
+
+
+@pytest.fixture(scope="module")
+def engine(int4_model):
+    return make_engine(int4_model)
+
+
+@pytest.fixture
+def session(engine):
+    out, notes = [], []
+    s = ChatSession(engine, "smollm2-135m", out=out.append, note=notes.append, temperature=0.0, max_tokens=6)
+    s.outputs, s.notes = out, notes
+    return s
+
+
+def text(chunks: list[str]) -> str:
+    return "".join(chunks)
+
+
+def test_multiline_input(session):
+    assert session.feed('"""') is None and session.in_block
+    assert session.feed("first line") is None
+    assert session.feed("second line") is None
+    assert session.feed('"""') == "first line\nsecond line" and not session.in_block
+    assert session.feed('"""one-liner"""') == "one-liner"
+    assert session.feed('"""start') is None and session.feed('end"""') == "start\nend"
+    assert session.feed("plain") == "plain"
+
+
+def test_slash_commands(session, engine):
+    requests = engine.cache_stats()["requests"]
+    assert session.handle("/foo bar") is True
+    assert "Unknown command '/foo'" in text(session.notes)
+    assert engine.cache_stats()["requests"] == requests and session.messages == []  # never sent to the model
+    session.handle("/?")
+    assert "/set NAME VALUE" in text(session.outputs) and '"""' in text(session.outputs)
+    session.handle("/set temperature 0.3")
+    session.handle("/set top-k 5")
+    session.handle("/set max_tokens none")
+    assert (session.settings["temperature"], session.settings["top_k"], session.settings["max_tokens"]) == (0.3, 5, None)
+    session.notes.clear()
+    session.handle("/set temperature -1")
+    session.handle("/set top_p 2")
+    session.handle("/set top_k lots")
+    session.handle("/set colour blue")
+    n = text(session.notes)
+    assert "invalid value for temperature" in n and "invalid value for top_p" in n and "not an integer" in n
+    assert "usage: /set" in n
+    assert (session.settings["temperature"], session.settings["top_p"]) == (0.3, 0.95)  # bad values not kept
+    session.handle("/system You are terse.")
+    assert session.conversation() == [{"role": "system", "content": "You are terse."}]
+    session.outputs.clear()
+    session.handle("/show")
+    shown = text(session.outputs)
+    assert "model: smollm2-135m" in shown and "temperature: 0.3" in shown and "You are terse." in shown
+    assert session.handle("/stats") and "no reply yet" in text(session.outputs)
+    assert session.handle("/bye") is False and session.handle("/exit") is False
+
+
+def test_second_turn_is_served_from_prefix_cache(session):
+    session.handle("Name one colour.")
+    first = session.last
+    assert first.completion_tokens > 0 and session.messages[-1]["role"] == "assistant"
+    session.handle("And another one?")
+    second = session.last
+    assert second.prompt_tokens > first.prompt_tokens
+    assert second.cached_tokens >= 16 * (first.prompt_tokens // 16) > 0  # every full block of turn 1's prompt
+    session.outputs.clear()
+    session.handle("/stats")
+    assert f"prompt tokens: {second.prompt_tokens} ({second.cached_tokens} from prefix cache)" in text(session.outputs)
+    assert "tok/s" in text(session.outputs) and "TTFT" in text(session.outputs)
+
+
+@pytest.mark.parametrize("how", ["flag", "keyboard-interrupt"])
+def test_ctrl_c_during_a_reply_keeps_the_session(session, engine, how):
+    session.settings["max_tokens"] = 60
+    seen = []
+
+    def out(s):
+        seen.append(s)
+        if len(seen) == 3:  # Ctrl-C arrives while the reply streams
+            if how == "flag":
+                session.interrupt.set()  # what the REPL's SIGINT handler does
+            else:
+                raise KeyboardInterrupt
+
+    session.out = out
+    session.handle("Write a long story about a dragon.")
+    assert session.last.interrupted and session.last.finish_reason == "interrupted"
+    assert session.last.completion_tokens < 60
+    assert session.messages[-1]["role"] == "assistant" and session.messages[-1]["content"]  # partial reply kept
+    assert "reply stopped" in text(session.notes)
+    assert not engine.has_unfinished() and engine.num_running == 0  # the request was aborted, blocks freed
+    session.out = session.outputs.append
+    session.settings["max_tokens"] = 4
+    session.handle("Thanks.")  # the session goes on
+    assert not session.last.interrupted and len(session.messages) == 4
+
+
+def test_save_load_retry_undo(session, tmp_path):
+    session.handle("/system Be brief.")
+    session.handle("Say hi.")
+    saved = [dict(m) for m in session.messages]
+    f = tmp_path / "conv.json"
+    session.handle(f"/save {f}")
+    data = json.loads(f.read_text())
+    assert data["messages"] == saved and data["system"] == "Be brief." and data["model"] == "smollm2-135m"
+    session.handle("/clear")
+    assert session.messages == [] and session.system == "Be brief."
+    session.system = None
+    session.handle(f"/load {f}")
+    assert session.messages == saved and session.system == "Be brief."
+    session.handle("/retry")
+    assert len(session.messages) == 2 and session.messages[0] == saved[0] and session.last is not None
+    session.handle("/undo")
+    assert session.messages == []
+    session.notes.clear()
+    session.handle("/undo")
+    session.handle("/retry")
+    (tmp_path / "bad.json").write_text('{"messages": [{"role": "wizard", "content": 1}]}')
+    session.handle(f"/load {tmp_path / 'bad.json'}")
+    session.handle(f"/load {tmp_path / 'missing.json'}")
+    n = text(session.notes)
+    assert "nothing to undo" in n and "nothing to retry" in n and "expected" in n and "cannot read" in n
+
+
+def test_prompt_toolkit_loop_through_a_pipe(session, tmp_path):
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    hist = tmp_path / "history"
+    with create_pipe_input() as inp:
+        inp.send_text('"""\nline one\nline two\n"""\n')
+        inp.send_text("\x03")  # Ctrl-C on an empty line: a hint, not an exit
+        inp.send_text("/foo\n/stats\n")
+        inp.send_text("\x04")  # Ctrl-D: leave
+        code = run_repl(session, input=inp, output=DummyOutput(), history=hist)
+    assert code == 0
+    assert session.messages[0] == {"role": "user", "content": "line one\nline two"}
+    n = text(session.notes)
+    assert "Use Ctrl+D or /bye to exit." in n and "Unknown command '/foo'" in n
+    assert "from prefix cache" in text(session.outputs)
+    saved = hist.read_text()
+    assert "/stats" in saved and "line one" in saved  # history persists across sessions
+
+
+def test_pipe_mode_reads_lines(session):
+    code = run_pipe(session, iter(['"""\n', "a\n", 'b"""\n', "/show\n", "/bye\n", "never sent\n"]))
+    assert code == 0 and session.messages[0]["content"] == "a\nb" and len(session.messages) == 2
+    assert run_pipe(session, iter(['"""\n', "unterminated\n"])) == 1
+
+
+def test_chat_cli_from_a_pipe(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCALLLM_HOME": str(tmp_path)}
+    env.pop("LOCALLLM_MODELS", None)
+    r = subprocess.run([sys.executable, "-m", "localllm.cli", "chat", "-n", "4", "--temperature", "0"],
+                       input="Hello!\nWhat did I just say?\n/stats\n/foo\n", capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    stats = [line for line in r.stdout.splitlines() if line.startswith("prompt tokens:")]
+    assert len(stats) == 1 and "(0 from prefix cache)" not in stats[0]  # turn 2 hit the cache
+    assert "Unknown command '/foo'" in r.stderr and "\x1b" not in r.stdout
