@@ -222,3 +222,17 @@ def test_seed_reproducible_and_params_validated(tiny_model):
         with pytest.raises(SamplingError) as e:
             SamplingParams(**bad)
         assert e.value.param == next(iter(bad))
+
+
+def test_kv_cache_sized_from_memory_budget(tiny_model):
+    from localllm.config import EngineConfig
+    from localllm.engine.engine import LLMEngine
+
+    per_token = tiny_model.config.kv_bytes_per_token(4)  # fp32 cache on CPU
+    eng = LLMEngine(tiny_model, EngineConfig(kv_memory_bytes=per_token * 16 * 100))
+    assert eng.num_blocks == 100
+    auto = LLMEngine(tiny_model, EngineConfig(max_num_seqs=4))
+    assert auto.num_blocks * 16 >= 4 * auto.max_model_len  # capped by what 4 full contexts need
+    assert auto.num_blocks * 16 <= 4 * auto.max_model_len + 32
+    with pytest.raises(ValueError, match="kv-memory"):
+        LLMEngine(tiny_model, EngineConfig(kv_memory_bytes=per_token * 16))

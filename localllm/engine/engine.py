@@ -113,20 +113,61 @@ class LLMEngine:
 
     # ---- sizing ---------------------------------------------------------------------------
     def _blocks_from_memory(self) -> int:
+        """KV blocks from the memory left after the weights (already loaded) and the peak
+        activations of the largest step; `kv_memory_bytes` overrides the computation."""
         cfg, c = self.config, self.model_config
         per_block = c.kv_bytes_per_token(self.loaded.kv_dtype.itemsize) * cfg.block_size
+        device = self.loaded.model.device
         if cfg.kv_memory_bytes:
             budget = cfg.kv_memory_bytes
         else:
-            free = available_memory(self.loaded.model.device)
-            # CPU: leave most RAM to the user; the KV need of max_num_seqs full contexts caps it
-            budget = int(free * (cfg.memory_utilization if self.loaded.model.device != "cpu" else 0.25))
-            budget = min(budget, 4 << 30, cfg.max_num_seqs * self.max_model_len * per_block // cfg.block_size)
+            free = available_memory(device) - self._activation_peak()
+            # CPU: RAM is shared with everything else the user runs, so take a quarter of it
+            share = cfg.memory_utilization if device != "cpu" else 0.25
+            # no point in more than max_num_seqs full-length contexts
+            budget = min(int(free * share), cfg.max_num_seqs * self.max_model_len * per_block // cfg.block_size)
         blocks = budget // per_block
         min_blocks = -(-self.max_model_len // cfg.block_size) + 1  # + the null block
         if blocks < min_blocks:
+            if cfg.kv_memory_bytes:
+                raise ValueError(f"--kv-memory {cfg.kv_memory_bytes / 2**30:.2f} GiB holds {blocks * cfg.block_size} "
+                                 f"tokens, less than one {self.max_model_len}-token context; raise it or lower --ctx")
             blocks = min_blocks  # one full-length sequence must always fit
         return int(blocks)
+
+    def _activation_peak(self) -> int:
+        """Bytes the largest step needs besides weights and KV. Measured on a GPU by a dry run;
+        estimated on CPU (fp32 hidden, qkv, MLP and attention buffers for the token budget)."""
+        c, T = self.model_config, self.config.max_num_batched_tokens
+        per_token = 4 * (4 * c.hidden_size + 2 * c.intermediate_size
+                         + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+        estimate = T * per_token + self.config.max_num_seqs * c.vocab_size * 4
+        if self.loaded.model.device == "cpu":
+            return estimate
+        return max(estimate, self._measure_activation_peak())
+
+    def _measure_activation_peak(self) -> int:
+        from ..model.attention import AttnMeta
+
+        model, T, bs = self.loaded.model, self.config.max_num_batched_tokens, self.config.block_size
+        dev = torch.device(model.device)
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        nblocks = -(-T // bs) + 1
+        caches = model.new_kv_cache(nblocks, bs, self.loaded.kv_dtype)
+        slots = torch.arange(bs, bs + T, device=dev)
+        meta = AttnMeta(slots, [0], [T], [T], False, slots.view(1, -1), None,
+                        torch.tensor([0, T], dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev),
+                        torch.tensor([T], dtype=torch.int32, device=dev),
+                        torch.arange(1, nblocks, dtype=torch.int32, device=dev).view(1, -1))
+        hidden = model(torch.zeros(T, dtype=torch.long, device=dev), torch.arange(T, device=dev), meta, caches)
+        model.logits(hidden[-self.config.max_num_seqs:])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del caches, hidden
+        torch.cuda.empty_cache()
+        return int(peak)
 
     def _make_proposer(self, draft: LoadedModel | None):
         spec = self.config.speculative
