@@ -337,12 +337,19 @@ def run_pipe(session: ChatSession, lines) -> int:
 def _reply_in_thread(session: ChatSession, text: str) -> bool:
     """Generate in a worker so Ctrl-C (SIGINT, delivered to the main thread) only sets the
     interrupt flag: the engine is never stopped half-way through a step."""
-    result = [True]
-    worker = threading.Thread(target=lambda: result.__setitem__(0, session.handle(text)), daemon=True)
-    worker.start()
-    while worker.is_alive():
+    result, done = [True], threading.Event()
+
+    def work():
         try:
-            worker.join(0.05)
+            result[0] = session.handle(text)
+        finally:
+            done.set()
+
+    threading.Thread(target=work, daemon=True).start()
+    # an Event, not Thread.join: a join interrupted by Ctrl-C can mark a live thread as finished (CPython 3.11)
+    while not done.is_set():
+        try:
+            done.wait(0.05)
         except KeyboardInterrupt:
             session.interrupt.set()
     return result[0]
