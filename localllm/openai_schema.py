@@ -56,7 +56,7 @@ class _SamplingRequest(_Model):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2 ** 63), lt=2 ** 64)  # what torch's generator takes
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

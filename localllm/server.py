@@ -229,6 +229,9 @@ class Generation:
         state = self.state
         loop = state.require_ready()
         cap = state.cfg.max_num_seqs + state.cfg.max_queue
+        if len(self.jobs) > cap:
+            raise APIError(400, f"this request needs {len(self.jobs)} sequences (prompts x n) but the server "
+                                f"takes at most {cap} at a time", param="n")
         if state.live + len(self.jobs) > cap:
             raise APIError(429, f"the server is busy: {state.live} requests in flight and the queue is full "
                                 f"(--max-queue {state.cfg.max_queue}); retry shortly", "rate_limit_error",
@@ -371,7 +374,7 @@ def _sampling(body: oai._SamplingRequest, max_tokens: int | None, max_tokens_par
             top_k=pick(body.top_k, 0), min_p=pick(body.min_p, 0.0),
             repetition_penalty=pick(body.repetition_penalty, 1.0),
             presence_penalty=pick(body.presence_penalty, 0.0), frequency_penalty=pick(body.frequency_penalty, 0.0),
-            seed=None if body.seed is None else body.seed + seed_offset,
+            seed=None if body.seed is None else (body.seed + seed_offset) % (1 << 64),  # n>1: one seed per choice
             stop=body.stop or [], stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
             logprobs=logprobs, min_tokens=body.min_tokens)
     except SamplingError as e:

@@ -19,7 +19,7 @@ CTX = 2048
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProc("--ctx", str(CTX), "--kv-memory", "0.02", "--threads", "1")
+    s = ServerProc("--ctx", str(CTX), "--kv-memory", "0.1", "--threads", "1")
     try:
         yield s.wait_ready()
     finally:
@@ -222,6 +222,7 @@ def test_schema_violations_name_the_field(server):
     assert_error(post(server, "/v1/completions", {"prompt": "x", "temperature": "hot"}), 400, param="temperature")
     assert_error(post(server, "/v1/chat/completions", {"messages": [{"content": "x"}]}), 400,
                  param="messages.0.role")
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "seed": 2 ** 70}), 400, param="seed")
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", -5),

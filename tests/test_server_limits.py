@@ -19,7 +19,7 @@ ORIGIN = "http://localhost:5173"
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProc("--ctx", "1024", "--kv-memory", "0.02", "--threads", "1", "--api-key", KEY,
+    s = ServerProc("--ctx", "1024", "--kv-memory", "0.05", "--threads", "1", "--api-key", KEY,
                    "--max-num-seqs", "1", "--max-queue", "1", "--cors-origin", ORIGIN)
     try:
         yield s.wait_ready()
