@@ -116,6 +116,7 @@ class EngineLoop:
                 self.stats = engine.cache_stats()
                 return
             if engine.has_unfinished():
+                steps = engine.stats["steps"]
                 try:
                     outs = engine.step()
                 except Exception as e:  # noqa: BLE001 - an engine bug must not kill the server
@@ -128,6 +129,9 @@ class EngineLoop:
                         sink(out)
                         if out.finished:
                             del self._sinks[out.request_id]
+                if engine.stats["steps"] == steps:  # nothing could be scheduled: do not spin
+                    with self._cv:
+                        self._cv.wait(0.01)
             self.stats = engine.cache_stats()
 
     def _fail_all(self, exc: BaseException) -> None:
