@@ -17,7 +17,10 @@ app = typer.Typer(
 # ---- options shared by the commands that load a model ------------------------------------------
 ModelArg = Annotated[Optional[str], typer.Argument(help="Alias from models.toml, hub repo org/name, model "
                                                          "directory or .gguf file (default: the embedded model).")]
-QuantOpt = Annotated[str, typer.Option("--quant", "--precision", help="auto|float32|bfloat16|float16|int8|int4")]
+QuantOpt = Annotated[str, typer.Option("--quant", "--precision", help="auto|bf16|fp16|fp32|int8|int4|awq|gptq "
+                                                                      "(auto: the planner picks what fits).")]
+MaxMemOpt = Annotated[Optional[float], typer.Option("--max-memory", help="GiB the model may use (weights + KV + "
+                                                                         "runtime); default: 90% of free memory.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto|cpu|cuda")]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context length (default: the model's).")]
 KvMemOpt = Annotated[Optional[float], typer.Option("--kv-memory", help="GiB of memory for the KV cache.")]
@@ -43,16 +46,17 @@ def engine_config(ctx: int | None = None, kv_memory: float | None = None, thread
                         num_threads=threads, speculative=draft, num_speculative_tokens=spec_tokens, **kw)
 
 
-def open_engine(model: str | None, quant: str, device: str, config):
+def open_engine(model: str | None, quant: str, device: str, config, max_memory: float | None = None):
     """build_engine with every user-facing failure turned into a one-line error."""
     from .hub import HubError
     from .llm import build_engine
     from .model.loader import ModelLoadError
+    from .planner import PlanError
     from .registry import UnknownModelError
 
     try:
-        return build_engine(model, quant, device, config)
-    except (UnknownModelError, ModelLoadError, HubError, FileNotFoundError) as e:
+        return build_engine(model, quant, device, config, max_memory=max_memory)
+    except (UnknownModelError, ModelLoadError, HubError, FileNotFoundError, PlanError) as e:
         raise fail(str(e)) from None
     except ValueError as e:
         raise fail(str(e), 2) from None
@@ -92,6 +96,9 @@ def run(
     threads: ThreadsOpt = None,
     draft: DraftOpt = None,
     spec_tokens: SpecTokensOpt = 4,
+    max_memory: MaxMemOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the precision/context plan and exit "
+                                                            "(nothing is loaded or downloaded).")] = False,
 ):
     """Answer one prompt and exit: `localllm run [MODEL] PROMPT` or `echo PROMPT | localllm run`."""
     from .registry import load_registry, looks_like_model
@@ -107,6 +114,9 @@ def run(
         except ValueError as e:
             if getattr(e, "suggestions", None):
                 raise fail(str(e)) from None
+    if dry_run:
+        print_plan(model, quant, device, ctx, max_memory)
+        return
     piped = "" if sys.stdin.isatty() else sys.stdin.read()
     parts = [p for p in (piped.strip("\n"), " ".join(words)) if p.strip()]
     if not parts:
@@ -114,12 +124,28 @@ def run(
     prompt = "\n\n".join(parts)
     params = sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [])
-    engine = open_engine(model, quant, device, engine_config(ctx, kv_memory, threads, draft, spec_tokens))
+    engine = open_engine(model, quant, device, engine_config(ctx, kv_memory, threads, draft, spec_tokens), max_memory)
     if raw:
         request = prompt
     else:
         request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     _stream_answer(engine, request, params, verbose)
+
+
+def print_plan(model: str | None, quant: str, device: str, ctx: int | None, max_memory: float | None) -> None:
+    """`--dry-run`: the planner's choice and why; exit 1 when the model does not fit."""
+    from .model.loader import ModelLoadError
+    from .planner import PlanError, plan_for
+
+    try:
+        plan = plan_for(model, quant, max_memory, ctx, device)
+    except (PlanError, ModelLoadError, FileNotFoundError) as e:
+        raise fail(str(e)) from None
+    except ValueError as e:
+        raise fail(str(e), 2) from None
+    if not plan.fits:
+        raise fail(plan.reason)
+    typer.echo(plan.describe())
 
 
 def _stream_answer(engine, request, params, verbose: bool) -> None:
@@ -366,6 +392,55 @@ def bench(
         torch.set_num_threads(threads)
     result = run_bench(model, quant, cfg, threads, log=lambda m: typer.echo(m, err=True))
     typer.echo(json.dumps(result, indent=2) if as_json else render(result))
+
+
+@app.command()
+def quantize(
+    model: ModelArg = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Directory to write the quantized "
+                                                                         "checkpoint to.")] = None,
+    method: Annotated[str, typer.Option("--method", help="awq | gptq | rtn (rtn writes the GPTQ format).")] = "awq",
+    bits: Annotated[int, typer.Option("--bits", help="Only 4.")] = 4,
+    group_size: Annotated[Optional[int], typer.Option("--group-size", help="32 | 64 | 128 (default: 128, or the "
+                                                                          "largest that divides every input dim).")]
+        = None,
+    calib_file: Annotated[Optional[str], typer.Option("--calib-file", help="UTF-8 text file for calibration "
+                                                                          "(default: built-in English paragraphs).")]
+        = None,
+    num_samples: Annotated[int, typer.Option("--num-samples", help="Calibration sequences (at most).")] = 128,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per calibration sequence.")] = 256,
+    act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ: quantize columns in order of decreasing "
+                                                                "activation (desc_act).")] = False,
+    sym: Annotated[bool, typer.Option("--sym/--asym", help="GPTQ/RTN: symmetric (zero point 8) or asymmetric.")]
+        = True,
+):
+    """Quantize a float model to a standard 4-bit AWQ or GPTQ checkpoint (loadable by vLLM, transformers)."""
+    from .hub import HubError, ensure_local
+    from .model.loader import ModelLoadError
+    from .quant.quantize import QuantizeError, quantize_model
+
+    if output is None:
+        raise fail("missing --output DIR (where to write the quantized checkpoint)", 2)
+    if num_samples < 1 or seq_len < 16:
+        raise fail("--num-samples must be >= 1 and --seq-len >= 16", 2)
+    texts = None
+    if calib_file is not None:
+        try:
+            texts = [t for t in open(calib_file, encoding="utf-8").read().split("\n\n") if t.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise fail(f"cannot read --calib-file {calib_file}: {e}") from None
+    ref = _ref(model)
+    try:
+        src = ensure_local(ref)
+        result = quantize_model(src, output, method.lower(), bits, group_size, texts, num_samples, seq_len,
+                                act_order, sym, progress=lambda m: typer.echo(m, err=True))
+    except QuantizeError as e:
+        raise fail(str(e), 2) from None
+    except (ModelLoadError, HubError) as e:
+        raise fail(str(e)) from None
+    calib = f", {result.calib_tokens} calibration tokens" if result.calib_tokens else ""
+    typer.echo(f"wrote {result.path} ({method.upper()} 4-bit, group {result.group_size}{calib}, "
+               f"{result.seconds:.0f} s)")
 
 
 @app.callback()

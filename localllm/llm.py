@@ -11,22 +11,56 @@ from .sampling import SamplingParams
 
 
 def build_engine(model: str | None = None, precision: str = "auto", device: str = "auto",
-                 config: EngineConfig | None = None) -> LLMEngine:
+                 config: EngineConfig | None = None, max_memory: float | None = None) -> LLMEngine:
     """Resolve a MODEL argument (alias, org/name, directory, .gguf), fetch it if needed, load it
-    (and its draft model when `config.speculative` names one)."""
+    (and its draft model when `config.speculative` names one). With precision auto/awq/gptq or a
+    `max_memory` (GiB) the planner picks precision, pre-quantized variant and context first."""
     config = config or EngineConfig()
     dev = pick_device(device)
+    base = model
+    model, precision, config = _planned(model, precision, dev, config, max_memory)
     ref, loaded = _load(model, precision, dev, config.max_model_len)
     draft = None
     spec = config.speculative
     if spec not in (None, "ngram"):
         if spec == "auto":
+            if model != base:  # a pre-quantized variant: the pairing is the base model's
+                from .registry import resolve_model
+
+                ref = resolve_model(base)
             spec = ref.spec.draft if ref.spec is not None else None
             if spec is None:
                 raise ValueError(f"no draft model is paired with {ref.name} in models.toml; "
                                  "pass --draft MODEL or --draft ngram")
         _, draft = _load(spec, "auto", dev, config.max_model_len)
     return LLMEngine(loaded, config, draft)
+
+
+def _planned(model: str | None, precision: str, device: str, config: EngineConfig, max_memory: float | None):
+    """-> (model to load, loader precision, config): the planner's choice for auto/awq/gptq."""
+    import dataclasses
+    import logging
+
+    from .planner import GiB, PlanError, device_facts, facts_for, normalize_quant, plan
+
+    quant = normalize_quant(precision)
+    if quant not in ("auto", "awq", "gptq") and not max_memory:
+        return model, quant, config
+    try:
+        facts = facts_for(model)
+    except PlanError:
+        if quant == "auto" and not max_memory:
+            return model, "auto", config  # size unknown before the download: load it as it comes
+        raise
+    p = plan(facts, device_facts(device), quant, config.max_model_len, int(max_memory * GiB) if max_memory else None)
+    if not p.fits:
+        raise PlanError(p.reason)
+    for w in p.warnings:
+        logging.getLogger("localllm").warning("warning: %s", w)
+    changes = {"max_model_len": config.max_model_len or p.ctx}
+    if max_memory and not config.kv_memory_bytes:
+        changes["kv_memory_bytes"] = p.kv_bytes
+    return p.variant or model, p.precision, dataclasses.replace(config, **changes)
 
 
 def _load(model: str | None, precision: str, device: str, max_model_len: int | None):

@@ -81,6 +81,115 @@ CALIBRATION = [
     "the cars were buried up to their windows, and the children ran outside before breakfast to build "
     "a snowman. Their parents stood at the door with cups of coffee, watching, and trying to remember "
     "where they had put the shovel last winter.",
+    "Most modern cities grew around a harbor, a river crossing or a market. Over the centuries the "
+    "walls came down, the streets were widened for carriages and later for cars, and the old center "
+    "became a place for shops, offices and tourists. Planners today try to bring people back to these "
+    "districts by adding housing, parks and cycle lanes, and by limiting traffic in the narrowest streets.",
+
+    "Here is how to change a flat tire. First, park on level ground, turn on the hazard lights and put "
+    "on the parking brake. Loosen the wheel nuts slightly while the car is still on the ground. Then "
+    "raise the car with the jack, remove the nuts and the wheel, fit the spare, and tighten the nuts by "
+    "hand. Lower the car and finish tightening the nuts in a star pattern so the wheel sits evenly.",
+
+    "Electric current is the flow of charge through a conductor, such as a copper wire. The voltage "
+    "between two points pushes the charge, and the resistance of the material slows it down. Ohm's law "
+    "states that the current equals the voltage divided by the resistance, so doubling the voltage "
+    "across a simple resistor doubles the current that flows through it.",
+
+    "She opened the letter slowly, as if the paper might break. It was from her grandmother, written in "
+    "the careful, slanted hand she remembered from birthday cards. The letter spoke of the garden, of "
+    "the apple tree that had finally given fruit, and of a small box hidden in the attic that was meant "
+    "for her, and only for her, when the time was right.",
+
+    "Good customer service begins with listening. When a customer calls with a problem, let them "
+    "explain it fully before you offer a solution, repeat the key points back to make sure you have "
+    "understood, and tell them clearly what will happen next. Even when you cannot give them what they "
+    "want, a calm and honest answer usually leaves a better impression than a vague promise.",
+
+    "The moon has no light of its own; it shines because it reflects sunlight. As it travels around "
+    "the earth once every twenty-nine and a half days, we see different portions of its sunlit half, "
+    "which is why it seems to grow from a thin crescent to a full disk and then shrink again. The same "
+    "side always faces us, because the moon turns on its axis exactly once for each orbit.",
+
+    "In many languages, the most common verbs are also the most irregular. Words like be, have, go and "
+    "do are used so often that their old forms survived while rarer verbs were made regular over time. "
+    "This is why learners must memorize went and was, while a verb borrowed recently, such as to email, "
+    "simply follows the usual pattern and becomes emailed in the past tense.",
+
+    "Version control systems keep a history of every change made to a set of files. Each change is "
+    "recorded with a message, an author and a date, so that a team can see who changed what and why. "
+    "Branches let developers work on new features without disturbing the main line of development, and "
+    "merging brings their work back together once it has been reviewed and tested.",
+
+    "The forest was quiet except for the wind in the tall pines. A deer stepped out from behind a fallen "
+    "log, lifted its head and listened. Somewhere far away a woodpecker was knocking on a dead trunk, and "
+    "a small stream ran under the roots of an old oak, carrying leaves and needles down toward the lake "
+    "at the bottom of the valley.",
+
+    "A healthy diet does not have to be complicated. Eat plenty of vegetables, fruit and whole grains, "
+    "choose water instead of sugary drinks, and keep processed snacks for special occasions. Cooking at "
+    "home gives you control over the amount of salt and fat in your meals, and it is often cheaper than "
+    "eating out, especially if you plan your shopping for the week.",
+
+    "The printing press, developed in Europe in the fifteenth century, made books far cheaper and more "
+    "common than before. Ideas that had once spread slowly through handwritten copies could now reach "
+    "thousands of readers within a few years. Historians link the press to the growth of literacy, to "
+    "the spread of new scientific ideas and to deep changes in religion and politics.",
+
+    "Q: How long should I boil an egg? A: For a soft egg with a runny yolk, about six minutes after the "
+    "water returns to a boil. For a firm white and a creamy center, eight minutes. For a fully hard egg, "
+    "ten to twelve minutes. Put the eggs in cold water right afterwards; it stops the cooking and makes "
+    "them much easier to peel.",
+
+    "Glaciers are rivers of ice that move under their own weight. They form where more snow falls in "
+    "winter than melts in summer, so that the snow builds up year after year and is pressed into ice. "
+    "As they slide downhill they carve deep valleys and carry rocks for great distances. Many glaciers "
+    "around the world are now shrinking because of rising temperatures.",
+
+    "The team had three days to finish the report. On the first day they gathered the data and checked "
+    "it for errors. On the second they wrote the main sections and argued about the conclusions. On the "
+    "third they cut the text by half, fixed the charts, and sent it off ten minutes before the deadline, "
+    "tired but proud of what they had done together.",
+
+    "Vaccines train the immune system to recognize a germ without causing the disease. They contain a "
+    "weakened or inactive form of the germ, or just one of its proteins, or instructions for making that "
+    "protein. When the real germ appears later, the body already has the right antibodies and memory "
+    "cells ready, and it can fight the infection quickly.",
+
+    "Chess is played on a board of sixty-four squares by two players, one with the white pieces and one "
+    "with the black. Each side has a king, a queen, two rooks, two bishops, two knights and eight pawns. "
+    "The goal is to checkmate the opponent's king, which means attacking it in such a way that it has "
+    "no safe square to move to and the attack cannot be blocked.",
+
+    "Our company was founded in a small garage by two friends who wanted to build better tools for "
+    "farmers. Today we employ more than four hundred people in six countries, but we still test every "
+    "new product in the field, with the people who will use it, before it goes on sale. We believe that "
+    "simple, reliable machines are worth more than clever ones that break.",
+
+    "To write a clear email, put the main point in the first sentence, keep paragraphs short, and end "
+    "with the action you need and the date you need it by. Read the message once more before sending "
+    "it, and ask yourself whether the reader could misunderstand anything. A subject line that says what "
+    "the email is about helps people find it again later.",
+
+    "Rain forests cover only a small part of the earth's surface, yet they are home to more than half "
+    "of all known species of plants and animals. The trees grow so close together that little light "
+    "reaches the ground, and many creatures live their whole lives high in the canopy. Cutting these "
+    "forests releases carbon and destroys habitats that cannot easily be replaced.",
+
+    "The train left the station just after dawn. Through the window the passengers watched the suburbs "
+    "give way to fields, then to low hills covered with vineyards. A child counted cows, an old man read "
+    "his newspaper from the first page to the last, and a young woman in a green coat wrote in a small "
+    "notebook, stopping now and then to look out at the passing villages.",
+
+    "Numbers written in binary use only two digits, zero and one. Each position stands for a power of "
+    "two, so the binary number one zero one means four plus zero plus one, which is five. Computers use "
+    "binary because it is easy to build circuits that are either on or off, and every number, letter, "
+    "picture and sound inside a computer is stored as long strings of these two digits.",
+
+    "Before you plant a garden, look at how the sun moves across the yard during the day. Most "
+    "vegetables need at least six hours of direct sunlight, while many flowers and herbs are happy with "
+    "less. Test the soil, add compost to improve it, and start with a small bed that you can look after "
+    "easily; it is better to grow a few plants well than many plants badly.",
 ]
 
 # held out from calibration: what perplexity is measured on
@@ -109,4 +218,23 @@ EVAL = [
     "strengthens some memories and lets others fade, and the body repairs tissue and balances its "
     "hormones. Adults who regularly sleep less than six hours a night are more likely to have trouble "
     "concentrating, and over time they face a higher risk of several long-term illnesses.",
+    "The bridge was closed for repairs for most of the summer, so drivers had to take a long detour "
+    "through the hills. Local shop owners said that business fell sharply during those months, because "
+    "fewer visitors passed through the center of the village. When the bridge finally reopened in "
+    "September, the mayor cut a ribbon and the school band played on the riverbank.",
+
+    "A recipe for a quick tomato sauce: warm two spoons of olive oil in a pan, add a chopped onion and "
+    "cook it gently until it is soft. Add two cloves of garlic, a can of crushed tomatoes, a pinch of "
+    "salt and a little sugar, and let the sauce simmer for twenty minutes, stirring from time to time. "
+    "Finish it with fresh basil and serve it over pasta with grated cheese.",
+
+    "Many people believe that goldfish have a memory of only a few seconds, but experiments have shown "
+    "that they can remember things for months. Fish have been trained to push levers for food, to "
+    "respond to sounds, and even to recognize the person who usually feeds them. The old belief says "
+    "more about how little attention we pay to animals than about the animals themselves.",
+
+    "The software update includes several improvements. Files now open faster, the search bar shows "
+    "results as you type, and a new dark theme is easier on the eyes at night. We have also fixed a "
+    "problem that caused the application to close unexpectedly when printing large documents. Please "
+    "restart your computer after installing the update so that all changes take effect.",
 ]

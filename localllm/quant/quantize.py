@@ -265,9 +265,12 @@ def _awq_clip(w: torch.Tensor, x: torch.Tensor, group: int, n_grid: int = 20, ma
     return out.view(n, k)
 
 
-def _awq_layer(ref: RefModel, L: dict, x: torch.Tensor, cos, sin, group: int, clip: bool) -> None:
-    """Scale search + folding + clipping for one layer, in place on L (weights stay fp32)."""
+def _awq_layer(ref: RefModel, L: dict, x: torch.Tensor, cos, sin, group: int, clip: bool,
+               search_tokens: int = 512) -> None:
+    """Scale search + folding + clipping for one layer, in place on L (weights stay fp32). The
+    searches look at the first ~search_tokens tokens (whole sequences: attention needs them)."""
     c, eps = ref.cfg, ref.cfg.rms_norm_eps
+    x = x[: max(1, -(-search_tokens // x.shape[1]))]
     h = _rms(x, L["in_norm"], eps)
     # 1) input_layernorm -> q, k, v; judged on the attention output
     def attn_out(ws):
@@ -324,7 +327,7 @@ def default_group_size(k_dims: list[int]) -> int:
 
 def quantize_model(src: str | Path, out: str | Path, method: str = "gptq", bits: int = 4,
                    group_size: int | None = None, calib_texts: list[str] | None = None,
-                   num_samples: int = 128, seq_len: int = 512, act_order: bool = False, sym: bool = True,
+                   num_samples: int = 128, seq_len: int = 256, act_order: bool = False, sym: bool = True,
                    awq_clip: bool = True, keep_dequantized: bool = False,
                    progress: Callable[[str], None] | None = None) -> QuantizeResult:
     """Quantize a dense checkpoint (HF directory or GGUF) into a standard AWQ/GPTQ directory.
