@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import openai_schema as oai
@@ -248,15 +249,25 @@ class Generation:
             self.live.add(i)
             state.live += 1
             loop.submit(_Pending(prompt, params, rid, self._sink(aloop, i), self._done(aloop, fut)))
-        errors = [r for r in await asyncio.gather(*futs, return_exceptions=True) if isinstance(r, BaseException)]
+        try:
+            results = await asyncio.gather(*futs, return_exceptions=True)
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             self.close()
             raise self._api_error(errors[0])
 
     def _sink(self, aloop: asyncio.AbstractEventLoop, i: int):
+        def deliver(item):  # on the event loop; bookkeeping here, so it never depends on a reader
+            self.queue.put_nowait((i, item))
+            if isinstance(item, BaseException) or item.finished:
+                self._finish(i, None if isinstance(item, BaseException) else item.finish_reason)
+
         def put(item):
             try:
-                aloop.call_soon_threadsafe(self.queue.put_nowait, (i, item))
+                aloop.call_soon_threadsafe(deliver, item)
             except RuntimeError:  # the event loop is closed: nobody is listening any more
                 pass
         return put
@@ -312,14 +323,12 @@ class Generation:
             if i is None:  # see watch_disconnect
                 return
             if isinstance(item, BaseException):
-                self._finish(i, None)
                 raise self._api_error(item)
             if not self.first_token and item.new_token_ids:
                 self.first_token = True
                 self.state.metrics.ttft.observe(time.perf_counter() - self.t0)
             if item.finished:
                 self.finals[i] = item
-                self._finish(i, item.finish_reason)
             yield i, item
         self.state.metrics.e2e.observe(time.perf_counter() - self.t0)
 
@@ -618,7 +627,9 @@ def _token_text(engine) -> Callable[[int], str]:
 
 
 def _stream(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
+    # background=gen.close: runs however the response ends, even when the client left before the
+    # event generator was first iterated (then its own `finally` never runs)
+    return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(gen.close),
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

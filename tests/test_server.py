@@ -384,3 +384,25 @@ def test_disconnect_while_waiting_for_non_streamed_answer_aborts(server):
     m = server.metrics()
     assert m["localllm_kv_blocks_used"] == 0
     assert m['localllm_requests_total{finish_reason="abort"}'] == aborted + 1
+
+
+def test_clients_hanging_up_at_once_leave_nothing_behind(server):
+    """Requests whose clients vanish right after sending (before any event is read) are aborted and
+    leave no in-flight count or KV blocks behind."""
+    import socket
+
+    body = json.dumps({"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 1000, "ignore_eos": True,
+                       "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    for i in range(12):
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(head + body)
+            if i % 2:
+                s.recv(1)  # half of them wait for the first byte of the answer
+    def idle():
+        m = server.metrics()
+        return (m["localllm_num_requests_in_flight"], m["localllm_num_requests_running"],
+                m["localllm_num_requests_waiting"], m["localllm_kv_blocks_used"]) == (0, 0, 0, 0)
+    assert wait_for(idle, 20), server.metrics()
+    assert server.metrics()["localllm_generation_tokens_total"] < 12 * 1000  # aborted, not run to the end
