@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -328,12 +329,13 @@ def default_group_size(k_dims: list[int]) -> int:
 def quantize_model(src: str | Path, out: str | Path, method: str = "gptq", bits: int = 4,
                    group_size: int | None = None, calib_texts: list[str] | None = None,
                    num_samples: int = 128, seq_len: int = 256, act_order: bool = False, sym: bool = True,
-                   awq_clip: bool = True, keep_dequantized: bool = False,
+                   awq_clip: bool = True, keep_dequantized: bool = False, layers: int | None = None,
                    progress: Callable[[str], None] | None = None) -> QuantizeResult:
     """Quantize a dense checkpoint (HF directory or GGUF) into a standard AWQ/GPTQ directory.
 
     `rtn` writes a GPTQ-format checkpoint (no calibration); `sym` applies to gptq/rtn (AWQ is
-    always asymmetric, as AutoAWQ's gemm)."""
+    always asymmetric, as AutoAWQ's gemm). `layers` quantizes only the first N decoder layers and
+    keeps the rest in float (listed as not converted: quick experiments and tests)."""
     t0 = time.perf_counter()
     if method not in METHODS:
         raise QuantizeError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -361,9 +363,10 @@ def quantize_model(src: str | Path, out: str | Path, method: str = "gptq", bits:
     tok = weights.tokenizer()
     qlinears: dict[str, QLinear] = {}
     n_tokens = 0
+    todo = ref.layers[:layers] if layers is not None else ref.layers
     with torch.inference_mode():
         if method == "rtn":
-            for i, L in enumerate(ref.layers):
+            for i, L in enumerate(todo):
                 for m in LINEARS:
                     qlinears[f"model.layers.{i}.{_HF[m]}"] = rtn(L[m], group_size, sym, zero_in_range=True,
                                                                   v1_zeros=not sym)
@@ -372,7 +375,7 @@ def quantize_model(src: str | Path, out: str | Path, method: str = "gptq", bits:
             n_tokens = ids.numel()
             x = ref.embed[ids]
             cos, sin = ref.rope(ids.shape[1])
-            for i, L in enumerate(ref.layers):
+            for i, L in enumerate(todo):
                 p = f"model.layers.{i}."
                 if method == "gptq":
                     x = _gptq_layer(ref, L, x, cos, sin, group_size, sym, act_order, qlinears, p)
@@ -382,7 +385,7 @@ def quantize_model(src: str | Path, out: str | Path, method: str = "gptq", bits:
                     for m in LINEARS:
                         qlinears[p + _HF[m]] = rtn(L[m], group_size, sym=False, zero_in_range=False)
                     x = x_next
-                say(f"layer {i + 1}/{cfg.num_layers} quantized")
+                say(f"layer {i + 1}/{len(todo)} quantized")
     path = _write_checkpoint(weights, cfg, ref, qlinears, Path(out), method, group_size, sym, act_order)
     deq = {k + ".weight": v.dequantize() for k, v in qlinears.items()} if keep_dequantized else {}
     return QuantizeResult(path, method, group_size, time.perf_counter() - t0, n_tokens, deq)
@@ -454,6 +457,11 @@ def _write_checkpoint(weights, cfg, ref: RefModel, qlinears: dict[str, QLinear],
     t["model.norm.weight"] = weights.dense("model.norm.weight").half()
     if not cfg.tie_word_embeddings and weights.has("lm_head.weight"):
         t["lm_head.weight"] = weights.dense("lm_head.weight").half()
+    skipped = [f"model.layers.{i}." for i in range(len(ref.layers)) if f"model.layers.{i}.mlp.down_proj" not in qlinears]
+    for i in range(len(ref.layers)):
+        if f"model.layers.{i}." in skipped:
+            for m in LINEARS:
+                t[f"model.layers.{i}.{_HF[m]}.weight"] = ref.layers[i][m].half()
     for name, ql in qlinears.items():
         if method == "awq":
             t[name + ".qweight"] = pack_awq(ql.q)
@@ -467,11 +475,13 @@ def _write_checkpoint(weights, cfg, ref: RefModel, qlinears: dict[str, QLinear],
 
     if method == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
-              "modules_to_not_convert": None}
+              "modules_to_not_convert": skipped or None}
     else:
         qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": sym,
               "damp_percent": 0.01, "true_sequential": True, "static_groups": False, "checkpoint_format": "gptq",
               "lm_head": False, "pack_dtype": "int32", "meta": {"quantizer": [f"localllm:{method}"]}}
+        if skipped:  # GPTQModel's syntax for modules left in float
+            qc["dynamic"] = {"-:" + re.escape(p) + ".*": {} for p in skipped}
     tok = weights.tokenizer()
     if isinstance(weights, HFWeights):
         hf = dict(weights.raw_config)
