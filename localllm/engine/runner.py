@@ -69,8 +69,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_hidden(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
-        ids, positions, meta = self.prepare(seqs, counts)
-        return self.model(ids, positions, meta, self.kv_caches)
+        return self._forward(*self.prepare(seqs, counts))[0]
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta):
+        """-> (hidden, greedy tokens or None). Decode-only steps take the compiled graph when
+        the model has one (localllm.model.compiled), which also returns the greedy tokens."""
+        compiled = getattr(self.model, "compiled", None)
+        if compiled is not None and meta.decode_only:
+            out = compiled(ids, positions, meta.gather, self.kv_caches)
+            if out is not None:
+                return out
+        return self.model(ids, positions, meta, self.kv_caches), None
 
     @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -98,7 +107,7 @@ class ModelRunner:
         """Run one flattened batch. Returns, per sequence, the tokens to append: one sampled
         token when its pending tokens were all computed, the verified run for a speculative
         sequence (`verify[seq]` is its Proposal), None for a prompt chunk still prefilling."""
-        hidden = self.forward_hidden(seqs, counts)
+        hidden, greedy = self._forward(*self.prepare(seqs, counts))
         out: list[list[int] | None] = [None] * len(seqs)
         last, who = [], []
         end = 0
@@ -110,7 +119,12 @@ class ModelRunner:
                 last.append(end - 1)
                 who.append(i)
         if who:
-            for i, t in zip(who, self.sample(hidden[last], [seqs[i] for i in who])):
+            picked = [seqs[i] for i in who]
+            if greedy is not None and not any(s.params.needs_logits for s in picked):
+                toks = greedy[last].tolist()
+            else:
+                toks = self.sample(hidden[last], picked)
+            for i, t in zip(who, toks):
                 out[i] = [t]
         return out
 

@@ -33,6 +33,7 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype)
         self.scale = cfg.head_dim ** -0.5
         self.attention = make_attention(device)
+        self.compiled = None  # a captured decode step (localllm.model.compiled), opt-in
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
         c = self.cfg

@@ -357,6 +357,10 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     head = LMHead(head_w, fast_greedy=fast_head and mode in ("int4", "int8") and device == "cpu", device=device)
     model = LlamaModel(cfg, embed, layers, norm, head, act_dtype, max_len, device)
+    from . import compiled
+
+    if compiled.wanted():
+        compiled.enable(model)
     eos = set(tokenizer.eos_ids) | weights.extra_eos_ids()
     desc = "int4 weights, bf16 matmul inputs, fp32 activations" if mode == "int4" and device == "cpu" else mode
     return LoadedModel(model, tokenizer, cfg, eos, desc, act_dtype, str(path), {"max_model_len": max_len})
