@@ -5,6 +5,7 @@ CI-cheap: a 2-layer int4 model, so the cold compile takes seconds. The same chec
 """
 
 import pytest
+import torch
 from conftest import make_engine
 from test_engine import GREEDY, prompts, run_all
 
@@ -54,3 +55,24 @@ def test_compiled_step_serves_sampling_and_logprobs(tiny_int4):
     assert step.calls > 0 and step.failed is None
     assert got == ref
 
+
+def test_conversion_cache_gives_the_same_model(gguf_path, int4_model, tmp_path, monkeypatch):
+    """A second load reads the converted tensors back (no repack); every buffer is identical, and a
+    corrupt cache file is converted again instead of failing."""
+    from localllm.model.loader import ConvertCache, load_model
+
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
+    first = load_model(gguf_path, "auto")
+    cache = ConvertCache(gguf_path)
+    assert cache.hit and cache.path.is_relative_to(tmp_path)
+    second = load_model(gguf_path, "auto")
+    ref = int4_model.model.state_dict()
+    for m in (first.model, second.model):
+        sd = m.state_dict()
+        assert sd.keys() == ref.keys()
+        assert all(torch.equal(sd[k], ref[k]) for k in ref)
+    assert torch.equal(second.model.head.fast.packed, int4_model.model.head.fast.packed)
+    cache.path.write_bytes(b"not a safetensors file")
+    third = load_model(gguf_path, "auto")
+    assert torch.equal(third.model.layers[3].qkv.packed, int4_model.model.layers[3].qkv.packed)
+    assert ConvertCache(gguf_path).hit  # rewritten

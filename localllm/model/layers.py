@@ -46,6 +46,20 @@ class Int4Linear(nn.Module):
             sz = torch.stack([w.scales, w.zeros], dim=-1).to(self.kernel_dtype).contiguous()
             self.register_buffer("scales_zeros", sz)
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                    bias: torch.Tensor | None = None) -> Int4Linear:
+        """A CPU layer from already converted buffers (the loader's conversion cache)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.group_size = packed.shape[0], group_size
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.cuda_path, self.kernel_dtype = False, torch.bfloat16
+        self.register_buffer("in_perm", None)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -169,12 +183,12 @@ class LMHead(nn.Module):
     the int4 top-k, at a fraction of the bandwidth."""
 
     def __init__(self, weight: torch.Tensor, fast_greedy: bool = False, rescore_k: int = 32,
-                 device: str = "cpu"):
+                 device: str = "cpu", fast: Int4Linear | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [V, H] exact
         self.rescore_k = rescore_k
-        self.fast = None
-        if fast_greedy:
+        self.fast = fast  # prebuilt int4 copy (conversion cache)
+        if fast_greedy and fast is None:
             v, h = weight.shape
             group = 32 if h % 32 == 0 else None
             if group:

@@ -325,12 +325,86 @@ def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device
     return DenseLinear(w.to(device, act_dtype), None if bias is None else bias.to(device, act_dtype))
 
 
+class ConvertCache:
+    """What loading a GGUF on CPU computes (int4pack repacks, the fp32 embedding, the int4 copy of
+    the head) saved once per file as safetensors under ~/.cache/localllm/converted, keyed by the
+    file's path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md).
+    LOCALLLM_CONVERT_CACHE=0 turns it off."""
+
+    VERSION = 1
+
+    def __init__(self, file: Path):
+        import hashlib
+
+        from .compiled import cache_dir
+
+        st = file.stat()
+        key = f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{torch.__version__}|v{self.VERSION}"
+        self.path = cache_dir().parent / "converted" / (hashlib.sha1(key.encode()).hexdigest()[:20] + ".safetensors")
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.hit = False
+        if self.path.is_file():
+            try:
+                from safetensors.torch import load_file
+
+                self.tensors, self.hit = load_file(str(self.path)), True
+            except Exception:  # corrupt or foreign: convert again and overwrite it
+                self.tensors = {}
+
+    @staticmethod
+    def open(path, weights, mode: str, device: str) -> ConvertCache | None:
+        if not (isinstance(weights, GGUFWeights) and mode == "int4" and device == "cpu"):
+            return None
+        if os.environ.get("LOCALLLM_CONVERT_CACHE", "1").lower() in ("0", "false", "no", "off"):
+            return None
+        return ConvertCache(Path(path))
+
+    def linear(self, key: str, build):
+        """The cached Int4Linear `key`, or build() (remembered when it is a plain Int4Linear)."""
+        t = self.tensors
+        if self.hit and f"{key}.packed" in t:
+            return Int4Linear.from_packed(t[f"{key}.packed"], t[f"{key}.sz"], int(t[f"{key}.group"]),
+                                          t.get(f"{key}.bias"))
+        m = build()
+        if isinstance(m, Int4Linear) and m.in_perm is None:
+            t.update({f"{key}.packed": m.packed, f"{key}.sz": m.scales_zeros, f"{key}.group": torch.tensor(m.group_size)})
+            if m.bias is not None:
+                t[f"{key}.bias"] = m.bias.data
+        return m
+
+    def tensor(self, key: str, build) -> torch.Tensor:
+        if self.hit and key in self.tensors:
+            return self.tensors[key]
+        self.tensors[key] = t = build()
+        return t
+
+    def save(self) -> None:
+        if self.hit:
+            return
+        try:
+            from safetensors.torch import save_file
+
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(tmp))
+            os.replace(tmp, self.path)
+        except OSError:  # a read-only home: convert every time
+            pass
+
+
 def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "cpu",
                max_model_len: int | None = None, fast_head: bool = True) -> LoadedModel:
     weights = open_weights(path)
     cfg = weights.config
     mode, act_dtype = _resolve_precision(precision, weights, device)
     tokenizer = weights.tokenizer()
+    cache = ConvertCache.open(path, weights, mode, device)
+
+    def linear(key: str, names: list[str]):
+        def build():
+            return _linear(weights, names, mode, act_dtype, device)
+        return cache.linear(key, build) if cache else build()
+
     layers = []
     try:
         for i in range(cfg.num_layers):
@@ -338,24 +412,34 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
             att, mlp = p + "self_attn.", p + "mlp."
             layers.append(DecoderLayer(
                 cfg,
-                _linear(weights, [att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"], mode,
-                        act_dtype, device),
-                _linear(weights, [att + "o_proj.weight"], mode, act_dtype, device),
-                _linear(weights, [mlp + "gate_proj.weight", mlp + "up_proj.weight"], mode, act_dtype, device),
-                _linear(weights, [mlp + "down_proj.weight"], mode, act_dtype, device),
+                linear(f"{i}.qkv", [att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"]),
+                linear(f"{i}.o", [att + "o_proj.weight"]),
+                linear(f"{i}.gate_up", [mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
+                linear(f"{i}.down", [mlp + "down_proj.weight"]),
                 RMSNorm(weights.dense(p + "input_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
                 RMSNorm(weights.dense(p + "post_attention_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
             ))
         # the embedding and head stay exact (fp32 on CPU): they are where rounding flips tokens
         head_dtype = torch.float32 if device == "cpu" else act_dtype
-        embed = weights.dense("model.embed_tokens.weight").to(device, head_dtype)
-        head_w = embed if cfg.tie_word_embeddings or not weights.has("lm_head.weight") else \
-            weights.dense("lm_head.weight").to(device, head_dtype)
+
+        def dense(name: str) -> torch.Tensor:
+            def build():
+                return weights.dense(name).to(device, head_dtype)
+            return cache.tensor(name, build) if cache else build()
+
+        embed = dense("model.embed_tokens.weight")
+        head_w = embed if cfg.tie_word_embeddings or not weights.has("lm_head.weight") else dense("lm_head.weight")
         norm = RMSNorm(weights.dense("model.norm.weight").to(device, act_dtype), cfg.rms_norm_eps)
     except (GGUFError, KeyError) as e:
         raise ModelLoadError(f"{path}: {e}") from None
     max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    head = LMHead(head_w, fast_greedy=fast_head and mode in ("int4", "int8") and device == "cpu", device=device)
+    fast_greedy = fast_head and mode in ("int4", "int8") and device == "cpu"
+    fast = None
+    if fast_greedy and cache:
+        fast = cache.linear("head_int4", lambda: LMHead(head_w, True, device=device).fast)
+    head = LMHead(head_w, fast_greedy=fast_greedy, device=device, fast=fast)
+    if cache:
+        cache.save()
     model = LlamaModel(cfg, embed, layers, norm, head, act_dtype, max_len, device)
     from . import compiled
 
