@@ -41,11 +41,12 @@ class BenchConfig:
     system_prompt_tokens: int = 1000
     cold_start: bool = True
     speculative: bool = True
+    draft_model: bool = True  # fp32 target with the int4 model as its draft (loads a second copy)
 
     @classmethod
     def quick(cls) -> BenchConfig:
         return cls(prefill_lengths=(32, 128), decode_tokens=16, batch_sizes=(1, 4), batch_tokens=8, runs=2,
-                   system_prompt_tokens=200, cold_start=False, speculative=True)
+                   system_prompt_tokens=200, cold_start=False, speculative=True, draft_model=False)
 
 
 def _tokens(engine: LLMEngine, n: int, salt: int = 0) -> list[int]:
@@ -201,10 +202,17 @@ def run_bench(model: str | None = None, precision: str = "auto", cfg: BenchConfi
         log("speculative (n-gram) ...")
         spec = engine(enable_prefix_caching=False, speculative="ngram")
         result["speculative_ngram"] = bench_speculative(plain, spec, cfg.decode_tokens, cfg.runs)
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if cfg.speculative and cfg.draft_model:
+        log("speculative (draft model: fp32 target, this model as draft) ...")
+        _, target = _load(model, "float32", pick_device("auto"), None)
+        fp32 = LLMEngine(target, EngineConfig(max_model_len=ctx, num_threads=threads, enable_prefix_caching=False))
+        spec = LLMEngine(target, EngineConfig(max_model_len=ctx, num_threads=threads, enable_prefix_caching=False,
+                                              speculative="draft"), draft=loaded)
+        result["speculative_draft"] = bench_speculative(fp32, spec, cfg.decode_tokens, cfg.runs)
     if cfg.cold_start:
         log("cold start ...")
         result["cold_start"] = cold_start(model, min(cfg.runs, 3))
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return result
 
 
@@ -231,6 +239,11 @@ def render(result: dict) -> str:
     if "speculative_ngram" in result:
         sp = result["speculative_ngram"]
         rows.append(("n-gram speculation (code edit)", f"{sp['spec_tok_per_s']:.1f} vs {sp['plain_tok_per_s']:.1f} "
+                     f"tok/s = {sp['speedup']:.2f}x, acceptance {sp['acceptance_rate']:.0%}, "
+                     f"{sp['mean_accepted_length']:.2f} tokens/step, same tokens: {sp['same_tokens']}"))
+    if "speculative_draft" in result:
+        sp = result["speculative_draft"]
+        rows.append(("fp32 target + this model as draft", f"{sp['spec_tok_per_s']:.1f} vs {sp['plain_tok_per_s']:.1f} "
                      f"tok/s = {sp['speedup']:.2f}x, acceptance {sp['acceptance_rate']:.0%}, "
                      f"{sp['mean_accepted_length']:.2f} tokens/step, same tokens: {sp['same_tokens']}"))
     if "cold_start" in result:
