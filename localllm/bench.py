@@ -236,16 +236,13 @@ def render(result: dict) -> str:
     rows.append((f"chat turn 2 TTFT / turn 1 ({pc['system_prompt_tokens']}-token system prompt)",
                  f"{pc['turn2_ttft_s'] * 1000:.0f} / {pc['turn1_ttft_s'] * 1000:.0f} ms = {pc['ttft_ratio']:.1%}, "
                  f"hit rate {pc['turn2_hit_rate']:.0%}"))
-    if "speculative_ngram" in result:
-        sp = result["speculative_ngram"]
-        rows.append(("n-gram speculation (code edit)", f"{sp['spec_tok_per_s']:.1f} vs {sp['plain_tok_per_s']:.1f} "
-                     f"tok/s = {sp['speedup']:.2f}x, acceptance {sp['acceptance_rate']:.0%}, "
-                     f"{sp['mean_accepted_length']:.2f} tokens/step, same tokens: {sp['same_tokens']}"))
-    if "speculative_draft" in result:
-        sp = result["speculative_draft"]
-        rows.append(("fp32 target + this model as draft", f"{sp['spec_tok_per_s']:.1f} vs {sp['plain_tok_per_s']:.1f} "
-                     f"tok/s = {sp['speedup']:.2f}x, acceptance {sp['acceptance_rate']:.0%}, "
-                     f"{sp['mean_accepted_length']:.2f} tokens/step, same tokens: {sp['same_tokens']}"))
+    for key, label in (("speculative_ngram", "n-gram speculation (code edit)"),
+                       ("speculative_draft", "fp32 target + this model as draft")):
+        if key in result:
+            sp = result[key]
+            rows.append((label, f"{sp['spec_tok_per_s']:.1f} vs {sp['plain_tok_per_s']:.1f} tok/s = "
+                                f"{sp['speedup']:.2f}x, acceptance {sp['acceptance_rate']:.0%}, "
+                                f"{sp['mean_accepted_length']:.2f} tokens/step, same tokens: {sp['same_tokens']}"))
     if "cold_start" in result:
         rows.append(("cold start to first token", f"{result['cold_start']['seconds']:.2f} s"))
     rows.append(("peak RSS", f"{result['peak_rss_mb']:.0f} MB"))
