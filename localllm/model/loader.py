@@ -302,14 +302,25 @@ def _resolve_precision(precision: str, weights, device: str) -> tuple[str, torch
     return precision, (torch.float32 if device == "cpu" else torch.float16)
 
 
-def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device: str):
+def _keep_dense(cfg: ModelConfig, mode: str, device: str) -> bool:
+    """Keep fp32 copies of int4 weights for prefill GEMMs (Int4Linear.dense) when the model is
+    small: they cost 8x the int4 bytes of RAM (SmolLM2-135M: 425 MB, paged in on first use)."""
+    if mode != "int4" or device != "cpu" or os.environ.get("LOCALLLM_DENSE_PREFILL", "1") == "0":
+        return False
+    from ..hardware import available_memory
+
+    need = 4 * (cfg.num_params - cfg.vocab_size * cfg.hidden_size)
+    return need <= min(2 << 30, available_memory("cpu") // 8)
+
+
+def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device: str, dense: bool = False):
     biases = [n.replace(".weight", ".bias") for n in names]
     bias = torch.cat([weights.dense(b).float() for b in biases]) if all(weights.has(b) for b in biases) else None
     if mode == "int4":
         parts = [weights.int4(n) for n in names]
         if all(p is not None for p in parts):
             if Int4Weight.can_cat(parts):
-                return Int4Linear(Int4Weight.cat(parts), act_dtype, bias, device)
+                return Int4Linear(Int4Weight.cat(parts), act_dtype, bias, device, dense)
             # act-order parts with different input permutations: one int4 matmul each
             sizes = [p.shape[0] for p in parts]
             bs = [None] * len(parts) if bias is None else list(bias.split(sizes))
@@ -319,7 +330,7 @@ def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device
     if mode == "int4" and not prequantized:  # quantize on load: largest group that divides K
         group = next((g for g in (128, 64, 32) if w.shape[1] % g == 0), None)
         if group is not None:
-            return Int4Linear(quantize_rtn(w, group), act_dtype, bias, device)
+            return Int4Linear(quantize_rtn(w, group), act_dtype, bias, device, dense)
     if mode == "int8" and device == "cpu":
         return Int8Linear(w, act_dtype, bias)
     return DenseLinear(w.to(device, act_dtype), None if bias is None else bias.to(device, act_dtype))
@@ -331,15 +342,15 @@ class ConvertCache:
     file's path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md).
     LOCALLLM_CONVERT_CACHE=0 turns it off."""
 
-    VERSION = 1
+    VERSION = 2
 
-    def __init__(self, file: Path):
+    def __init__(self, file: Path, dense: bool = False):
         import hashlib
 
         from .compiled import cache_dir
 
         st = file.stat()
-        key = f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{torch.__version__}|v{self.VERSION}"
+        key = f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{torch.__version__}|v{self.VERSION}|dense={dense}"
         self.path = cache_dir().parent / "converted" / (hashlib.sha1(key.encode()).hexdigest()[:20] + ".safetensors")
         self.tensors: dict[str, torch.Tensor] = {}
         self.hit = False
@@ -352,24 +363,26 @@ class ConvertCache:
                 self.tensors = {}
 
     @staticmethod
-    def open(path, weights, mode: str, device: str) -> ConvertCache | None:
+    def open(path, weights, mode: str, device: str, dense: bool) -> ConvertCache | None:
         if not (isinstance(weights, GGUFWeights) and mode == "int4" and device == "cpu"):
             return None
         if os.environ.get("LOCALLLM_CONVERT_CACHE", "1").lower() in ("0", "false", "no", "off"):
             return None
-        return ConvertCache(Path(path))
+        return ConvertCache(Path(path), dense)
 
     def linear(self, key: str, build):
         """The cached Int4Linear `key`, or build() (remembered when it is a plain Int4Linear)."""
         t = self.tensors
         if self.hit and f"{key}.packed" in t:
             return Int4Linear.from_packed(t[f"{key}.packed"], t[f"{key}.sz"], int(t[f"{key}.group"]),
-                                          t.get(f"{key}.bias"))
+                                          t.get(f"{key}.bias"), t.get(f"{key}.dense"))
         m = build()
         if isinstance(m, Int4Linear) and m.in_perm is None:
             t.update({f"{key}.packed": m.packed, f"{key}.sz": m.scales_zeros, f"{key}.group": torch.tensor(m.group_size)})
             if m.bias is not None:
                 t[f"{key}.bias"] = m.bias.data
+            if m.dense is not None:
+                t[f"{key}.dense"] = m.dense
         return m
 
     def tensor(self, key: str, build) -> torch.Tensor:
@@ -398,11 +411,12 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     cfg = weights.config
     mode, act_dtype = _resolve_precision(precision, weights, device)
     tokenizer = weights.tokenizer()
-    cache = ConvertCache.open(path, weights, mode, device)
+    dense = _keep_dense(cfg, mode, device)
+    cache = ConvertCache.open(path, weights, mode, device, dense)
 
     def linear(key: str, names: list[str]):
         def build():
-            return _linear(weights, names, mode, act_dtype, device)
+            return _linear(weights, names, mode, act_dtype, device, dense)
         return cache.linear(key, build) if cache else build()
 
     layers = []
