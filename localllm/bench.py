@@ -159,8 +159,9 @@ def cold_start(model: str | None, runs: int) -> dict:
     for _ in range(runs):
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "localllm.cli", "run", "--temperature", "0", "-n", "2"]
+        env = {k: v for k, v in os.environ.items() if k != "LOCALLLM_COMPILE"}  # plain `run`
         proc = subprocess.Popen(cmd + ([model] if model else []) + ["Hi"], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env={**os.environ})
+                                stderr=subprocess.DEVNULL, env=env)
         proc.stdout.read(1)
         times.append(time.perf_counter() - t0)
         proc.wait(timeout=120)
@@ -177,7 +178,7 @@ def run_bench(model: str | None = None, precision: str = "auto", cfg: BenchConfi
     ref, loaded = _load(model, precision, pick_device("auto"), None)
     load_s = time.perf_counter() - t0
     result = {"model": ref.name, "precision": loaded.precision, "threads": threads or _threads(),
-              "load_s": load_s}
+              "load_s": load_s, "compiled_decode": getattr(loaded.model, "compiled", None) is not None}
     max_seqs = max(cfg.batch_sizes)
     ctx = max(max(cfg.prefill_lengths) + 64, cfg.system_prompt_tokens + 200, 512)
     ctx = min(ctx, loaded.extra["max_model_len"])

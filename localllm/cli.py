@@ -99,6 +99,8 @@ def run(
     max_memory: MaxMemOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the precision/context plan and exit "
                                                             "(nothing is loaded or downloaded).")] = False,
+    compile: Annotated[bool, typer.Option("--compile", help="CPU: decode through one compiled graph (~1.7x "
+                                                            "faster; the first compile takes ~1 min, cached).")] = False,
 ):
     """Answer one prompt and exit: `localllm run [MODEL] PROMPT` or `echo PROMPT | localllm run`."""
     from .registry import load_registry, looks_like_model
@@ -125,6 +127,10 @@ def run(
     params = sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [])
     engine = open_engine(model, quant, device, engine_config(ctx, kv_memory, threads, draft, spec_tokens), max_memory)
+    if compile:
+        from .model import compiled
+
+        compiled.enable(engine.loaded.model)
     if raw:
         request = prompt
     else:
@@ -377,9 +383,14 @@ def bench(
     quick: Annotated[bool, typer.Option("--quick", help="CI-sized: short prompts, few runs.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
     threads: ThreadsOpt = None,
+    compile: Annotated[bool, typer.Option("--compile", help="Decode through the compiled graph (CPU).")] = False,
 ):
     """Measure prefill, decode, batching, prefix-cache and speculative speed on this machine."""
     import json
+    import os
+
+    if compile:
+        os.environ["LOCALLLM_COMPILE"] = "1"  # read by the loader
 
     from .bench import BenchConfig, render, run_bench
 
