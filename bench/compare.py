@@ -1,0 +1,347 @@
+"""localllm vs llama.cpp vs transformers on the same GGUF, same threads, same prompts, one run.
+
+    python bench/compare.py [--model PATH.gguf] [--threads 2] [--runs 5] [--compile] [--json]
+
+Needs `llama-cpp-python` (pip install -e '.[bench]') and `transformers` + `accelerate`; it
+installs nothing. Never part of CI. Each engine lives in its own worker process (so each
+reports its own peak RSS and load time) and waits on stdin while the others run: the timed
+runs are interleaved round-robin, so a noisy shared machine slows every engine alike and
+the per-round ratios stay meaningful. transformers runs fp32 weights dequantized from the
+GGUF (the project's correctness oracle); llama.cpp runs the GGUF's own Q4_1 kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ENGINES = ("localllm", "llama.cpp", "transformers")
+TEXT = ("The history of computing is a story of people turning ideas about calculation into machines. "
+        "Early mechanical calculators could add and subtract; later designs stored programs in memory, "
+        "so the same hardware could solve many problems. ")
+
+
+# ---- workers: one engine each, JSON lines on stdin/stdout ---------------------------------------------
+class LocalWorker:
+    def __init__(self, path: str, threads: int, compile: bool):
+        import torch
+
+        torch.set_num_threads(threads)
+        from localllm.config import EngineConfig
+        from localllm.engine.engine import LLMEngine
+        from localllm.model import compiled
+        from localllm.model.loader import load_model
+
+        t0 = time.perf_counter()
+        self.loaded = load_model(path, "auto", max_model_len=4096)
+        self.load_s = time.perf_counter() - t0
+        if compile:
+            compiled.enable(self.loaded.model)
+        self.engine = LLMEngine(self.loaded, EngineConfig(max_model_len=4096, enable_prefix_caching=False,
+                                                          max_num_batched_tokens=2048, num_kv_blocks=600,
+                                                          num_threads=threads))
+
+    def prefill(self, ids: list[int]) -> float:
+        from localllm.sampling import SamplingParams
+
+        t0 = time.perf_counter()
+        self.engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1))
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return time.perf_counter() - t0
+
+    def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
+        from localllm.sampling import SamplingParams
+
+        stamps, last = [], None
+        for last in self.engine.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):  # noqa: B007
+            stamps.append(time.perf_counter())
+        return (n - 1) / (stamps[-1] - stamps[0]), last.token_ids
+
+
+class LlamaCppWorker:
+    def __init__(self, path: str, threads: int, compile: bool):
+        from llama_cpp import Llama
+
+        t0 = time.perf_counter()
+        self.llm = Llama(path, n_ctx=4096, n_batch=2048, n_ubatch=512, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+        self.load_s = time.perf_counter() - t0
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        return time.perf_counter() - t0
+
+    def _argmax(self) -> int:
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
+        return int(logits.argmax())
+
+    def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
+        # a plain eval loop: Llama.generate(reset=False) would evaluate the prompt again
+        self.llm.reset()
+        self.llm.eval(ids)
+        toks = [self._argmax()]
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            self.llm.eval([toks[-1]])
+            toks.append(self._argmax())
+        return (n - 1) / (time.perf_counter() - t0), toks
+
+
+class HFWorker:
+    def __init__(self, path: str, threads: int, compile: bool):
+        import torch
+
+        torch.set_num_threads(threads)
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        t0 = time.perf_counter()
+        self.model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                          dtype=torch.float32).eval()
+        self.load_s = time.perf_counter() - t0
+
+    def prefill(self, ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        with self.torch.inference_mode():
+            self.model(self.torch.tensor([ids]), logits_to_keep=1).logits.argmax(-1)
+        return time.perf_counter() - t0
+
+    def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
+        torch = self.torch
+        with torch.inference_mode():
+            out = self.model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+            toks = [int(out.logits[0, -1].argmax())]
+            past = out.past_key_values
+            t0 = time.perf_counter()
+            for _ in range(n - 1):
+                out = self.model(torch.tensor([[toks[-1]]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                toks.append(int(out.logits[0, -1].argmax()))
+        return (n - 1) / (time.perf_counter() - t0), toks
+
+
+WORKERS = {"localllm": LocalWorker, "llama.cpp": LlamaCppWorker, "transformers": HFWorker}
+
+
+def worker_main(kind: str, path: str, threads: int, compile: bool) -> None:
+    w = WORKERS[kind](path, threads, compile)
+    print(json.dumps({"ready": True, "load_s": w.load_s}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "prefill":
+            res = {"seconds": w.prefill(cmd["ids"])}
+        elif cmd["op"] == "decode":
+            rate, toks = w.decode(cmd["ids"], cmd["n"])
+            res = {"tok_per_s": rate, "tokens": toks}
+        else:  # "rss"
+            res = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        print(json.dumps(res), flush=True)
+
+
+# ---- driver ---------------------------------------------------------------------------------------
+class Proc:
+    def __init__(self, kind: str, path: str, threads: int, compile: bool):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.p = subprocess.Popen([sys.executable, __file__, "--worker", kind, "--model", path, "--threads",
+                                   str(threads)] + (["--compile"] if compile else []),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.hello = self._read()
+
+    def _read(self) -> dict:
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError("a benchmark worker died (see its error above)")
+        return json.loads(line)
+
+    def ask(self, **cmd) -> dict:
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.wait(timeout=60)
+
+
+COLD = {
+    "localllm": "import sys, subprocess; subprocess.run([sys.executable, '-m', 'localllm.cli', 'run', '--temperature', "
+                "'0', '-n', '2', '-m', {path!r}, 'Hi'])",
+    "llama.cpp": "from llama_cpp import Llama; llm = Llama({path!r}, n_ctx=512, n_threads={t}, verbose=False); "
+                 "print(llm('Hi', max_tokens=1)['choices'][0]['text'], flush=True)",
+    "transformers": "import os, torch; torch.set_num_threads({t}); from transformers import AutoModelForCausalLM, "
+                    "AutoTokenizer; d, f = os.path.split({path!r}); "
+                    "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32); "
+                    "tok = AutoTokenizer.from_pretrained(d, gguf_file=f); "
+                    "print(tok.decode(m.generate(**tok('Hi', return_tensors='pt'), max_new_tokens=1)[0, -1:]), "
+                    "flush=True)",
+}
+
+
+def cold_start(kind: str, path: str, threads: int) -> float:
+    """Process start to the first generated token on stdout."""
+    if kind == "localllm":
+        cmd = [sys.executable, "-m", "localllm.cli", "run", "--temperature", "0", "-n", "2", "--threads",
+               str(threads), path, "Hi"]
+    else:
+        cmd = [sys.executable, "-c", COLD[kind].format(path=path, t=threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    first = p.stdout.read(1)
+    dt = time.perf_counter() - t0
+    p.stdout.read()
+    p.wait(timeout=300)
+    if not first:
+        raise RuntimeError(f"{kind} cold-start command printed nothing: {cmd}")
+    return dt
+
+
+def prompt_ids(n: int, salt: int) -> list[int]:
+    from localllm.registry import resolve_model
+    from localllm.tokenizer import LLMTokenizer  # noqa: F401  (same tokenizer for all three: one GGUF)
+
+    global _TOK
+    if "_TOK" not in globals():
+        from localllm.model.loader import open_weights
+
+        _TOK = open_weights(resolve_model(None).local_path if ARGS.model is None else ARGS.model).tokenizer()
+    ids = _TOK.encode(TEXT)
+    out = (ids * (n // len(ids) + 2))[:n]
+    out[0] = 100 + salt  # a different first token per run
+    return out
+
+
+def main(argv=None) -> dict:
+    global ARGS
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="GGUF file (default: the embedded model)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--prefill", default="32,512,2048")
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--compile", action="store_true", help="localllm with the compiled decode step")
+    ap.add_argument("--no-cold-start", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ARGS = args = ap.parse_args(argv)
+    if args.model is None:
+        from localllm.registry import resolve_model
+
+        args.model = str(resolve_model(None).local_path)
+    if args.worker:
+        worker_main(args.worker, args.model, args.threads, args.compile)
+        return {}
+    engines = args.engines.split(",")
+    lengths = [int(x) for x in args.prefill.split(",")]
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    res: dict = {"model": args.model, "threads": args.threads, "runs": args.runs, "compile": args.compile,
+                 "engines": {e: {} for e in engines}}
+    procs = {}
+    for e in engines:  # loaded one after another: load times do not overlap
+        log(f"loading {e} ...")
+        procs[e] = Proc(e, args.model, args.threads, args.compile)
+        res["engines"][e]["load_s"] = procs[e].hello["load_s"]
+    try:
+        log("warm-up ...")
+        for e in engines:  # first calls: allocation, one-time compiles
+            procs[e].ask(op="decode", ids=prompt_ids(32, 99), n=16)
+            procs[e].ask(op="prefill", ids=prompt_ids(64, 98))
+        for n in lengths:
+            log(f"prefill {n} ...")
+            times = {e: [] for e in engines}
+            for r in range(max(1, args.runs if n <= 512 else args.runs // 2)):
+                ids = prompt_ids(n, r)
+                for e in engines:
+                    times[e].append(procs[e].ask(op="prefill", ids=ids)["seconds"])
+            for e in engines:
+                s = statistics.median(times[e])
+                res["engines"][e][f"prefill_{n}"] = {"seconds": s, "tok_per_s": n / s, "runs": times[e]}
+        log(f"decode {args.decode_tokens} tokens x {args.runs} rounds ...")
+        rates = {e: [] for e in engines}
+        ids = prompt_ids(32, 7)
+        for _ in range(args.runs):
+            for e in engines:
+                out = procs[e].ask(op="decode", ids=ids, n=args.decode_tokens)
+                rates[e].append(out["tok_per_s"])
+                res["engines"][e]["decode_tokens"] = out["tokens"][:16]
+        for e in engines:
+            res["engines"][e]["decode_tok_per_s"] = statistics.median(rates[e])
+            res["engines"][e]["decode_runs"] = rates[e]
+        if "localllm" in engines:  # per-round ratios cancel the machine's drift
+            for e in engines:
+                if e != "localllm":
+                    res["engines"][e]["decode_round_ratio"] = statistics.median(
+                        a / b for a, b in zip(rates["localllm"], rates[e]))
+        for e in engines:
+            res["engines"][e]["peak_rss_mb"] = procs[e].ask(op="rss")["peak_rss_mb"]
+    finally:
+        for p in procs.values():
+            p.close()
+    if not args.no_cold_start:
+        log("cold start ...")
+        cold = {e: [] for e in engines}
+        for _ in range(3):
+            for e in engines:
+                cold[e].append(cold_start(e, args.model, args.threads))
+        for e in engines:
+            res["engines"][e]["cold_start_s"] = statistics.median(cold[e])
+    print(json.dumps(res, indent=2) if args.json else render(res))
+    return res
+
+
+def render(res: dict) -> str:
+    eng = res["engines"]
+    names = list(eng)
+    peers = [e for e in names if e != "localllm"] if "localllm" in names else []
+    rows = [("metric", *names, *[f"localllm / {p}" for p in peers])]
+
+    def row(label, key, fmt, higher_better=True):
+        vals = [key(eng[e]) for e in names]
+        cells = [fmt(v) if v is not None else "-" for v in vals]
+        ratios = []
+        for p in peers:
+            a, b = key(eng["localllm"]), key(eng[p])
+            ratios.append("-" if a is None or b is None else f"{(a / b if higher_better else b / a):.2f}x")
+        rows.append((label, *cells, *ratios))
+
+    def get(*path):
+        def f(d):
+            for k in path:
+                d = d.get(k) if isinstance(d, dict) else None
+            return d
+        return f
+
+    row("load (s)", get("load_s"), "{:.2f}".format, False)
+    for k in sorted((k for k in eng[names[0]] if k.startswith("prefill_")), key=lambda k: int(k.split("_")[1])):
+        row(f"prefill {k.split('_')[1]} (tok/s)", get(k, "tok_per_s"), "{:.0f}".format)
+    row("decode batch 1 (tok/s)", get("decode_tok_per_s"), "{:.1f}".format)
+    row("cold start to 1st token (s)", get("cold_start_s"), "{:.2f}".format, False)
+    row("peak RSS (MB)", get("peak_rss_mb"), "{:.0f}".format, False)
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    note = [f"{res['threads']} threads, {res['runs']} interleaved rounds, medians; ratios: > 1 means localllm is "
+            "better (faster, or less time / memory)."]
+    for p in peers:
+        if "decode_round_ratio" in eng[p]:
+            note.append(f"decode, median of per-round ratios localllm / {p}: {eng[p]['decode_round_ratio']:.2f}x")
+    return "\n".join(lines + note)
+
+
+if __name__ == "__main__":
+    main()
