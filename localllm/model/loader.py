@@ -351,7 +351,8 @@ class ConvertCache:
 
         st = file.stat()
         key = f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{torch.__version__}|v{self.VERSION}|dense={dense}"
-        self.path = cache_dir().parent / "converted" / (hashlib.sha1(key.encode()).hexdigest()[:20] + ".safetensors")
+        self.stem = file.stem
+        self.path = cache_dir().parent / "converted" / f"{self.stem}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.safetensors"
         self.tensors: dict[str, torch.Tensor] = {}
         self.hit = False
         if self.path.is_file():
@@ -401,6 +402,9 @@ class ConvertCache:
             tmp = self.path.with_suffix(f".tmp{os.getpid()}")
             save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(tmp))
             os.replace(tmp, self.path)
+            for old in self.path.parent.glob(f"{self.stem}-*.safetensors"):  # stale versions of this file
+                if old != self.path:
+                    old.unlink(missing_ok=True)
         except OSError:  # a read-only home: convert every time
             pass
 
