@@ -100,7 +100,8 @@ def run(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the precision/context plan and exit "
                                                             "(nothing is loaded or downloaded).")] = False,
     compile: Annotated[bool, typer.Option("--compile", help="CPU: decode through one compiled graph (~1.7x "
-                                                            "faster; the first compile takes ~1 min, cached).")] = False,
+                                                            "faster after ~10 s of set-up; minutes the very first "
+                                                            "time): pays off for long outputs.")] = False,
 ):
     """Answer one prompt and exit: `localllm run [MODEL] PROMPT` or `echo PROMPT | localllm run`."""
     from .registry import load_registry, looks_like_model
