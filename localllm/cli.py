@@ -213,6 +213,8 @@ def serve(
     ctx: CtxOpt = None,
     kv_memory: KvMemOpt = None,
     threads: ThreadsOpt = None,
+    draft: DraftOpt = None,
+    spec_tokens: SpecTokensOpt = 4,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "warning",
 ):
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
@@ -236,7 +238,7 @@ def serve(
         from pathlib import Path
 
         aliases += [Path(ref.name).name, Path(ref.name).stem]
-    config = engine_config(ctx, kv_memory, threads, max_num_seqs=max_num_seqs)
+    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, max_num_seqs=max_num_seqs)
 
     def load():
         from .llm import build_engine
