@@ -17,13 +17,17 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(rng.randrange(5, 70))] for _ in range(n)]
 
 
-def run_all(engine, reqs, params=GREEDY) -> dict[str, list[int]]:
+def run_all(engine, reqs, params=GREEDY, check_blocks: bool = False) -> list[list[int]]:
+    """Output token ids of each request, all batched together; optionally checking the block
+    accounting after every step."""
     ids = [engine.add_request(p, params) for p in reqs]
     done = {}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
+        if check_blocks:
+            engine.block_manager.check_invariants(engine.live_sequences())
     return [done[i] for i in ids]
 
 

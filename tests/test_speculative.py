@@ -29,15 +29,7 @@ def test_ngram_greedy_is_token_identical_batched(tiny_model, k):
     reqs = repetitive_prompts(5)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     eng = make_engine(tiny_model, speculative="ngram", num_speculative_tokens=k)
-    out = []
-    ids = [eng.add_request(p, params) for p in reqs]
-    done = {}
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o.token_ids
-        eng.block_manager.check_invariants(eng.live_sequences())
-    out = [done[i] for i in ids]
+    out = run_all(eng, reqs, params, check_blocks=True)
     assert out == alone(tiny_model, reqs, params)
     assert eng.cache_stats()["speculative"]["proposed"] > 0
     assert eng.block_manager.num_used_blocks == 0
