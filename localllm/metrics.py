@@ -93,6 +93,14 @@ class ServerMetrics:
                    [("", e["max_batch_size"])])
             metric("localllm_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.",
                    [("", e["preemptions"])])
+            spec = e.get("speculative")
+            if spec is not None:  # only when serving with --draft
+                metric("localllm_spec_proposed_tokens_total", "counter", "Speculative tokens proposed.",
+                       [("", spec["proposed"])])
+                metric("localllm_spec_accepted_tokens_total", "counter", "Speculative tokens accepted by the target.",
+                       [("", spec["accepted"])])
+                metric("localllm_spec_mean_accepted_length", "gauge", "Tokens produced per verify step.",
+                       [("", spec["mean_accepted_length"])])
         return "\n".join(out) + "\n"
 
 

@@ -117,3 +117,16 @@ def test_draft_with_other_tokenizer_is_refused(tiny_model, fp32_model):
     alien = dataclasses.replace(tiny_model, tokenizer=LLMTokenizer(TokenizerInfo(other, eos_token="<eos>")))
     with pytest.raises(ValueError, match="does not share the target's tokenizer"):
         LLMEngine(fp32_model, EngineConfig(num_kv_blocks=64, speculative="draft"), draft=alien)
+
+
+def test_speculation_stats_reach_prometheus_metrics(tiny_model):
+    from localllm.metrics import ServerMetrics, parse
+
+    eng = make_engine(tiny_model, speculative="ngram")
+    run_all(eng, repetitive_prompts(5), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    st = eng.cache_stats()
+    m = parse(ServerMetrics().render(st, {}))
+    assert m["localllm_spec_proposed_tokens_total"] == st["speculative"]["proposed"] > 0
+    assert m["localllm_spec_accepted_tokens_total"] == st["speculative"]["accepted"]
+    plain = parse(ServerMetrics().render(make_engine(tiny_model).cache_stats(), {}))
+    assert "localllm_spec_proposed_tokens_total" not in plain
