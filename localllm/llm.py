@@ -98,7 +98,6 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("params list must have one entry per prompt")
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        prompt_ids = {rid: list(self.engine._seqs[rid].prompt_ids) for rid in ids}
         done: dict[str, RequestOutput] = {}
         try:
             while len(done) < len(ids):
@@ -109,7 +108,7 @@ class LLM:
             for rid in ids:
                 if rid not in done:
                     self.engine.abort(rid)
-        return [CompletionOutput(done[r].text, done[r].token_ids, done[r].finish_reason, prompt_ids[r],
+        return [CompletionOutput(done[r].text, done[r].token_ids, done[r].finish_reason, done[r].prompt_token_ids,
                                  done[r].num_cached_tokens, done[r].logprobs) for r in ids]
 
     def generate(self, prompts: str | list[str] | list[list[int]], params=None) -> list[CompletionOutput]:

@@ -240,3 +240,18 @@ def test_kv_cache_sized_from_memory_budget(tiny_model):
     assert auto.num_blocks * 16 <= 4 * auto.max_model_len + 32
     with pytest.raises(ValueError, match="kv-memory"):
         LLMEngine(tiny_model, EngineConfig(kv_memory_bytes=per_token * 16))
+
+
+def test_python_api_generate_and_chat():
+    from localllm import LLM
+
+    llm = LLM("smollm2-135m", num_kv_blocks=128)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], params)
+    assert "Paris" in out.text and out.finish_reason == "stop" and len(out.prompt_token_ids) == 37
+    assert out.token_ids[-1] in llm.engine.eos_ids
+    outs = llm.generate(["Once upon a time", "The sky is"], params)
+    assert len(outs) == 2 and all(o.finish_reason in ("stop", "length") and o.text for o in outs)
+    assert outs[0].prompt_token_ids == llm.tokenizer.encode("Once upon a time", add_special_tokens=True)
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        llm.generate(["a", "b"], [params])

@@ -42,6 +42,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: list[dict] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 class _Output:
@@ -353,7 +354,7 @@ class LLMEngine:
             self._seqs.pop(seq.request_id, None)
             self._outputs.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, delta, out.visible, kept, seq.output_ids, reason is not None,
-                             reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.logprobs)
+                             reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.logprobs, seq.prompt_ids)
 
     def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None
                  ) -> Iterator[RequestOutput]:
