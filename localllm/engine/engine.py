@@ -228,8 +228,7 @@ class LLMEngine:
                 raise ValueError(f"request id {rid!r} is already in use")
             seq = Sequence(rid, ids, params, max_tokens)
             self._seqs[rid] = seq
-            stops = params.stop
-            self._outputs[rid] = _Output(IncrementalDetokenizer(self.tokenizer, ids), stops)
+            self._outputs[rid] = _Output(IncrementalDetokenizer(self.tokenizer, ids), params.stop)
             self.scheduler.add(seq)
             self.stats["requests"] += 1
         return rid

@@ -59,8 +59,7 @@ class ModelRunner:
         if self.device != "cpu":
             dev = self.device
             meta.slot_mapping = slot_mapping.to(dev)
-            meta.cu_seqlens_q = torch.tensor([0] + list(torch.tensor(counts).cumsum(0).tolist()),
-                                             dtype=torch.int32, device=dev)
+            meta.cu_seqlens_q = torch.tensor([*q_starts, start], dtype=torch.int32, device=dev)
             meta.cached_lens = torch.tensor([c - n for c, n in zip(ctx_lens, counts)], dtype=torch.int32, device=dev)
             meta.context_lens = ctx.to(dev, torch.int32)
             meta.block_tables = bt.to(dev, torch.int32)

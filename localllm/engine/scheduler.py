@@ -20,11 +20,6 @@ from .sequence import SeqStatus, Sequence
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]
-    preempted: list[Sequence]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
 
 
 class Scheduler:
@@ -91,7 +86,7 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
-        return ScheduledBatch(seqs, counts, preempted)
+        return ScheduledBatch(seqs, counts)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED
