@@ -2,15 +2,18 @@
 # GPU check for localllm's Triton kernels (one command, < 8 minutes on an H100/H200):
 #   1. kernel unit tests natively (no interpreter), incl. bf16 cases that only run on CUDA
 #   2. each kernel timed against torch (triton.testing.do_bench), GB/s for decode / int4
-#   3. [hook] end-to-end decode benchmark, if localllm.bench_gpu_e2e exists
-#   4. the summary table, printed last
+#   3. end-to-end decode (bench/gpu_e2e.py): engine vs transformers, eager vs CUDA graphs
+#   4. the summary tables, printed last
 # Usage: bash bench/gpu_check.sh            (from anywhere; env PYTHON=... to pick an interpreter)
+# Logs and JSON are copied to $SAVE_DIR (default: $OUT when set, as on the device machine).
+# Missing pure-Python dependencies (gguf) are installed from wheels in .whl/ when present.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-OUT="$(mktemp -d)"
-trap 'rm -rf "$OUT"' EXIT
+SAVE_DIR="${SAVE_DIR:-${OUT:-}}"
+LOGS="$(mktemp -d)"
+trap 'rm -rf "$LOGS"' EXIT
 unset TRITON_INTERPRET  # native compilation
 
 has_stack() {  # python with torch + triton and a visible CUDA device
@@ -38,8 +41,13 @@ fi
 # kernels/ under that name through a symlink on PYTHONPATH.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c "import localllm_kernels" >/dev/null 2>&1; then
-  mkdir -p "$OUT/shim" && ln -s "$ROOT/kernels" "$OUT/shim/localllm_kernels"
-  export PYTHONPATH="$OUT/shim:$PYTHONPATH"
+  mkdir -p "$LOGS/shim" && ln -s "$ROOT/kernels" "$LOGS/shim/localllm_kernels"
+  export PYTHONPATH="$LOGS/shim:$PYTHONPATH"
+fi
+
+if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1 && ! "$PY" -c "import gguf" >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$LOGS/site" "$ROOT"/.whl/*.whl \
+    && export PYTHONPATH="$LOGS/site:$PYTHONPATH"
 fi
 
 "$PY" - <<'EOF' || true
@@ -50,27 +58,24 @@ print(f"== {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f}
 EOF
 
 echo "== 1/3 kernel tests (native)"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_*.py 2>&1 | tee "$OUT/tests.log"
+timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_attention.py tests/test_kernels_int4.py \
+  tests/test_kernels_norm_rope.py 2>&1 | tee "$LOGS/tests.log"
 TEST_RC=${PIPESTATUS[0]}
 
 echo "== 2/3 kernel timings vs torch"
-timeout 240 "$PY" bench/gpu_kernels.py 2>&1 | tee "$OUT/bench.log"
+timeout 170 "$PY" bench/gpu_kernels.py 2>&1 | tee "$LOGS/bench.log"
 BENCH_RC=${PIPESTATUS[0]}
 
-# TODO(engine owner): end-to-end decode with/without CUDA graphs lives in localllm.bench_gpu_e2e.
-E2E="not present (localllm.bench_gpu_e2e)"
-if "$PY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('localllm.bench_gpu_e2e') else 1)" \
-    >/dev/null 2>&1; then
-  echo "== 3/3 end-to-end decode (localllm.bench_gpu_e2e)"
-  timeout 120 "$PY" -m localllm.bench_gpu_e2e 2>&1 | tee "$OUT/e2e.log"
-  E2E="rc=${PIPESTATUS[0]}"
-else
-  echo "== 3/3 end-to-end decode: skipped, localllm.bench_gpu_e2e does not exist yet"
-fi
+echo "== 3/3 end-to-end decode"
+timeout "${E2E_TIMEOUT:-220}" "$PY" bench/gpu_e2e.py --json "$LOGS/e2e.json" 2>&1 | tee "$LOGS/e2e.log"
+E2E_RC=${PIPESTATUS[0]}
+
+[ -n "$SAVE_DIR" ] && cp "$LOGS"/*.log "$LOGS"/*.json "$SAVE_DIR"/ 2>/dev/null
 
 echo
 echo "== summary"
-echo "tests: rc=$TEST_RC  $(grep -E '(passed|failed|error)' "$OUT/tests.log" | tail -1)"
-echo "bench: rc=$BENCH_RC   e2e: $E2E"
-sed -n '/^## GPU kernels/,$p' "$OUT/bench.log"
-[ "$TEST_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]
+echo "tests: rc=$TEST_RC  $(grep -E '(passed|failed|error)' "$LOGS/tests.log" | tail -1)"
+echo "kernel bench: rc=$BENCH_RC   end-to-end: rc=$E2E_RC"
+sed -n '/^## GPU kernels/,$p' "$LOGS/bench.log"
+sed -n '/^## GPU end-to-end/,$p' "$LOGS/e2e.log"
+[ "$TEST_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$E2E_RC" -eq 0 ]

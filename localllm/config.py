@@ -105,4 +105,6 @@ class EngineConfig:
     seed: int = 0
     speculative: str | None = None  # None | "ngram" | a draft model (alias, path, repo) | "auto"
     num_speculative_tokens: int = 4  # the initial (and largest) k
+    cuda_graphs: bool = True  # GPU: replay captured decode steps (False = eager, as vLLM's enforce_eager)
+    max_graph_batch: int = 256  # largest decode batch captured (capped by max_num_seqs)
     extra: dict = field(default_factory=dict)

@@ -41,3 +41,16 @@ def test_gpu_kernels_compile_for_hopper():
     for kernel in ("_prefill_kernel", "_decode_split_kernel", "_decode_merge_kernel", "_int4_mm_kernel",
                    "_int4_dequant_kernel", "_store_kv_kernel", "_rms_norm_kernel", "_rope_kernel"):
         assert kernel in res.stdout
+
+
+def test_gpu_e2e_dry_run(capsys):
+    """bench/gpu_e2e.py's whole flow on a tiny model with the kernels interpreted: fp32 greedy ==
+    transformers, seeded sampling, n-gram speculation == greedy, graph-path tokens == eager."""
+    spec = importlib.util.spec_from_file_location("gpu_e2e", ROOT / "bench" / "gpu_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rc = mod.main(["--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "fp32 greedy vs transformers fp32 (6 tokens): equal" in out
+    assert "## GPU end-to-end decode" in out and "| tiny | float32 | 3 |" in out

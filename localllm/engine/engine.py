@@ -100,7 +100,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, config.block_size, self.num_blocks, loaded.kv_dtype,
-                                  loaded.eos_ids)
+                                  loaded.eos_ids, *self._graph_shape())
         self.eos_ids = loaded.eos_ids
         self.proposer = self._make_proposer(draft)
         self.adaptive = AdaptiveK(config.num_speculative_tokens)
@@ -170,6 +170,15 @@ class LLMEngine:
         torch.cuda.empty_cache()
         return int(peak)
 
+    def _graph_shape(self) -> tuple[int, int]:
+        """(largest decode batch to capture, block-table width) for CUDA graphs; (0, 0) = off."""
+        cfg = self.config
+        if not cfg.cuda_graphs:
+            return 0, 0
+        # a sequence's table may run num_speculative_tokens + 1 past the context for lookahead
+        width = -(-(self.max_model_len + cfg.num_speculative_tokens + 1) // cfg.block_size)
+        return min(cfg.max_num_seqs, cfg.max_graph_batch), width
+
     def _make_proposer(self, draft: LoadedModel | None):
         spec = self.config.speculative
         if draft is not None:
@@ -177,7 +186,8 @@ class LLMEngine:
                 raise ValueError(f"draft model {draft.extra.get('name', draft.source)} does not share the target's "
                                  "tokenizer (vocabulary or token ids differ); pick a draft from the same family")
             bm = BlockManager(self.num_blocks, self.config.block_size, enable_prefix_caching=False)
-            runner = ModelRunner(draft.model, self.config.block_size, self.num_blocks, draft.kv_dtype, draft.eos_ids)
+            runner = ModelRunner(draft.model, self.config.block_size, self.num_blocks, draft.kv_dtype, draft.eos_ids,
+                                 *self._graph_shape())
             return DraftProposer(runner, bm)
         if spec == "ngram":
             return NgramProposer()

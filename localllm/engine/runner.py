@@ -12,13 +12,16 @@ import torch
 from ..model.attention import AttnMeta
 from ..model.llama import LlamaModel
 from ..sampling import apply_penalties, filter_probs, sample_row, top_logprobs
+from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
 from .speculative import accept_greedy, accept_sampling
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_size: int, num_blocks: int, kv_dtype: torch.dtype,
-                 eos_ids: set[int]):
+                 eos_ids: set[int], graph_batch: int = 0, max_blocks_per_seq: int = 0):
+        """graph_batch > 0 (Triton backend only): decode steps of up to that many sequences
+        replay captured CUDA graphs (localllm.engine.cuda_graphs)."""
         self.model = model
         self.eos_ids = sorted(eos_ids)
         self.block_size = block_size
@@ -28,6 +31,11 @@ class ModelRunner:
             k[0].zero_()
             v[0].zero_()
         self.default_generator = torch.Generator().manual_seed(0)
+        self.kernel_meta = model.attention_backend == "triton"
+        self.graphs = None
+        if graph_batch and self.kernel_meta:
+            self.graphs = DecodeGraphs(model, self.kv_caches, graph_batch, max_blocks_per_seq,
+                                       capture=str(self.device).startswith("cuda"))
 
     def prepare(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
         bs = self.block_size
@@ -56,7 +64,7 @@ class ModelRunner:
         decode_only = all(n == 1 for n in counts)
         mask = valid.view(B, 1, 1, Lmax) if decode_only and not bool(valid.all()) else None
         meta = AttnMeta(slot_mapping, q_starts, list(counts), ctx_lens, decode_only, gather, mask)
-        if self.device != "cpu":
+        if self.kernel_meta:
             dev = self.device
             meta.slot_mapping = slot_mapping.to(dev)
             meta.cu_seqlens_q = torch.tensor([*q_starts, start], dtype=torch.int32, device=dev)
@@ -71,8 +79,13 @@ class ModelRunner:
         return self._forward(*self.prepare(seqs, counts))[0]
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta):
-        """-> (hidden, greedy tokens or None). Decode-only steps take the compiled graph when
-        the model has one (localllm.model.compiled), which also returns the greedy tokens."""
+        """-> (hidden, greedy tokens or None). Decode-only steps replay a CUDA graph when one
+        was captured, or take the compiled CPU graph when the model has one
+        (localllm.model.compiled), which also returns the greedy tokens."""
+        if self.graphs is not None and meta.decode_only:
+            hidden = self.graphs.run(ids, positions, meta)
+            if hidden is not None:
+                return hidden, None
         compiled = getattr(self.model, "compiled", None)
         if compiled is not None and meta.decode_only:
             out = compiled(ids, positions, meta.gather, self.kv_caches)
@@ -86,7 +99,8 @@ class ModelRunner:
         head = self.model.head
         if not any(s.params.needs_logits for s in seqs):
             return head.greedy(hidden).tolist()
-        logits = head(hidden)
+        # sampling runs on CPU with the request's CPU generator: same seed, same draws on any device
+        logits = head(hidden).cpu()
         out = []
         for row, seq in zip(logits, seqs):
             p = seq.params
@@ -131,5 +145,5 @@ class ModelRunner:
         head = self.model.head
         if seq.params.greedy:
             return accept_greedy(proposal.tokens, head.greedy(rows).tolist())
-        p = torch.stack([filter_probs(r, seq.params) for r in head(rows)])
+        p = torch.stack([filter_probs(r, seq.params) for r in head(rows).cpu()])
         return accept_sampling(proposal.tokens, p, proposal.q, seq.generator or self.default_generator)

@@ -182,7 +182,8 @@ class DraftProposer:
             last = torch.tensor(counts).cumsum(0) - 1
             rows = hidden[last]
             greedy = [m.params.greedy for m in active]
-            logits = self.runner.model.head(rows) if not all(greedy) else None
+            # sampled on CPU with the request's CPU generator: same seed, same draws on any device
+            logits = self.runner.model.head(rows).cpu() if not all(greedy) else None
             tokens = self.runner.model.head.greedy(rows).tolist() if all(greedy) else None
             nxt = []
             for i, (m, n) in enumerate(zip(active, counts)):

@@ -1,8 +1,9 @@
 """Attention over the paged KV cache.
 
 The runner describes a flattened batch once per step (`AttnMeta`); every layer reads it.
-CPU: torch SDPA over K/V gathered through the block tables. CUDA: our Triton kernels. The
-backend is chosen once at load (`make_attention`), not per call.
+Two backends, chosen once at load (`make_attention`), not per call: "torch" (SDPA over K/V
+gathered through the block tables; the CPU path) and "triton" (our kernels in
+`localllm_kernels`; the CUDA path, and on CPU under TRITON_INTERPRET=1 for tests).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ class AttnMeta:
     q_lens: list[int]  # per sequence: number of new tokens
     ctx_lens: list[int]  # per sequence: tokens in cache after this step (cached + new)
     decode_only: bool  # every sequence has exactly one new token
-    gather: torch.Tensor  # [B, Lmax] int64: slots of each sequence's context (padded with 0)
+    gather: torch.Tensor | None  # [B, Lmax] int64: slots of each sequence's context (padded with 0)
     decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool, None when no padding
-    # kernel-side description (CUDA)
+    # the Triton backend's description
     cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32
     cached_lens: torch.Tensor | None = None  # [B] int32
     context_lens: torch.Tensor | None = None  # [B] int32
@@ -67,7 +68,7 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-def cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
     from localllm_kernels import flash_attn_varlen_paged, paged_decode_attention, store_kv
 
@@ -81,5 +82,14 @@ def cuda_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     return out.reshape(T, H * D)
 
 
-def make_attention(device: str):
-    return cuda_attention if device.startswith("cuda") else torch_attention
+BACKENDS = {"torch": torch_attention, "triton": triton_attention}
+
+
+def default_backend(device: str) -> str:
+    return "triton" if device.startswith("cuda") else "torch"
+
+
+def make_attention(backend: str):
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    return BACKENDS[backend]

@@ -45,15 +45,16 @@ class Int4Linear(nn.Module):
     paths give the same numbers up to fp32 summation order. On CUDA: our Triton kernel."""
 
     def __init__(self, w: Int4Weight, act_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                 device: str = "cpu", dense: bool = False):
+                 device: str = "cpu", dense: bool = False, triton: bool | None = None):
+        """triton: use our Triton kernel (default: on CUDA; tests run it on CPU, interpreted)."""
         super().__init__()
-        self.register_buffer("dense", kernel_dequantize(w) if dense and not device.startswith("cuda")
+        self.cuda_path = device.startswith("cuda") if triton is None else triton
+        self.register_buffer("dense", kernel_dequantize(w) if dense and not self.cuda_path
                              and w.in_perm is None else None)
         self.dense_mapped = False
         n, k = w.shape
         self.out_features, self.group_size = n, w.group_size
         self.bias = None if bias is None else nn.Parameter(bias.to(act_dtype), requires_grad=False)
-        self.cuda_path = device.startswith("cuda")
         # GPTQ act-order: the weight's K was permuted at load, so the input is gathered the same way
         self.register_buffer("in_perm", None if w.in_perm is None else w.in_perm.to(device, torch.long))
         if self.cuda_path:

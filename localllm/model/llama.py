@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import AttnMeta, make_attention
+from .attention import AttnMeta, default_backend, make_attention
 from .layers import LMHead, RMSNorm, RotaryEmbedding
 
 
@@ -30,10 +30,14 @@ class LlamaModel(nn.Module):
         self.embed = nn.Parameter(embed, requires_grad=False)  # [V, H]
         self.layers = nn.ModuleList(layers)
         self.norm, self.head = norm, head
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype).to(device)
         self.scale = cfg.head_dim ** -0.5
-        self.attention = make_attention(device)
+        self.use_attention(default_backend(device))
         self.compiled = None  # a captured decode step (localllm.model.compiled), opt-in
+
+    def use_attention(self, backend: str) -> None:
+        """Pick the attention backend ("torch" | "triton"); the runner builds the matching metadata."""
+        self.attention, self.attention_backend = make_attention(backend), backend
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
         c = self.cfg
