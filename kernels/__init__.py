@@ -4,6 +4,7 @@ Under ``TRITON_INTERPRET=1`` (set before this package is imported) they run on C
 Triton's interpreter, which is how the unit tests check them on machines without a GPU.
 """
 
+from .activation import silu_and_mul
 from .flash_attention import flash_attn_varlen_paged
 from .int4_matmul import int4_dequantize, int4_matmul
 from .kv_store import store_kv
@@ -19,5 +20,6 @@ __all__ = [
     "int4_matmul",
     "paged_decode_attention",
     "rms_norm",
+    "silu_and_mul",
     "store_kv",
 ]

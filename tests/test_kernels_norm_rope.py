@@ -1,8 +1,9 @@
-"""rms_norm (optionally fused with the residual add) and apply_rope against torch references."""
+"""rms_norm (optionally fused with the residual add), apply_rope and silu_and_mul against torch references."""
 
 import pytest
 import torch
-from localllm_kernels import apply_rope, rms_norm
+import torch.nn.functional as F
+from localllm_kernels import apply_rope, rms_norm, silu_and_mul
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
@@ -59,3 +60,17 @@ def test_apply_rope(dtype, inplace):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(oq.cpu().double(), ref_q, **tol)
     torch.testing.assert_close(ok.cpu().double(), ref_k, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("f", [96, 1536])  # one tile with a ragged end; several column tiles
+def test_silu_and_mul(f, dtype):
+    gen = torch.Generator().manual_seed(f)
+    gu = (torch.randn(3, 2 * f, generator=gen) * 4).to(DEV, dtype)
+    g, u = gu.split(f, dim=-1)
+    ref = F.silu(g) * u  # in the activation dtype, as the unfused model computes it
+    out = torch.full((3, f), float("nan"), dtype=dtype, device=DEV)
+    out.copy_(silu_and_mul(gu))
+    assert not out.isnan().any()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)

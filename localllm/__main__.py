@@ -1,0 +1,5 @@
+"""`python -m localllm` = the `localllm` command."""
+
+from .cli import main
+
+main()
