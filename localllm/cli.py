@@ -28,6 +28,8 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU thread
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: a draft MODEL, 'ngram' "
                                                                  "(prompt lookup) or 'auto' (the registry's pairing).")]
 SpecTokensOpt = Annotated[int, typer.Option("--spec-tokens", help="Initial speculative tokens per step (k).")]
+EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="GPU: run decode steps eagerly instead of "
+                                                                "replaying captured CUDA graphs.")]
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
@@ -96,6 +98,7 @@ def run(
     threads: ThreadsOpt = None,
     draft: DraftOpt = None,
     spec_tokens: SpecTokensOpt = 4,
+    enforce_eager: EagerOpt = False,
     max_memory: MaxMemOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the precision/context plan and exit "
                                                             "(nothing is loaded or downloaded).")] = False,
@@ -127,7 +130,8 @@ def run(
     prompt = "\n\n".join(parts)
     params = sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [])
-    engine = open_engine(model, quant, device, engine_config(ctx, kv_memory, threads, draft, spec_tokens), max_memory)
+    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, cuda_graphs=not enforce_eager)
+    engine = open_engine(model, quant, device, config, max_memory)
     if compile:
         from .model import compiled
 
@@ -215,6 +219,7 @@ def serve(
     threads: ThreadsOpt = None,
     draft: DraftOpt = None,
     spec_tokens: SpecTokensOpt = 4,
+    enforce_eager: EagerOpt = False,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "warning",
 ):
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
@@ -238,7 +243,8 @@ def serve(
         from pathlib import Path
 
         aliases += [Path(ref.name).name, Path(ref.name).stem]
-    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, max_num_seqs=max_num_seqs)
+    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, max_num_seqs=max_num_seqs,
+                           cuda_graphs=not enforce_eager)
 
     def load():
         from .llm import build_engine
@@ -351,12 +357,14 @@ def chat(
     threads: ThreadsOpt = None,
     draft: DraftOpt = None,
     spec_tokens: SpecTokensOpt = 4,
+    enforce_eager: EagerOpt = False,
 ):
     """Interactive chat (/? for commands). With stdin not a terminal, reads one message per line."""
     from .repl import ChatSession, history_path, run_pipe, run_repl
 
     sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    engine = open_engine(model, quant, device, engine_config(ctx, kv_memory, threads, draft, spec_tokens))
+    engine = open_engine(model, quant, device,
+                         engine_config(ctx, kv_memory, threads, draft, spec_tokens, cuda_graphs=not enforce_eager))
     name = engine.loaded.extra.get("name", model or "")
     interactive = sys.stdin.isatty()
 
