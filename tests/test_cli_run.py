@@ -101,3 +101,21 @@ def test_truncated_and_pickle_only_safetensors_dirs(tmp_path, tiny_model):
     (d / "pytorch_model.bin").write_bytes(b"pickle")
     with pytest.raises(ModelLoadError, match="pickle checkpoints are never loaded"):
         load_model(d)
+
+
+def test_enforce_eager_reaches_the_engine_config(monkeypatch):
+    """--enforce-eager (GPU: no CUDA-graph replay) is passed down in EngineConfig, for run and chat."""
+    from typer.testing import CliRunner
+
+    import localllm.cli as cli
+
+    seen = []
+
+    def fake_open(model, quant, device, config, max_memory=None):
+        seen.append(config.cuda_graphs)
+        raise SystemExit(3)
+
+    monkeypatch.setattr(cli, "open_engine", fake_open)
+    for args in (["run", "hi"], ["run", "--enforce-eager", "hi"], ["chat", "--enforce-eager"]):
+        assert CliRunner().invoke(cli.app, args, input="").exit_code == 3
+    assert seen == [True, False, False]
