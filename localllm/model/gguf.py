@@ -7,6 +7,7 @@ We still use the `gguf` package for the quantization type table and dequantizers
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from dataclasses import dataclass, field
@@ -104,11 +105,18 @@ class _Cursor:
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Parse a GGUF file's header and map its tensors (no tensor data is copied)."""
+    """Parse a GGUF file's header and map its tensors (no tensor data is copied). Parsed once
+    per process and file version: the planner and the loader both read it, and the header's
+    49k tokenizer strings cost ~0.1 s of every cold start."""
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
-    size = path.stat().st_size
+    st = path.stat()
+    return _read_gguf(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
     if size < 24:
         raise GGUFError(f"{path}: not a GGUF file (only {size} bytes)")
     mm = np.memmap(path, dtype=np.uint8, mode="r")
