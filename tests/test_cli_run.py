@@ -119,3 +119,19 @@ def test_enforce_eager_reaches_the_engine_config(monkeypatch):
     for args in (["run", "hi"], ["run", "--enforce-eager", "hi"], ["chat", "--enforce-eager"]):
         assert CliRunner().invoke(cli.app, args, input="").exit_code == 3
     assert seen == [True, False, False]
+
+
+def test_gguf_type_table_matches_the_gguf_package(gguf_path):
+    """Our built-in ggml type table (kept to avoid importing gguf at start) equals the package's,
+    and a type outside it is still resolved through the package."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from localllm.model import gguf as g
+
+    for q in g._QTYPES.values():
+        ref = GGMLQuantizationType(q.id)
+        assert (q.name, (q.block, q.type_size)) == (ref.name, GGML_QUANT_SIZES[ref])
+    iq4 = GGMLQuantizationType.IQ4_NL
+    assert g.qtype(int(iq4)) == (int(iq4), "IQ4_NL", *GGML_QUANT_SIZES[iq4])
+    kinds = {t.qtype.name for t in g.read_gguf(gguf_path).tensors.values()}
+    assert {"Q4_1", "F32"} <= kinds

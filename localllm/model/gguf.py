@@ -12,11 +12,40 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 GGUF_MAGIC = b"GGUF"
+
+
+class QType(NamedTuple):
+    """A ggml tensor type: id, name, elements per block, bytes per block."""
+
+    id: int
+    name: str
+    block: int
+    type_size: int
+
+
+# The GGUF spec's table for the common types. Importing the gguf package for it would cost
+# ~70 ms of every cold start; rarer types are looked up there (tests check this table against it).
+_QTYPES = {q.id: q for q in (
+    QType(0, "F32", 1, 4), QType(1, "F16", 1, 2), QType(2, "Q4_0", 32, 18), QType(3, "Q4_1", 32, 20),
+    QType(6, "Q5_0", 32, 22), QType(7, "Q5_1", 32, 24), QType(8, "Q8_0", 32, 34), QType(9, "Q8_1", 32, 40),
+    QType(10, "Q2_K", 256, 84), QType(11, "Q3_K", 256, 110), QType(12, "Q4_K", 256, 144),
+    QType(13, "Q5_K", 256, 176), QType(14, "Q6_K", 256, 210), QType(15, "Q8_K", 256, 292),
+    QType(30, "BF16", 1, 2),
+)}
+
+
+def qtype(type_id: int) -> QType:
+    if type_id in _QTYPES:
+        return _QTYPES[type_id]
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qt = GGMLQuantizationType(type_id)  # ValueError for ids gguf does not know either
+    return QType(type_id, qt.name, *GGML_QUANT_SIZES[qt])
 
 # value type id -> (struct format, size) for scalar types
 _SCALARS = {
@@ -36,7 +65,7 @@ class GGUFError(ValueError):
 class GGUFTensor:
     name: str
     shape: tuple[int, ...]  # torch order: rows first (GGUF stores ne0 first)
-    qtype: GGMLQuantizationType
+    qtype: QType
     offset: int  # absolute byte offset in the file
     nbytes: int
     data: np.ndarray = field(repr=False, default=None)  # raw bytes, uint8 memmap view
@@ -139,19 +168,19 @@ def _read_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
             name = cur.string()
             n_dims = cur.scalar(4)
             dims = [cur.scalar(10) for _ in range(n_dims)]
-            qtype, offset = cur.scalar(4), cur.scalar(10)
-            infos.append((name, dims, qtype, offset))
+            type_id, offset = cur.scalar(4), cur.scalar(10)
+            infos.append((name, dims, type_id, offset))
     except struct.error as e:
         raise GGUFError(f"{path}: truncated GGUF header ({e})") from None
     align = int(metadata.get("general.alignment", 32))
     data_start = (cur.pos + align - 1) // align * align
     tensors = {}
-    for name, dims, qtype, offset in infos:
+    for name, dims, type_id, offset in infos:
         try:
-            qt = GGMLQuantizationType(qtype)
+            qt = qtype(type_id)
         except ValueError:
-            raise GGUFError(f"{path}: tensor {name} has unknown type id {qtype}") from None
-        block, type_size = GGML_QUANT_SIZES[qt]
+            raise GGUFError(f"{path}: tensor {name} has unknown type id {type_id}") from None
+        block, type_size = qt.block, qt.type_size
         n_el = int(np.prod(dims)) if dims else 1
         if dims[0] % block:
             raise GGUFError(f"{path}: tensor {name} row length {dims[0]} is not a multiple of {block}")
@@ -170,14 +199,15 @@ def _read_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
 
 def dequantize(t: GGUFTensor) -> np.ndarray:
     """Dequantize a tensor to float32 with its torch shape."""
+    if t.qtype.name == "F32":
+        return np.asarray(t.data).view(np.float32).reshape(t.shape)
+    if t.qtype.name == "F16":
+        return np.asarray(t.data).view(np.float16).astype(np.float32).reshape(t.shape)
+    from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize as _deq
 
-    if t.qtype == GGMLQuantizationType.F32:
-        return np.asarray(t.data).view(np.float32).reshape(t.shape)
-    if t.qtype == GGMLQuantizationType.F16:
-        return np.asarray(t.data).view(np.float16).astype(np.float32).reshape(t.shape)
     try:
-        out = _deq(np.asarray(t.data), t.qtype)
+        out = _deq(np.asarray(t.data), GGMLQuantizationType(t.qtype.id))
     except NotImplementedError:
         raise GGUFError(f"tensor {t.name}: quantization type {t.qtype.name} is not supported") from None
     return out.reshape(t.shape).astype(np.float32, copy=False)
