@@ -4,7 +4,8 @@
 
 Baseline: the embedded GGUF exported to a dense fp32 HF checkpoint. Perplexity is on the built-in
 held-out English sample (localllm/quant/calib_text.py EVAL), deterministic. int4 checkpoints are
-written by our quantizer (group 64: 576 = 9 x 64) with the built-in calibration text.
+written by our quantizer (group 64: 576 = 9 x 64) with the built-in calibration text; "default" is
+what `localllm quantize --method gptq` does (act-order, asymmetric, Hessian-weighted scale search).
 """
 
 from __future__ import annotations
@@ -63,8 +64,12 @@ def main() -> None:
     measure("bf16", src, "bfloat16")
     measure("int8 (on load)", src, "int8")
     measure("int4 RTN (on load)", src, "int4", "quantize_rtn, group 128 where K allows, else 64")
-    for label, method, kw in [("int4 RTN (ours, sym)", "rtn", {}), ("int4 RTN (ours, asym)", "rtn", {"sym": False}),
-                              ("int4 GPTQ", "gptq", {}), ("int4 GPTQ act-order", "gptq", {"act_order": True}),
+    plain = {"act_order": False, "mse": False}
+    for label, method, kw in [("int4 RTN (ours, sym)", "rtn", {"sym": True}), ("int4 RTN (ours, asym)", "rtn", {}),
+                              ("int4 GPTQ sym", "gptq", {**plain, "sym": True}),
+                              ("int4 GPTQ act-order sym", "gptq", {"mse": False, "sym": True}),
+                              ("int4 GPTQ act-order asym", "gptq", {"mse": False}),
+                              ("int4 GPTQ (default)", "gptq", {}),  # act-order, asym, scale search
                               ("int4 AWQ", "awq", {})]:
         t = time.perf_counter()
         r = quantize_model(src, root / label.replace(" ", "_"), method, **kw)

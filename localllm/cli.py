@@ -431,10 +431,11 @@ def quantize(
         = None,
     num_samples: Annotated[int, typer.Option("--num-samples", help="Calibration sequences (at most).")] = 128,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per calibration sequence.")] = 256,
-    act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ: quantize columns in order of decreasing "
-                                                                "activation (desc_act).")] = False,
-    sym: Annotated[bool, typer.Option("--sym/--asym", help="GPTQ/RTN: symmetric (zero point 8) or asymmetric.")]
-        = True,
+    act_order: Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", help="GPTQ: quantize columns "
+                                                      "in order of decreasing activation (desc_act; default on).")]
+        = None,
+    sym: Annotated[Optional[bool], typer.Option("--sym/--asym", help="GPTQ/RTN: symmetric (zero point 8) or "
+                                                                     "asymmetric (default).")] = None,
 ):
     """Quantize a float model to a standard 4-bit AWQ or GPTQ checkpoint (loadable by vLLM, transformers)."""
     from .hub import HubError, ensure_local

@@ -28,13 +28,13 @@ def quantized(small_src, tmp_path_factory):
 
     out = {}
     root = tmp_path_factory.mktemp("qout")
-    for tag, method, kw in [("rtn", "rtn", {}), ("gptq", "gptq", {}), ("gptq-act", "gptq", {"act_order": True}),
-                            ("gptq-asym", "gptq", {"sym": False}), ("awq", "awq", {})]:
+    for tag, method, kw in [("rtn", "rtn", {}), ("gptq", "gptq", {}),
+                            ("gptq-plain", "gptq", {"act_order": False, "sym": True, "mse": False}), ("awq", "awq", {})]:
         out[tag] = quantize_model(small_src, root / tag, method, num_samples=2, keep_dequantized=True, **kw)
     return out
 
 
-@pytest.mark.parametrize("tag", ["rtn", "gptq", "gptq-act", "gptq-asym", "awq"])
+@pytest.mark.parametrize("tag", ["rtn", "gptq", "gptq-plain", "awq"])
 def test_checkpoint_loads_back_bit_exactly(quantized, tag):
     from localllm.model.loader import open_weights
 
@@ -47,7 +47,7 @@ def test_checkpoint_loads_back_bit_exactly(quantized, tag):
         assert w4 is not None and w4.group_size == 64
         assert torch.equal(w4.dequantize_logical(), want), name
         assert torch.equal(w.dense(name), want), name
-        assert (w4.in_perm is not None) == (tag == "gptq-act")
+        assert (w4.in_perm is not None) == (tag == "gptq")  # act-order is GPTQ's default
 
 
 def test_awq_checkpoint_is_standard(quantized):
@@ -69,22 +69,24 @@ def test_awq_checkpoint_is_standard(quantized):
 
 
 def test_gptq_checkpoint_is_standard(quantized):
-    p = quantized["gptq-act"].path
-    qc = json.loads((p / "config.json").read_text())["quantization_config"]
-    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["desc_act"], qc["sym"], qc["checkpoint_format"]) == \
-        ("gptq", 4, 64, True, True, "gptq")
-    assert json.loads((p / "quantize_config.json").read_text())["desc_act"] is True
-    with safe_open(str(p / "model.safetensors"), "pt") as f:
-        pre = "model.layers.1.mlp.down_proj."
-        assert tuple(f.get_tensor(pre + "qweight").shape) == (INTER // 8, HIDDEN)  # [in/8, out]
-        assert tuple(f.get_tensor(pre + "qzeros").shape) == (INTER // 64, HIDDEN // 8)
-        g_idx = f.get_tensor(pre + "g_idx")
+    """The default (act-order, asymmetric) and the plain (sym, no act-order) GPTQ v1 layouts."""
+    pre = "model.layers.1.mlp.down_proj."
+    for tag, desc_act, sym in [("gptq", True, False), ("gptq-plain", False, True)]:
+        p = quantized[tag].path
+        qc = json.loads((p / "config.json").read_text())["quantization_config"]
+        assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["desc_act"], qc["sym"],
+                qc["checkpoint_format"]) == ("gptq", 4, 64, desc_act, sym, "gptq")
+        assert json.loads((p / "quantize_config.json").read_text())["desc_act"] is desc_act
+        with safe_open(str(p / "model.safetensors"), "pt") as f:
+            assert tuple(f.get_tensor(pre + "qweight").shape) == (INTER // 8, HIDDEN)  # [in/8, out]
+            assert tuple(f.get_tensor(pre + "qzeros").shape) == (INTER // 64, HIDDEN // 8)
+            g_idx = f.get_tensor(pre + "g_idx")
+            z = f.get_tensor(pre + "qzeros")
         assert g_idx.dtype == torch.int32 and g_idx.shape == (INTER,)
-        assert bool((g_idx[1:] < g_idx[:-1]).any())  # act-order: not monotonic
+        assert bool((g_idx[1:] < g_idx[:-1]).any()) == desc_act  # act-order: not monotonic
         assert torch.equal(torch.bincount(g_idx.long()), torch.full((INTER // 64,), 64))
-        # sym v1: every stored zero is 8 - 1
-        z = f.get_tensor(pre + "qzeros")
-        assert bool((z == 0x77777777).all())
+        # sym v1: every stored zero is 8 - 1; asym: true zeros 1..15 stored minus one, not all 7
+        assert bool((z == 0x77777777).all()) == sym
 
 
 def test_quantized_checkpoints_generate(quantized):
@@ -92,7 +94,7 @@ def test_quantized_checkpoints_generate(quantized):
     from localllm.model.loader import load_model
 
     outs = []
-    for tag in ("gptq", "gptq-act"):
+    for tag in ("gptq-plain", "gptq"):
         loaded = load_model(quantized[tag].path, "auto")
         assert "int4" in loaded.precision
         *_, last = make_engine(loaded).generate(chat(CHAT_PROMPTS[0]), SamplingParams(temperature=0, max_tokens=4))
@@ -113,10 +115,35 @@ def test_gptq_beats_rtn_on_the_layer_output(small_src):
     W = ref.layers[0]["q"]
     H = _hessian(x)
     for sym in (True, False):
-        e_rtn = (x @ (W - rtn(W, 64, sym, True).dequantize()).t()).pow(2).mean()
+        e_rtn = (x @ (W - rtn(W, 64, sym, True, v1_zeros=not sym).dequantize()).t()).pow(2).mean()
         e_gptq = (x @ (W - gptq(W, H, 64, sym).dequantize()).t()).pow(2).mean()
         e_act = (x @ (W - gptq(W, H, 64, sym, act_order=True).dequantize()).t()).pow(2).mean()
+        e_mse = (x @ (W - gptq(W, H, 64, sym, act_order=True, mse=True).dequantize()).t()).pow(2).mean()
         assert e_gptq < 0.8 * e_rtn and e_act < 0.8 * e_rtn, (sym, e_rtn, e_gptq, e_act)
+        assert e_mse < e_act, (sym, e_act, e_mse)  # the Hessian-weighted scale search helps
+
+
+def test_mse_params_never_worse_than_minmax():
+    """The shrink search includes the plain min/max range, so its weighted error is never larger;
+    it keeps v1's zero >= 1 and fp16-exact scales."""
+    from localllm.quant.quantize import minmax_params, mse_params, quantize_cols
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 64, generator=g) * torch.rand(256, 1, generator=g)
+    w[:8, 0] = 6.0  # outliers: where shrinking the range pays
+    cw = torch.rand(64, generator=g) * 4
+
+    def err(s, z):
+        return (((quantize_cols(w, s, z) - z[:, None]) * s[:, None] - w).pow(2) * cw).sum(1)
+
+    for sym in (True, False):
+        s0, z0 = minmax_params(w, sym, zero_in_range=True)
+        z0 = z0 if sym else z0.clamp(min=1)
+        s, z = mse_params(w, sym, not sym, cw)
+        e0, e = err(s0, z0), err(s, z)
+        assert bool((e <= e0).all()) and float(e.sum()) < 0.97 * float(e0.sum()), (sym, e.sum(), e0.sum())
+        assert torch.equal(s, s.half().float()) and bool((z >= (8 if sym else 1)).all() and (z <= 15).all())
+        assert bool((z == 8).all()) == sym
 
 
 def test_quantizer_rejects_bad_input(small_src, quantized, tmp_path):
@@ -130,9 +157,13 @@ def test_quantizer_rejects_bad_input(small_src, quantized, tmp_path):
         quantize_model(small_src, tmp_path / "x", "gptq", bits=3)
     with pytest.raises(QuantizeError, match="already quantized"):
         quantize_model(quantized["awq"].path, tmp_path / "x", "gptq")
+    with pytest.raises(QuantizeError, match="act-order applies to GPTQ only"):
+        quantize_model(small_src, tmp_path / "x", "rtn", act_order=True)
+    with pytest.raises(QuantizeError, match="applies to GPTQ only"):
+        quantize_model(small_src, tmp_path / "x", "awq", mse=True)
 
 
-# ---- perplexity on the full 30-layer model (GPTQ ~40 s on 2 cores). AWQ's full-model perplexity
+# ---- perplexity on the full 30-layer model (GPTQ ~45 s on 2 cores). AWQ's full-model perplexity
 # is in BENCHMARKS.md only: its search takes minutes on 2 CPU cores, too long for CI. ----
 @pytest.fixture(scope="module")
 def ppl(hf_export_dir, tmp_path_factory):
@@ -143,18 +174,19 @@ def ppl(hf_export_dir, tmp_path_factory):
     base = load_model(hf_export_dir, "float32")
     ids = base.tokenizer.encode("\n\n".join(EVAL))
     out = {"fp32": perplexity(base, ids)}
-    for tag, method, kw in [("rtn", "rtn", {"sym": False}), ("rtn-sym", "rtn", {}),
-                            ("gptq", "gptq", {"act_order": True})]:
+    for tag, method, kw in [("rtn", "rtn", {}), ("rtn-sym", "rtn", {"sym": True}),
+                            ("gptq", "gptq", {})]:  # defaults: asymmetric; GPTQ act-order + scale search
         r = quantize_model(hf_export_dir, root / tag, method, **kw)
         out[tag] = perplexity(load_model(r.path, "auto"), ids)
     return out
 
 
-def test_perplexity_gptq_better_than_rtn(ppl):
-    """Measured: fp32 22.8, RTN asym 29.4, RTN sym 33.8, GPTQ act-order ~26 (+14%: the +10% goal
-    is not met on this 135M model at 4 bits, g64 - see BENCHMARKS.md)."""
+def test_perplexity_gptq_within_10_percent_and_better_than_rtn(ppl):
+    """On the ~1600-token held-out EVAL (fp32 reference = the GGUF exported dense): the default GPTQ
+    (act-order, asymmetric, Hessian-weighted scale search, g64) is within +10% of fp32 and better than
+    rounding. Numbers: BENCHMARKS.md, Quantization."""
     assert ppl["gptq"] < ppl["rtn"] < ppl["rtn-sym"], ppl
-    assert ppl["gptq"] < 1.2 * ppl["fp32"], ppl
+    assert ppl["gptq"] < 1.10 * ppl["fp32"], ppl
 
 
 # ---- int8 weight-only ---------------------------------------------------------------------------

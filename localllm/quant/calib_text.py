@@ -237,4 +237,66 @@ EVAL = [
     "results as you type, and a new dark theme is easier on the eyes at night. We have also fixed a "
     "problem that caused the application to close unexpectedly when printing large documents. Please "
     "restart your computer after installing the update so that all changes take effect.",
+
+    # added later (written before any quantizer was measured on it): 676 -> ~1600 tokens, so one
+    # paragraph moves the perplexity ratio less
+    "The library on the corner of the square has been open for more than a hundred years. It began as a "
+    "single room above a bakery, with a few shelves of donated books and a volunteer who came in on "
+    "Saturday mornings. Today it has three floors, a children's corner with cushions and puppets, and a "
+    "quiet room at the top where students prepare for their exams. The librarians say that people still "
+    "come for the books, but many also come for the free internet, the warm chairs in winter, and the "
+    "simple pleasure of being somewhere calm.",
+
+    "When you learn to ride a bicycle, the hardest part is not pedaling but trusting that the bicycle "
+    "will stay up once it is moving. Most children wobble for a few days, fall a few times, and then "
+    "suddenly find their balance, as if a switch had been turned on. Adults who learn later often find it "
+    "harder, not because their bodies are less able, but because they are more afraid of falling and hold "
+    "the handlebars too tightly.",
+
+    "The weather service has issued a warning for strong winds along the coast tonight and tomorrow "
+    "morning. Gusts may reach ninety kilometers per hour on exposed headlands, and waves of four to five "
+    "meters are expected. Ferries between the islands have been cancelled until noon, and people are "
+    "advised to secure loose objects in gardens and on balconies and to stay away from the sea front "
+    "while the storm passes.",
+
+    "Volcanoes form where molten rock from deep inside the earth finds a way to the surface. Some, like "
+    "those in Hawaii, release lava slowly and steadily, building wide, gentle slopes over thousands of "
+    "years. Others trap gas under pressure until it escapes in a violent explosion that throws ash high "
+    "into the sky. Scientists watch for small earthquakes, changes in the shape of the ground and gases "
+    "leaking from the rock to guess when an eruption may be coming.",
+
+    "Dear Maria, thank you so much for the lovely birthday card and the book you sent. I started reading "
+    "it on the train yesterday and almost missed my stop because I could not put it down. The weather "
+    "here has finally turned warm, and the cherry tree in front of the house is covered in flowers. We "
+    "hope you can visit us in the summer; the guest room is ready whenever you want it. With love, Anna.",
+
+    "A good password is long, hard to guess, and different for every account. Instead of a short word "
+    "with a few numbers added at the end, it is better to use a phrase of four or five unrelated words, "
+    "or to let a password manager create and remember random passwords for you. Turning on two-step "
+    "verification adds another layer of protection, because a stolen password alone is then not enough to "
+    "get into your account.",
+
+    "The chess club meets every Thursday evening in the back room of the community center. Beginners are "
+    "welcome, and the older members are happy to explain the rules and play slow, friendly games with "
+    "newcomers. Once a month the club holds a small tournament with a time limit of fifteen minutes per "
+    "player, and the winner's name is written on a board by the door, next to the names of champions "
+    "going back forty years.",
+
+    "Coffee plants grow best on hillsides in warm countries close to the equator, where there is plenty "
+    "of rain and the temperature stays mild all year. The fruit, called a cherry, turns red when it is "
+    "ripe and is usually picked by hand. Inside each cherry are two seeds, which are dried, removed from "
+    "the fruit, and later roasted. The roasting brings out hundreds of different flavors, which is why "
+    "two cups of coffee from the same farm can taste so different.",
+
+    "To change a flat tire, first stop the car in a safe place away from traffic and turn on the hazard "
+    "lights. Loosen the nuts on the wheel slightly before lifting the car with the jack, then raise the "
+    "car, remove the nuts and the wheel, and put the spare wheel in its place. Tighten the nuts by hand, "
+    "lower the car to the ground, and finish tightening them firmly in a crossing pattern. Remember to "
+    "have the damaged tire repaired or replaced as soon as possible.",
+
+    "The old lighthouse no longer guides ships, because modern boats find their way with satellites and "
+    "electronic charts. A group of local volunteers bought it from the government for a symbolic price "
+    "and turned it into a small museum. Visitors climb the narrow spiral staircase to the lamp room, "
+    "where they can see the huge glass lens that once sent a beam of light thirty kilometers out to sea, "
+    "and read the logbooks of the keepers who lived there with their families.",
 ]
