@@ -13,6 +13,12 @@ from localllm.model import compiled
 from localllm.sampling import SamplingParams
 
 
+@pytest.fixture(autouse=True)
+def package_dir(tmp_path_factory, monkeypatch):
+    """Packages of the temporary test model go to a temporary home, not ~/.cache."""
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path_factory.getbasetemp() / "localllm-home"))
+
+
 @pytest.fixture(scope="module")
 def tiny_int4(tiny_model):
     from localllm.model.loader import load_model
@@ -96,3 +102,32 @@ def test_dense_prefill_path_matches_int4_kernel(int4_model):
     differ = (dense != kernel).float().mean().item()
     assert differ < 1e-3
     torch.testing.assert_close(dense, kernel, rtol=8e-3, atol=1e-2)
+
+
+def test_package_is_reused_by_a_later_process(tiny_int4, monkeypatch):
+    """A second CompiledDecode (as in a new process) loads the package from disk instead of
+    compiling again; a stale package of the same weights is removed when one is built."""
+    req = prompts(1, seed=9)
+    path = compiled.package_path(tiny_int4.model, "b1")
+    stale = path.with_name(path.name.rsplit("-", 1)[0] + "-000000000000.pt2")
+    if path.exists():  # built by an earlier test: build again so the clean-up runs
+        path.unlink()
+    stale.write_bytes(b"old")
+    step = compiled.enable(tiny_int4.model)
+    try:
+        first = run_all(make_engine(tiny_int4), req)
+    finally:
+        compiled.disable(tiny_int4.model)
+    assert step.calls > 0 and step.failed is None and path.is_file() and not stale.exists()
+
+    def no_build(*a, **k):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(compiled, "build_package", no_build)
+    step = compiled.enable(tiny_int4.model)
+    try:
+        again = run_all(make_engine(tiny_int4), req)
+    finally:
+        compiled.disable(tiny_int4.model)
+    assert step.failed is None and step.calls > 0
+    assert again == first

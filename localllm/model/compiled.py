@@ -1,21 +1,25 @@
 """A captured decode step: the whole model (all layers, attention over the paged cache, greedy
-head) as one `torch.compile` graph.
+head) exported once and compiled ahead of time by AOTInductor into a C++ package.
 
 Why: at batch 1 the eager step is ~300 small aten calls per token plus Python; on 2 cores that
-overhead is as large as the matmuls. One graph fuses the elementwise work (norms, RoPE,
+overhead is as large as the matmuls. One compiled graph fuses the elementwise work (norms, RoPE,
 residuals, SiLU, the cache writes and the attention reductions) into a few C++ loops around the
-int4 matmul kernels (see BENCHMARKS.md, "Where the time goes").
+int4 matmul kernels, and AOTInductor's C++ wrapper leaves no Python per kernel call (see
+BENCHMARKS.md, "Where the time goes").
 
 The step is a pure function of tensors: token ids [B], positions [B], the gather table [B, L]
-(cache slot of every context position) and the per-layer caches. Nothing that changes between
-steps is a Python int, so one graph serves every step: L and the cache size are dynamic, B is
-one graph for B == 1 and one dynamic graph for B >= 2. The cold compile takes 30-80 s on 2
-cores; Inductor's cache (under ~/.cache/localllm/inductor) makes later processes start in
-seconds. Opt-in: `localllm run --compile`, or LOCALLLM_COMPILE=1 for every front end.
+(cache slot of every context position) and the per-layer caches, which it updates in place.
+L and the cache size are dynamic; batch 1 has its own package and batches of 2..MAX_BATCH share
+one with a dynamic B. A package is built on first use (export + compile: ~40-60 s on 2 cores) into
+~/.cache/localllm/aoti, keyed by the model's weights, the code, torch and the thread count;
+later processes load it in well under a second. At load the package is switched to the model's
+own weight tensors, so a process holds one copy of the weights. Opt-in: `localllm run --compile`, or
+LOCALLLM_COMPILE=1 for every front end.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -23,13 +27,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .layers import DENSE_MIN_ROWS
+
 log = logging.getLogger(__name__)
+
+# Larger decode batches run eagerly: int4 layers with fp32 prefill copies switch to those at
+# DENSE_MIN_ROWS rows, a branch an exported graph cannot hold for a dynamic batch.
+MAX_BATCH = DENSE_MIN_ROWS - 1
 
 
 def cache_dir() -> Path:
     home = os.environ.get("LOCALLLM_HOME")
     base = Path(home) if home else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "localllm"
-    return base / "inductor"
+    return base / "aoti"
 
 
 def wanted() -> bool:
@@ -79,55 +89,116 @@ def decode_step(model, ids: torch.Tensor, positions: torch.Tensor, gather: torch
     return hidden, (model.head.greedy(hidden) if greedy else None)
 
 
+class _Step(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids, positions, gather, *caches):
+        kv = [(caches[i], caches[i + 1]) for i in range(0, len(caches), 2)]
+        return decode_step(self.m, ids, positions, gather, kv, True)
+
+
+def _code_digest() -> str:
+    """The sources whose math a package bakes in: a change to them invalidates every package."""
+    here = Path(__file__).parent
+    h = hashlib.sha256()
+    for name in ("compiled.py", "llama.py", "layers.py"):
+        h.update((here / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def package_path(model, kind: str) -> Path | None:
+    """Where the package for this model and batch kind lives; None when the model has no
+    fingerprint of its weights (then nothing is cached between processes)."""
+    fp = getattr(model, "fingerprint", None)
+    if not fp:
+        return None
+    key = "|".join((fp, kind, _code_digest(), torch.__version__, str(torch.get_num_threads())))
+    return cache_dir() / f"decode-{kind}-{fp[:12]}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt2"
+
+
+def build_package(model, kind: str, example: tuple, out: Path) -> None:
+    """Export decode_step on example inputs and compile it into `out` (atomically)."""
+    from torch.export import Dim
+
+    ids, positions, gather, caches = example
+    L = Dim("L", min=2, max=model.rope.cos.shape[0])
+    nb = Dim("num_blocks", min=2)
+    batch = {0: Dim("B", min=2, max=MAX_BATCH)} if kind == "bn" else None
+    shapes = {"ids": batch, "positions": batch, "gather": {**(batch or {}), 1: L},
+              "caches": tuple({0: nb} for _ in caches)}
+    with torch.inference_mode():
+        ep = torch.export.export(_Step(model), (ids, positions, gather, *caches), dynamic_shapes=shapes,
+                                 strict=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    try:
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
+        os.replace(tmp, out)
+        # other versions for the same weights (older code or torch, other thread counts) are stale
+        prefix = out.name.rsplit("-", 1)[0]
+        for old in out.parent.glob(f"{prefix}-*.pt2"):
+            if old != out and ".tmp." not in old.name:
+                old.unlink(missing_ok=True)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_package(model, path: Path):
+    runner = torch._inductor.aoti_load_package(str(path))
+    step = _Step(model)
+    tensors = dict(step.named_parameters()) | dict(step.named_buffers())
+    # the package runs on the model's own weights (its packaged copies are dropped); the few
+    # constants Inductor made itself stay the package's
+    runner.load_constants({k: tensors[k] for k in runner.get_constant_fqns() if k in tensors},
+                          check_full_update=False, user_managed=True)
+    return runner
+
+
 class CompiledDecode:
-    """Callable used by ModelRunner for decode-only steps. Returns None when it cannot serve a
-    call (compile failed): the runner then takes the eager path."""
+    """Callable used by ModelRunner for decode-only steps: -> (hidden, greedy tokens). Returns
+    None when it cannot serve a call (a build or load failed): the runner then runs eagerly."""
 
-    def __init__(self, model, greedy: bool = True, cpp_wrapper: bool | None = None):
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
+    def __init__(self, model):
         self.model = model
-        self.greedy = greedy
         self.failed: str | None = None
-        self.calls = 0  # steps served by the graph
-        self._marked: set[int] = set()
-        opts = {}
-        if cpp_wrapper if cpp_wrapper is not None else os.environ.get("LOCALLLM_COMPILE_CPP_WRAPPER") == "1":
-            opts["cpp_wrapper"] = True  # no Python per kernel call, but a much longer cold compile
-        self.fn = torch.compile(decode_step, fullgraph=True, dynamic=False, options=opts or None)
+        self.calls = 0  # steps served by a package
+        self._runners: dict[str, object] = {}
 
-    def _mark(self, ids, positions, gather, kv_caches) -> None:
-        # dynamic dims declared up front: otherwise the second step (one longer context)
-        # recompiles the whole graph once more
-        torch._dynamo.mark_dynamic(gather, 1)
-        if ids.shape[0] > 1:
-            for t in (ids, positions, gather):
-                torch._dynamo.mark_dynamic(t, 0)
-        if id(kv_caches) not in self._marked:  # each engine has its own cache size
-            for kc, vc in kv_caches:
-                torch._dynamo.mark_dynamic(kc, 0)
-                torch._dynamo.mark_dynamic(vc, 0)
-            self._marked.add(id(kv_caches))
+    def _runner(self, kind: str, example: tuple):
+        if kind not in self._runners:
+            path = package_path(self.model, kind)
+            if path is None:  # nothing to key a cache on: build for this process only
+                path = cache_dir() / f"decode-{kind}-{os.getpid()}-{id(self.model)}.pt2"
+            if not path.is_file():
+                log.info("compiling the decode step (%s) into %s", kind, path)
+                build_package(self.model, kind, example, path)
+            self._runners[kind] = load_package(self.model, path)
+        return self._runners[kind]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, gather: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        if self.failed or gather.shape[1] < 2:
+        if self.failed or gather.shape[1] < 2 or ids.shape[0] > MAX_BATCH:
             return None
-        self._mark(ids, positions, gather, kv_caches)
+        caches = [t for kv in kv_caches for t in kv]
+        kind = "b1" if ids.shape[0] == 1 else "bn"
         try:
-            out = self.fn(self.model, ids, positions, gather, kv_caches, self.greedy)
-            self.calls += 1
-            return out
+            out = self._runner(kind, (ids, positions, gather, caches))(ids, positions, gather, *caches)
         except Exception as e:  # a compiler problem must not take the engine down
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("compiled decode disabled, using eager: %s", self.failed)
             return None
+        self.calls += 1
+        return out[0], out[1]
 
 
-def enable(model, greedy: bool = True) -> CompiledDecode | None:
+def enable(model) -> CompiledDecode | None:
     """Attach a compiled decode step to `model` (CPU only; the CUDA path has its own kernels)."""
     if model.device != "cpu":
         return None
-    model.compiled = CompiledDecode(model, greedy)
+    model.compiled = CompiledDecode(model)
     return model.compiled
 
 

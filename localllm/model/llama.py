@@ -34,6 +34,7 @@ class LlamaModel(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.use_attention(default_backend(device))
         self.compiled = None  # a captured decode step (localllm.model.compiled), opt-in
+        self.fingerprint: str | None = None  # identity of the weights (set by the loader)
 
     def use_attention(self, backend: str) -> None:
         """Pick the attention backend ("torch" | "triton"); the runner builds the matching metadata.

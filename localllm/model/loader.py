@@ -336,6 +336,21 @@ def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device
     return DenseLinear(w.to(device, act_dtype), None if bias is None else bias.to(device, act_dtype))
 
 
+def weights_fingerprint(path: str | os.PathLike, *how) -> str:
+    """Identity of a checkpoint on disk (path, size and mtime of each file) plus how it was loaded:
+    the key of everything derived from the weights and cached between processes."""
+    import hashlib
+
+    path = Path(path).resolve()
+    files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    h.update("|".join(map(str, how)).encode())
+    return h.hexdigest()
+
+
 class ConvertCache:
     """What loading a GGUF on CPU computes (int4pack repacks, the fp32 embedding, the int4 copy of
     the head) saved once per file as safetensors under ~/.cache/localllm/converted, keyed by the
@@ -440,13 +455,13 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
         # the embedding and head stay exact (fp32 on CPU): they are where rounding flips tokens
         head_dtype = torch.float32 if device == "cpu" else act_dtype
 
-        def dense(name: str) -> torch.Tensor:
+        def exact(name: str) -> torch.Tensor:
             def build():
                 return weights.dense(name).to(device, head_dtype)
             return cache.tensor(name, build) if cache else build()
 
-        embed = dense("model.embed_tokens.weight")
-        head_w = embed if cfg.tie_word_embeddings or not weights.has("lm_head.weight") else dense("lm_head.weight")
+        embed = exact("model.embed_tokens.weight")
+        head_w = embed if cfg.tie_word_embeddings or not weights.has("lm_head.weight") else exact("lm_head.weight")
         norm = RMSNorm(weights.dense("model.norm.weight").to(device, act_dtype), cfg.rms_norm_eps)
     except (GGUFError, KeyError) as e:
         raise ModelLoadError(f"{path}: {e}") from None
@@ -459,6 +474,7 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     if cache:
         cache.save()
     model = LlamaModel(cfg, embed, layers, norm, head, act_dtype, max_len, device)
+    model.fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device)
     from . import compiled
 
     if compiled.wanted():
