@@ -12,14 +12,15 @@ The step is a pure function of tensors: token ids [B], positions [B], the gather
 L and the cache size are dynamic; batch 1 has its own package and batches of 2..MAX_BATCH share
 one with a dynamic B. A package is built on first use (export + compile: ~40-60 s on 2 cores) into
 ~/.cache/localllm/aoti, keyed by the model's weights, the code, torch and the thread count;
-later processes load it in well under a second. At load the package is switched to the model's
-own weight tensors, so a process holds one copy of the weights. Opt-in: `localllm run --compile`, or
+later processes load it in about a second. The package holds no weights: it runs on the model's
+own tensors, so a process keeps one copy of them. Opt-in: `localllm run --compile`, or
 LOCALLLM_COMPILE=1 for every front end.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -135,25 +136,72 @@ def build_package(model, kind: str, example: tuple, out: Path) -> None:
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     try:
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
+        scalars = _compile_without_weights(ep, model, tmp)
+        if scalars is None:  # fall back to a package that carries its own copy of the weights
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
+        else:
+            out.with_suffix(".json").write_text(json.dumps({"scalars": scalars}))
         os.replace(tmp, out)
         # other versions for the same weights (older code or torch, other thread counts) are stale
         prefix = out.name.rsplit("-", 1)[0]
-        for old in out.parent.glob(f"{prefix}-*.pt2"):
-            if old != out and ".tmp." not in old.name:
+        for old in out.parent.glob(f"{prefix}-*"):
+            if old.stem != out.stem and ".tmp." not in old.name:
                 old.unlink(missing_ok=True)
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def load_package(model, path: Path):
-    runner = torch._inductor.aoti_load_package(str(path))
+def _compile_without_weights(ep, model, path: Path) -> dict[str, int] | None:
+    """Compile a package that holds no weights. Besides the model's tensors it then needs the
+    constants Inductor creates itself: one 0-d int64 group size per int4 matmul (the C shim takes
+    it as a tensor), numbered in graph order. Returns them by name once a test step on random
+    inputs matches the eager step, else None."""
+    int4 = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+    groups = [n.args[2] for n in ep.graph.nodes if n.target is int4]
+    torch._inductor.aoti_compile_and_package(
+        ep, package_path=str(path), inductor_configs={"aot_inductor.package_constants_in_so": False})
+    names = set(_tensors(model))
+    fqns = torch._inductor.aoti_load_package(str(path)).get_constant_fqns()
+    missing = sorted((n for n in fqns if n not in names), key=lambda n: int(n.removeprefix("constant") or -1))
+    if len(missing) != len(groups) or not all(n.startswith("constant") for n in missing):
+        return None
+    scalars = dict(zip(missing, groups))
+    return scalars if _same_as_eager(model, path, scalars) else None
+
+
+def _same_as_eager(model, path: Path, scalars: dict[str, int]) -> bool:
+    """One decode step of the package against decode_step itself, on a small random cache."""
+    cfg, g = model.cfg, torch.Generator().manual_seed(0)
+    caches = [torch.randn(4, 16, cfg.num_kv_heads, cfg.head_dim, generator=g).to(model.act_dtype)
+              for _ in range(2 * cfg.num_layers)]
+    ids, positions, gather = torch.tensor([5]), torch.tensor([20]), torch.arange(16, 37).view(1, -1)
+    with torch.inference_mode():
+        kv = [(c.clone(), d.clone()) for c, d in zip(caches[::2], caches[1::2])]
+        ref, _ = decode_step(model, ids, positions, gather, kv, True)
+        hidden, _ = _load(model, path, scalars)(ids, positions, gather, *caches)
+    return bool(((hidden - ref).norm() / ref.norm()) < 1e-3)
+
+
+def _tensors(model) -> dict[str, torch.Tensor]:
     step = _Step(model)
-    tensors = dict(step.named_parameters()) | dict(step.named_buffers())
-    # the package runs on the model's own weights (its packaged copies are dropped); the few
-    # constants Inductor made itself stay the package's
-    runner.load_constants({k: tensors[k] for k in runner.get_constant_fqns() if k in tensors},
-                          check_full_update=False, user_managed=True)
+    return dict(step.named_parameters()) | dict(step.named_buffers())
+
+
+def load_package(model, path: Path):
+    sidecar = path.with_suffix(".json")
+    return _load(model, path, json.loads(sidecar.read_text())["scalars"] if sidecar.is_file() else None)
+
+
+def _load(model, path: Path, scalars: dict[str, int] | None):
+    runner = torch._inductor.aoti_load_package(str(path))
+    tensors = _tensors(model)
+    if scalars is not None:  # a package without weights: it runs on the model's own tensors
+        tensors.update({name: torch.tensor(v, dtype=torch.int64) for name, v in scalars.items()})
+        runner.load_constants({k: tensors[k] for k in runner.get_constant_fqns()}, check_full_update=True,
+                              user_managed=True)
+    else:  # its packaged weights are replaced by the model's where they match
+        runner.load_constants({k: tensors[k] for k in runner.get_constant_fqns() if k in tensors},
+                              check_full_update=False, user_managed=True)
     return runner
 
 
