@@ -7,13 +7,14 @@ Calibration runs a plain fp32 torch forward over the dense weights, one decoder 
 - RTN: per-group min/max rounding, no data.
 - GPTQ (Frantar et al.; the reference `fasterquant`): per linear, H = 2/n X Xᵀ of its inputs,
   1% mean-diagonal damping, upper Cholesky factor of H⁻¹, columns quantized left to right with
-  the error spread over the not-yet-quantized columns (lazy 128-column blocks), optional
-  act-order. Layers and, within a layer, qkv -> o -> gate/up -> down are quantized in sequence,
-  each fed the outputs of what is already quantized (true-sequential).
+  the error spread over the not-yet-quantized columns (lazy 128-column blocks); by default
+  act-order, asymmetric, and each group's scale/zero from a Hessian-weighted shrink search
+  (`mse_params`). Layers and, within a layer, qkv -> o -> gate/up -> down are quantized in
+  sequence, each fed the outputs of what is already quantized (true-sequential).
 - AWQ (Lin et al.; AutoAWQ's algorithm): per input channel scales s = x̄^α / w̄^(1-α), α on a
-  20-point grid, chosen to minimize the error of the block's output (attention / MLP / down),
-  folded into the previous RMSNorm or linear; then a per-group clipping search, then the same
-  min/max rounding as AutoAWQ.
+  20-point grid, chosen to minimize the error of the block's output (attention / MLP / down) over
+  all calibration tokens, folded into the previous RMSNorm or linear; then a per-group clipping
+  search, then the same min/max rounding as AutoAWQ.
 """
 
 from __future__ import annotations
@@ -296,11 +297,12 @@ def _awq_clip(w: torch.Tensor, x: torch.Tensor, group: int, n_grid: int = 20, ma
 
 
 def _awq_layer(ref: RefModel, L: dict, x: torch.Tensor, cos, sin, group: int, clip: bool,
-               search_tokens: int = 512) -> None:
+               search_tokens: int | None = None) -> None:
     """Scale search + folding + clipping for one layer, in place on L (weights stay fp32). The
     searches look at the first ~search_tokens tokens (whole sequences: attention needs them)."""
     c, eps = ref.cfg, ref.cfg.rms_norm_eps
-    x = x[: max(1, -(-search_tokens // x.shape[1]))]
+    if search_tokens is not None:  # all of it by default, as AutoAWQ: on SmolLM2 the first 512 of 2816
+        x = x[: max(1, -(-search_tokens // x.shape[1]))]  # tokens gave +12.9% perplexity, all +9.0%
     h = _rms(x, L["in_norm"], eps)
     # 1) input_layernorm -> q, k, v; judged on the attention output
     def attn_out(ws):
