@@ -102,9 +102,9 @@ def run(
     max_memory: MaxMemOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the precision/context plan and exit "
                                                             "(nothing is loaded or downloaded).")] = False,
-    compile: Annotated[bool, typer.Option("--compile", help="CPU: decode through one compiled graph (~1.7x "
-                                                            "faster after ~10 s of set-up; minutes the very first "
-                                                            "time): pays off for long outputs.")] = False,
+    compile: Annotated[bool, typer.Option("--compile", help="CPU: decode through one ahead-of-time compiled "
+                                                            "step (~1.5x llama.cpp; built once in about a minute, "
+                                                            "then loaded in ~2 s).")] = False,
 ):
     """Answer one prompt and exit: `localllm run [MODEL] PROMPT` or `echo PROMPT | localllm run`."""
     from .registry import load_registry, looks_like_model
