@@ -131,3 +131,22 @@ def test_package_is_reused_by_a_later_process(tiny_int4, monkeypatch):
         compiled.disable(tiny_int4.model)
     assert step.failed is None and step.calls > 0
     assert again == first
+
+
+def test_speculation_pauses_while_decode_is_compiled(tiny_int4, caplog):
+    """Verify steps would run eagerly (slower than the compiled step, and not token-identical at
+    near-ties), so a speculative engine decodes through the package alone and says so."""
+    reqs = prompts(2, seed=11)
+    step = compiled.enable(tiny_int4.model)
+    try:
+        plain = run_all(make_engine(tiny_int4), reqs)
+        eng = make_engine(tiny_int4, speculative="ngram")
+        with caplog.at_level("WARNING", logger="localllm.engine.engine"):
+            spec = run_all(eng, reqs)
+    finally:
+        compiled.disable(tiny_int4.model)
+    assert step.failed is None
+    assert spec == plain
+    assert eng.cache_stats()["speculative"]["proposed"] == 0
+    assert "speculative decoding is paused" in caplog.text
+    assert eng._speculating()  # without the compiled step the same engine speculates again
