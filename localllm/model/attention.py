@@ -69,7 +69,7 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
+                     v_cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
     from localllm_kernels import flash_attn_varlen_paged, paged_decode_attention, store_kv
 
     T, H, D = q.shape
