@@ -170,16 +170,23 @@ def _compile_without_weights(ep, model, path: Path) -> dict[str, int] | None:
 
 
 def _same_as_eager(model, path: Path, scalars: dict[str, int]) -> bool:
-    """One decode step of the package against decode_step itself, on a small random cache."""
-    cfg, g = model.cfg, torch.Generator().manual_seed(0)
-    caches = [torch.randn(4, 16, cfg.num_kv_heads, cfg.head_dim, generator=g).to(model.act_dtype)
+    """One decode step of the package against decode_step itself, after 12 eager steps have
+    filled a small cache with real keys and values."""
+    cfg, n = model.cfg, 12
+    caches = [torch.zeros(2, 16, cfg.num_kv_heads, cfg.head_dim, dtype=model.act_dtype)
               for _ in range(2 * cfg.num_layers)]
-    ids, positions, gather = torch.tensor([5]), torch.tensor([20]), torch.arange(16, 37).view(1, -1)
+    kv = list(zip(caches[::2], caches[1::2]))
+    gather = torch.arange(16, 32).view(1, -1)
+    tokens = (torch.arange(n + 1) * 7919 + 3) % cfg.vocab_size
     with torch.inference_mode():
-        kv = [(c.clone(), d.clone()) for c, d in zip(caches[::2], caches[1::2])]
-        ref, _ = decode_step(model, ids, positions, gather, kv, True)
-        hidden, _ = _load(model, path, scalars)(ids, positions, gather, *caches)
-    return bool(((hidden - ref).norm() / ref.norm()) < 1e-3)
+        for p in range(n):
+            decode_step(model, tokens[p:p + 1], torch.tensor([p]), gather, kv, False)
+        args = (tokens[n:n + 1], torch.tensor([n]), gather)
+        ref, _ = decode_step(model, *args, [(k.clone(), v.clone()) for k, v in kv], False)
+        hidden, _ = _load(model, path, scalars)(*args, *caches)
+    # bf16 matmul inputs rounded at other points of a fused graph differ by ~5e-3 over 30 layers;
+    # a wrong group size gives O(1)
+    return bool(((hidden - ref).norm() / ref.norm()) < 3e-2)
 
 
 def _tensors(model) -> dict[str, torch.Tensor]:
