@@ -10,6 +10,7 @@ Modes:
 """
 
 import argparse
+import functools
 import importlib
 import os
 import re
@@ -186,6 +187,51 @@ def int4_case(K, cfg, case, dtype, dev, interpret, gen) -> dict:
                 rate=f"{nbytes / (t_ours * 1e-3) / 1e9:.0f} GB/s", baseline=f"dense {str(dtype)[6:]} mm")
 
 
+SWEEP = dict(block_n=(32, 64, 128), split_k=(None, 2, 4, 8, 16), num_warps=(4, 8))
+SWEEP_TINY = dict(block_n=(32, 64), split_k=(None, 2), num_warps=(4,))
+
+
+def sweep_int4(K, cfg, dtype, dev, interpret, gen, grid: dict) -> int:
+    """Time the fused int4 kernel's launch configurations on each decode-size shape; print the
+    default and the best, with the error of every configuration checked. Returns failures."""
+    from localllm_kernels.int4_matmul import FUSED_MAX_M
+
+    g, bad = cfg["group_size"], 0
+    print(f"\n## int4 fused kernel sweep ({dtype}); default = block_n 64, split_k auto, 4 warps\n")
+    print("| shape | default ms | best ms | best config | speed-up | GB/s at best |")
+    print("|---|---|---|---|---|---|")
+    for m, n, k in cfg["int4"]:
+        if m > FUSED_MAX_M:
+            continue
+        qweight = torch.randint(0, 256, (n, k // 2), generator=gen, device=dev, dtype=torch.uint8)
+        scales = (torch.rand(k // g, n, generator=gen, device=dev) * 0.02 + 0.005).to(dtype)
+        zeros = (torch.randn(k // g, n, generator=gen, device=dev) * 0.01).to(dtype)
+        x = torch.randn(m, k, generator=gen, device=dev).to(dtype)
+        ref = x.double() @ K.int4_dequantize(qweight, scales, zeros, g).double().t()
+        results = {}
+        for bn in grid["block_n"]:
+            for sk in grid["split_k"]:
+                for nw in grid["num_warps"]:
+                    run = functools.partial(K.int4_matmul, x, qweight, scales, zeros, g, split_k=sk, block_n=bn,
+                                            num_warps=nw)
+                    try:
+                        err = rel_err(run(), ref)
+                    except Exception as e:  # a configuration that does not compile is reported, not fatal
+                        print(f"| M{m} N{n} K{k} | - | - | bn{bn} sk{sk} w{nw}: {type(e).__name__} | - | - |")
+                        continue
+                    if not err < (1e-3 if dtype == torch.float32 else 3e-2):
+                        bad += 1
+                        print(f"| M{m} N{n} K{k} | - | - | bn{bn} sk{sk} w{nw}: rel err {err:.1e} | - | - |")
+                        continue
+                    results[(bn, sk, nw)] = timer(run, interpret)
+        default = results.get((64, None, 4))
+        (bn, sk, nw), best = min(results.items(), key=lambda kv: kv[1])
+        nbytes = qweight.numel() + 2 * scales.numel() * scales.element_size() + (m * k + m * n) * x.element_size()
+        print(f"| M{m} N{n} K{k} g{g} | {default:.4f} | {best:.4f} | block_n {bn}, split_k {sk or 'auto'}, "
+              f"{nw} warps | {default / best:.2f}x | {nbytes / (best * 1e-3) / 1e9:.0f} |")
+    return bad
+
+
 def bench_store(K, cfg, dtype, dev, interpret, gen) -> list[dict]:
     return [store_case(K, cfg, ntok, dtype, dev, interpret, gen) for ntok in cfg["store"]]
 
@@ -341,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="with --compile-only: fewer shapes")
     ap.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"])
     ap.add_argument("--only", default="prefill,decode,int4,store", help="comma-separated subset")
+    ap.add_argument("--sweep-int4", action="store_true", help="only sweep the fused int4 kernel's launch configs")
     args = ap.parse_args(argv)
 
     if args.compile_only:
@@ -363,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     dev = "cuda" if cuda else "cpu"
     cfg = TINY if args.dry_run else FULL
     gen = torch.Generator(device=dev).manual_seed(0)
+    if args.sweep_int4:
+        return 1 if sweep_int4(K, cfg, dtype, dev, interpret, gen, SWEEP_TINY if args.dry_run else SWEEP) else 0
     benches = dict(prefill=bench_prefill, decode=bench_decode, int4=bench_int4, store=bench_store)
     rows = []
     for name in args.only.split(","):

@@ -119,9 +119,11 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int, *, split_k: int | None = None) -> torch.Tensor:
+                group_size: int, *, split_k: int | None = None, block_n: int = 64, num_warps: int = 4,
+                num_stages: int = 3) -> torch.Tensor:
     """y [..., N] = x [..., K] @ w.T, w the dequantized qweight. Fused kernel for M <= 64 rows,
-    dequantize + dense matmul above. split_k overrides the split-K rule (tests, benchmarks)."""
+    dequantize + dense matmul above. split_k / block_n / num_warps / num_stages override the
+    fused kernel's launch configuration (tests, `bench/gpu_kernels.py --sweep-int4`)."""
     n, k = _check(qweight, scales, zeros, group_size)
     assert x.shape[-1] == k and x.dtype == scales.dtype
     lead = x.shape[:-1]
@@ -132,7 +134,6 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if m > FUSED_MAX_M:
         return (x2 @ int4_dequantize(qweight, scales, zeros, group_size).t()).reshape(*lead, n)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 64
     block_k = group_size if x.element_size() <= 2 else min(group_size, 64)  # K tile within one group
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     k_tiles = k // block_k
@@ -152,7 +153,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             x2.stride(0), qweight.stride(0), scales.stride(0), n, m * n,
             GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
             DOT_PREC="tf32x3" if x.dtype == torch.float32 else "tf32",
-            num_warps=4, num_stages=3,
+            num_warps=num_warps, num_stages=num_stages,
         )
     if split_k > 1:
         y = y.sum(0).to(x.dtype)

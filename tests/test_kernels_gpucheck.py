@@ -54,3 +54,12 @@ def test_gpu_e2e_dry_run(capsys):
     assert rc == 0, out
     assert "fp32 greedy vs transformers fp32 (6 tokens): equal" in out
     assert "## GPU end-to-end decode" in out and "| tiny | float32 | 3 |" in out
+
+
+def test_int4_sweep_dry_run(capsys):
+    """--sweep-int4 (the next GPU check: the fused int4 kernel's launch configurations) runs and
+    checks every configuration's result; interpreted on tiny shapes here."""
+    rc = load_bench().main(["--dry-run", "--sweep-int4"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "## int4 fused kernel sweep" in out and "| M1 N64 K128 g32 |" in out
