@@ -136,7 +136,7 @@ def build_package(model, kind: str, example: tuple, out: Path) -> None:
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     try:
-        scalars = _compile_without_weights(ep, model, tmp)
+        scalars = _compile_without_weights(ep, model, tmp, 1 if kind == "b1" else 2)
         if scalars is None:  # fall back to a package that carries its own copy of the weights
             torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
         else:
@@ -151,11 +151,11 @@ def build_package(model, kind: str, example: tuple, out: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _compile_without_weights(ep, model, path: Path) -> dict[str, int] | None:
+def _compile_without_weights(ep, model, path: Path, batch: int) -> dict[str, int] | None:
     """Compile a package that holds no weights. Besides the model's tensors it then needs the
     constants Inductor creates itself: one 0-d int64 group size per int4 matmul (the C shim takes
-    it as a tensor), numbered in graph order. Returns them by name once a test step on random
-    inputs matches the eager step, else None."""
+    it as a tensor), numbered in graph order. Returns them by name once a test step matches the
+    eager step (`_same_as_eager`), else None."""
     int4 = torch.ops.aten._weight_int4pack_mm_for_cpu.default
     groups = [n.args[2] for n in ep.graph.nodes if n.target is int4]
     torch._inductor.aoti_compile_and_package(
@@ -166,12 +166,12 @@ def _compile_without_weights(ep, model, path: Path) -> dict[str, int] | None:
     if len(missing) != len(groups) or not all(n.startswith("constant") for n in missing):
         return None
     scalars = dict(zip(missing, groups))
-    return scalars if _same_as_eager(model, path, scalars) else None
+    return scalars if _same_as_eager(model, path, scalars, batch) else None
 
 
-def _same_as_eager(model, path: Path, scalars: dict[str, int]) -> bool:
-    """One decode step of the package against decode_step itself, after 12 eager steps have
-    filled a small cache with real keys and values."""
+def _same_as_eager(model, path: Path, scalars: dict[str, int], batch: int) -> bool:
+    """One decode step of the package (`batch` copies of one sequence) against decode_step
+    itself, after 12 eager steps have filled a small cache with real keys and values."""
     cfg, n = model.cfg, 12
     caches = [torch.zeros(2, 16, cfg.num_kv_heads, cfg.head_dim, dtype=model.act_dtype)
               for _ in range(2 * cfg.num_layers)]
@@ -181,7 +181,7 @@ def _same_as_eager(model, path: Path, scalars: dict[str, int]) -> bool:
     with torch.inference_mode():
         for p in range(n):
             decode_step(model, tokens[p:p + 1], torch.tensor([p]), gather, kv, False)
-        args = (tokens[n:n + 1], torch.tensor([n]), gather)
+        args = (tokens[n:n + 1].repeat(batch), torch.tensor([n] * batch), gather.repeat(batch, 1))
         ref, _ = decode_step(model, *args, [(k.clone(), v.clone()) for k, v in kv], False)
         hidden, _ = _load(model, path, scalars)(*args, *caches)
     # bf16 matmul inputs rounded at other points of a fused graph differ by ~5e-3 over 30 layers;
