@@ -31,9 +31,8 @@ class ModelRunner:
             k[0].zero_()
             v[0].zero_()
         self.default_generator = torch.Generator().manual_seed(0)
-        self.kernel_meta = model.attention_backend == "triton"
         self.graphs = None
-        if graph_batch and self.kernel_meta:
+        if graph_batch and model.attention_backend == "triton":
             self.graphs = DecodeGraphs(model, self.kv_caches, graph_batch, max_blocks_per_seq,
                                        capture=str(self.device).startswith("cuda"))
 
@@ -49,28 +48,30 @@ class ModelRunner:
             ctx_lens.append(first + n)
             tables.append(seq.block_table)
             start += n
-        B, Lmax = len(seqs), max(ctx_lens)
+        B = len(seqs)
         max_blocks = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
         positions = torch.tensor(pos, dtype=torch.int64)
-        # slot of every context position of every sequence, then the new tokens' slots
-        offs = torch.arange(Lmax)
-        gather = bt.gather(1, (offs // bs).expand(B, -1).clamp_max(max_blocks - 1)) * bs + offs % bs
-        ctx = torch.tensor(ctx_lens)
-        valid = offs.unsqueeze(0) < ctx.unsqueeze(1)
-        gather = gather.masked_fill(~valid, 0)
         row = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
-        slot_mapping = gather[row, positions]
         decode_only = all(n == 1 for n in counts)
-        mask = valid.view(B, 1, 1, Lmax) if decode_only and not bool(valid.all()) else None
-        meta = AttnMeta(slot_mapping, q_starts, list(counts), ctx_lens, decode_only, gather, mask)
-        if self.kernel_meta:
+        if self.model.attention_backend == "triton":  # the kernels walk the block tables themselves
             dev = self.device
-            meta.slot_mapping = slot_mapping.to(dev)
-            meta.cu_seqlens_q = torch.tensor([*q_starts, start], dtype=torch.int32, device=dev)
-            meta.cached_lens = torch.tensor([c - n for c, n in zip(ctx_lens, counts)], dtype=torch.int32, device=dev)
-            meta.context_lens = ctx.to(dev, torch.int32)
-            meta.block_tables = bt.to(dev, torch.int32)
+            slot_mapping = bt[row, positions // bs] * bs + positions % bs
+            meta = AttnMeta(slot_mapping.to(dev), q_starts, list(counts), ctx_lens, decode_only, None, None,
+                            cu_seqlens_q=torch.tensor([*q_starts, start], dtype=torch.int32, device=dev),
+                            cached_lens=torch.tensor([c - n for c, n in zip(ctx_lens, counts)], dtype=torch.int32,
+                                                     device=dev),
+                            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+                            block_tables=bt.to(dev, torch.int32))
+        else:
+            # slot of every context position of every sequence, then the new tokens' slots
+            Lmax = max(ctx_lens)
+            offs = torch.arange(Lmax)
+            gather = bt.gather(1, (offs // bs).expand(B, -1).clamp_max(max_blocks - 1)) * bs + offs % bs
+            valid = offs.unsqueeze(0) < torch.tensor(ctx_lens).unsqueeze(1)
+            gather = gather.masked_fill(~valid, 0)
+            mask = valid.view(B, 1, 1, Lmax) if decode_only and not bool(valid.all()) else None
+            meta = AttnMeta(gather[row, positions], q_starts, list(counts), ctx_lens, decode_only, gather, mask)
         ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return ids_t, positions.to(self.device), meta
 
