@@ -39,13 +39,14 @@ def fail(message: str, code: int = 1) -> typer.Exit:
 
 
 def engine_config(ctx: int | None = None, kv_memory: float | None = None, threads: int | None = None,
-                  draft: str | None = None, spec_tokens: int = 4, **kw):
+                  draft: str | None = None, spec_tokens: int = 4, enforce_eager: bool = False, **kw):
     from .config import EngineConfig
 
     if not 1 <= spec_tokens <= 16:
         raise fail(f"invalid value for --spec-tokens: must be in 1..16, got {spec_tokens}", 2)
     return EngineConfig(max_model_len=ctx, kv_memory_bytes=int(kv_memory * (1 << 30)) if kv_memory else None,
-                        num_threads=threads, speculative=draft, num_speculative_tokens=spec_tokens, **kw)
+                        num_threads=threads, speculative=draft, num_speculative_tokens=spec_tokens,
+                        cuda_graphs=not enforce_eager, **kw)
 
 
 def open_engine(model: str | None, quant: str, device: str, config, max_memory: float | None = None):
@@ -130,7 +131,7 @@ def run(
     prompt = "\n\n".join(parts)
     params = sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [])
-    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, cuda_graphs=not enforce_eager)
+    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager)
     engine = open_engine(model, quant, device, config, max_memory)
     if compile:
         from .model import compiled
@@ -243,8 +244,8 @@ def serve(
         from pathlib import Path
 
         aliases += [Path(ref.name).name, Path(ref.name).stem]
-    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, max_num_seqs=max_num_seqs,
-                           cuda_graphs=not enforce_eager)
+    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager,
+                           max_num_seqs=max_num_seqs)
 
     def load():
         from .llm import build_engine
@@ -363,8 +364,8 @@ def chat(
     from .repl import ChatSession, history_path, run_pipe, run_repl
 
     sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    engine = open_engine(model, quant, device,
-                         engine_config(ctx, kv_memory, threads, draft, spec_tokens, cuda_graphs=not enforce_eager))
+    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager)
+    engine = open_engine(model, quant, device, config)
     name = engine.loaded.extra.get("name", model or "")
     interactive = sys.stdin.isatty()
 

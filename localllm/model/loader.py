@@ -360,14 +360,11 @@ class ConvertCache:
     VERSION = 2
 
     def __init__(self, file: Path, dense: bool = False):
-        import hashlib
-
         from .compiled import cache_dir
 
-        st = file.stat()
-        key = f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{torch.__version__}|v{self.VERSION}|dense={dense}"
+        key = weights_fingerprint(file, torch.__version__, f"v{self.VERSION}", f"dense={dense}")
         self.stem = file.stem
-        self.path = cache_dir().parent / "converted" / f"{self.stem}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.safetensors"
+        self.path = cache_dir().parent / "converted" / f"{self.stem}-{key[:16]}.safetensors"
         self.tensors: dict[str, torch.Tensor] = {}
         self.hit = False
         if self.path.is_file():
