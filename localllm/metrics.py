@@ -74,34 +74,36 @@ class ServerMetrics:
             metric(f"localllm_{name}", "gauge", name.replace("_", " ") + ".", [("", v)])
         metric("localllm_model_loaded", "gauge", "1 once the model is loaded.", [("", int(engine is not None))])
         if engine is not None:
-            e = engine
-            metric("localllm_prompt_tokens_total", "counter", "Prompt tokens admitted.", [("", e["prompt_tokens"])])
-            metric("localllm_generation_tokens_total", "counter", "Tokens generated.",
-                   [("", e["generated_tokens"])])
-            metric("localllm_prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
-                   [("", e["cached_tokens"])])
-            metric("localllm_prefix_cache_hit_rate", "gauge", "Cached prompt tokens / prompt tokens.",
-                   [("", e["hit_rate"])])
-            metric("localllm_num_requests_running", "gauge", "Requests in the running batch.", [("", e["running"])])
-            metric("localllm_num_requests_waiting", "gauge", "Requests waiting for a batch slot or KV blocks.",
-                   [("", e["waiting"])])
-            metric("localllm_kv_blocks_used", "gauge", "KV cache blocks held by live requests.",
-                   [("", e["kv_blocks_used"])])
-            metric("localllm_kv_blocks_total", "gauge", "KV cache blocks in the pool.", [("", e["kv_blocks_total"])])
-            metric("localllm_engine_steps_total", "counter", "Engine steps run.", [("", e["steps"])])
-            metric("localllm_max_batch_size", "gauge", "Largest batch (sequences in one step) so far.",
-                   [("", e["max_batch_size"])])
-            metric("localllm_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.",
-                   [("", e["preemptions"])])
-            spec = e.get("speculative")
+            for name, kind, text, key in _ENGINE_METRICS:
+                metric(name, kind, text, [("", engine[key])])
+            spec = engine.get("speculative")
             if spec is not None:  # only when serving with --draft
-                metric("localllm_spec_proposed_tokens_total", "counter", "Speculative tokens proposed.",
-                       [("", spec["proposed"])])
-                metric("localllm_spec_accepted_tokens_total", "counter", "Speculative tokens accepted by the target.",
-                       [("", spec["accepted"])])
-                metric("localllm_spec_mean_accepted_length", "gauge", "Tokens produced per verify step.",
-                       [("", spec["mean_accepted_length"])])
+                for name, kind, text, key in _SPEC_METRICS:
+                    metric(name, kind, text, [("", spec[key])])
         return "\n".join(out) + "\n"
+
+
+# (name, type, help, key in engine.cache_stats())
+_ENGINE_METRICS = [
+    ("localllm_prompt_tokens_total", "counter", "Prompt tokens admitted.", "prompt_tokens"),
+    ("localllm_generation_tokens_total", "counter", "Tokens generated.", "generated_tokens"),
+    ("localllm_prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
+     "cached_tokens"),
+    ("localllm_prefix_cache_hit_rate", "gauge", "Cached prompt tokens / prompt tokens.", "hit_rate"),
+    ("localllm_num_requests_running", "gauge", "Requests in the running batch.", "running"),
+    ("localllm_num_requests_waiting", "gauge", "Requests waiting for a batch slot or KV blocks.", "waiting"),
+    ("localllm_kv_blocks_used", "gauge", "KV cache blocks held by live requests.", "kv_blocks_used"),
+    ("localllm_kv_blocks_total", "gauge", "KV cache blocks in the pool.", "kv_blocks_total"),
+    ("localllm_engine_steps_total", "counter", "Engine steps run.", "steps"),
+    ("localllm_max_batch_size", "gauge", "Largest batch (sequences in one step) so far.", "max_batch_size"),
+    ("localllm_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.", "preemptions"),
+]
+# the same for cache_stats()["speculative"]
+_SPEC_METRICS = [
+    ("localllm_spec_proposed_tokens_total", "counter", "Speculative tokens proposed.", "proposed"),
+    ("localllm_spec_accepted_tokens_total", "counter", "Speculative tokens accepted by the target.", "accepted"),
+    ("localllm_spec_mean_accepted_length", "gauge", "Tokens produced per verify step.", "mean_accepted_length"),
+]
 
 
 def parse(text: str) -> dict[str, float]:
