@@ -98,12 +98,10 @@ def ours_decode(engine, prompts: list[list[int]], new_tokens: int, device: str) 
         engine.step()
     sync(device)
     t0 = time.perf_counter()
-    steps = 0
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-        steps += 1
     sync(device)
     dt = time.perf_counter() - t0
     return len(prompts) * (new_tokens - 1) / dt, [done[i] for i in ids]

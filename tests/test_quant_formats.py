@@ -53,28 +53,25 @@ def expected(q, z, s, group_of) -> torch.Tensor:
     return w
 
 
-def pack_awq_loops(x) -> torch.Tensor:
+def pack_cols_loops(x, order=tuple(range(8))) -> torch.Tensor:
+    """8 nibbles per int32 along each row; nibble i holds column 8c + order[i]."""
     rows, cols = x.shape
     out = torch.zeros(rows, cols // 8, dtype=torch.int32)
     for r in range(rows):
         for c in range(cols // 8):
             word = 0
             for i in range(8):
-                word |= int(x[r, 8 * c + AWQ_ORDER[i]]) << (4 * i)
+                word |= int(x[r, 8 * c + order[i]]) << (4 * i)
             out[r, c] = to_i32(word)
     return out
+
+
+def pack_awq_loops(x) -> torch.Tensor:
+    return pack_cols_loops(x, AWQ_ORDER)
 
 
 def pack_seq_cols_loops(x) -> torch.Tensor:
-    rows, cols = x.shape
-    out = torch.zeros(rows, cols // 8, dtype=torch.int32)
-    for r in range(rows):
-        for c in range(cols // 8):
-            word = 0
-            for j in range(8):
-                word |= int(x[r, 8 * c + j]) << (4 * j)
-            out[r, c] = to_i32(word)
-    return out
+    return pack_cols_loops(x)
 
 
 def pack_rows_loops(x) -> torch.Tensor:
