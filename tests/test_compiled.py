@@ -80,28 +80,16 @@ def test_conversion_cache_gives_the_same_model(gguf_path, int4_model, tmp_path, 
         sd = m.state_dict()
         assert sd.keys() == ref.keys()
         assert all(torch.equal(sd[k], ref[k]) for k in ref)
-    assert torch.equal(second.model.head.fast.packed, int4_model.model.head.fast.packed)
+    def same(a, b):
+        ta, tb = a.kernel_tensors(), b.kernel_tensors()
+        return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+    assert same(second.model.head.fast, int4_model.model.head.fast)
     files[0].write_bytes(b"not a safetensors file")
     third = load_model(gguf_path, "auto")
-    assert torch.equal(third.model.layers[3].qkv.packed, int4_model.model.layers[3].qkv.packed)
+    assert same(third.model.layers[3].qkv, int4_model.model.layers[3].qkv)
     with safe_open(str(files[0]), "pt") as f:  # rewritten
-        assert "3.qkv.packed" in f.keys()
-
-
-def test_dense_prefill_path_matches_int4_kernel(int4_model):
-    """Long inputs take the fp32 GEMM on the kernel-dequantized weight: same numbers as the int4
-    kernel up to summation order (a rare 1-ulp bf16 difference)."""
-    from localllm.model.layers import DENSE_MIN_ROWS
-
-    lin = int4_model.model.layers[5].gate_up
-    assert lin.dense is not None
-    x = torch.randn(DENSE_MIN_ROWS + 8, lin.dense.shape[1], generator=torch.Generator().manual_seed(0))
-    dense = lin(x)
-    kernel = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), lin.packed, lin.group_size,
-                                               lin.scales_zeros).float()
-    differ = (dense != kernel).float().mean().item()
-    assert differ < 1e-3
-    torch.testing.assert_close(dense, kernel, rtol=8e-3, atol=1e-2)
+        assert "3.qkv.group" in f.keys()
 
 
 def test_package_is_reused_by_a_later_process(tiny_int4, monkeypatch):

@@ -9,7 +9,7 @@ BENCHMARKS.md, "Where the time goes").
 
 The step is a pure function of tensors: token ids [B], positions [B], the gather table [B, L]
 (cache slot of every context position) and the per-layer caches, which it updates in place.
-L and the cache size are dynamic; batch 1 has its own package and batches of 2..MAX_BATCH share
+L and the cache size are dynamic; batch 1 has its own package and batches of 2..max_batch() share
 one with a dynamic B. A package is built on first use (export + compile: ~40-60 s on 2 cores) into
 ~/.cache/localllm/aoti, keyed by the model's weights, the code, torch and the thread count;
 later processes load it in about a second. The package holds no weights: it runs on the model's
@@ -28,13 +28,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .layers import DENSE_MIN_ROWS
+from .layers import Int4Linear
 
 log = logging.getLogger(__name__)
 
-# Larger decode batches run eagerly: int4 layers with fp32 prefill copies switch to those at
-# DENSE_MIN_ROWS rows, a branch an exported graph cannot hold for a dynamic batch.
-MAX_BATCH = DENSE_MIN_ROWS - 1
+
+def max_batch(model) -> int:
+    """The largest decode batch a package takes; larger ones run eagerly. Int4 layers with fp32
+    prefill copies switch to those at `dense_min_rows` rows (32 with torch's int4 kernel, 160 with
+    ours), a branch an exported graph cannot hold for a dynamic batch."""
+    rows = [m.dense_min_rows for m in model.modules() if isinstance(m, Int4Linear) and m.dense is not None]
+    return min(rows, default=257) - 1
 
 
 def cache_dir() -> Path:
@@ -126,7 +130,7 @@ def build_package(model, kind: str, example: tuple, out: Path) -> None:
     ids, positions, gather, caches = example
     L = Dim("L", min=2, max=model.rope.cos.shape[0])
     nb = Dim("num_blocks", min=2)
-    batch = {0: Dim("B", min=2, max=MAX_BATCH)} if kind == "bn" else None
+    batch = {0: Dim("B", min=2, max=max_batch(model))} if kind == "bn" else None
     shapes = {"ids": batch, "positions": batch, "gather": {**(batch or {}), 1: L},
               "caches": tuple({0: nb} for _ in caches)}
     with torch.inference_mode():
@@ -221,6 +225,7 @@ class CompiledDecode:
         self.failed: str | None = None
         self.calls = 0  # steps served by a package
         self._runners: dict[str, object] = {}
+        self.max_batch = max_batch(model)
 
     def _runner(self, kind: str, example: tuple):
         if kind not in self._runners:
@@ -235,7 +240,7 @@ class CompiledDecode:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, gather: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        if self.failed or gather.shape[1] < 2 or ids.shape[0] > MAX_BATCH:
+        if self.failed or gather.shape[1] < 2 or ids.shape[0] > self.max_batch:
             return None
         caches = [t for kv in kv_caches for t in kv]
         kind = "b1" if ids.shape[0] == 1 else "bn"

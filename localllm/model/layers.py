@@ -22,15 +22,17 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-# From this many rows (prefill, big batches) an fp32 GEMM on the dequantized weight beats torch's
-# CPU int4 kernel, whose cost grows linearly with the rows: 2 cores, SmolLM2 layer shapes, per
-# layer: 16 rows 0.98 vs 0.92 ms, 32 rows 1.3 vs 1.7 ms, 512 rows 12.6 vs 28.6 ms.
+# From this many rows (prefill, big batches) an fp32 GEMM on the dequantized weight beats the
+# int4 kernels, whose cost grows linearly with the rows. 2 cores, SmolLM2 layer shapes, per layer:
+# torch's kernel 16 rows 0.92 ms vs fp32 0.98, 32 rows 1.7 vs 1.3, 512 rows 28.6 vs 12.6; our VNNI
+# kernel 32 rows 1.0 vs 1.7, 128 rows 3.9 vs 4.0, 512 rows 16.4 vs 14.3.
 DENSE_MIN_ROWS = 32
+VNNI_DENSE_MIN_ROWS = 160
 
 
 def kernel_dequantize(w: Int4Weight) -> torch.Tensor:
-    """fp32 [N, K] equal to what the CPU int4 kernel multiplies by: scales and zeros rounded to
-    bf16 as it stores them, (q - 8) * scale exact in fp32, one rounding for + zero."""
+    """fp32 [N, K] equal to what torch's CPU int4 kernel multiplies by: scales and zeros rounded
+    to bf16 as it stores them, (q - 8) * scale exact in fp32, one rounding for + zero."""
     n, k = w.q.shape
     g = w.group_size
     s = w.scales.to(torch.bfloat16).float().t().unsqueeze(-1)
@@ -38,52 +40,81 @@ def kernel_dequantize(w: Int4Weight) -> torch.Tensor:
     return ((w.q.view(n, k // g, g).float() - 8.0) * s + z).reshape(n, k)
 
 
+def _vnni_kernel(n: int, k: int, group_size: int) -> bool:
+    from localllm_kernels import cpu_int4
+
+    return cpu_int4.fits(n, k, group_size) and cpu_int4.load()
+
+
 class Int4Linear(nn.Module):
-    """Weight-only int4. On CPU: torch's int4pack kernel (fed bf16: with fp32 activations it takes a
-    path 5-30x slower); with `dense`, calls of DENSE_MIN_ROWS rows or more run an fp32 GEMM on
-    kernel_dequantize(w) instead, inputs and outputs rounded to bf16 as the kernel does, so both
-    paths give the same numbers up to fp32 summation order. On CUDA: our Triton kernel."""
+    """Weight-only int4.
+
+    On CPU, `kind` is "vnni" where our AVX-512 VNNI kernel runs (localllm_kernels.cpu_int4: fp32
+    in and out, activations rounded to 16 bits inside, scales exact), else "aten": torch's int4pack
+    kernel, fed bf16 (with fp32 activations it takes a path 5-30x slower) with bf16 scales. With
+    `dense`, calls of `dense_min_rows` rows or more run an fp32 GEMM on a dequantized copy instead,
+    rounded as the kernel rounds, so both paths agree up to summation order. On CUDA: our Triton
+    kernel."""
 
     def __init__(self, w: Int4Weight, act_dtype: torch.dtype, bias: torch.Tensor | None = None,
                  device: str = "cpu", dense: bool = False, triton: bool | None = None):
         """triton: use our Triton kernel (default: on CUDA; tests run it on CPU, interpreted)."""
         super().__init__()
         self.cuda_path = device.startswith("cuda") if triton is None else triton
-        self.register_buffer("dense", kernel_dequantize(w) if dense and not self.cuda_path
-                             and w.in_perm is None else None)
-        self.dense_mapped = False
         n, k = w.shape
         self.out_features, self.group_size = n, w.group_size
+        self.kind = "triton" if self.cuda_path else "vnni" if _vnni_kernel(n, k, w.group_size) else "aten"
+        self.dense_min_rows = VNNI_DENSE_MIN_ROWS if self.kind == "vnni" else DENSE_MIN_ROWS
+        copy = dense and not self.cuda_path and w.in_perm is None
+        self.register_buffer("dense", None if not copy else w.dequantize() if self.kind == "vnni"
+                             else kernel_dequantize(w))
+        self.dense_mapped = False
         self.bias = None if bias is None else nn.Parameter(bias.to(act_dtype), requires_grad=False)
         # GPTQ act-order: the weight's K was permuted at load, so the input is gathered the same way
         self.register_buffer("in_perm", None if w.in_perm is None else w.in_perm.to(device, torch.long))
-        if self.cuda_path:
+        if self.kind == "triton":
             self.register_buffer("qweight", w.packed().to(device))
             self.register_buffer("scales", w.scales.to(device, act_dtype))
             self.register_buffer("zeros", w.zeros.to(device, act_dtype))
+        elif self.kind == "vnni":
+            from localllm_kernels import cpu_int4
+
+            qw, qsc = cpu_int4.pack(w.q, w.scales, w.zeros)
+            self.register_buffer("qw", qw)
+            self.register_buffer("qsc", qsc)
         else:
-            # the CPU kernel always runs in bf16: fp32 would hit a slow path, fp16 risks overflow
-            self.kernel_dtype = torch.bfloat16
+            # torch's kernel always runs in bf16: fp32 would hit a slow path, fp16 risks overflow
             self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32), 2))
-            sz = torch.stack([w.scales, w.zeros], dim=-1).to(self.kernel_dtype).contiguous()
+            sz = torch.stack([w.scales, w.zeros], dim=-1).to(torch.bfloat16).contiguous()
             self.register_buffer("scales_zeros", sz)
 
+    def kernel_tensors(self) -> dict[str, torch.Tensor]:
+        """The converted CPU buffers, by name: what the loader's conversion cache stores."""
+        names = ("qw", "qsc") if self.kind == "vnni" else ("packed", "scales_zeros")
+        return {n: getattr(self, n) for n in names}
+
     @classmethod
-    def from_packed(cls, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
-                    bias: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> Int4Linear:
+    def from_kernel_tensors(cls, tensors: dict[str, torch.Tensor], out_features: int, group_size: int,
+                            bias: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> Int4Linear:
         """A CPU layer from already converted buffers (the loader's conversion cache)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
+        self.kind = "vnni" if "qw" in tensors else "aten"
+        if self.kind == "vnni":
+            from localllm_kernels import cpu_int4
+
+            cpu_int4.load()  # registers the op (the cache holds vnni buffers only where it loads)
+        self.dense_min_rows = VNNI_DENSE_MIN_ROWS if self.kind == "vnni" else DENSE_MIN_ROWS
         self.register_buffer("dense", dense)
         # the cache's dense copy is a file-backed mmap: copied into anonymous memory on first use
         # (GEMMs on it ran 25% slower; copying at load would cost every cold start 0.1-0.4 s)
         self.dense_mapped = dense is not None
-        self.out_features, self.group_size = packed.shape[0], group_size
+        self.out_features, self.group_size = out_features, group_size
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.cuda_path, self.kernel_dtype = False, torch.bfloat16
+        self.cuda_path = False
         self.register_buffer("in_perm", None)
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_zeros", scales_zeros)
+        for name, t in tensors.items():
+            self.register_buffer(name, t)
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,12 +126,18 @@ class Int4Linear(nn.Module):
             from localllm_kernels import int4_matmul
 
             y = int4_matmul(x2, self.qweight, self.scales, self.zeros, self.group_size)
-        elif self.dense is not None and x2.shape[0] >= DENSE_MIN_ROWS:
+        elif self.dense is not None and x2.shape[0] >= self.dense_min_rows:
             if self.dense_mapped and not torch.compiler.is_compiling():
                 self.dense, self.dense_mapped = self.dense.clone(), False
-            y = F.linear(x2.to(self.kernel_dtype).float(), self.dense).to(self.kernel_dtype).to(x.dtype)
+            if self.kind == "vnni":
+                y = F.linear(x2.float(), self.dense).to(x.dtype)
+            else:
+                y = F.linear(x2.to(torch.bfloat16).float(), self.dense).to(torch.bfloat16).to(x.dtype)
+        elif self.kind == "vnni":
+            y = torch.ops.localllm.int4_gemm(x2.float(), self.qw, self.qsc, self.group_size)
+            y = (y if y.shape[1] == self.out_features else y[:, :self.out_features]).to(x.dtype)
         else:
-            y = torch._weight_int4pack_mm_for_cpu(x2.to(self.kernel_dtype), self.packed, self.group_size,
+            y = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group_size,
                                                   self.scales_zeros).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
@@ -222,7 +259,10 @@ class LMHead(nn.Module):
             v, h = weight.shape
             group = 32 if h % 32 == 0 else None
             if group:
-                self.fast = Int4Linear(quantize_rtn(weight.float(), group), torch.bfloat16, device=device)
+                w = quantize_rtn(weight.float(), group)
+                # fp16 scales and offsets: fewer bytes for the VNNI kernel; this copy only ranks
+                d, m = w.scales.half().float(), (w.zeros - 8 * w.scales).half().float()
+                self.fast = Int4Linear(Int4Weight(w.q, d, m + 8 * d, group), torch.bfloat16, device=device)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h.to(self.weight.dtype), self.weight).float()
@@ -231,8 +271,21 @@ class LMHead(nn.Module):
         """Argmax token per row, equal to forward(h).argmax(-1)."""
         if self.fast is None:
             return self.forward(h).argmax(-1)
-        approx = self.fast(h.to(torch.bfloat16))
-        cand = approx.topk(self.rescore_k, dim=-1).indices  # [B, k]
+        approx = self.fast(h)
+        cand = top_indices(approx, self.rescore_k)  # [B, k]
         rows = self.weight[cand]  # [B, k, H]
         exact = torch.einsum("bkh,bh->bk", rows, h.to(self.weight.dtype))
         return cand.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1)
+
+
+def top_indices(x: torch.Tensor, k: int, chunk: int = 32) -> torch.Tensor:
+    """x.topk(k).indices (in no particular order) for a wide x [B, V]: the k largest values lie
+    in the k chunks with the largest maxima (a chunk holding one of them has a max above all
+    but at most k-1 other chunks' maxima), so only k * chunk values are ranked. 3x faster than
+    torch's CPU topk over a 49k vocabulary."""
+    B, V = x.shape
+    if V % chunk or V // chunk < 4 * k:
+        return x.topk(k, dim=-1).indices
+    best = x.view(B, V // chunk, chunk).amax(-1).topk(k, dim=-1).indices  # [B, k]
+    idx = (best.unsqueeze(-1) * chunk + torch.arange(chunk, device=x.device)).view(B, k * chunk)
+    return idx.gather(1, x.gather(1, idx).topk(k, dim=-1).indices)

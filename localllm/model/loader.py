@@ -357,12 +357,16 @@ class ConvertCache:
     file's path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md).
     LOCALLLM_CONVERT_CACHE=0 turns it off."""
 
-    VERSION = 2
+    VERSION = 3
 
     def __init__(self, file: Path, dense: bool = False):
+        from localllm_kernels import cpu_int4
+
         from .compiled import cache_dir
 
-        key = weights_fingerprint(file, torch.__version__, f"v{self.VERSION}", f"dense={dense}")
+        # the buffers differ by int4 kernel (ours or torch's), so does the cache
+        key = weights_fingerprint(file, torch.__version__, f"v{self.VERSION}", f"dense={dense}",
+                                  f"vnni={cpu_int4.load()}")
         self.stem = file.stem
         self.path = cache_dir().parent / "converted" / f"{self.stem}-{key[:16]}.safetensors"
         self.tensors: dict[str, torch.Tensor] = {}
@@ -386,12 +390,14 @@ class ConvertCache:
     def linear(self, key: str, build):
         """The cached Int4Linear `key`, or build() (remembered when it is a plain Int4Linear)."""
         t = self.tensors
-        if self.hit and f"{key}.packed" in t:
-            return Int4Linear.from_packed(t[f"{key}.packed"], t[f"{key}.sz"], int(t[f"{key}.group"]),
-                                          t.get(f"{key}.bias"), t.get(f"{key}.dense"))
+        if self.hit and f"{key}.group" in t:
+            names = ("qw", "qsc") if f"{key}.qw" in t else ("packed", "scales_zeros")
+            return Int4Linear.from_kernel_tensors({n: t[f"{key}.{n}"] for n in names}, int(t[f"{key}.n"]),
+                                                  int(t[f"{key}.group"]), t.get(f"{key}.bias"), t.get(f"{key}.dense"))
         m = build()
-        if isinstance(m, Int4Linear) and m.in_perm is None:
-            t.update({f"{key}.packed": m.packed, f"{key}.sz": m.scales_zeros, f"{key}.group": torch.tensor(m.group_size)})
+        if isinstance(m, Int4Linear) and m.in_perm is None and not m.cuda_path:
+            t.update({f"{key}.{n}": v for n, v in m.kernel_tensors().items()})
+            t.update({f"{key}.group": torch.tensor(m.group_size), f"{key}.n": torch.tensor(m.out_features)})
             if m.bias is not None:
                 t[f"{key}.bias"] = m.bias.data
             if m.dense is not None:
@@ -471,11 +477,15 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     if cache:
         cache.save()
     model = LlamaModel(cfg, embed, layers, norm, head, act_dtype, max_len, device)
-    model.fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device)
+    kernel = getattr(layers[0].qkv, "kind", None) if layers else None  # which int4 kernel the graph calls
+    model.fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device, kernel)
     from . import compiled
 
     if compiled.wanted():
         compiled.enable(model)
     eos = set(tokenizer.eos_ids) | weights.extra_eos_ids()
-    desc = "int4 weights, bf16 matmul inputs, fp32 activations" if mode == "int4" and device == "cpu" else mode
+    desc = mode
+    if mode == "int4" and device == "cpu":
+        desc = {"vnni": "int4 weights (VNNI kernel, 16-bit matmul inputs), fp32 activations",
+                "aten": "int4 weights, bf16 matmul inputs, fp32 activations"}.get(kernel, mode)
     return LoadedModel(model, tokenizer, cfg, eos, desc, act_dtype, str(path), {"max_model_len": max_len})

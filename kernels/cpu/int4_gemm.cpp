@@ -1,0 +1,198 @@
+// Int4 weight x fp32 activation GEMM for x86 CPUs with AVX-512 VNNI, for decode-sized batches.
+//
+// Why: torch's CPU int4 kernel dequantizes every weight to fp32 and needs two FMAs per weight,
+// so at batch 1 it streams weights at ~20 GB/s, and its cost grows linearly with the rows. Here
+// the activations are split per 32-block into three int8 parts, x = e * (p0 + p1/254 + p2/254^2)
+// (24 bits: as exact as fp32, so ulp-level input noise moves outputs by ulps, not by a rounding
+// step), and each part meets the raw 4-bit weights in VPDPBUSD (64 u8*s8 products per
+// instruction). Weights are read once per call and reused for every row of x.
+//
+// Layout (built by localllm_kernels.cpu_int4.pack):
+//   w  uint8 [N/16, K/8, 64]: for rows r of a 16-row block and k-chunk c (8 columns), byte 4r+j
+//      holds q[r, 8c+j] in its low nibble and q[r, 8c+4+j] in its high nibble, so the low
+//      nibbles of a 64-byte chunk are 16 dword lanes of 4 consecutive weights each.
+//   sc half or float [N/16, G, 2, 16]: per group, 16 scales d then 16 offsets m; W = d*q + m.
+// y[m, n] = sum_g d[n,g] * sum_k (q[n,k] - 8) x[m,k] + (m[n,g] + 8 d[n,g]) * sum_k x[m,k]  (k in g)
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kRows = 16;  // output rows per block (one zmm of fp32)
+constexpr int kMc = 4;     // activation rows per pass over a weight block
+
+constexpr int kParts = 3;
+constexpr float kBase = 254.f;  // weight of each part against the next
+
+// x [M, K] -> parts int8 [M, kParts, K]; e [M, K/32] block scales; s [M, G] fp32 group sums;
+// psum [M, K/32, kParts] each part's block sum, to center the weights exactly in int32.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_rows(const float* x, int64_t M, int64_t K,
+                                                                        int64_t gs, int8_t* parts, float* e,
+                                                                        float* s, int32_t* psum) {
+  const int64_t nb = K / 32, bpg = gs / 32;
+  const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f), base = _mm512_set1_ps(kBase);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const float* xb = x + m * K + blk * 32;
+      const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+      // blocks of zeros or denormals (127 / amax would overflow) contribute nothing
+      const bool live = amax > 1e-30f;
+      const __m512 inv = _mm512_set1_ps(live ? 127.f / amax : 0.f);
+      e[m * nb + blk] = live ? amax / 127.f : 0.f;
+      if (blk % bpg == 0) s[m * (K / gs) + blk / bpg] = 0.f;
+      s[m * (K / gs) + blk / bpg] += _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+      int32_t* ps = psum + (m * nb + blk) * kParts;
+      for (int p = 0; p < kParts; ++p) ps[p] = 0;
+      for (int h = 0; h < 2; ++h) {
+        // |r| <= 127, and each remainder (r - round(r)) * 254 again: every part fits int8 (with
+        // 256 a tie at 0.5 would give 128)
+        __m512 r = _mm512_mul_ps(v[h], inv);
+        for (int p = 0; p < kParts; ++p) {
+          __m512 q = _mm512_roundscale_ps(r, kRound);
+          if (p == kParts - 1) q = _mm512_min_ps(lim, _mm512_max_ps(nlim, q));
+          const __m512i qi = _mm512_cvtps_epi32(q);
+          ps[p] += _mm512_reduce_add_epi32(qi);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(parts + (m * kParts + p) * K + blk * 32 + h * 16),
+                           _mm512_cvtsepi32_epi8(qi));
+          r = _mm512_mul_ps(_mm512_sub_ps(r, q), base);
+        }
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,f16c"))) inline __m512 load16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f,avx512bw,f16c"))) inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// One 16-row block against MC activation rows (px: their parts, [MC, kParts, K]).
+template <int MC, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows(
+    const uint8_t* w, const S* sc, int64_t K, int64_t gs, const int8_t* px, const float* e, const float* s,
+    const int32_t* psum, float* out, int64_t ldo) {
+  const int64_t nb = K / 32, ng = K / gs, bpg = gs / 32;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512 inv_base = _mm512_set1_ps(1.f / kBase);
+  __m512 acc[MC];
+  for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 gacc[MC];
+    for (int m = 0; m < MC; ++m) gacc[m] = _mm512_setzero_ps();
+    for (int64_t bb = 0; bb < bpg; ++bb) {
+      const int64_t blk = g * bpg + bb;
+      __m512i ip[MC][kParts];
+      for (int m = 0; m < MC; ++m)
+        for (int p = 0; p < kParts; ++p) ip[m][p] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const __m512i raw = _mm512_loadu_si512(w + (blk * 4 + c) * 64);
+        const __m512i lo = _mm512_and_si512(raw, mask);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+        const int64_t k0 = blk * 32 + c * 8;
+        for (int m = 0; m < MC; ++m) {
+          for (int p = 0; p < kParts; ++p) {
+            int32_t x0, x1;  // 4 consecutive int8 activations, broadcast to every lane
+            std::memcpy(&x0, px + (m * kParts + p) * K + k0, 4);
+            std::memcpy(&x1, px + (m * kParts + p) * K + k0 + 4, 4);
+            ip[m][p] = _mm512_dpbusd_epi32(ip[m][p], lo, _mm512_set1_epi32(x0));
+            ip[m][p] = _mm512_dpbusd_epi32(ip[m][p], hi, _mm512_set1_epi32(x1));
+          }
+        }
+      }
+      for (int m = 0; m < MC; ++m) {
+        // sum (q - 8) * part = sum q * part - 8 * sum part: centered weights, exact in int32, so
+        // the fp32 sums below see small terms (sum q * x alone would cancel against m * sum x)
+        const int32_t* ps = psum + (m * nb + blk) * kParts;
+        __m512i c[kParts];
+        for (int p = 0; p < kParts; ++p) c[p] = _mm512_sub_epi32(ip[m][p], _mm512_set1_epi32(8 * ps[p]));
+        __m512 t = _mm512_cvtepi32_ps(c[kParts - 1]);
+        for (int p = kParts - 2; p >= 0; --p) t = _mm512_fmadd_ps(t, inv_base, _mm512_cvtepi32_ps(c[p]));
+        gacc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(e[m * nb + blk]), gacc[m]);
+      }
+    }
+    const __m512 d = load16(sc + g * 2 * kRows);
+    const __m512 off = _mm512_fmadd_ps(_mm512_set1_ps(8.f), d, load16(sc + (g * 2 + 1) * kRows));  // m + 8d
+    for (int m = 0; m < MC; ++m) {
+      acc[m] = _mm512_fmadd_ps(gacc[m], d, acc[m]);
+      acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(s[m * ng + g]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MC; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
+}
+
+template <typename S>
+void run_block(int mc, const uint8_t* w, const S* sc, int64_t K, int64_t gs, const int8_t* px, const float* e,
+               const float* s, const int32_t* psum, float* out, int64_t ldo) {
+  switch (mc) {
+    case 1: return block_rows<1, S>(w, sc, K, gs, px, e, s, psum, out, ldo);
+    case 2: return block_rows<2, S>(w, sc, K, gs, px, e, s, psum, out, ldo);
+    case 3: return block_rows<3, S>(w, sc, K, gs, px, e, s, psum, out, ldo);
+    default: return block_rows<4, S>(w, sc, K, gs, px, e, s, psum, out, ldo);
+  }
+}
+
+template <typename S>
+void gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const S* sc, int64_t nblocks, int64_t gs,
+          float* y) {
+  const int64_t nb = K / 32, ng = K / gs, N = nblocks * kRows;
+  std::vector<int8_t> px(M * kParts * K);
+  std::vector<float> e(M * nb), s(M * ng);
+  std::vector<int32_t> psum(M * nb * kParts);
+  quantize_rows(x, M, K, gs, px.data(), e.data(), s.data(), psum.data());
+  const int64_t wstride = (K / 8) * 64, sstride = ng * 2 * kRows;
+  // ~8 blocks per task: enough to split the smallest layers over the threads, few enough forks
+  at::parallel_for(0, nblocks, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t nbk = begin; nbk < end; ++nbk) {
+      for (int64_t m0 = 0; m0 < M; m0 += kMc) {
+        const int mc = static_cast<int>(std::min<int64_t>(kMc, M - m0));
+        run_block<S>(mc, w + nbk * wstride, sc + nbk * sstride, K, gs, px.data() + m0 * kParts * K,
+                     e.data() + m0 * nb, s.data() + m0 * ng, psum.data() + m0 * nb * kParts,
+                     y + m0 * N + nbk * kRows, N);
+      }
+    }
+  });
+}
+
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_gemm: x must be fp32 [M, K]");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 64 && w.scalar_type() == at::kByte, "int4_gemm: bad packed weight");
+  const int64_t M = x.size(0), K = x.size(1), nblocks = w.size(0);
+  TORCH_CHECK(w.size(1) * 8 == K, "int4_gemm: K mismatch: x has ", K, ", weight ", w.size(1) * 8);
+  TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "int4_gemm: bad group size ", group_size);
+  TORCH_CHECK(sc.dim() == 4 && sc.size(0) == nblocks && sc.size(1) == K / group_size, "int4_gemm: bad scales");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, nblocks * kRows}, x.options());
+  if (M == 0) return y;
+  if (sc.scalar_type() == at::kHalf) {
+    gemm<at::Half>(xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), sc.data_ptr<at::Half>(), nblocks,
+                   group_size, y.data_ptr<float>());
+  } else {
+    TORCH_CHECK(sc.scalar_type() == at::kFloat, "int4_gemm: scales must be fp16 or fp32");
+    gemm<float>(xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), sc.data_ptr<float>(), nblocks, group_size,
+                y.data_ptr<float>());
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(localllm, m) {
+  m.def("int4_gemm(Tensor x, Tensor w, Tensor scales, int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(localllm, CPU, m) {
+  m.impl("int4_gemm", &int4_gemm);
+}

@@ -1,0 +1,117 @@
+"""The CPU int4 kernels: ours (AVX-512 VNNI, localllm_kernels.cpu_int4) and torch's fallback, each
+against an fp64 reference; the int4 layer's dense prefill path; the LM head's candidate search."""
+
+import pytest
+import torch
+from localllm_kernels import cpu_int4
+
+from localllm.model import layers
+from localllm.model.layers import Int4Linear, top_indices
+from localllm.quant.int4 import Int4Weight, quantize_rtn
+
+needs_vnni = pytest.mark.skipif(not cpu_int4.supported(), reason="this CPU has no AVX-512 VNNI")
+
+
+def rand_weight(n: int, k: int, group: int, fp16_scales: bool, seed: int = 0) -> Int4Weight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(k // group, n, generator=g) * 0.02 + 1e-3
+    mins = torch.randn(k // group, n, generator=g) * 0.05
+    if fp16_scales:  # as in GGUF / AWQ / GPTQ files
+        scales, mins = scales.half().float(), mins.half().float()
+    return Int4Weight(q, scales, mins + 8 * scales, group)
+
+
+def reference(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    return x.double() @ w.dequantize(torch.float64).t()
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+@needs_vnni
+@pytest.mark.parametrize("n,k,group", [(16, 64, 32), (40, 256, 64), (96, 256, 128), (33, 128, 128)])
+@pytest.mark.parametrize("m", [1, 3, 5, 17])
+@pytest.mark.parametrize("fp16_scales", [True, False])
+def test_vnni_kernel_matches_fp64(n, k, group, m, fp16_scales):
+    """As exact as fp32 (activations split into three int8 parts); N is padded to 16 rows."""
+    assert cpu_int4.load()
+    w = rand_weight(n, k, group, fp16_scales, seed=n + k + m)
+    qw, qsc = cpu_int4.pack(w.q, w.scales, w.zeros)
+    assert qsc.dtype == (torch.float16 if fp16_scales else torch.float32)
+    assert qw.shape == ((n + 15) // 16, k // 8, 64)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    x[0, :32] *= 1e-3  # a block far smaller than the rest: per-block scales
+    y = cpu_int4.int4_gemm(x, qw, qsc, group)
+    assert y.shape == (m, qw.shape[0] * 16)
+    assert rel_err(y[:, :n], reference(x, w)) < 1e-6
+    assert torch.equal(y[:, n:], torch.zeros_like(y[:, n:]))  # padding rows
+
+
+@needs_vnni
+def test_vnni_kernel_edge_inputs():
+    assert cpu_int4.load()
+    w = rand_weight(32, 64, 32, True)
+    qw, qsc = cpu_int4.pack(w.q, w.scales, w.zeros)
+    x = torch.zeros(4, 64)
+    x[1] = 1e-38  # denormal-scale block: treated as zeros, no inf/nan
+    x[2, 5] = 3e4  # one huge value among zeros
+    x[3] = torch.linspace(-1, 1, 64)
+    y = cpu_int4.int4_gemm(x, qw, qsc, 32)[:, :32]
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[0], torch.zeros(32))
+    ref = reference(x, w)
+    assert rel_err(y[2:], ref[2:]) < 1e-6
+    assert (y[1].double() - ref[1]).abs().max() < 1e-30
+    with pytest.raises(RuntimeError, match="K mismatch"):
+        cpu_int4.int4_gemm(torch.zeros(1, 32), qw, qsc, 32)
+    with pytest.raises(RuntimeError, match="fp32"):
+        cpu_int4.int4_gemm(x.double(), qw, qsc, 32)
+
+
+@pytest.mark.parametrize("kind", ["vnni", "aten"])
+def test_int4_linear_kernels_and_dense_prefill(kind, monkeypatch):
+    """Each CPU kind against fp64 (ours as exact as fp32; torch's within its bf16 rounding), and
+    its dense prefill path (from dense_min_rows rows) against its kernel up to summation order."""
+    if kind == "vnni" and not cpu_int4.supported():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    monkeypatch.setattr(layers, "_vnni_kernel", lambda *a: kind == "vnni" and cpu_int4.load())
+    w = quantize_rtn(torch.randn(208, 256, generator=torch.Generator().manual_seed(1)) * 0.05, 64)
+    lin = Int4Linear(w, torch.float32, dense=True)
+    assert lin.kind == kind and lin.dense is not None
+    x = torch.randn(lin.dense_min_rows + 8, 256, generator=torch.Generator().manual_seed(2))
+    small = torch.cat([lin(x[i:i + 7]) for i in range(0, x.shape[0], 7)])  # kernel calls
+    big = lin(x)  # dense path
+    ref = reference(x, w)
+    tol = 1e-6 if kind == "vnni" else 1e-2
+    assert rel_err(small, ref) < tol and rel_err(big, ref) < tol
+    torch.testing.assert_close(big, small, rtol=1e-4 if kind == "vnni" else 8e-3, atol=1e-4 if kind == "vnni" else 1e-2)
+    again = Int4Linear.from_kernel_tensors(lin.kernel_tensors(), lin.out_features, lin.group_size)
+    assert again.kind == kind and torch.equal(again(x[:3]), lin(x[:3]))
+
+
+def test_kernel_switch_and_failed_build(monkeypatch, tmp_path):
+    """LOCALLLM_CPU_KERNELS=0 turns ours off; a compiler failure is an error build() reports (load()
+    then falls back to torch's kernel) and leaves no partial library behind."""
+    monkeypatch.setenv("LOCALLLM_CPU_KERNELS", "0")
+    assert not cpu_int4.supported()
+    monkeypatch.delenv("LOCALLLM_CPU_KERNELS")
+    monkeypatch.setenv("CXX", "false")
+    out = tmp_path / "lib.so"
+    with pytest.raises(RuntimeError, match="failed"):
+        cpu_int4.build(out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_top_indices_equals_topk():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 49152, generator=g)
+    x[1, 64:96] += 10  # the 32 largest all in one chunk
+    x[2, ::1536] += 10  # the 32 largest in 32 different chunks
+    for k in (1, 8, 32):
+        got = top_indices(x, k)
+        want = x.topk(k, dim=-1).indices
+        assert got.shape == (3, k)
+        assert all(set(got[b].tolist()) == set(want[b].tolist()) for b in range(3))
+    assert set(top_indices(x[:, :100], 5)[0].tolist()) == set(x[0, :100].topk(5).indices.tolist())  # narrow
