@@ -35,7 +35,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("m", [1, 3, 5, 17])
 @pytest.mark.parametrize("fp16_scales", [True, False])
 def test_vnni_kernel_matches_fp64(n, k, group, m, fp16_scales):
-    """As exact as fp32 (activations split into three int8 parts); N is padded to 16 rows."""
+    """16-bit activations (two int8 parts): ~50x closer than torch's bf16 path; N is padded to 16 rows."""
     assert cpu_int4.load()
     w = rand_weight(n, k, group, fp16_scales, seed=n + k + m)
     qw, qsc = cpu_int4.pack(w.q, w.scales, w.zeros)
@@ -45,7 +45,7 @@ def test_vnni_kernel_matches_fp64(n, k, group, m, fp16_scales):
     x[0, :32] *= 1e-3  # a block far smaller than the rest: per-block scales
     y = cpu_int4.int4_gemm(x, qw, qsc, group)
     assert y.shape == (m, qw.shape[0] * 16)
-    assert rel_err(y[:, :n], reference(x, w)) < 1e-6
+    assert rel_err(y[:, :n], reference(x, w)) < 2e-4
     assert torch.equal(y[:, n:], torch.zeros_like(y[:, n:]))  # padding rows
 
 
@@ -62,7 +62,7 @@ def test_vnni_kernel_edge_inputs():
     assert torch.isfinite(y).all()
     assert torch.equal(y[0], torch.zeros(32))
     ref = reference(x, w)
-    assert rel_err(y[2:], ref[2:]) < 1e-6
+    assert rel_err(y[2:], ref[2:]) < 2e-4
     assert (y[1].double() - ref[1]).abs().max() < 1e-30
     with pytest.raises(RuntimeError, match="K mismatch"):
         cpu_int4.int4_gemm(torch.zeros(1, 32), qw, qsc, 32)
@@ -72,7 +72,7 @@ def test_vnni_kernel_edge_inputs():
 
 @pytest.mark.parametrize("kind", ["vnni", "aten"])
 def test_int4_linear_kernels_and_dense_prefill(kind, monkeypatch):
-    """Each CPU kind against fp64 (ours as exact as fp32; torch's within its bf16 rounding), and
+    """Each CPU kind against fp64 (ours with 16-bit activations; torch's within its bf16 rounding), and
     its dense prefill path (from dense_min_rows rows) against its kernel up to summation order."""
     if kind == "vnni" and not cpu_int4.supported():
         pytest.skip("this CPU has no AVX-512 VNNI")
@@ -84,9 +84,9 @@ def test_int4_linear_kernels_and_dense_prefill(kind, monkeypatch):
     small = torch.cat([lin(x[i:i + 7]) for i in range(0, x.shape[0], 7)])  # kernel calls
     big = lin(x)  # dense path
     ref = reference(x, w)
-    tol = 1e-6 if kind == "vnni" else 1e-2
+    tol = 2e-4 if kind == "vnni" else 1e-2
     assert rel_err(small, ref) < tol and rel_err(big, ref) < tol
-    torch.testing.assert_close(big, small, rtol=1e-4 if kind == "vnni" else 8e-3, atol=1e-4 if kind == "vnni" else 1e-2)
+    torch.testing.assert_close(big, small, rtol=1e-3 if kind == "vnni" else 8e-3, atol=1e-3 if kind == "vnni" else 1e-2)
     again = Int4Linear.from_kernel_tensors(lin.kernel_tensors(), lin.out_features, lin.group_size)
     assert again.kind == kind and torch.equal(again(x[:3]), lin(x[:3]))
 
