@@ -163,7 +163,7 @@ def bench_int4(K, cfg, dtype, dev, interpret, gen) -> list[dict]:
 
 
 def int4_case(K, cfg, case, dtype, dev, interpret, gen) -> dict:
-    from localllm_kernels.int4_matmul import FUSED_MAX_M
+    from localllm_kernels.int4_mm import FUSED_MAX_M
 
     m, n, k = case
     g = cfg["group_size"]
@@ -194,7 +194,7 @@ SWEEP_TINY = dict(block_n=(32, 64), split_k=(None, 2), num_warps=(4,))
 def sweep_int4(K, cfg, dtype, dev, interpret, gen, grid: dict) -> int:
     """Time the fused int4 kernel's launch configurations on each decode-size shape; print the
     default and the best, with the error of every configuration checked. Returns failures."""
-    from localllm_kernels.int4_matmul import FUSED_MAX_M
+    from localllm_kernels.int4_mm import FUSED_MAX_M
 
     g, bad = cfg["group_size"], 0
     print(f"\n## int4 fused kernel sweep ({dtype}); default = block_n 64, split_k auto, 4 warps\n")
@@ -285,10 +285,9 @@ def compile_check(dtype, quick: bool = False) -> int:
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    # import_module: the package re-exports a function named int4_matmul, which shadows the
-    # submodule for `import localllm_kernels.int4_matmul as ...`.
+    # the kernel modules themselves (the package's names are their functions)
     fa, i4, kv, pd, rn, rp = (importlib.import_module(f"localllm_kernels.{m}") for m in
-                              ("flash_attention", "int4_matmul", "kv_store", "paged_decode", "rmsnorm", "rope"))
+                              ("flash_attention", "int4_mm", "kv_store", "paged_decode", "rmsnorm", "rope"))
 
     launches = []
 

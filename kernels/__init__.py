@@ -1,25 +1,31 @@
-"""Triton GPU kernels of localllm (installed as ``localllm_kernels``; imports only torch/triton).
+"""Kernels of localllm (installed as ``localllm_kernels``; imports only torch/triton).
 
-Under ``TRITON_INTERPRET=1`` (set before this package is imported) they run on CPU tensors in
-Triton's interpreter, which is how the unit tests check them on machines without a GPU.
+Triton GPU kernels, and ``cpu_int4``: the C++ AVX-512 VNNI int4 GEMM used on CPU. Names load on
+first use, so the CPU path (``localllm_kernels.cpu_int4``) never pays for importing triton.
+Under ``TRITON_INTERPRET=1`` (set before a Triton kernel is first used) they run on CPU tensors
+in Triton's interpreter, which is how the unit tests check them on machines without a GPU.
 """
 
-from .activation import silu_and_mul
-from .flash_attention import flash_attn_varlen_paged
-from .int4_matmul import int4_dequantize, int4_matmul
-from .kv_store import store_kv
-from .paged_decode import default_num_splits, paged_decode_attention
-from .rmsnorm import rms_norm
-from .rope import apply_rope
+import importlib
 
-__all__ = [
-    "apply_rope",
-    "default_num_splits",
-    "flash_attn_varlen_paged",
-    "int4_dequantize",
-    "int4_matmul",
-    "paged_decode_attention",
-    "rms_norm",
-    "silu_and_mul",
-    "store_kv",
-]
+_WHERE = {
+    "apply_rope": "rope",
+    "default_num_splits": "paged_decode",
+    "flash_attn_varlen_paged": "flash_attention",
+    "int4_dequantize": "int4_mm",
+    "int4_matmul": "int4_mm",
+    "paged_decode_attention": "paged_decode",
+    "rms_norm": "rmsnorm",
+    "silu_and_mul": "activation",
+    "store_kv": "kv_store",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -1,5 +1,6 @@
 """`localllm run` end to end, and the promised errors for bad input."""
 
+import io
 import os
 import shutil
 import subprocess
@@ -119,6 +120,38 @@ def test_enforce_eager_reaches_the_engine_config(monkeypatch):
     for args in (["run", "hi"], ["run", "--enforce-eager", "hi"], ["chat", "--enforce-eager"]):
         assert CliRunner().invoke(cli.app, args, input="").exit_code == 3
     assert seen == [True, False, False]
+
+
+def test_gc_is_off_while_loading_and_back_once_the_engine_is_built(monkeypatch):
+    """run/chat/serve start with the cyclic GC off (a faster cold start) and turn it back on, with
+    the startup objects frozen, when the engine is built, or fails to build."""
+    import gc
+
+    import localllm.cli as cli
+    import localllm.llm as llm
+
+    states = []
+
+    def fake_build(*a, **k):
+        states.append(gc.isenabled())
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(llm, "build_engine", fake_build)
+    monkeypatch.setattr(sys, "argv", ["localllm", "run", "hi"])
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    frozen = gc.get_freeze_count()
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.main()
+        assert e.value.code == 2 and states == [False]
+        assert gc.isenabled() and gc.get_freeze_count() > frozen
+    finally:
+        gc.unfreeze()
+        gc.enable()
+    monkeypatch.setattr(sys, "argv", ["localllm", "list"])
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert gc.isenabled()
 
 
 def test_gguf_type_table_matches_the_gguf_package(gguf_path):

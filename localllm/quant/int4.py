@@ -3,7 +3,7 @@
 w[n, k] = (q[n, k] - 8) * scales[k // g, n] + zeros[k // g, n],  q in 0..15.
 
 This is torch's `_weight_int4pack_mm_for_cpu` convention (so the CPU path needs no conversion
-of scales) and the layout of the Triton kernel in `localllm_kernels.int4_matmul`
+of scales) and the layout of the Triton kernel `localllm_kernels.int4_matmul`
 (qweight uint8 [N, K/2], element 2j in the low nibble of byte j).
 """
 
