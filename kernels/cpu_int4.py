@@ -80,10 +80,15 @@ def load() -> bool:
         return False
     path = library_path()
     try:
-        if not path.is_file():
-            log.info("building the CPU int4 kernel into %s (once, a few seconds)", path)
+        try:
+            if not path.is_file():
+                log.info("building the CPU int4 kernel into %s (once, a few seconds)", path)
+                build(path)
+            torch.ops.load_library(str(path))
+        except OSError:  # a damaged library file: build it again, once
+            path.unlink(missing_ok=True)
             build(path)
-        torch.ops.load_library(str(path))
+            torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as e:
         log.warning("CPU int4 kernel unavailable, using torch's: %s", e)
         return False

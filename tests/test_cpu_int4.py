@@ -104,6 +104,27 @@ def test_kernel_switch_and_failed_build(monkeypatch, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@needs_vnni
+def test_damaged_library_is_rebuilt(tmp_path):
+    """A truncated library file in the cache (a crash mid-copy, a full disk) is built again, in a
+    fresh process as a real start would."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LOCALLLM_KERNEL_CACHE": str(tmp_path)}
+    code = "from localllm_kernels import cpu_int4; print(cpu_int4.library_path())"
+    path = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    open(path, "wb").write(b"\x7fELF truncated")
+    code = ("import torch; from localllm_kernels import cpu_int4; assert cpu_int4.load(); "
+            "print(cpu_int4.int4_gemm(torch.zeros(1, 32), torch.zeros(1, 4, 64, dtype=torch.uint8), "
+            "torch.zeros(1, 1, 2, 16), 32).shape)")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "torch.Size([1, 16])"
+
+
 def test_top_indices_equals_topk():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 49152, generator=g)
