@@ -12,7 +12,7 @@ The step is a pure function of tensors: token ids [B], positions [B], the gather
 L and the cache size are dynamic; batch 1 has its own package and batches of 2..max_batch() share
 one with a dynamic B. A package is built on first use (export + compile: ~40-60 s on 2 cores) into
 ~/.cache/localllm/aoti, keyed by the model's weights, the code, torch and the thread count;
-later processes load it in about a second. The package holds no weights: it runs on the model's
+later processes load it in ~10 ms. The package holds no weights: it runs on the model's
 own tensors, so a process keeps one copy of them. Opt-in: `localllm run --compile`, or
 LOCALLLM_COMPILE=1 for every front end.
 """
@@ -165,7 +165,7 @@ def _compile_without_weights(ep, model, path: Path, batch: int) -> dict[str, int
     torch._inductor.aoti_compile_and_package(
         ep, package_path=str(path), inductor_configs={"aot_inductor.package_constants_in_so": False})
     names = set(_tensors(model))
-    fqns = torch._inductor.aoti_load_package(str(path)).get_constant_fqns()
+    fqns = _Package(path).get_constant_fqns()
     missing = sorted((n for n in fqns if n not in names), key=lambda n: int(n.removeprefix("constant") or -1))
     if len(missing) != len(groups) or not all(n.startswith("constant") for n in missing):
         return None
@@ -203,16 +203,32 @@ def load_package(model, path: Path):
     return _load(model, path, json.loads(sidecar.read_text())["scalars"] if sidecar.is_file() else None)
 
 
+class _Package:
+    """An AOTI package run through torch's C++ loader directly, with flat tensor lists: going
+    through torch._inductor.aoti_load_package imports Inductor's Python package (~1.5 s of every
+    load) and its wrapper re-parses the call spec on every call."""
+
+    def __init__(self, path: Path):
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+
+    def get_constant_fqns(self) -> list[str]:
+        return self.loader.get_constant_fqns()
+
+    def load_constants(self, tensors: dict[str, torch.Tensor], check_full_update: bool, user_managed: bool) -> None:
+        self.loader.load_constants(tensors, False, check_full_update, user_managed)
+
+    def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        return self.loader.boxed_run(list(tensors))
+
+
 def _load(model, path: Path, scalars: dict[str, int] | None):
-    runner = torch._inductor.aoti_load_package(str(path))
+    runner = _Package(path)
     tensors = _tensors(model)
     if scalars is not None:  # a package without weights: it runs on the model's own tensors
         tensors.update({name: torch.tensor(v, dtype=torch.int64) for name, v in scalars.items()})
-        runner.load_constants({k: tensors[k] for k in runner.get_constant_fqns()}, check_full_update=True,
-                              user_managed=True)
+        runner.load_constants({k: tensors[k] for k in runner.get_constant_fqns()}, True, True)
     else:  # its packaged weights are replaced by the model's where they match
-        runner.load_constants({k: tensors[k] for k in runner.get_constant_fqns() if k in tensors},
-                              check_full_update=False, user_managed=True)
+        runner.load_constants({k: tensors[k] for k in runner.get_constant_fqns() if k in tensors}, False, True)
     return runner
 
 
