@@ -52,9 +52,9 @@ class Int4Linear(nn.Module):
     On CPU, `kind` is "vnni" where our AVX-512 VNNI kernel runs (localllm_kernels.cpu_int4: fp32
     in and out, activations rounded to 16 bits inside, scales exact), else "aten": torch's int4pack
     kernel, fed bf16 (with fp32 activations it takes a path 5-30x slower) with bf16 scales. With
-    `dense`, calls of `dense_min_rows` rows or more run an fp32 GEMM on a dequantized copy instead,
-    rounded as the kernel rounds, so both paths agree up to summation order. On CUDA: our Triton
-    kernel."""
+    `dense`, calls of `dense_min_rows` rows or more run an fp32 GEMM on a dequantized copy instead:
+    exact for "vnni" (the kernel's 16-bit activations are the only difference), rounded as torch's
+    kernel rounds for "aten" (the same numbers up to summation order). On CUDA: our Triton kernel."""
 
     def __init__(self, w: Int4Weight, act_dtype: torch.dtype, bias: torch.Tensor | None = None,
                  device: str = "cpu", dense: bool = False, triton: bool | None = None):
