@@ -82,7 +82,7 @@ def load() -> bool:
     try:
         try:
             if not path.is_file():
-                log.info("building the CPU int4 kernel into %s (once, a few seconds)", path)
+                log.warning("building the CPU int4 kernel (once per machine, a few seconds) into %s", path)
                 build(path)
             torch.ops.load_library(str(path))
         except OSError:  # a damaged library file: build it again, once

@@ -249,7 +249,8 @@ class CompiledDecode:
             if path is None:  # nothing to key a cache on: build for this process only
                 path = cache_dir() / f"decode-{kind}-{os.getpid()}-{id(self.model)}.pt2"
             if not path.is_file():
-                log.info("compiling the decode step (%s) into %s", kind, path)
+                # shown: the first use stalls for about a minute
+                log.warning("compiling the decode step (%s; once per model, about a minute) into %s", kind, path)
                 build_package(self.model, kind, example, path)
             self._runners[kind] = load_package(self.model, path)
         return self._runners[kind]
