@@ -35,7 +35,7 @@ constexpr int kParts = 2;  // see the top: 3 is as exact as fp32, and slower
 constexpr float kBase = 254.f;  // weight of each part against the next
 
 // x [M, K] -> parts int8 [M, kParts, K]; e [M, K/32] block scales; s [M, G] fp32 group sums;
-// psum [M, K/32, kParts] each part's block sum, to center the weights exactly in int32.
+// psum [M, K/32, kParts] 8 x each part's block sum, to center the weights exactly in int32.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_rows(const float* x, int64_t M, int64_t K,
                                                                         int64_t gs, int8_t* parts, float* e,
                                                                         float* s, int32_t* psum) {
