@@ -477,7 +477,8 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     if cache:
         cache.save()
     model = LlamaModel(cfg, embed, layers, norm, head, act_dtype, max_len, device)
-    kernel = getattr(layers[0].qkv, "kind", None) if layers else None  # which int4 kernel the graph calls
+    # which int4 kernel(s) the layers call (also inside ConcatLinear): a compiled graph bakes it in
+    kernel = "+".join(sorted({m.kind for m in model.modules() if isinstance(m, Int4Linear)})) or None
     model.fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device, kernel)
     from . import compiled
 
