@@ -15,31 +15,28 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
-os.environ["LOCALLLM_CONVERT_CACHE"] = "0"  # the aten load must not read the vnni conversion cache
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from localllm.model import layers  # noqa: E402
-from localllm.model.compiled import decode_step  # noqa: E402
-from localllm.model.loader import load_model  # noqa: E402
-from localllm.quant.calib_text import EVAL  # noqa: E402
-from localllm.registry import resolve_model  # noqa: E402
+from localllm.model.attention import AttnMeta
+from localllm.model.loader import load_model
+from localllm.quant.calib_text import EVAL
+from localllm.registry import resolve_model
 
 
 def teacher_forced(loaded, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (exact logits [T-1, V], greedy tokens [T-1]) predicting ids[1:], one decode step each."""
-    model, cfg = loaded.model, loaded.config
-    n = len(ids)
-    caches = [(torch.empty(n, 1, cfg.num_kv_heads, cfg.head_dim), torch.empty(n, 1, cfg.num_kv_heads, cfg.head_dim))
-              for _ in range(cfg.num_layers)]
-    gather = torch.arange(n).view(1, -1)
+    model = loaded.model
+    n, bs = len(ids), 16
+    caches = model.new_kv_cache(n // bs + 2, bs, loaded.kv_dtype)
+    table = torch.arange(1, n // bs + 2).view(1, -1)
     logits, greedy = [], []
     with torch.inference_mode():
         for p in range(n - 1):
-            hidden, _ = decode_step(model, torch.tensor([ids[p]]), torch.tensor([p]), gather[:, :p + 1], caches, False)
+            meta = AttnMeta.captured(table[0, p // bs:p // bs + 1] * bs + p % bs, table, torch.tensor([0, 1]),
+                                     torch.tensor([p + 1]))
+            hidden = model(torch.tensor([ids[p]]), torch.tensor([p]), meta, caches)
             logits.append(model.logits(hidden)[0])
             greedy.append(model.head.greedy(hidden)[0])
     return torch.stack(logits), torch.stack(greedy)
@@ -59,13 +56,12 @@ def main() -> None:
     ref_top = ref_logits.argmax(-1)
     top2 = ref_logits.topk(2, dim=-1).values
     gap = top2[:, 0] - top2[:, 1]
-    rows, ours = [], layers._vnni_kernel
+    rows = []
     for name in ("fp32", "vnni", "aten"):
         if name == "fp32":
             logits, greedy = ref_logits, ref_top
         else:
-            layers._vnni_kernel = ours if name == "vnni" else (lambda *a: False)
-            loaded = load_model(path, "int4")
+            loaded = load_model(path, "int4", cpu_kernels=name == "vnni")
             kind = loaded.model.layers[0].qkv.kind
             if kind != name:
                 print(f"{name}: not available here (got {kind}), skipped")

@@ -1,6 +1,6 @@
 """localllm vs llama.cpp vs transformers on the same GGUF, same threads, same prompts, one run.
 
-    python bench/compare.py [--model PATH.gguf] [--threads 2] [--runs 5] [--compile] [--json]
+    python bench/compare.py [--model PATH.gguf] [--threads 2] [--runs 5] [--eager] [--json]
 
 Needs `llama-cpp-python` (pip install -e '.[bench]') and `transformers` + `accelerate`; it
 installs nothing. Never part of CI. Each engine lives in its own worker process (so each
@@ -33,19 +33,18 @@ class LocalWorker:
         import torch
 
         torch.set_num_threads(threads)
+        from localllm.bench import wait_for_compiled
         from localllm.config import EngineConfig
         from localllm.engine.engine import LLMEngine
-        from localllm.model import compiled
         from localllm.model.loader import load_model
 
         t0 = time.perf_counter()
         self.loaded = load_model(path, "auto", max_model_len=4096)
         self.load_s = time.perf_counter() - t0
-        if compile:
-            compiled.enable(self.loaded.model)
         self.engine = LLMEngine(self.loaded, EngineConfig(max_model_len=4096, enable_prefix_caching=False,
                                                           max_num_batched_tokens=2048, num_kv_blocks=600,
-                                                          num_threads=threads))
+                                                          num_threads=threads, compile=compile))
+        self.compile_wait_s = wait_for_compiled(self.engine)
 
     def prefill(self, ids: list[int]) -> float:
         from localllm.sampling import SamplingParams
@@ -154,7 +153,7 @@ class Proc:
     def __init__(self, kind: str, path: str, threads: int, compile: bool):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         self.p = subprocess.Popen([sys.executable, __file__, "--worker", kind, "--model", path, "--threads",
-                                   str(threads)] + (["--compile"] if compile else []),
+                                   str(threads)] + ([] if compile else ["--eager"]),
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.hello = self._read()
 
@@ -231,7 +230,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill", default="32,512,2048")
     ap.add_argument("--engines", default=",".join(ENGINES))
-    ap.add_argument("--compile", action="store_true", help="localllm with the compiled decode step")
+    ap.add_argument("--eager", action="store_true", help="localllm without its compiled step (the default "
+                    "compiles: a first run on a model waits for the build)")
     ap.add_argument("--no-cold-start", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -241,7 +241,7 @@ def main(argv=None) -> dict:
 
         args.model = str(resolve_model(None).local_path)
     if args.worker:
-        worker_main(args.worker, args.model, args.threads, args.compile)
+        worker_main(args.worker, args.model, args.threads, not args.eager)
         return {}
     engines = args.engines.split(",")
     lengths = [int(x) for x in args.prefill.split(",")]
@@ -249,12 +249,12 @@ def main(argv=None) -> dict:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    res: dict = {"model": args.model, "threads": args.threads, "runs": args.runs, "compile": args.compile,
+    res: dict = {"model": args.model, "threads": args.threads, "runs": args.runs, "compile": not args.eager,
                  "engines": {e: {} for e in engines}}
     procs = {}
     for e in engines:  # loaded one after another: load times do not overlap
         log(f"loading {e} ...")
-        procs[e] = Proc(e, args.model, args.threads, args.compile)
+        procs[e] = Proc(e, args.model, args.threads, not args.eager)
         res["engines"][e]["load_s"] = procs[e].hello["load_s"]
     try:
         log("warm-up ...")

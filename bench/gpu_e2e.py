@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def engine(loaded, graphs: bool, **kw):
         cfg = EngineConfig(max_model_len=min(1024, args.prompt_len + args.tokens + 64), max_num_seqs=max(batches),
-                           max_num_batched_tokens=max(2048, max(batches) * args.prompt_len), cuda_graphs=graphs,
+                           max_num_batched_tokens=max(2048, max(batches) * args.prompt_len), compile=graphs,
                            enable_prefix_caching=False, **kw)
         t = time.perf_counter()
         eng = LLMEngine(loaded, cfg)
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 engines[graphs], secs = engine(loaded, graphs)
                 if graphs:
                     print(f"   {name} {precision}: graphs captured in {secs:.1f} s "
-                          f"(buckets {engines[True].runner.graphs.buckets if engines[True].runner.graphs else '-'})",
+                          f"(buckets {engines[True].runner.captured.buckets if engines[True].runner.captured else '-'})",
                           flush=True)
             for B in batches:
                 row = {"model": name, "precision": precision, "batch": B, "weight_bytes": wbytes}

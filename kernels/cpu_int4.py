@@ -2,25 +2,24 @@
 
 The C++ source is compiled once per machine with the system C++ compiler against torch's headers
 (~7 s) into a shared library cached under ~/.cache/localllm/kernels (LOCALLLM_KERNEL_CACHE),
-keyed by the source, torch and the flags; it registers ``torch.ops.localllm.int4_gemm``. A CPU
-without AVX-512 VNNI, a missing compiler or LOCALLLM_CPU_KERNELS=0 leaves ``load()`` False and
-callers on torch's own int4 kernel. Imports only torch.
+keyed by the source, torch and the flags (see cpu_build); it registers
+``torch.ops.localllm.int4_gemm``. A CPU without AVX-512 VNNI, a missing compiler or
+LOCALLLM_CPU_KERNELS=0 leaves ``load()`` False and callers on torch's own int4 kernel.
+Imports only torch.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from . import cpu_build
+from .cpu_build import cache_dir  # noqa: F401  (where the libraries live)
 
 SOURCE = Path(__file__).parent / "cpu" / "int4_gemm.cpp"
 ROWS = 16  # output rows per block: the kernel's N must be a multiple
@@ -41,56 +40,20 @@ def supported() -> bool:
     return set(CPU_FLAGS) <= set(flags.split())
 
 
-def cache_dir() -> Path:
-    override = os.environ.get("LOCALLLM_KERNEL_CACHE")
-    if override:
-        return Path(override)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "localllm" / "kernels"
-
-
 def library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(f"{torch.__version__}|{torch._C._GLIBCXX_USE_CXX11_ABI}|{CXXFLAGS}".encode())
-    return cache_dir() / f"int4_gemm-{key.hexdigest()[:16]}.so"
+    return cpu_build.library_path(SOURCE, CXXFLAGS)
 
 
 def build(out: Path) -> None:
     """Compile the library into `out` (atomically: concurrent builders each write their own file)."""
-    torch_dir = Path(torch.__file__).parent
-    inc, lib = torch_dir / "include", torch_dir / "lib"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
-    cmd = [os.environ.get("CXX", "c++"), *CXXFLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           f"-I{inc}", f"-I{inc / 'torch' / 'csrc' / 'api' / 'include'}", str(SOURCE), f"-L{lib}",
-           f"-Wl,-rpath,{lib}", "-ltorch", "-ltorch_cpu", "-lc10", "-o", str(tmp)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    cpu_build.build(SOURCE, out, CXXFLAGS)
 
 
 @functools.cache
 def load() -> bool:
     """Make torch.ops.localllm.int4_gemm available (building it on first use); False when this
     machine cannot have it, in which case callers use torch's int4 kernel."""
-    if not supported():
-        return False
-    path = library_path()
-    try:
-        try:
-            if not path.is_file():
-                log.warning("building the CPU int4 kernel (once per machine, a few seconds) into %s", path)
-                build(path)
-            torch.ops.load_library(str(path))
-        except OSError:  # a damaged library file: build it again, once
-            path.unlink(missing_ok=True)
-            build(path)
-            torch.ops.load_library(str(path))
-    except (OSError, RuntimeError) as e:
-        log.warning("CPU int4 kernel unavailable, using torch's: %s", e)
+    if not supported() or not cpu_build.load_library(library_path(), build, "CPU int4 kernel", "torch's"):
         return False
 
     @torch.library.register_fake("localllm::int4_gemm")

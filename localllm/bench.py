@@ -7,7 +7,6 @@ one with it on.
 
 from __future__ import annotations
 
-import os
 import resource
 import statistics
 import subprocess
@@ -103,13 +102,12 @@ def bench_decode(engine: LLMEngine, tokens: int, runs: int, prompt_len: int = 32
 
 def bench_batches(engine: LLMEngine, sizes, tokens: int, runs: int) -> dict:
     out = {}
-    compiled = getattr(engine.runner.model, "compiled", None) is not None
     for b in sizes:
         rates = []
-        if compiled:  # a new batch shape may compile a graph first: keep that out of the timing
-            for i in range(b):
-                engine.add_request(_tokens(engine, 32, 900 + i), SamplingParams(temperature=0, max_tokens=3))
-            _drain(engine)
+        # a warm-up per batch shape: the first calls of a shape stay out of the timing
+        for i in range(b):
+            engine.add_request(_tokens(engine, 32, 900 + i), SamplingParams(temperature=0, max_tokens=3))
+        _drain(engine)
         for r in range(runs):
             for i in range(b):
                 engine.add_request(_tokens(engine, 32, 1000 * (r + 1) + i),
@@ -164,17 +162,30 @@ def cold_start(model: str | None, runs: int) -> dict:
     for _ in range(runs):
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "localllm.cli", "run", "--temperature", "0", "-n", "2"]
-        env = {k: v for k, v in os.environ.items() if k != "LOCALLLM_COMPILE"}  # plain `run`
         proc = subprocess.Popen(cmd + ([model] if model else []) + ["Hi"], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env=env)
+                                stderr=subprocess.DEVNULL)
         proc.stdout.read(1)
         times.append(time.perf_counter() - t0)
         proc.wait(timeout=120)
     return {"seconds": _median(times), "runs": times}
 
 
+def wait_for_compiled(engine: LLMEngine) -> float | None:
+    """Seconds spent waiting for the engine's compiled CPU step (a first run on a model builds it
+    in the background; later runs load it), or None when the engine has none."""
+    from .model.compiled import CompiledStep
+
+    step = engine.runner.captured
+    if not isinstance(step, CompiledStep):
+        return None
+    t0 = time.perf_counter()
+    if not step.wait():
+        raise RuntimeError("the compiled step could not be built; see ~/.cache/localllm/aoti/build.log")
+    return time.perf_counter() - t0
+
+
 def run_bench(model: str | None = None, precision: str = "auto", cfg: BenchConfig | None = None,
-              threads: int | None = None, log=print) -> dict:
+              threads: int | None = None, log=print, eager: bool = False) -> dict:
     from .hardware import pick_device
     from .llm import _load
 
@@ -183,7 +194,7 @@ def run_bench(model: str | None = None, precision: str = "auto", cfg: BenchConfi
     ref, loaded = _load(model, precision, pick_device("auto"), None)
     load_s = time.perf_counter() - t0
     result = {"model": ref.name, "precision": loaded.precision, "threads": threads or _threads(),
-              "load_s": load_s, "compiled_decode": getattr(loaded.model, "compiled", None) is not None}
+              "load_s": load_s, "compiled": not eager}
     max_seqs = max(cfg.batch_sizes)
     ctx = max(max(cfg.prefill_lengths) + 64, cfg.system_prompt_tokens + 200, 512)
     ctx = min(ctx, loaded.extra["max_model_len"])
@@ -191,10 +202,14 @@ def run_bench(model: str | None = None, precision: str = "auto", cfg: BenchConfi
     def engine(**kw) -> LLMEngine:
         base = dict(max_model_len=ctx, num_threads=threads, max_num_seqs=max_seqs,
                     max_num_batched_tokens=max(2048, max(cfg.prefill_lengths)),
-                    num_kv_blocks=(max_seqs * 160 + ctx) // 16 + 8)
+                    num_kv_blocks=(max_seqs * 160 + ctx) // 16 + 8, compile=not eager)
         return LLMEngine(loaded, EngineConfig(**{**base, **kw}))
 
     plain = engine(enable_prefix_caching=False)
+    waited = wait_for_compiled(plain)
+    if waited is not None and waited > 1:
+        log(f"waited {waited:.0f} s for the compiled step to be built (once per model)")
+    result["compile_wait_s"] = waited
     log("prefill ...")
     result["prefill"] = bench_prefill(plain, cfg.prefill_lengths, cfg.runs)
     log("decode ...")
@@ -212,9 +227,12 @@ def run_bench(model: str | None = None, precision: str = "auto", cfg: BenchConfi
     if cfg.speculative and cfg.draft_model:
         log("speculative (draft model: fp32 target, this model as draft) ...")
         _, target = _load(model, "float32", pick_device("auto"), None)
-        fp32 = LLMEngine(target, EngineConfig(max_model_len=ctx, num_threads=threads, enable_prefix_caching=False))
+        fp32 = LLMEngine(target, EngineConfig(max_model_len=ctx, num_threads=threads, enable_prefix_caching=False,
+                                              compile=not eager))
+        wait_for_compiled(fp32)
         spec = LLMEngine(target, EngineConfig(max_model_len=ctx, num_threads=threads, enable_prefix_caching=False,
-                                              speculative="draft"), draft=loaded)
+                                              speculative="draft", compile=not eager), draft=loaded)
+        wait_for_compiled(spec)
         result["speculative_draft"] = bench_speculative(fp32, spec, cfg.decode_tokens, cfg.runs)
     if cfg.cold_start:
         log("cold start ...")
@@ -229,7 +247,8 @@ def _threads() -> int:
 
 
 def render(result: dict) -> str:
-    rows = [("model", f"{result['model']} ({result['precision']}, {result['threads']} threads)"),
+    mode = "compiled" if result.get("compiled") else "eager"
+    rows = [("model", f"{result['model']} ({result['precision']}, {result['threads']} threads, {mode})"),
             ("load", f"{result['load_s']:.2f} s")]
     for n, v in result["prefill"].items():
         rows.append((f"prefill {n} tokens", f"{v['tok_per_s']:.0f} tok/s ({v['seconds'] * 1000:.0f} ms)"))

@@ -29,8 +29,11 @@ ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU thread
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: a draft MODEL, 'ngram' "
                                                                  "(prompt lookup) or 'auto' (the registry's pairing).")]
 SpecTokensOpt = Annotated[int, typer.Option("--spec-tokens", help="Initial speculative tokens per step (k).")]
-EagerOpt = Annotated[bool, typer.Option("--enforce-eager", help="GPU: run decode steps eagerly instead of "
-                                                                "replaying captured CUDA graphs.")]
+EagerOpt = Annotated[bool, typer.Option("--eager", "--enforce-eager", help="Run every step eagerly: no compiled "
+                                        "CPU step (built once per model in the background at idle priority, then "
+                                        "loaded in ~10 ms) and no CUDA graphs.")]
+# the compiled step is the default now; --compile stays accepted so old scripts keep working
+CompileOpt = Annotated[bool, typer.Option("--compile", hidden=True, help="No-op (compiled is the default).")]
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
@@ -47,7 +50,7 @@ def engine_config(ctx: int | None = None, kv_memory: float | None = None, thread
         raise fail(f"invalid value for --spec-tokens: must be in 1..16, got {spec_tokens}", 2)
     return EngineConfig(max_model_len=ctx, kv_memory_bytes=int(kv_memory * (1 << 30)) if kv_memory else None,
                         num_threads=threads, speculative=draft, num_speculative_tokens=spec_tokens,
-                        cuda_graphs=not enforce_eager, **kw)
+                        compile=not enforce_eager, **kw)
 
 
 def open_engine(model: str | None, quant: str, device: str, config, max_memory: float | None = None):
@@ -106,9 +109,7 @@ def run(
     max_memory: MaxMemOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the precision/context plan and exit "
                                                             "(nothing is loaded or downloaded).")] = False,
-    compile: Annotated[bool, typer.Option("--compile", help="CPU: decode through one ahead-of-time compiled "
-                                                            "step (~2.4x the eager step; built once in about a "
-                                                            "minute, then loaded in ~10 ms).")] = False,
+    compile: CompileOpt = False,
 ):
     """Answer one prompt and exit: `localllm run [MODEL] PROMPT` or `echo PROMPT | localllm run`."""
     from .registry import load_registry, looks_like_model
@@ -136,10 +137,6 @@ def run(
                              min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [])
     config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager)
     engine = open_engine(model, quant, device, config, max_memory)
-    if compile:
-        from .model import compiled
-
-        compiled.enable(engine.loaded.model)
     if raw:
         request = prompt
     else:
@@ -401,14 +398,11 @@ def bench(
     quick: Annotated[bool, typer.Option("--quick", help="CI-sized: short prompts, few runs.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
     threads: ThreadsOpt = None,
-    compile: Annotated[bool, typer.Option("--compile", help="Decode through the compiled graph (CPU).")] = False,
+    enforce_eager: EagerOpt = False,
+    compile: CompileOpt = False,
 ):
     """Measure prefill, decode, batching, prefix-cache and speculative speed on this machine."""
     import json
-    import os
-
-    if compile:
-        os.environ["LOCALLLM_COMPILE"] = "1"  # read by the loader
 
     from .bench import BenchConfig, render, run_bench
 
@@ -419,7 +413,7 @@ def bench(
         import torch
 
         torch.set_num_threads(threads)
-    result = run_bench(model, quant, cfg, threads, log=lambda m: typer.echo(m, err=True))
+    result = run_bench(model, quant, cfg, threads, log=lambda m: typer.echo(m, err=True), eager=enforce_eager)
     typer.echo(json.dumps(result, indent=2) if as_json else render(result))
 
 

@@ -105,6 +105,8 @@ class EngineConfig:
     seed: int = 0
     speculative: str | None = None  # None | "ngram" | a draft model (alias, path, repo) | "auto"
     num_speculative_tokens: int = 4  # the initial (and largest) k
-    cuda_graphs: bool = True  # GPU: replay captured decode steps (False = eager, as vLLM's enforce_eager)
+    # the captured step: CUDA graphs on a GPU, the AOTInductor package of the forward on CPU (built
+    # in the background the first time); False = eager, as vLLM's enforce_eager
+    compile: bool = True
     max_graph_batch: int = 256  # largest decode batch captured (capped by max_num_seqs)
     extra: dict = field(default_factory=dict)

@@ -11,13 +11,14 @@ model remembers); `/retry` regenerates it, `/undo` drops the exchange.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from .paths import data_home
 
 HELP = """\
 Commands:
@@ -38,9 +39,7 @@ SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": in
 
 
 def history_path() -> Path:
-    home = os.environ.get("LOCALLLM_HOME")
-    base = Path(home).expanduser() if home else Path("~/.local/share/localllm").expanduser()
-    return base / "history"
+    return data_home() / "history"
 
 
 @dataclass

@@ -51,6 +51,7 @@ def make_engine(loaded, **kw):
     from localllm.engine.engine import LLMEngine
 
     kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("compile", False)  # tests/test_compiled.py covers the compiled step
     return LLMEngine(loaded, EngineConfig(**kw))
 
 

@@ -113,7 +113,7 @@ def test_enforce_eager_reaches_the_engine_config(monkeypatch):
     seen = []
 
     def fake_open(model, quant, device, config, max_memory=None):
-        seen.append(config.cuda_graphs)
+        seen.append(config.compile)
         raise SystemExit(3)
 
     monkeypatch.setattr(cli, "open_engine", fake_open)

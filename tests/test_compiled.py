@@ -1,26 +1,37 @@
-"""The compiled decode step (localllm.model.compiled) gives the eager path's tokens.
+"""The compiled CPU step (localllm.model.compiled): the default path of every engine.
 
-CI-cheap: a 2-layer int4 model, so the cold compile takes seconds. The same check on the real
-30-layer model (a 60-300 s cold compile on 2 cores) is `python bench/check_compiled.py`.
+CI-cheap: a 2-layer int4 model, so each package compiles in seconds. The module's packages are
+built once, by the real background builder process an engine starts; every test then checks
+that the compiled steps give the eager path's tokens (alone, batched, with speculation, with
+prefix-cache hits), and how damaged, stale or half-built packages are handled. The same check on
+the real 30-layer model is `python bench/check_compiled.py`.
 """
+
+import os
+import signal
+import subprocess
+import time
 
 import pytest
 import torch
 from conftest import make_engine
-from test_engine import GREEDY, prompts, run_all
+from test_engine import prompts, run_all
 
 from localllm.model import compiled
 from localllm.sampling import SamplingParams
 
 
-@pytest.fixture(autouse=True)
-def package_dir(tmp_path_factory, monkeypatch):
-    """Packages of the temporary test model go to a temporary home, not ~/.cache."""
-    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path_factory.getbasetemp() / "localllm-home"))
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    path = tmp_path_factory.mktemp("localllm-home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LOCALLLM_HOME", str(path))  # packages of the test model stay out of ~/.cache
+    yield path
+    mp.undo()
 
 
 @pytest.fixture(scope="module")
-def tiny_int4(tiny_model):
+def tiny_int4(tiny_model, home):
     from localllm.model.loader import load_model
 
     loaded = load_model(tiny_model.source, "int4")
@@ -28,113 +39,135 @@ def tiny_int4(tiny_model):
     return loaded
 
 
-def test_compiled_decode_equals_eager_alone_and_batched(tiny_int4):
-    reqs = prompts(4, seed=3)
+@pytest.fixture(scope="module")
+def background_build(tiny_int4):
+    """An engine with the default config on a model that has no package yet: it answers eagerly,
+    starts the background builder once, and switches to the packages at a step boundary."""
+    reqs = prompts(2, seed=3)
+    eager = run_all(make_engine(tiny_int4), reqs)
+    eng = make_engine(tiny_int4, compile=True)
+    step = eng.runner.captured
+    assert isinstance(step, compiled.CompiledStep)
+    first = run_all(eng, reqs)
+    calls_before = step.calls
+    builder = step.builder
+    assert step.wait(timeout=900), (compiled.cache_dir() / "build.log").read_text()[-3000:]
+    again = run_all(eng, reqs)
+    return {"eager": eager, "first": first, "again": again, "calls_before": calls_before, "step": step,
+            "builder": builder}
+
+
+def test_background_build_then_switch(background_build, tiny_int4):
+    b = background_build
+    assert isinstance(b["builder"], subprocess.Popen)  # started once, as a separate process
+    assert b["builder"].wait(timeout=60) == 0
+    assert b["calls_before"] == 0  # nothing waited for the build: the first answers were eager
+    assert b["first"] == b["eager"] and b["again"] == b["eager"]
+    assert b["step"].calls > 0 and b["step"].failed is None
+    for kind in compiled.KINDS:
+        path = compiled.package_path(tiny_int4.model, kind, tiny_int4.kv_dtype)
+        assert path.is_file() and path.with_suffix(".json").is_file()
+    assert not list(compiled.cache_dir().glob("*.tmp*"))
+
+
+def test_compiled_equals_eager_alone_batched_and_with_prefix_hits(background_build, tiny_int4):
+    reqs = prompts(4, seed=5)
+    reqs.append(reqs[0][:40] + [7, 8, 9])  # a prefix-cache hit: its extend step has a cached prefix
     eager_alone = [run_all(make_engine(tiny_int4), [p])[0] for p in reqs]
-    eager_batched = run_all(make_engine(tiny_int4), reqs)
-    assert eager_batched == eager_alone
-    step = compiled.enable(tiny_int4.model)
-    try:
-        got_alone = [run_all(make_engine(tiny_int4), [p])[0] for p in reqs]
-        calls_alone = step.calls
-        got_batched = run_all(make_engine(tiny_int4, num_kv_blocks=300), reqs)  # another cache size
-    finally:
-        compiled.disable(tiny_int4.model)
-    assert step.failed is None
-    assert calls_alone == len(reqs) * (GREEDY.max_tokens - 1)  # every decode step went through the graph
-    assert step.calls > calls_alone
-    assert got_alone == eager_alone
-    assert got_batched == eager_alone
+    eng = make_engine(tiny_int4, compile=True)
+    got_alone = [run_all(eng, [p])[0] for p in reqs]
+    assert eng.runner.captured.kinds_used >= {"d1", "v1"}  # decode, and the prefix-hit extend
+    assert eng.stats["cached_tokens"] > 0
+    eng = make_engine(tiny_int4, compile=True, num_kv_blocks=300)  # another cache size
+    got_batched = run_all(eng, reqs)
+    assert "n" in eng.runner.captured.kinds_used
+    assert got_alone == eager_alone and got_batched == eager_alone
 
 
-def test_compiled_step_serves_sampling_and_logprobs(tiny_int4):
-    """Non-greedy requests use the graph's hidden states with the eager sampler."""
+@pytest.mark.parametrize("k", [2, 4])
+def test_speculation_runs_compiled_and_keeps_the_tokens(background_build, tiny_int4, k):
+    """n-gram speculation never pauses: its verify steps (pending + k tokens) go through the
+    packages, and greedy output equals plain compiled decode."""
+    reqs = [p * 3 for p in prompts(3, seed=11)]  # repeats: the n-gram proposer finds matches
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = run_all(make_engine(tiny_int4, compile=True), reqs, params)
+    eng = make_engine(tiny_int4, compile=True, speculative="ngram", num_speculative_tokens=k)
+    spec = run_all(eng, [list(p) for p in reqs], params)
+    assert spec == plain
+    assert eng.cache_stats()["speculative"]["proposed"] > 0
+    assert {"v1", "n"} & eng.runner.captured.kinds_used
+
+
+def test_compiled_step_serves_sampling_and_logprobs(background_build, tiny_int4):
+    """Non-greedy requests use the package's hidden states with the eager sampler."""
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=8, ignore_eos=True, logprobs=2)
     reqs = prompts(2, seed=4)
     ref = run_all(make_engine(tiny_int4), reqs, params)
-    step = compiled.enable(tiny_int4.model)
+    eng = make_engine(tiny_int4, compile=True)
+    assert run_all(eng, reqs, params) == ref
+    assert eng.runner.captured.calls > 0
+
+
+def test_damaged_package_is_never_loaded_and_is_built_again(background_build, tiny_int4):
+    path = compiled.package_path(tiny_int4.model, "d1", tiny_int4.kv_dtype)
+    good = path.read_bytes()
     try:
-        eng = make_engine(tiny_int4)
-        got = run_all(eng, reqs, params)
+        path.write_bytes(good[: len(good) // 2])  # a truncated copy
+        with pytest.raises(ValueError, match="sha256"):
+            compiled.load_package(tiny_int4.model, path)
+        step = compiled.CompiledStep(tiny_int4.model, make_engine(tiny_int4).runner.kv_caches, background=False)
+        assert step._runner("d1") is None and not path.exists()  # deleted, so it gets built again
+        assert compiled.build_missing(tiny_int4.model, tiny_int4.kv_dtype) == ["d1"]
+        assert compiled.load_package(tiny_int4.model, path) is not None
     finally:
-        compiled.disable(tiny_int4.model)
-    assert step.calls > 0 and step.failed is None
-    assert got == ref
+        if not path.is_file():
+            path.write_bytes(good)
 
 
-def test_conversion_cache_gives_the_same_model(gguf_path, int4_model, tmp_path, monkeypatch):
-    """A second load reads the converted tensors back (no repack); every buffer is identical, and a
-    corrupt cache file is converted again instead of failing."""
-    from safetensors import safe_open
-
-    from localllm.model.loader import load_model
-
-    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
-    first = load_model(gguf_path, "auto")
-    files = list((tmp_path / "converted").glob("*.safetensors"))
-    assert len(files) == 1
-    second = load_model(gguf_path, "auto")
-    assert second.model.layers[0].qkv.dense_mapped  # really read from the cache
-    ref = int4_model.model.state_dict()
-    for m in (first.model, second.model):
-        sd = m.state_dict()
-        assert sd.keys() == ref.keys()
-        assert all(torch.equal(sd[k], ref[k]) for k in ref)
-    def same(a, b):
-        ta, tb = a.kernel_tensors(), b.kernel_tensors()
-        return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
-
-    assert same(second.model.head.fast, int4_model.model.head.fast)
-    files[0].write_bytes(b"not a safetensors file")
-    third = load_model(gguf_path, "auto")
-    assert same(third.model.layers[3].qkv, int4_model.model.layers[3].qkv)
-    with safe_open(str(files[0]), "pt") as f:  # rewritten
-        assert "3.qkv.group" in f.keys()
+def test_killed_build_leaves_nothing_that_loads(background_build, tiny_int4, home):
+    """A builder killed mid-way leaves no package under the real name (at most a temporary
+    file, removed by the next build) and releases its lock."""
+    path = compiled.package_path(tiny_int4.model, "v1", tiny_int4.kv_dtype)
+    saved = path.read_bytes(), path.with_suffix(".json").read_bytes()
+    path.unlink()
+    try:
+        proc = compiled.spawn_builder(tiny_int4.model.origin, tiny_int4.kv_dtype, torch.get_num_threads(),
+                                      home / "kill.log")
+        deadline = time.monotonic() + 300
+        while compiled.builder_pid(tiny_int4.model) != proc.pid and time.monotonic() < deadline:
+            assert proc.poll() is None, (home / "kill.log").read_text()
+            time.sleep(0.05)
+        time.sleep(1.0)  # into the export / compile
+        assert proc.poll() is None, "the builder finished before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert not path.exists()
+        assert compiled.builder_pid(tiny_int4.model) is None  # the lock died with it
+        assert compiled.build_missing(tiny_int4.model, tiny_int4.kv_dtype) == ["v1"]
+        assert not list(compiled.cache_dir().glob("*.tmp*"))
+    finally:
+        if not path.is_file():
+            path.write_bytes(saved[0])
+            path.with_suffix(".json").write_bytes(saved[1])
 
 
-def test_package_is_reused_by_a_later_process(tiny_int4, monkeypatch):
-    """A second CompiledDecode (as in a new process) loads the package from disk instead of
-    compiling again; a stale package of the same weights is removed when one is built."""
-    req = prompts(1, seed=9)
-    path = compiled.package_path(tiny_int4.model, "b1")
+def test_stale_packages_are_removed_and_rm_deletes_a_models_packages(background_build, tiny_int4, tmp_path):
+    path = compiled.package_path(tiny_int4.model, "d1", tiny_int4.kv_dtype)
     stale = path.with_name(path.name.rsplit("-", 1)[0] + "-000000000000.pt2")
-    if path.exists():  # built by an earlier test: build again so the clean-up runs
-        path.unlink()
-    stale.write_bytes(b"old")
-    step = compiled.enable(tiny_int4.model)
+    stale.write_bytes(b"old code")
+    saved = path.read_bytes(), path.with_suffix(".json").read_bytes()
+    path.unlink()
+    assert compiled.build_missing(tiny_int4.model, tiny_int4.kv_dtype) == ["d1"]
+    assert path.is_file() and not stale.exists()
+    elsewhere = compiled.remove_packages(tmp_path)  # another model's folder: nothing of ours
+    assert elsewhere == 0 and path.is_file()
     try:
-        first = run_all(make_engine(tiny_int4), req)
+        assert compiled.remove_packages(tiny_int4.source) == len(compiled.KINDS)
+        assert not list(compiled.cache_dir().glob("decode-*"))
     finally:
-        compiled.disable(tiny_int4.model)
-    assert step.calls > 0 and step.failed is None and path.is_file() and not stale.exists()
-
-    def no_build(*a, **k):
-        raise AssertionError("compiled again")
-
-    monkeypatch.setattr(compiled, "build_package", no_build)
-    step = compiled.enable(tiny_int4.model)
-    try:
-        again = run_all(make_engine(tiny_int4), req)
-    finally:
-        compiled.disable(tiny_int4.model)
-    assert step.failed is None and step.calls > 0
-    assert again == first
+        path.write_bytes(saved[0])
+        path.with_suffix(".json").write_bytes(saved[1])
 
 
-def test_speculation_pauses_while_decode_is_compiled(tiny_int4, caplog):
-    """Verify steps would run eagerly (slower than the compiled step, and not token-identical at
-    near-ties), so a speculative engine decodes through the package alone and says so."""
-    reqs = prompts(2, seed=11)
-    step = compiled.enable(tiny_int4.model)
-    try:
-        plain = run_all(make_engine(tiny_int4), reqs)
-        eng = make_engine(tiny_int4, speculative="ngram")
-        with caplog.at_level("WARNING", logger="localllm.engine.engine"):
-            spec = run_all(eng, reqs)
-    finally:
-        compiled.disable(tiny_int4.model)
-    assert step.failed is None
-    assert spec == plain
-    assert eng.cache_stats()["speculative"]["proposed"] == 0
-    assert "speculative decoding is paused" in caplog.text
-    assert eng._speculating()  # without the compiled step the same engine speculates again
+def test_eager_config_has_no_captured_step(tiny_int4):
+    assert make_engine(tiny_int4, compile=False).runner.captured is None

@@ -56,17 +56,17 @@ def test_triton_backend_equals_torch(tiny_model, graphs):
     reqs = prompts(3, seed=3)
     reqs += [reqs[0][:40] + [7, 8, 9], reqs[1] + [11]]
     lengths = [3, 12, 6, 9, 5]
-    want = run_mixed(make_engine(tiny_model, cuda_graphs=False), reqs, lengths)
+    want = run_mixed(make_engine(tiny_model, compile=False), reqs, lengths)
     tiny_model.model.use_attention("triton")
     try:
-        eng = make_engine(tiny_model, cuda_graphs=graphs, max_graph_batch=4, max_num_batched_tokens=64)
-        assert (eng.runner.graphs is not None) == graphs
+        eng = make_engine(tiny_model, compile=graphs, max_graph_batch=4, max_num_batched_tokens=64)
+        assert (eng.runner.captured is not None) == graphs
         got = run_mixed(eng, reqs, lengths)
     finally:
         tiny_model.model.use_attention("torch")
     assert got == want
     if graphs:
-        assert eng.runner.graphs.steps >= 6  # the decode steps of 4 or fewer sequences
+        assert eng.runner.captured.steps >= 6  # the decode steps of 4 or fewer sequences
     assert eng.stats["cached_tokens"] > 0
     assert eng.block_manager.num_used_blocks == 0
 
@@ -85,9 +85,9 @@ def test_graph_padding_rows_touch_nothing(triton_model):
         eng.block_manager.allocate(s, 1)
     before = [k.clone() for k, _ in runner.kv_caches]
     ids, pos, meta = runner.prepare(seqs, [1, 1, 1])
-    hidden = runner.graphs.run(ids, pos, meta)
+    hidden, _ = runner.captured.run(ids, pos, meta)
     assert hidden.shape == (3, model.cfg.hidden_size)
-    assert runner.graphs.slots[3].item() == -1 and runner.graphs.context_lens[3].item() == 0
+    assert runner.captured.slots[3].item() == -1 and runner.captured.context_lens[3].item() == 0
     # exactly the three new slots changed, in every layer (bitwise: never-written slots may hold NaN)
     for (k, _), k0 in zip(runner.kv_caches, before):
         k, k0 = k.flatten(0, 1).view(torch.int32), k0.flatten(0, 1).view(torch.int32)
@@ -100,7 +100,7 @@ def test_graph_padding_rows_touch_nothing(triton_model):
 
 def test_graph_falls_back_when_table_too_wide(triton_model):
     eng = make_engine(triton_model, max_graph_batch=2)
-    graphs: DecodeGraphs = eng.runner.graphs
+    graphs: DecodeGraphs = eng.runner.captured
     eng.add_request(prompts(1, seed=7)[0], GREEDY)
     eng.step()
     seq = eng.scheduler.running[0]

@@ -39,14 +39,15 @@ class DecodeGraphs:
         self.slots = torch.full((max_batch,), -1, dtype=torch.long, device=dev)
         self.context_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=dev)
+        self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.steps = 0  # decode steps served from the static buffers
         if capture:
             self._capture_all()
 
     def _meta(self, bs: int) -> AttnMeta:
-        return AttnMeta(self.slots[:bs], [], [], [], True, None, None, context_lens=self.context_lens[:bs],
-                        block_tables=self.block_tables[:bs])
+        return AttnMeta(self.slots[:bs], self.block_tables[:bs], self.cu_seqlens[:bs + 1], self.context_lens[:bs],
+                        decode_only=True)
 
     def _forward(self, bs: int) -> torch.Tensor:
         return self.model(self.ids[:bs], self.positions[:bs], self._meta(bs), self.kv_caches)
@@ -65,12 +66,13 @@ class DecodeGraphs:
             self.graphs[bs] = (graph, out)
         torch.cuda.synchronize()
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor | None:
-        """Hidden states [B, hidden] of a decode step, or None when it does not fit a bucket
-        (too many sequences or a block table wider than the static one): run it eagerly."""
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor, None] | None:
+        """(hidden states [B, hidden], None) of a decode step, or None when it is not a decode
+        step or does not fit a bucket (too many sequences or a block table wider than the static
+        one): run it eagerly."""
         B, width = ids.shape[0], meta.block_tables.shape[1]
         bs = next((b for b in self.buckets if b >= B), None)
-        if bs is None or width > self.block_tables.shape[1]:
+        if not meta.decode_only or bs is None or width > self.block_tables.shape[1]:
             return None
         self.ids[:B].copy_(ids)
         self.positions[:B].copy_(positions)
@@ -86,4 +88,4 @@ class DecodeGraphs:
             graph.replay()
         else:
             out = self._forward(bs)
-        return out[:B]
+        return out[:B], None

@@ -103,10 +103,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, config.block_size, self.num_blocks, loaded.kv_dtype,
-                                  loaded.eos_ids, *self._graph_shape())
+                                  loaded.eos_ids, *self._graph_shape(), compiled=config.compile)
         self.eos_ids = loaded.eos_ids
         self.proposer = self._make_proposer(draft)
-        self._spec_paused = False
         self.adaptive = AdaptiveK(config.num_speculative_tokens)
         self.spec_stats = SpecStats()
         self._seqs: dict[str, Sequence] = {}
@@ -162,10 +161,9 @@ class LLMEngine:
         nblocks = -(-T // bs) + 1
         caches = model.new_kv_cache(nblocks, bs, self.loaded.kv_dtype)
         slots = torch.arange(bs, bs + T, device=dev)
-        meta = AttnMeta(slots, [0], [T], [T], False, slots.view(1, -1), None,
-                        torch.tensor([0, T], dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev),
-                        torch.tensor([T], dtype=torch.int32, device=dev),
-                        torch.arange(1, nblocks, dtype=torch.int32, device=dev).view(1, -1))
+        i32 = {"dtype": torch.int32, "device": dev}
+        meta = AttnMeta(slots, torch.arange(1, nblocks, **i32).view(1, -1), torch.tensor([0, T], **i32),
+                        torch.tensor([T], **i32), False, [T], [T], cached_lens=torch.zeros(1, **i32))
         hidden = model(torch.zeros(T, dtype=torch.long, device=dev), torch.arange(T, device=dev), meta, caches)
         model.logits(hidden[-self.config.max_num_seqs:])
         torch.cuda.synchronize(dev)
@@ -177,7 +175,7 @@ class LLMEngine:
     def _graph_shape(self) -> tuple[int, int]:
         """(largest decode batch to capture, block-table width) for CUDA graphs; (0, 0) = off."""
         cfg = self.config
-        if not cfg.cuda_graphs:
+        if not cfg.compile:
             return 0, 0
         # a sequence's table may run num_speculative_tokens + 1 past the context for lookahead
         width = -(-(self.max_model_len + cfg.num_speculative_tokens + 1) // cfg.block_size)
@@ -191,7 +189,7 @@ class LLMEngine:
                                  "tokenizer (vocabulary or token ids differ); pick a draft from the same family")
             bm = BlockManager(self.num_blocks, self.config.block_size, enable_prefix_caching=False)
             runner = ModelRunner(draft.model, self.config.block_size, self.num_blocks, draft.kv_dtype, draft.eos_ids,
-                                 *self._graph_shape())
+                                 *self._graph_shape(), compiled=self.config.compile)
             return DraftProposer(runner, bm)
         if spec == "ngram":
             return NgramProposer()
@@ -277,7 +275,7 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         with self._lock:
-            proposals = self._propose() if self._speculating() else {}
+            proposals = self._propose() if self.proposer is not None else {}
             batch = self.scheduler.schedule({s: len(p.tokens) for s, p in proposals.items()})
             if not batch.seqs:
                 return []
@@ -306,18 +304,6 @@ class LLMEngine:
                 else:
                     outs.append(self._append(seq, new))
             return outs
-
-    def _speculating(self) -> bool:
-        """Speculation is off while the target decodes through a compiled step: its verify runs
-        eagerly, which measured slower than compiled plain decode (0.62x) and can flip near-ties."""
-        if self.proposer is None:
-            return False
-        if getattr(self.runner.model, "compiled", None) is not None:
-            if not self._spec_paused:
-                self._spec_paused = True
-                log.warning("speculative decoding is paused: the compiled decode step is faster on its own")
-            return False
-        return True
 
     def _propose(self) -> dict:
         running = self.scheduler.running

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..model.attention import AttnMeta
+from ..model.compiled import CompiledStep
 from ..model.llama import LlamaModel
 from ..sampling import apply_penalties, filter_probs, sample_row, top_logprobs
 from .cuda_graphs import DecodeGraphs
@@ -19,9 +20,11 @@ from .speculative import accept_greedy, accept_sampling
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_size: int, num_blocks: int, kv_dtype: torch.dtype,
-                 eos_ids: set[int], graph_batch: int = 0, max_blocks_per_seq: int = 0):
-        """graph_batch > 0 (Triton backend only): decode steps of up to that many sequences
-        replay captured CUDA graphs (localllm.engine.cuda_graphs)."""
+                 eos_ids: set[int], graph_batch: int = 0, max_blocks_per_seq: int = 0, compiled: bool = False):
+        """The captured step, when there is one: with graph_batch > 0 on the Triton backend, decode
+        steps of up to that many sequences replay CUDA graphs (localllm.engine.cuda_graphs); with
+        `compiled` on CPU, decode and verify steps run the AOTInductor package of the forward
+        (localllm.model.compiled), built in the background the first time."""
         self.model = model
         self.eos_ids = sorted(eos_ids)
         self.block_size = block_size
@@ -31,65 +34,48 @@ class ModelRunner:
             k[0].zero_()
             v[0].zero_()
         self.default_generator = torch.Generator().manual_seed(0)
-        self.graphs = None
+        self.captured: DecodeGraphs | CompiledStep | None = None
         if graph_batch and model.attention_backend == "triton":
-            self.graphs = DecodeGraphs(model, self.kv_caches, graph_batch, max_blocks_per_seq,
-                                       capture=str(self.device).startswith("cuda"))
+            self.captured = DecodeGraphs(model, self.kv_caches, graph_batch, max_blocks_per_seq,
+                                         capture=str(self.device).startswith("cuda"))
+        elif compiled and self.device == "cpu" and model.attention_backend == "torch":
+            self.captured = CompiledStep(model, self.kv_caches)
 
     def prepare(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
         bs = self.block_size
-        ids, pos, q_starts, ctx_lens, tables = [], [], [], [], []
-        start = 0
+        ids, pos, ctx_lens, tables = [], [], [], []
         for seq, n in zip(seqs, counts):
             first = seq.num_computed_tokens
             ids.extend(seq.token_ids[first:first + n])
             pos.extend(range(first, first + n))
-            q_starts.append(start)
             ctx_lens.append(first + n)
             tables.append(seq.block_table)
-            start += n
-        B = len(seqs)
         max_blocks = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
         positions = torch.tensor(pos, dtype=torch.int64)
-        row = torch.repeat_interleave(torch.arange(B), torch.tensor(counts))
+        row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts))
+        slot_mapping = bt[row, positions // bs] * bs + positions % bs
+        cu = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+        ctx = torch.tensor(ctx_lens, dtype=torch.int64)
         decode_only = all(n == 1 for n in counts)
-        if self.model.attention_backend == "triton":  # the kernels walk the block tables themselves
-            dev = self.device
-            slot_mapping = bt[row, positions // bs] * bs + positions % bs
-            meta = AttnMeta(slot_mapping.to(dev), q_starts, list(counts), ctx_lens, decode_only, None, None,
-                            cu_seqlens_q=torch.tensor([*q_starts, start], dtype=torch.int32, device=dev),
-                            cached_lens=torch.tensor([c - n for c, n in zip(ctx_lens, counts)], dtype=torch.int32,
-                                                     device=dev),
-                            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-                            block_tables=bt.to(dev, torch.int32))
+        dev = self.device
+        if self.model.attention_backend == "triton":  # the kernels take int32 descriptions
+            meta = AttnMeta(slot_mapping.to(dev), bt.to(dev, torch.int32), cu.to(dev, torch.int32),
+                            ctx.to(dev, torch.int32), decode_only, list(counts), ctx_lens,
+                            cached_lens=(ctx - torch.tensor(counts)).to(dev, torch.int32))
         else:
-            # slot of every context position of every sequence, then the new tokens' slots
-            Lmax = max(ctx_lens)
-            offs = torch.arange(Lmax)
-            gather = bt.gather(1, (offs // bs).expand(B, -1).clamp_max(max_blocks - 1)) * bs + offs % bs
-            valid = offs.unsqueeze(0) < torch.tensor(ctx_lens).unsqueeze(1)
-            gather = gather.masked_fill(~valid, 0)
-            mask = valid.view(B, 1, 1, Lmax) if decode_only and not bool(valid.all()) else None
-            meta = AttnMeta(gather[row, positions], q_starts, list(counts), ctx_lens, decode_only, gather, mask)
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return ids_t, positions.to(self.device), meta
+            meta = AttnMeta(slot_mapping, bt, cu, ctx, decode_only, list(counts), ctx_lens)
+        return torch.tensor(ids, dtype=torch.int64, device=dev), positions.to(dev), meta
 
     @torch.inference_mode()
     def forward_hidden(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
         return self._forward(*self.prepare(seqs, counts))[0]
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta):
-        """-> (hidden, greedy tokens or None). Decode-only steps replay a CUDA graph when one
-        was captured, or take the compiled CPU graph when the model has one
-        (localllm.model.compiled), which also returns the greedy tokens."""
-        if self.graphs is not None and meta.decode_only:
-            hidden = self.graphs.run(ids, positions, meta)
-            if hidden is not None:
-                return hidden, None
-        compiled = getattr(self.model, "compiled", None)
-        if compiled is not None and meta.decode_only:
-            out = compiled(ids, positions, meta.gather, self.kv_caches)
+        """-> (hidden, greedy tokens or None). A captured step (CUDA graphs, or the compiled CPU
+        step, which also returns the greedy tokens) serves the steps it covers."""
+        if self.captured is not None:
+            out = self.captured.run(ids, positions, meta)
             if out is not None:
                 return out
         return self.model(ids, positions, meta, self.kv_caches), None
@@ -128,7 +114,8 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(seqs, counts)):
             end += n
             if verify and seq in verify:
-                out[i] = self._verify(hidden[end - n:end], seq, verify[seq])
+                out[i] = self._verify(hidden[end - n:end], None if greedy is None else greedy[end - n:end],
+                                      seq, verify[seq])
             elif seq.num_computed_tokens + n >= seq.num_tokens:
                 last.append(end - 1)
                 who.append(i)
@@ -142,9 +129,9 @@ class ModelRunner:
                 out[i] = [t]
         return out
 
-    def _verify(self, rows: torch.Tensor, seq: Sequence, proposal) -> list[int]:
+    def _verify(self, rows: torch.Tensor, greedy: torch.Tensor | None, seq: Sequence, proposal) -> list[int]:
         head = self.model.head
         if seq.params.greedy:
-            return accept_greedy(proposal.tokens, head.greedy(rows).tolist())
+            return accept_greedy(proposal.tokens, (head.greedy(rows) if greedy is None else greedy).tolist())
         p = torch.stack([filter_probs(r, seq.params) for r in head(rows).cpu()])
         return accept_sampling(proposal.tokens, p, proposal.q, seq.generator or self.default_generator)

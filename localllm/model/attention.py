@@ -1,8 +1,9 @@
 """Attention over the paged KV cache.
 
 The runner describes a flattened batch once per step (`AttnMeta`); every layer reads it.
-Two backends, chosen once at load (`make_attention`), not per call: "torch" (SDPA over K/V
-gathered through the block tables; the CPU path) and "triton" (our kernels in
+Two backends, chosen once at load (`make_attention`), not per call: "torch" (the CPU path: our
+C++ paged-attention op, `localllm_kernels.cpu_attention`, reads K/V in place through the block
+tables; long fresh prompts use torch's SDPA on their own K/V) and "triton" (our kernels in
 `localllm_kernels`; the CUDA path, and on CPU under TRITON_INTERPRET=1 for tests).
 """
 
@@ -13,59 +14,65 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# a fresh prompt (no cached prefix) of this many tokens or more attends with torch's SDPA (its
+# flash kernel) over its own K/V instead of reading them back through the cache
+SDPA_MIN_TOKENS = 64
+
 
 @dataclass
 class AttnMeta:
-    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (-1: skip)
-    q_starts: list[int]  # per sequence: first row of its new tokens in the flat batch
-    q_lens: list[int]  # per sequence: number of new tokens
-    ctx_lens: list[int]  # per sequence: tokens in cache after this step (cached + new)
-    decode_only: bool  # every sequence has exactly one new token
-    gather: torch.Tensor | None  # [B, Lmax] int64: slots of each sequence's context (padded with 0)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool, None when no padding
-    # the Triton backend's description
-    cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32
-    cached_lens: torch.Tensor | None = None  # [B] int32
-    context_lens: torch.Tensor | None = None  # [B] int32
-    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (-1: skip, Triton only)
+    block_tables: torch.Tensor  # [B, W]: cache blocks of each sequence (int64 on CPU, int32 Triton)
+    cu_seqlens_q: torch.Tensor  # [B+1]: rows of sequence b are cu[b]:cu[b+1]
+    context_lens: torch.Tensor  # [B]: tokens in cache after this step (cached + new)
+    decode_only: bool = False  # every sequence has exactly one new token
+    # host copies, None inside a captured step (whose shapes must not depend on them)
+    q_lens: list[int] | None = None
+    ctx_lens: list[int] | None = None
+    cached_lens: torch.Tensor | None = None  # [B] int32, the Triton prefill kernel's
+
+    @classmethod
+    def captured(cls, slots: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 context_lens: torch.Tensor) -> AttnMeta:
+        """The description a compiled step is traced with: tensors only."""
+        return cls(slots, block_tables, cu_seqlens_q, context_lens)
+
+    @property
+    def all_cached(self) -> bool:
+        """Every sequence has a cached prefix (decode, speculative verify, prefix-hit extend)."""
+        return self.q_lens is not None and all(c > n for n, c in zip(self.q_lens, self.ctx_lens))
 
 
 def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D]. Returns [T, H*D]."""
+    from localllm_kernels.cpu_attention import paged_attention
+
     T, H, D = q.shape
     kvh = k.shape[1]
     kc, vc = k_cache.view(-1, kvh, D), v_cache.view(-1, kvh, D)
     kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
     vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
-    if meta.decode_only:
-        B = T
-        kk = kc[meta.gather].transpose(1, 2)  # [B, KVH, L, D]
-        vv = vc[meta.gather].transpose(1, 2)
-        # group the query heads of one KV head as rows: no K/V repeat, and fast in bf16
-        qg = q.view(B, kvh, H // kvh, D).to(kk.dtype)
-        out = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=meta.decode_mask, scale=scale)
-        return out.reshape(B, H * D).to(q.dtype)
-    outs = []
-    for i, (start, n, ctx) in enumerate(zip(meta.q_starts, meta.q_lens, meta.ctx_lens)):
-        qs = q[start:start + n].transpose(0, 1)  # [H, n, D]
-        cached = ctx - n
-        if cached == 0:
-            kk, vv = k[start:start + n], v[start:start + n]
-            mask, causal = None, n > 1
+    fresh = [] if meta.q_lens is None else [
+        i for i, (n, c) in enumerate(zip(meta.q_lens, meta.ctx_lens)) if n == c and n >= SDPA_MIN_TOKENS]
+    if not fresh:
+        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale)
+        return out.reshape(T, H * D)
+    out = q.new_empty(T, H, D)
+    start = 0
+    for i, n in enumerate(meta.q_lens):
+        rows = slice(start, start + n)
+        if i in fresh:
+            # 4-D inputs: with 3-D ones SDPA takes its math path on CPU (4x slower at 512 tokens)
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None],
+                                               v[rows].transpose(0, 1)[None], is_causal=True, scale=scale,
+                                               enable_gqa=kvh != H)[0]
+            out[rows] = o.transpose(0, 1)
         else:
-            idx = meta.gather[i, :ctx]
-            kk, vv = kc[idx], vc[idx]
-            # new token j sits at position cached + j and sees everything up to it
-            mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril_(diagonal=cached)
-            causal = False
-        kk = kk.transpose(0, 1).to(q.dtype)
-        vv = vv.transpose(0, 1).to(q.dtype)
-        # 4-D inputs: with 3-D ones SDPA takes its math path on CPU (4x slower at 512 tokens)
-        out = F.scaled_dot_product_attention(qs[None], kk[None], vv[None], attn_mask=mask, is_causal=causal,
-                                             scale=scale, enable_gqa=kvh != H)[0]
-        outs.append(out.transpose(0, 1).reshape(n, H * D))
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+            out[rows] = paged_attention(q[rows], k_cache, v_cache, meta.block_tables[i:i + 1],
+                                        meta.cu_seqlens_q.new_tensor([0, n]), meta.context_lens[i:i + 1], scale)
+        start += n
+    return out.reshape(T, H * D)
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -1,150 +1,154 @@
-"""A captured decode step: the whole model (all layers, attention over the paged cache, greedy
-head) exported once and compiled ahead of time by AOTInductor into a C++ package.
+"""The compiled CPU step: the model's one forward (`LlamaModel.forward`: every layer, attention
+over the paged cache through our paged-attention op) plus the greedy head, exported once and
+compiled ahead of time by AOTInductor into a C++ package.
 
 Why: at batch 1 the eager step is ~300 small aten calls per token plus Python; on 2 cores that
 overhead is as large as the matmuls. One compiled graph fuses the elementwise work (norms, RoPE,
-residuals, SiLU, the cache writes and the attention reductions) into a few C++ loops around the
-int4 matmul kernels, and AOTInductor's C++ wrapper leaves no Python per kernel call (see
-BENCHMARKS.md, "Where the time goes").
+residuals, SiLU, the cache writes) into a few C++ loops around our kernels, and AOTInductor's
+C++ wrapper leaves no Python per kernel call (BENCHMARKS.md, "Where the time goes").
 
-The step is a pure function of tensors: token ids [B], positions [B], the gather table [B, L]
-(cache slot of every context position) and the per-layer caches, which it updates in place.
-L and the cache size are dynamic; batch 1 has its own package and batches of 2..max_batch() share
-one with a dynamic B. A package is built on first use (export + compile: ~40-60 s on 2 cores) into
-~/.cache/localllm/aoti, keyed by the model's weights, the code, torch and the thread count;
-later processes load it in ~10 ms. The package holds no weights: it runs on the model's
-own tensors, so a process keeps one copy of them. Opt-in: `localllm run --compile`, or
-LOCALLLM_COMPILE=1 for every front end.
+Kinds of package (torch.export specializes sizes 1, so batch 1 has its own):
+  "d1": one sequence, one new token (decode at batch 1);
+  "v1": one sequence, 2..R new tokens (a speculative verify at batch 1);
+  "n":  2..R sequences, 2..R new tokens (batched decode and verify);
+R = max_rows(model). Block tables and the cache are dynamic in size.
+
+Built where it costs the user nothing: a package that is not on disk is built by a separate
+process (`python -m localllm.model.compiled`) at idle CPU priority (SCHED_IDLE: it only gets
+cores the foreground leaves idle, e.g. while a chat waits for input or a server has no
+requests). The engine answers eagerly meanwhile and switches at a step boundary once the
+package is there. Packages live in ~/.cache/localllm/aoti, keyed by the weights, the code, torch,
+the thread count and the KV dtype; each has a JSON sidecar with its sha256 (a damaged package is
+deleted and built again, never loaded) and the model file it belongs to (`localllm rm`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from ..paths import cache_home
+from .attention import AttnMeta
 from .layers import Int4Linear
 
 log = logging.getLogger(__name__)
 
+KINDS = ("d1", "v1", "n")
+CHECK_EVERY_S = 1.0  # how often a running engine looks for a package that is being built
 
-def max_batch(model) -> int:
-    """The largest decode batch a package takes; larger ones run eagerly. Int4 layers with fp32
+
+def max_rows(model) -> int:
+    """The most new tokens a package takes; larger steps run eagerly. Int4 layers with fp32
     prefill copies switch to those at `dense_min_rows` rows (32 with torch's int4 kernel, 160 with
-    ours), a branch an exported graph cannot hold for a dynamic batch."""
+    ours), a branch an exported graph cannot hold for a dynamic size."""
     rows = [m.dense_min_rows for m in model.modules() if isinstance(m, Int4Linear) and m.dense is not None]
     return min(rows, default=257) - 1
 
 
+def kind_of(num_seqs: int, num_tokens: int) -> str:
+    if num_seqs == 1:
+        return "d1" if num_tokens == 1 else "v1"
+    return "n"
+
+
 def cache_dir() -> Path:
-    home = os.environ.get("LOCALLLM_HOME")
-    base = Path(home) if home else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "localllm"
-    return base / "aoti"
-
-
-def wanted() -> bool:
-    """LOCALLLM_COMPILE=1 turns the compiled decode step on in every front end."""
-    return os.environ.get("LOCALLLM_COMPILE", "").lower() in ("1", "true", "yes", "on")
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slots: torch.Tensor, gather: torch.Tensor, valid: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """One query per sequence, written as pointwise ops and reductions: Inductor fuses the
-    gather through the block table, the dot products and the softmax into a few loops instead
-    of materializing K/V (faster than SDPA on gathered K/V, most of all at long context)."""
-    B, H, D = q.shape
-    kvh = k.shape[1]
-    kc, vc = k_cache.view(-1, kvh, D), v_cache.view(-1, kvh, D)
-    kc.index_copy_(0, slots, k.to(kc.dtype))
-    vc.index_copy_(0, slots, v.to(vc.dtype))
-    kk, vv = kc[gather], vc[gather]  # [B, L, KVH, D]
-    qg = q.view(B, 1, kvh, H // kvh, D)
-    s = (qg * kk.unsqueeze(3)).sum(-1) * scale  # [B, L, KVH, G]
-    s = s.masked_fill(~valid.view(B, -1, 1, 1), float("-inf"))
-    p = torch.softmax(s, dim=1)
-    out = (p.unsqueeze(-1) * vv.unsqueeze(3)).sum(1)  # [B, KVH, G, D]
-    return out.reshape(B, H * D).to(q.dtype)
-
-
-def decode_step(model, ids: torch.Tensor, positions: torch.Tensor, gather: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], greedy: bool):
-    """-> (final hidden [B, hidden], greedy tokens [B] or None). The same math as
-    LlamaModel.forward for a decode-only batch (context of sequence b = positions[b] + 1)."""
-    x = model.embed[ids].to(model.act_dtype)
-    B = x.shape[0]
-    L = gather.shape[1]
-    valid = torch.arange(L, device=ids.device).unsqueeze(0) <= positions.unsqueeze(1)
-    slots = gather.gather(1, positions.unsqueeze(1)).squeeze(1)
-    rope, scale = model.rope, model.scale
-    for layer, (kc, vc) in zip(model.layers, kv_caches):
-        h = layer.input_norm(x)
-        q, k, v = layer.qkv(h).split(layer.split, dim=-1)
-        q, k = rope(positions, q.view(B, layer.H, layer.D), k.view(B, layer.KVH, layer.D))
-        a = decode_attention(q, k, v.view(B, layer.KVH, layer.D), kc, vc, slots, gather, valid, scale)
-        x = x + layer.o(a)
-        g, u = layer.gate_up(layer.post_norm(x)).split(layer.inter, dim=-1)
-        x = x + layer.down(F.silu(g) * u)
-    hidden = model.norm(x)
-    return hidden, (model.head.greedy(hidden) if greedy else None)
-
-
-class _Step(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.m = model
-
-    def forward(self, ids, positions, gather, *caches):
-        kv = [(caches[i], caches[i + 1]) for i in range(0, len(caches), 2)]
-        return decode_step(self.m, ids, positions, gather, kv, True)
+    return cache_home() / "aoti"
 
 
 def _code_digest() -> str:
     """The sources whose math a package bakes in: a change to them invalidates every package."""
     here = Path(__file__).parent
     h = hashlib.sha256()
-    for name in ("compiled.py", "llama.py", "layers.py"):
+    for name in ("compiled.py", "llama.py", "layers.py", "attention.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
 
 
-def package_path(model, kind: str) -> Path | None:
-    """Where the package for this model and batch kind lives; None when the model has no
-    fingerprint of its weights (then nothing is cached between processes)."""
-    fp = getattr(model, "fingerprint", None)
+def package_path(model, kind: str, kv_dtype: torch.dtype) -> Path | None:
+    """Where the package for this model, kind and KV dtype lives; None when the model has no
+    fingerprint of its weights (then nothing can be cached between processes)."""
+    fp = model.fingerprint
     if not fp:
         return None
-    key = "|".join((fp, kind, _code_digest(), torch.__version__, str(torch.get_num_threads())))
+    key = "|".join((fp, kind, _code_digest(), torch.__version__, str(torch.get_num_threads()), str(kv_dtype)))
     return cache_dir() / f"decode-{kind}-{fp[:12]}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt2"
 
 
-def build_package(model, kind: str, example: tuple, out: Path) -> None:
-    """Export decode_step on example inputs and compile it into `out` (atomically)."""
+# ---- the exported function ----------------------------------------------------------------------
+class _Step(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids, positions, slots, block_tables, cu_seqlens_q, context_lens, *caches):
+        meta = AttnMeta.captured(slots, block_tables, cu_seqlens_q, context_lens)
+        hidden = self.m(ids, positions, meta, list(zip(caches[::2], caches[1::2])))
+        return hidden, self.m.head.greedy(hidden)
+
+
+def _layout(model, kv_dtype: torch.dtype, lens: list[tuple[int, int]], num_blocks: int):
+    """Inputs of a step for sequences of (new tokens, context) on a small paged cache: sequence b
+    owns blocks 1 + b*W .. (block 0 is the null block)."""
+    cfg, bs = model.cfg, 16
+    W = max(2, max(-(-c // bs) for _, c in lens))
+    tables = torch.tensor([[1 + b * W + j for j in range(W)] for b in range(len(lens))])
+    pos = torch.cat([torch.arange(c - n, c) for n, c in lens])
+    row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor([n for n, _ in lens]))
+    slots = tables[row, pos // bs] * bs + pos % bs
+    ids = (pos * 7919 + 3) % cfg.vocab_size
+    cu = torch.tensor([0] + [n for n, _ in lens]).cumsum(0)
+    ctx = torch.tensor([c for _, c in lens])
+    caches = [torch.zeros(num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype)
+              for _ in range(2 * cfg.num_layers)]
+    return [ids, pos, slots, tables, cu, ctx], caches
+
+
+EXAMPLES = {"d1": [(1, 13)], "v1": [(3, 15)], "n": [(1, 13), (2, 20)]}
+
+
+def _dynamic_shapes(model, kind: str, num_caches: int):
     from torch.export import Dim
 
-    ids, positions, gather, caches = example
-    L = Dim("L", min=2, max=model.rope.cos.shape[0])
-    nb = Dim("num_blocks", min=2)
-    batch = {0: Dim("B", min=2, max=max_batch(model))} if kind == "bn" else None
-    shapes = {"ids": batch, "positions": batch, "gather": {**(batch or {}), 1: L},
-              "caches": tuple({0: nb} for _ in caches)}
+    R = max_rows(model)
+    W = Dim("W", min=2, max=model.rope.cos.shape[0] // 16 + 2)
+    NB = Dim("NB", min=3)
+    T = Dim("T", min=2, max=R) if kind != "d1" else None
+    B = Dim("B", min=2, max=R) if kind == "n" else None
+    tok = {0: T} if T is not None else None
+    return {"ids": tok, "positions": tok, "slots": tok, "block_tables": {0: B, 1: W} if B else {1: W},
+            "cu_seqlens_q": {0: B + 1} if B else None, "context_lens": {0: B} if B else None,
+            "caches": tuple({0: NB} for _ in range(num_caches))}
+
+
+def build_package(model, kind: str, kv_dtype: torch.dtype, out: Path) -> None:
+    """Export the step for `kind` and compile it into `out`, atomically: the package and its
+    sidecar appear together only once the package has matched the eager step."""
+    args, caches = _layout(model, kv_dtype, EXAMPLES[kind], 48)
     with torch.inference_mode():
-        ep = torch.export.export(_Step(model), (ids, positions, gather, *caches), dynamic_shapes=shapes,
-                                 strict=False)
+        ep = torch.export.export(_Step(model), (*args, *caches), strict=False,
+                                 dynamic_shapes=_dynamic_shapes(model, kind, len(caches)))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     try:
-        scalars = _compile_without_weights(ep, model, tmp, 1 if kind == "b1" else 2)
+        scalars = _compile_without_weights(ep, model, tmp, kind, kv_dtype)
         if scalars is None:  # fall back to a package that carries its own copy of the weights
             torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
-        else:
-            out.with_suffix(".json").write_text(json.dumps({"scalars": scalars}))
+            if not _same_as_eager(model, _load(model, tmp, None), kind, kv_dtype):
+                raise RuntimeError("the compiled step does not match the eager step")
+        sidecar = {"scalars": scalars, "sha256": _sha256(tmp), "source": (model.origin or {}).get("path")}
+        side_tmp = tmp.with_suffix(".json")
+        side_tmp.write_text(json.dumps(sidecar))
+        os.replace(side_tmp, out.with_suffix(".json"))
         os.replace(tmp, out)
         # other versions for the same weights (older code or torch, other thread counts) are stale
         prefix = out.name.rsplit("-", 1)[0]
@@ -153,13 +157,18 @@ def build_package(model, kind: str, example: tuple, out: Path) -> None:
                 old.unlink(missing_ok=True)
     finally:
         tmp.unlink(missing_ok=True)
+        tmp.with_suffix(".json").unlink(missing_ok=True)
 
 
-def _compile_without_weights(ep, model, path: Path, batch: int) -> dict[str, int] | None:
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _compile_without_weights(ep, model, path: Path, kind: str, kv_dtype: torch.dtype) -> dict[str, int] | None:
     """Compile a package that holds no weights. Besides the model's tensors it then needs the
-    constants Inductor creates itself: one 0-d int64 group size per int4 matmul (the C shim takes
-    it as a tensor), numbered in graph order. Returns them by name once a test step matches the
-    eager step (`_same_as_eager`), else None."""
+    constants Inductor creates itself: one 0-d int64 group size per torch int4 matmul (the C
+    shim takes it as a tensor), numbered in graph order. Returns them by name once a test step
+    matches the eager step, else None."""
     int4 = torch.ops.aten._weight_int4pack_mm_for_cpu.default
     groups = [n.args[2] for n in ep.graph.nodes if n.target is int4]
     torch._inductor.aoti_compile_and_package(
@@ -170,37 +179,32 @@ def _compile_without_weights(ep, model, path: Path, batch: int) -> dict[str, int
     if len(missing) != len(groups) or not all(n.startswith("constant") for n in missing):
         return None
     scalars = dict(zip(missing, groups))
-    return scalars if _same_as_eager(model, path, scalars, batch) else None
+    return scalars if _same_as_eager(model, _load(model, path, scalars), kind, kv_dtype) else None
 
 
-def _same_as_eager(model, path: Path, scalars: dict[str, int], batch: int) -> bool:
-    """One decode step of the package (`batch` copies of one sequence) against decode_step
-    itself, after 12 eager steps have filled a small cache with real keys and values."""
-    cfg, n = model.cfg, 12
-    caches = [torch.zeros(2, 16, cfg.num_kv_heads, cfg.head_dim, dtype=model.act_dtype)
-              for _ in range(2 * cfg.num_layers)]
+def _same_as_eager(model, package, kind: str, kv_dtype: torch.dtype) -> bool:
+    """One step of the package against the eager forward on the same cache, after eager
+    prefills have filled it with real keys and values."""
+    lens = {"d1": [(1, 21)], "v1": [(4, 24)], "n": [(1, 21), (3, 30), (1, 5)]}[kind]
+    args, caches = _layout(model, kv_dtype, lens, 1 + 2 * len(lens))
+    ids, pos, slots, tables, cu, ctx = args
     kv = list(zip(caches[::2], caches[1::2]))
-    gather = torch.arange(16, 32).view(1, -1)
-    tokens = (torch.arange(n + 1) * 7919 + 3) % cfg.vocab_size
     with torch.inference_mode():
-        for p in range(n):
-            decode_step(model, tokens[p:p + 1], torch.tensor([p]), gather, kv, False)
-        args = (tokens[n:n + 1].repeat(batch), torch.tensor([n] * batch), gather.repeat(batch, 1))
-        ref, _ = decode_step(model, *args, [(k.clone(), v.clone()) for k, v in kv], False)
-        hidden, _ = _load(model, path, scalars)(*args, *caches)
-    # bf16 matmul inputs rounded at other points of a fused graph differ by ~5e-3 over 30 layers;
-    # a wrong group size gives O(1)
+        for b, (n, c) in enumerate(lens):  # the cached prefix of each sequence, eagerly
+            p_args, _ = _layout(model, kv_dtype, [(c - n, c - n)], 1)
+            p_args[3] = tables[b:b + 1]
+            p_args[2] = p_args[3][0, p_args[1] // 16] * 16 + p_args[1] % 16
+            model(p_args[0], p_args[1], AttnMeta.captured(*p_args[2:]), kv)
+        ref = model(ids, pos, AttnMeta.captured(slots, tables, cu, ctx), [(k.clone(), v.clone()) for k, v in kv])
+        hidden, _ = package(*args, *caches)
+    # matmul inputs rounded at other points of a fused graph differ by ~5e-3 over 30 layers; a
+    # wrong group size or a wrong cache slot gives O(1)
     return bool(((hidden - ref).norm() / ref.norm()) < 3e-2)
 
 
 def _tensors(model) -> dict[str, torch.Tensor]:
     step = _Step(model)
     return dict(step.named_parameters()) | dict(step.named_buffers())
-
-
-def load_package(model, path: Path):
-    sidecar = path.with_suffix(".json")
-    return _load(model, path, json.loads(sidecar.read_text())["scalars"] if sidecar.is_file() else None)
 
 
 class _Package:
@@ -221,7 +225,7 @@ class _Package:
         return self.loader.boxed_run(list(tensors))
 
 
-def _load(model, path: Path, scalars: dict[str, int] | None):
+def _load(model, path: Path, scalars: dict[str, int] | None) -> _Package:
     runner = _Package(path)
     tensors = _tensors(model)
     if scalars is not None:  # a package without weights: it runs on the model's own tensors
@@ -232,52 +236,204 @@ def _load(model, path: Path, scalars: dict[str, int] | None):
     return runner
 
 
-class CompiledDecode:
-    """Callable used by ModelRunner for decode-only steps: -> (hidden, greedy tokens). Returns
-    None when it cannot serve a call (a build or load failed): the runner then runs eagerly."""
+def load_package(model, path: Path) -> _Package:
+    """The package at `path`, checked against its sidecar; ValueError when either is damaged."""
+    try:
+        side = json.loads(path.with_suffix(".json").read_text())
+        ok = side["sha256"] == _sha256(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"unreadable package sidecar: {e}") from None
+    if not ok:
+        raise ValueError("package does not match its recorded sha256")
+    return _load(model, path, side["scalars"])
 
-    def __init__(self, model):
-        self.model = model
+
+def remove_packages(source: str | os.PathLike) -> int:
+    """Delete the packages built for the model file(s) under `source` (`localllm rm`)."""
+    root, count = str(Path(source).resolve()), 0
+    for side in cache_dir().glob("decode-*.json"):
+        try:
+            src = json.loads(side.read_text()).get("source") or ""
+        except (OSError, ValueError):
+            continue
+        if src == root or src.startswith(root + os.sep):
+            side.with_suffix(".pt2").unlink(missing_ok=True)
+            side.unlink(missing_ok=True)
+            count += 1
+    return count
+
+
+# ---- building in the background -----------------------------------------------------------------
+def _lock_path(model) -> Path:
+    return cache_dir() / f"build-{model.fingerprint[:12]}.lock"
+
+
+def spawn_builder(origin: dict, kv_dtype: torch.dtype, threads: int, log_path: Path) -> subprocess.Popen:
+    """Start `python -m localllm.model.compiled` for a model: it builds every missing kind at idle
+    priority and outlives this process (a one-shot `run` leaves it to finish)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    spec = json.dumps({"origin": origin, "kv_dtype": str(kv_dtype).removeprefix("torch."), "threads": threads})
+    with open(log_path, "ab") as logf:
+        return subprocess.Popen([sys.executable, "-m", "localllm.model.compiled", spec], stdin=subprocess.DEVNULL,
+                                stdout=logf, stderr=logf, start_new_session=True, close_fds=True)
+
+
+def build_missing(model, kv_dtype: torch.dtype) -> list[str]:
+    """Build every kind whose package is missing, holding the model's build lock (another
+    process already building: return at once). -> the kinds built."""
+    lock = _lock_path(model)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return []
+        f.write(str(os.getpid()))
+        f.flush()
+        for tmp in cache_dir().glob(f"decode-*-{model.fingerprint[:12]}-*.tmp.*"):  # left by a killed build
+            tmp.unlink(missing_ok=True)
+        built = []
+        for kind in KINDS:
+            path = package_path(model, kind, kv_dtype)
+            if path is not None and not path.is_file():
+                build_package(model, kind, kv_dtype, path)
+                built.append(kind)
+        return built
+
+
+def builder_pid(model) -> int | None:
+    """The pid of the process building this model's packages now, if any."""
+    try:
+        with open(_lock_path(model)) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                return int(f.read() or 0) or None
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _builder_main(spec: dict) -> int:
+    # idle priority: this process (and the compilers it starts) only runs on cores nobody else wants
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+    torch.set_num_threads(spec["threads"])
+    from torch._inductor import config as inductor_config
+
+    inductor_config.compile_threads = 1
+    from .loader import load_model
+
+    o = spec["origin"]
+    loaded = load_model(o["path"], o["precision"], o["device"], o["max_model_len"], o["fast_head"], o["cpu_kernels"])
+    kv_dtype = getattr(torch, spec["kv_dtype"])
+    t0 = time.time()
+    built = build_missing(loaded.model, kv_dtype)
+    print(f"{time.strftime('%F %T')} built {built or 'nothing'} for {o['path']} in {time.time() - t0:.0f} s",
+          flush=True)
+    return 0
+
+
+# ---- the runner's captured step -----------------------------------------------------------------
+class CompiledStep:
+    """The runner's captured step on CPU: run() -> (hidden, greedy tokens), or None for a step it
+    does not cover (the runner then runs the eager forward). Steps covered: every sequence has a
+    cached prefix (decode, speculative verify, prefix-hit extend) and at most max_rows() new
+    tokens in all. A missing package is requested from a background builder once; until it is on
+    disk those steps run eagerly."""
+
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], background: bool = True):
+        self.model, self.kv_caches = model, kv_caches
+        self.caches = [t for kv in kv_caches for t in kv]
+        self.kv_dtype = kv_caches[0][0].dtype
+        self.max_rows = max_rows(model)
+        self.background = background
+        self._runners: dict[str, _Package] = {}
+        self._next_look: dict[str, float] = {}
+        self.builder: subprocess.Popen | None = None
         self.failed: str | None = None
         self.calls = 0  # steps served by a package
-        self._runners: dict[str, object] = {}
-        self.max_batch = max_batch(model)
+        self.kinds_used: set[str] = set()
 
-    def _runner(self, kind: str, example: tuple):
-        if kind not in self._runners:
-            path = package_path(self.model, kind)
-            if path is None:  # nothing to key a cache on: build for this process only
-                path = cache_dir() / f"decode-{kind}-{os.getpid()}-{id(self.model)}.pt2"
-            if not path.is_file():
-                # shown: the first use stalls for about a minute
-                log.warning("compiling the decode step (%s; once per model, about a minute) into %s", kind, path)
-                build_package(self.model, kind, example, path)
-            self._runners[kind] = load_package(self.model, path)
-        return self._runners[kind]
-
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, gather: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        if self.failed or gather.shape[1] < 2 or ids.shape[0] > self.max_batch:
+    def _runner(self, kind: str) -> _Package | None:
+        runner = self._runners.get(kind)
+        if runner is not None:
+            return runner
+        now = time.monotonic()
+        if now < self._next_look.get(kind, 0.0):
             return None
-        caches = [t for kv in kv_caches for t in kv]
-        kind = "b1" if ids.shape[0] == 1 else "bn"
+        self._next_look[kind] = now + CHECK_EVERY_S
+        path = package_path(self.model, kind, self.kv_dtype)
+        if path is None:
+            return None
+        if path.is_file():
+            try:
+                self._runners[kind] = runner = load_package(self.model, path)
+                return runner
+            except Exception as e:  # damaged: never trusted, built again
+                log.warning("compiled package %s is damaged (%s); building it again", path.name, e)
+                path.unlink(missing_ok=True)
+                path.with_suffix(".json").unlink(missing_ok=True)
+        self._request_build()
+        return None
+
+    def _request_build(self) -> None:
+        if not self.background or self.builder is not None or not self.model.origin:
+            return
+        if builder_pid(self.model) is None:
+            log_path = cache_dir() / "build.log"
+            log.warning("building the compiled step for this model in the background (about a minute of idle "
+                        "CPU, once per model; answers use the eager step until then) into %s", cache_dir())
+            self.builder = spawn_builder(self.model.origin, self.kv_dtype, torch.get_num_threads(), log_path)
+        else:
+            self.builder = False  # someone else is building it: just look for the result
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta):
+        T = ids.shape[0]
+        if self.failed or T > self.max_rows or not meta.all_cached:
+            return None
+        kind = kind_of(len(meta.q_lens), T)
+        runner = self._runner(kind)
+        if runner is None:
+            return None
+        tables = meta.block_tables
+        if tables.shape[1] < 2:  # the packages take tables of 2+ columns: pad with the null block
+            tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[1]))
         try:
-            out = self._runner(kind, (ids, positions, gather, caches))(ids, positions, gather, *caches)
+            out = runner(ids, positions, meta.slot_mapping, tables, meta.cu_seqlens_q, meta.context_lens,
+                         *self.caches)
         except Exception as e:  # a compiler problem must not take the engine down
             self.failed = f"{type(e).__name__}: {e}"
-            log.warning("compiled decode disabled, using eager: %s", self.failed)
+            log.warning("compiled step disabled, using eager: %s", self.failed)
             return None
         self.calls += 1
+        self.kinds_used.add(kind)
         return out[0], out[1]
 
+    @property
+    def ready(self) -> bool:
+        return "d1" in self._runners
 
-def enable(model) -> CompiledDecode | None:
-    """Attach a compiled decode step to `model` (CPU only; the CUDA path has its own kernels)."""
-    if model.device != "cpu":
-        return None
-    model.compiled = CompiledDecode(model)
-    return model.compiled
+    def wait(self, kinds: tuple[str, ...] = KINDS, timeout: float = 600.0) -> bool:
+        """Block until the packages of `kinds` are loaded (tests, benchmarks); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for k in kinds:
+                self._next_look.pop(k, None)
+                self._runner(k)
+            if all(k in self._runners for k in kinds):
+                return True
+            if self.builder and self.builder.poll() is not None and builder_pid(self.model) is None:
+                for k in kinds:  # the builder ended: one last look
+                    self._next_look.pop(k, None)
+                    self._runner(k)
+                return all(k in self._runners for k in kinds)
+            time.sleep(0.2)
+        return False
 
 
-def disable(model) -> None:
-    model.compiled = None
+if __name__ == "__main__":
+    sys.exit(_builder_main(json.loads(sys.argv[1])))

@@ -57,13 +57,15 @@ class Int4Linear(nn.Module):
     kernel rounds for "aten" (the same numbers up to summation order). On CUDA: our Triton kernel."""
 
     def __init__(self, w: Int4Weight, act_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                 device: str = "cpu", dense: bool = False, triton: bool | None = None):
-        """triton: use our Triton kernel (default: on CUDA; tests run it on CPU, interpreted)."""
+                 device: str = "cpu", dense: bool = False, triton: bool | None = None, cpu_kernel: bool = True):
+        """triton: use our Triton kernel (default: on CUDA; tests run it on CPU, interpreted).
+        cpu_kernel: on CPU, our VNNI kernel where this machine has it (False: torch's)."""
         super().__init__()
         self.cuda_path = device.startswith("cuda") if triton is None else triton
         n, k = w.shape
         self.out_features, self.group_size = n, w.group_size
-        self.kind = "triton" if self.cuda_path else "vnni" if _vnni_kernel(n, k, w.group_size) else "aten"
+        self.kind = ("triton" if self.cuda_path else "vnni" if cpu_kernel and _vnni_kernel(n, k, w.group_size)
+                     else "aten")
         self.dense_min_rows = VNNI_DENSE_MIN_ROWS if self.kind == "vnni" else DENSE_MIN_ROWS
         copy = dense and not self.cuda_path and w.in_perm is None
         self.register_buffer("dense", None if not copy else w.dequantize() if self.kind == "vnni"
@@ -250,7 +252,7 @@ class LMHead(nn.Module):
     the int4 top-k, at a fraction of the bandwidth."""
 
     def __init__(self, weight: torch.Tensor, fast_greedy: bool = False, rescore_k: int = 32,
-                 device: str = "cpu", fast: Int4Linear | None = None):
+                 device: str = "cpu", fast: Int4Linear | None = None, cpu_kernel: bool = True):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [V, H] exact
         self.rescore_k = rescore_k
@@ -262,7 +264,8 @@ class LMHead(nn.Module):
                 w = quantize_rtn(weight.float(), group)
                 # fp16 scales and offsets: fewer bytes for the VNNI kernel; this copy only ranks
                 d, m = w.scales.half().float(), (w.zeros - 8 * w.scales).half().float()
-                self.fast = Int4Linear(Int4Weight(w.q, d, m + 8 * d, group), torch.bfloat16, device=device)
+                self.fast = Int4Linear(Int4Weight(w.q, d, m + 8 * d, group), torch.bfloat16, device=device,
+                                       cpu_kernel=cpu_kernel)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h.to(self.weight.dtype), self.weight).float()

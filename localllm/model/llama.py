@@ -1,6 +1,16 @@
-"""One config-driven Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias), SmolLM (tied head)."""
+"""One config-driven Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias), SmolLM (tied head).
+
+There is one layer loop (`LlamaModel.forward` over `DecoderLayer.forward`). What differs between
+CPU and GPU is chosen per op once at load (`Ops`): the attention backend and, on the Triton
+path, fused add+RMSNorm, in-place RoPE and SiLU*up kernels. The compiled CPU step
+(localllm.model.compiled) and the CUDA graphs (localllm.engine.cuda_graphs) capture this same
+forward; the quantizer and perplexity run it too.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +21,60 @@ from .attention import AttnMeta, default_backend, make_attention
 from .layers import LMHead, RMSNorm, RotaryEmbedding
 
 
+def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + x), residual + x); the first layer has no residual yet."""
+    r = x if residual is None else residual + x
+    return norm(r), r
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def rope_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding):
+    return rope(positions, q, k)
+
+
+def add_norm_fused(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
+    from localllm_kernels import rms_norm
+
+    if residual is None:
+        return rms_norm(x, norm.weight, norm.eps), x
+    return rms_norm(x, norm.weight, norm.eps, residual)
+
+
+def silu_mul_fused(gate_up: torch.Tensor) -> torch.Tensor:
+    from localllm_kernels import silu_and_mul
+
+    return silu_and_mul(gate_up)
+
+
+def rope_fused(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding):
+    from localllm_kernels import apply_rope
+
+    return apply_rope(positions, q, k, rope.cos, rope.sin, inplace=True)
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The implementation of each op of the layer loop, chosen once at load."""
+
+    attention: Callable
+    add_norm: Callable  # (x, residual | None, norm) -> (normed, new residual)
+    rope: Callable  # (positions, q, k, rope) -> (q, k)
+    act: Callable  # gate_up -> silu(gate) * up
+
+    @classmethod
+    def for_backend(cls, backend: str) -> Ops:
+        """"torch": plain torch ops (the CPU path). "triton": our kernels for attention and, since
+        ~10 launches per layer instead of ~37 is most of a small-batch GPU step, for add+RMSNorm,
+        RoPE and SiLU*up too (same math; the residual is kept in the activation dtype)."""
+        if backend == "triton":
+            return cls(make_attention(backend), add_norm_fused, rope_fused, silu_mul_fused)
+        return cls(make_attention(backend), add_norm, rope_torch, silu_mul)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, qkv: nn.Module, o: nn.Module, gate_up: nn.Module, down: nn.Module,
                  input_norm: RMSNorm, post_norm: RMSNorm):
@@ -19,12 +83,25 @@ class DecoderLayer(nn.Module):
         self.input_norm, self.post_norm = input_norm, post_norm
         self.H, self.KVH, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.split = [self.H * self.D, self.KVH * self.D, self.KVH * self.D]
-        self.inter = cfg.intermediate_size
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttnMeta,
+                kv: tuple[torch.Tensor, torch.Tensor], ops: Ops, rope: RotaryEmbedding, scale: float):
+        """-> (MLP output, residual stream): the caller adds them in the next add_norm."""
+        T = x.shape[0]
+        h, residual = ops.add_norm(x, residual, self.input_norm)
+        q, k, v = self.qkv(h).split(self.split, dim=-1)
+        q, k = ops.rope(positions, q.view(T, self.H, self.D), k.view(T, self.KVH, self.D), rope)
+        a = ops.attention(q, k, v.view(T, self.KVH, self.D), kv[0], kv[1], meta, scale)
+        h, residual = ops.add_norm(self.o(a), residual, self.post_norm)
+        return self.down(ops.act(self.gate_up(h))), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm,
-                 head: LMHead, act_dtype: torch.dtype, max_positions: int, device: str = "cpu"):
+                 head: LMHead, act_dtype: torch.dtype, max_positions: int, device: str = "cpu",
+                 fingerprint: str | None = None, origin: dict | None = None):
+        """fingerprint: identity of the weights (keys what is cached per model, e.g. compiled
+        packages); origin: the load_model arguments that load the same model again."""
         super().__init__()
         self.cfg, self.act_dtype, self.device = cfg, act_dtype, device
         self.embed = nn.Parameter(embed, requires_grad=False)  # [V, H]
@@ -33,15 +110,11 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype).to(device)
         self.scale = cfg.head_dim ** -0.5
         self.use_attention(default_backend(device))
-        self.compiled = None  # a captured decode step (localllm.model.compiled), opt-in
-        self.fingerprint: str | None = None  # identity of the weights (set by the loader)
+        self.fingerprint, self.origin = fingerprint, origin
 
     def use_attention(self, backend: str) -> None:
-        """Pick the attention backend ("torch" | "triton"); the runner builds the matching metadata.
-        With "triton" the layers also run fused kernels for add+RMSNorm, RoPE and SiLU*up: ~10
-        launches per layer instead of ~37, which at small batch on a GPU is most of a step."""
-        self.attention, self.attention_backend = make_attention(backend), backend
-        self.fused = backend == "triton"
+        """Pick the backend ("torch" | "triton"); the runner builds the matching metadata."""
+        self.ops, self.attention_backend = Ops.for_backend(backend), backend
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
         c = self.cfg
@@ -55,43 +128,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] of a flattened batch of new tokens."""
-        if self.fused:
-            return self._forward_fused(input_ids, positions, meta, kv_caches)
         x = self.embed[input_ids].to(self.act_dtype)
-        T = x.shape[0]
-        attend, scale, rope = self.attention, self.scale, self.rope
-        for layer, (kc, vc) in zip(self.layers, kv_caches):
-            h = layer.input_norm(x)
-            q, k, v = layer.qkv(h).split(layer.split, dim=-1)
-            q, k = rope(positions, q.view(T, layer.H, layer.D), k.view(T, layer.KVH, layer.D))
-            a = attend(q, k, v.view(T, layer.KVH, layer.D), kc, vc, meta, scale)
-            x = x + layer.o(a)
-            g, u = layer.gate_up(layer.post_norm(x)).split(layer.inter, dim=-1)
-            x = x + layer.down(F.silu(g) * u)
-        return self.norm(x)
-
-    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """forward() with our fused kernels; the same math (the residual stream is kept in the
-        activation dtype and each add rounds to it, as in forward)."""
-        from localllm_kernels import apply_rope, rms_norm, silu_and_mul
-
-        x = self.embed[input_ids].to(self.act_dtype)
-        T = x.shape[0]
-        cos, sin, scale = self.rope.cos, self.rope.sin, self.scale
         residual = None
-        for layer, (kc, vc) in zip(self.layers, kv_caches):
-            if residual is None:
-                h, residual = rms_norm(x, layer.input_norm.weight, layer.input_norm.eps), x
-            else:  # x is the previous layer's MLP output
-                h, residual = rms_norm(x, layer.input_norm.weight, layer.input_norm.eps, residual)
-            q, k, v = layer.qkv(h).split(layer.split, dim=-1)
-            q, k = apply_rope(positions, q.view(T, layer.H, layer.D), k.view(T, layer.KVH, layer.D), cos, sin,
-                              inplace=True)
-            a = self.attention(q, k, v.view(T, layer.KVH, layer.D), kc, vc, meta, scale)
-            h, residual = rms_norm(layer.o(a), layer.post_norm.weight, layer.post_norm.eps, residual)
-            x = layer.down(silu_and_mul(layer.gate_up(h)))
-        return rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, positions, meta, kv, self.ops, self.rope, self.scale)
+        return self.ops.add_norm(x, residual, self.norm)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)

@@ -305,7 +305,7 @@ def _resolve_precision(precision: str, weights, device: str) -> tuple[str, torch
 def _keep_dense(cfg: ModelConfig, mode: str, device: str) -> bool:
     """Keep fp32 copies of int4 weights for prefill GEMMs (Int4Linear.dense) when the model is
     small: they cost 8x the int4 bytes of RAM (SmolLM2-135M: 425 MB, paged in on first use)."""
-    if mode != "int4" or device != "cpu" or os.environ.get("LOCALLLM_DENSE_PREFILL", "1") == "0":
+    if mode != "int4" or device != "cpu":
         return False
     from ..hardware import available_memory
 
@@ -313,24 +313,25 @@ def _keep_dense(cfg: ModelConfig, mode: str, device: str) -> bool:
     return need <= min(2 << 30, available_memory("cpu") // 8)
 
 
-def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device: str, dense: bool = False):
+def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device: str, dense: bool = False,
+            cpu_kernel: bool = True):
     biases = [n.replace(".weight", ".bias") for n in names]
     bias = torch.cat([weights.dense(b).float() for b in biases]) if all(weights.has(b) for b in biases) else None
     if mode == "int4":
         parts = [weights.int4(n) for n in names]
         if all(p is not None for p in parts):
             if Int4Weight.can_cat(parts):
-                return Int4Linear(Int4Weight.cat(parts), act_dtype, bias, device, dense)
+                return Int4Linear(Int4Weight.cat(parts), act_dtype, bias, device, dense, cpu_kernel=cpu_kernel)
             # act-order parts with different input permutations: one int4 matmul each
             sizes = [p.shape[0] for p in parts]
             bs = [None] * len(parts) if bias is None else list(bias.split(sizes))
-            return ConcatLinear([Int4Linear(p, act_dtype, b, device) for p, b in zip(parts, bs)])
+            return ConcatLinear([Int4Linear(p, act_dtype, b, device, cpu_kernel=cpu_kernel) for p, b in zip(parts, bs)])
     w = torch.cat([weights.dense(n).float() for n in names])
     prequantized = isinstance(weights, HFWeights) and weights.quant is not None
     if mode == "int4" and not prequantized:  # quantize on load: largest group that divides K
         group = next((g for g in (128, 64, 32) if w.shape[1] % g == 0), None)
         if group is not None:
-            return Int4Linear(quantize_rtn(w, group), act_dtype, bias, device, dense)
+            return Int4Linear(quantize_rtn(w, group), act_dtype, bias, device, dense, cpu_kernel=cpu_kernel)
     if mode == "int8" and device == "cpu":
         return Int8Linear(w, act_dtype, bias)
     return DenseLinear(w.to(device, act_dtype), None if bias is None else bias.to(device, act_dtype))
@@ -354,21 +355,20 @@ def weights_fingerprint(path: str | os.PathLike, *how) -> str:
 class ConvertCache:
     """What loading a GGUF on CPU computes (int4pack repacks, the fp32 embedding, the int4 copy of
     the head) saved once per file as safetensors under ~/.cache/localllm/converted, keyed by the
-    file's path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md).
-    LOCALLLM_CONVERT_CACHE=0 turns it off."""
+    file's path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md)."""
 
     VERSION = 3
 
-    def __init__(self, file: Path, dense: bool = False):
+    def __init__(self, file: Path, dense: bool = False, cpu_kernel: bool = True):
         from localllm_kernels import cpu_int4
 
-        from .compiled import cache_dir
+        from ..paths import cache_home
 
         # the buffers differ by int4 kernel (ours or torch's), so does the cache
         key = weights_fingerprint(file, torch.__version__, f"v{self.VERSION}", f"dense={dense}",
-                                  f"vnni={cpu_int4.load()}")
+                                  f"vnni={cpu_kernel and cpu_int4.load()}")
         self.stem = file.stem
-        self.path = cache_dir().parent / "converted" / f"{self.stem}-{key[:16]}.safetensors"
+        self.path = cache_home() / "converted" / f"{self.stem}-{key[:16]}.safetensors"
         self.tensors: dict[str, torch.Tensor] = {}
         self.hit = False
         if self.path.is_file():
@@ -380,12 +380,10 @@ class ConvertCache:
                 self.tensors = {}
 
     @staticmethod
-    def open(path, weights, mode: str, device: str, dense: bool) -> ConvertCache | None:
+    def open(path, weights, mode: str, device: str, dense: bool, cpu_kernel: bool) -> ConvertCache | None:
         if not (isinstance(weights, GGUFWeights) and mode == "int4" and device == "cpu"):
             return None
-        if os.environ.get("LOCALLLM_CONVERT_CACHE", "1").lower() in ("0", "false", "no", "off"):
-            return None
-        return ConvertCache(Path(path), dense)
+        return ConvertCache(Path(path), dense, cpu_kernel)
 
     def linear(self, key: str, build):
         """The cached Int4Linear `key`, or build() (remembered when it is a plain Int4Linear)."""
@@ -428,17 +426,21 @@ class ConvertCache:
 
 
 def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "cpu",
-               max_model_len: int | None = None, fast_head: bool = True) -> LoadedModel:
+               max_model_len: int | None = None, fast_head: bool = True, cpu_kernels: bool = True) -> LoadedModel:
+    """cpu_kernels=False: torch's own int4 kernel on CPU instead of ours (what a CPU without
+    AVX-512 VNNI runs; for comparisons)."""
+    origin = {"path": str(Path(path).resolve()), "precision": precision, "device": device,
+              "max_model_len": max_model_len, "fast_head": fast_head, "cpu_kernels": cpu_kernels}
     weights = open_weights(path)
     cfg = weights.config
     mode, act_dtype = _resolve_precision(precision, weights, device)
     tokenizer = weights.tokenizer()
     dense = _keep_dense(cfg, mode, device)
-    cache = ConvertCache.open(path, weights, mode, device, dense)
+    cache = ConvertCache.open(path, weights, mode, device, dense, cpu_kernels)
 
     def linear(key: str, names: list[str]):
         def build():
-            return _linear(weights, names, mode, act_dtype, device, dense)
+            return _linear(weights, names, mode, act_dtype, device, dense, cpu_kernels)
         return cache.linear(key, build) if cache else build()
 
     layers = []
@@ -472,18 +474,15 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     fast_greedy = fast_head and mode in ("int4", "int8") and device == "cpu"
     fast = None
     if fast_greedy and cache:
-        fast = cache.linear("head_int4", lambda: LMHead(head_w, True, device=device).fast)
-    head = LMHead(head_w, fast_greedy=fast_greedy, device=device, fast=fast)
+        fast = cache.linear("head_int4", lambda: LMHead(head_w, True, device=device, cpu_kernel=cpu_kernels).fast)
+    head = LMHead(head_w, fast_greedy=fast_greedy, device=device, fast=fast, cpu_kernel=cpu_kernels)
     if cache:
         cache.save()
-    model = LlamaModel(cfg, embed, layers, norm, head, act_dtype, max_len, device)
     # which int4 kernel(s) the layers call (also inside ConcatLinear): a compiled graph bakes it in
-    kernel = "+".join(sorted({m.kind for m in model.modules() if isinstance(m, Int4Linear)})) or None
-    model.fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device, kernel)
-    from . import compiled
-
-    if compiled.wanted():
-        compiled.enable(model)
+    kinds = {m.kind for part in (*layers, head) for m in part.modules() if isinstance(m, Int4Linear)}
+    kernel = "+".join(sorted(kinds)) or None
+    fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device, kernel)
+    model = LlamaModel(cfg, embed, layers, norm, head, act_dtype, max_len, device, fingerprint, origin)
     eos = set(tokenizer.eos_ids) | weights.extra_eos_ids()
     desc = mode
     if mode == "int4" and device == "cpu":

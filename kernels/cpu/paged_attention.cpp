@@ -1,0 +1,601 @@
+// Paged attention for CPU: queries of a flattened batch against the paged KV cache, read in place.
+//
+// Why: the torch path gathers every sequence's K/V through the block table into a dense tensor
+// (and converts it to fp32) before SDPA: at long context that copy costs as much as the attention.
+// Here each work item (sequence, KV head, query tile, context chunk) walks its block table and
+// reads every K/V row of its chunk once for all G query heads of the KV head and all query rows
+// of the tile (the whole sequence up to 16 rows: decode, speculative verify, prefix-hit extend),
+// with an online softmax over tiles of 16 keys (flash-decoding). When the work items are few
+// against the threads (decode at batch 1), long contexts are split into chunks whose partial
+// (max, sum, acc) are merged afterwards. Items are taken from a shared counter, longest first.
+// fp16/bf16 caches are converted to fp32 on load; all arithmetic is fp32.
+//
+// Built with -march=native (the cached library is keyed by the CPU's flags): AVX-512, AVX2+F16C+FMA,
+// or plain loops for any other CPU; every path works on 16 floats at a time (D % 16 == 0).
+//
+// q [T, H, D] fp32; k_cache, v_cache [num_blocks, block_size, KVH, D] fp32/fp16/bf16;
+// block_tables [B, max_blocks], cu_seqlens_q [B + 1], context_lens [B] int64. Row i of sequence b
+// (n_b = cu[b+1] - cu[b] rows) sits at position ctx_b - n_b + i and sees positions 0 ..= that.
+// Query head h uses KV head h / (H / KVH). Returns [T, H, D] fp32.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kTile = 16;       // keys per softmax step: one query's scores over a tile are one Vec16
+constexpr int kMinChunk = 256;  // keys: shortest context chunk worth a work item of its own
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- 16 floats ------------------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+#define PA_ISA "avx512"
+constexpr int kQB = 4, kKB = 4;  // score block: queries x keys (accumulators kept in registers)
+struct Vec16 {
+  __m512 v;
+};
+inline Vec16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Vec16 load(const c10::Half* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline Vec16 load(const c10::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
+inline void store(float* p, Vec16 a) { _mm512_storeu_ps(p, a.v); }
+inline Vec16 set1(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec16 zero() { return {_mm512_setzero_ps()}; }
+inline Vec16 fma(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec16 mul(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec16 sub(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline float hsum(Vec16 a) { return _mm512_reduce_add_ps(a.v); }
+inline float hmax(Vec16 a) { return _mm512_reduce_max_ps(a.v); }
+// e^x for x <= 0 (Cephes expf, ~1 ulp); below -87 (e^x < FLT_MIN, and -inf) gives 0
+inline Vec16 exp_nonpos(Vec16 a) {
+  const __m512 x = _mm512_max_ps(a.v, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 out = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a.v, _mm512_set1_ps(-87.f), _CMP_GE_OQ), out)};
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PA_ISA "avx2"
+constexpr int kQB = 2, kKB = 2;  // 16 ymm registers: 8 accumulators
+struct Vec16 {
+  __m256 lo, hi;
+};
+inline Vec16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline Vec16 load(const c10::Half* p) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_cvtph_ps(_mm256_castsi256_si128(w)), _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1))};
+}
+inline Vec16 load(const c10::BFloat16* p) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(w));
+  const __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(w, 1));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+}
+inline void store(float* p, Vec16 a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline Vec16 set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Vec16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Vec16 fma(Vec16 a, Vec16 b, Vec16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline Vec16 mul(Vec16 a, Vec16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Vec16 sub(Vec16 a, Vec16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float hsum(Vec16 a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+inline float hmax(Vec16 a) {
+  const __m256 m = _mm256_max_ps(a.lo, a.hi);
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline __m256 exp8_nonpos(__m256 a) {
+  const __m256 x = _mm256_max_ps(a, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 out = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_and_ps(out, _mm256_cmp_ps(a, _mm256_set1_ps(-87.f), _CMP_GE_OQ));
+}
+inline Vec16 exp_nonpos(Vec16 a) { return {exp8_nonpos(a.lo), exp8_nonpos(a.hi)}; }
+
+#else
+#define PA_ISA "generic"
+constexpr int kQB = 2, kKB = 2;
+struct Vec16 {
+  float f[16];
+};
+template <typename T>
+inline Vec16 load(const T* p) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.f[i] = static_cast<float>(p[i]);
+  return r;
+}
+inline void store(float* p, Vec16 a) { std::memcpy(p, a.f, sizeof(a.f)); }
+inline Vec16 set1(float x) {
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.f[i] = x;
+  return r;
+}
+inline Vec16 zero() { return set1(0.f); }
+inline Vec16 fma(Vec16 a, Vec16 b, Vec16 c) {
+  for (int i = 0; i < 16; ++i) c.f[i] = a.f[i] * b.f[i] + c.f[i];
+  return c;
+}
+inline Vec16 mul(Vec16 a, Vec16 b) {
+  for (int i = 0; i < 16; ++i) a.f[i] *= b.f[i];
+  return a;
+}
+inline Vec16 sub(Vec16 a, Vec16 b) {
+  for (int i = 0; i < 16; ++i) a.f[i] -= b.f[i];
+  return a;
+}
+inline float hsum(Vec16 a) {
+  for (int w = 8; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) a.f[i] += a.f[i + w];
+  return a.f[0];
+}
+inline float hmax(Vec16 a) {
+  float m = a.f[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, a.f[i]);
+  return m;
+}
+inline Vec16 exp_nonpos(Vec16 a) {
+  for (int i = 0; i < 16; ++i) a.f[i] = a.f[i] < -87.f ? 0.f : std::exp(a.f[i]);
+  return a;
+}
+#endif
+
+// ---- the attention ---------------------------------------------------------------------------
+
+struct Problem {
+  const float* q;
+  const void* k;
+  const void* v;
+  const int64_t* bt;   // [B, MB]
+  const int64_t* cu;   // [B + 1]
+  const int64_t* ctx;  // [B]
+  int64_t H, KVH, G, D, BS, MB;
+  float scale;
+  float* out;  // [T, H, D]
+};
+
+// A sequence's query rows [r0, r1) with KV heads [h0, h1) over key positions [c0, c1).
+struct Item {
+  int64_t b, r0, r1, h0, h1, c0, c1;
+  int64_t part;  // offset of its partials (per head: acc [M, D], max [M], sum [M]); -1: writes the output
+  int64_t cost;
+};
+
+struct Scratch {
+  // per head of the item: scaled queries [M, D], acc [M, D], running max and sum [M]
+  std::vector<float> qs, acc, mx, sum, alpha, s, kbuf, vbuf, zeros;
+  std::vector<int> vis;
+  Scratch(int64_t heads, int64_t M, int64_t D)
+      : qs(heads * M * D), acc(heads * M * D), mx(heads * M), sum(heads * M), alpha(M), s(M * kTile),
+        kbuf(kTile * D), vbuf(kTile * D), zeros(D), vis(M) {}
+};
+
+// s[i * kTile + j] = q_i . k_j for NQ queries (rows D apart) and NK keys
+template <int NQ, int NK>
+inline void dots(const float* qs, int64_t D, const float* const* kr, float* s) {
+  Vec16 a[NQ][NK];
+  for (int i = 0; i < NQ; ++i)
+    for (int j = 0; j < NK; ++j) a[i][j] = zero();
+  for (int64_t d = 0; d < D; d += 16) {
+    Vec16 kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = load(kr[j] + d);
+    for (int i = 0; i < NQ; ++i) {
+      const Vec16 qv = load(qs + i * D + d);
+      for (int j = 0; j < NK; ++j) a[i][j] = fma(qv, kv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int j = 0; j < NK; ++j) s[i * kTile + j] = hsum(a[i][j]);
+}
+
+template <int NQ>
+inline void dots_q(int nk, const float* qs, int64_t D, const float* const* kr, float* s) {
+  if constexpr (kKB >= 4) {
+    if (nk == 4) return dots<NQ, 4>(qs, D, kr, s);
+    if (nk == 3) return dots<NQ, 3>(qs, D, kr, s);
+  }
+  if (nk >= 2) return dots<NQ, 2>(qs, D, kr, s);
+  return dots<NQ, 1>(qs, D, kr, s);
+}
+
+#if defined(__AVX512F__) && !defined(PA_NO_TREE)
+// lane j of the result = the sum of the lanes of a[j]: four rounds of shuffles and adds (45 instructions
+// instead of 16 separate reductions), then one permute back into key order
+inline __m512 transpose_sum(__m512 a[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int j = 0; j < 8; ++j)
+    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[j], a[j + 8], 0x44), _mm512_shuffle_f32x4(a[j], a[j + 8], 0xEE));
+  for (int j = 0; j < 4; ++j)
+    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[j], b[j + 4], 0x88), _mm512_shuffle_f32x4(b[j], b[j + 4], 0xDD));
+  for (int j = 0; j < 2; ++j)
+    d[j] = _mm512_add_ps(_mm512_shuffle_ps(c[j], c[j + 2], 0x44), _mm512_shuffle_ps(c[j], c[j + 2], 0xEE));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), e);
+}
+
+// s[m * kTile + j] = q_m . k_j: per query, the 16 keys' dot products in 16 accumulators
+// (rows past kt point at zeros)
+inline void scores(int64_t M, int kt, const float* qs, int64_t D, const float* const* kr, float* s) {
+  (void)kt;
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 a[16];
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qv = _mm512_loadu_ps(qs + m * D + d);
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[j] + d), a[j]);
+    }
+    _mm512_storeu_ps(s + m * kTile, transpose_sum(a));
+  }
+}
+constexpr bool kFullTile = true;  // scores() reads 16 key rows
+#else
+constexpr bool kFullTile = false;
+inline void scores(int64_t M, int kt, const float* qs, int64_t D, const float* const* kr, float* s) {
+  for (int j0 = 0; j0 < kt; j0 += kKB) {
+    const int nk = std::min(kKB, kt - j0);
+    int64_t m0 = 0;
+    for (; m0 + kQB <= M; m0 += kQB) dots_q<kQB>(nk, qs + m0 * D, D, kr + j0, s + m0 * kTile + j0);
+    for (; m0 < M; ++m0) dots_q<1>(nk, qs + m0 * D, D, kr + j0, s + m0 * kTile + j0);
+  }
+}
+#endif
+
+// acc_i = acc_i * alpha_i + sum_j p[i][j] v_j for NQ queries
+template <int NQ>
+inline void accumulate(float* acc, int64_t D, const float* p, const float* alpha, const float* const* vr, int kt) {
+  for (int64_t d = 0; d < D; d += 16) {
+    Vec16 a[NQ];
+    for (int i = 0; i < NQ; ++i) a[i] = mul(load(acc + i * D + d), set1(alpha[i]));
+    for (int j = 0; j < kt; ++j) {
+      const Vec16 vv = load(vr[j] + d);
+      for (int i = 0; i < NQ; ++i) a[i] = fma(set1(p[i * kTile + j]), vv, a[i]);
+    }
+    for (int i = 0; i < NQ; ++i) store(acc + i * D + d, a[i]);
+  }
+}
+
+// One work item: per head, its partial (max, sum, unnormalized acc) per query, in S. Tiles of 16
+// positions outside, heads inside: the tile's K/V rows of all heads lie together in the cache.
+template <typename T>
+void attend(const Problem& P, const Item& it, Scratch& S) {
+  const int64_t D = P.D, G = P.G, H = P.H, nh = it.h1 - it.h0;
+  const int64_t n = P.cu[it.b + 1] - P.cu[it.b], cached = P.ctx[it.b] - n, t0 = P.cu[it.b];
+  const int64_t M = (it.r1 - it.r0) * G;
+  const Vec16 sc = set1(P.scale);
+  for (int64_t hh = 0; hh < nh; ++hh)
+    for (int64_t r = 0; r < it.r1 - it.r0; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* src = P.q + ((t0 + it.r0 + r) * H + (it.h0 + hh) * G + g) * D;
+        float* dst = S.qs.data() + (hh * M + r * G + g) * D;
+        for (int64_t d = 0; d < D; d += 16) store(dst + d, mul(load(src + d), sc));
+      }
+  std::fill_n(S.mx.data(), nh * M, kNegInf);
+  std::fill_n(S.sum.data(), nh * M, 0.f);
+  std::fill_n(S.acc.data(), nh * M * D, 0.f);
+
+  const T* kc = static_cast<const T*>(P.k);
+  const T* vc = static_cast<const T*>(P.v);
+  const int64_t* bt = P.bt + it.b * P.MB;
+  int64_t bi = it.c0 / P.BS, off = it.c0 % P.BS;
+  const T* kp[kTile];
+  const T* vp[kTile];
+  const float* kr[kTile];
+  const float* vr[kTile];
+  float* s = S.s.data();
+  for (int64_t pos0 = it.c0; pos0 < it.c1; pos0 += kTile) {
+    const int kt = static_cast<int>(std::min<int64_t>(kTile, it.c1 - pos0));
+    for (int j = 0; j < kt; ++j) {  // position j's rows of every KV head
+      const int64_t row = (bt[bi] * P.BS + off) * P.KVH * D;
+      kp[j] = kc + row;
+      vp[j] = vc + row;
+      if (++off == P.BS) off = 0, ++bi;
+    }
+    // keys each query sees in this tile: all kt, except on the causal diagonal
+    const bool diagonal = pos0 + kt - 1 > cached + it.r0;
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t seen = cached + it.r0 + m / G - pos0 + 1;
+      S.vis[m] = diagonal ? static_cast<int>(std::clamp<int64_t>(seen, 0, kt)) : kt;
+    }
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      const int64_t hd = (it.h0 + hh) * D;
+      if constexpr (std::is_same_v<T, float>) {
+        for (int j = 0; j < kt; ++j) kr[j] = kp[j] + hd, vr[j] = vp[j] + hd;
+      } else {  // convert the head's tile once for all its queries
+        for (int j = 0; j < kt; ++j) {
+          float* kd = S.kbuf.data() + j * D;
+          float* vd = S.vbuf.data() + j * D;
+          for (int64_t d = 0; d < D; d += 16) store(kd + d, load(kp[j] + hd + d)), store(vd + d, load(vp[j] + hd + d));
+          kr[j] = kd, vr[j] = vd;
+        }
+      }
+      if (kFullTile)
+        for (int j = kt; j < kTile; ++j) kr[j] = S.zeros.data();
+      const float* qs = S.qs.data() + hh * M * D;
+      float* acc = S.acc.data() + hh * M * D;
+      float* mx = S.mx.data() + hh * M;
+      float* sum = S.sum.data() + hh * M;
+#ifndef PA_SKIP_SCORES
+      scores(M, kt, qs, D, kr, s);
+#else
+      for (int64_t m = 0; m < M; ++m) for (int j = 0; j < kTile; ++j) s[m * kTile + j] = qs[m * D] * kr[j][0];
+#endif
+      for (int64_t m = 0; m < M; ++m) {
+        float* sm = s + m * kTile;
+        if (S.vis[m] == 0) {  // nothing visible yet: leave this query as it is
+          std::fill_n(sm, kTile, 0.f);
+          S.alpha[m] = 1.f;
+          continue;
+        }
+        for (int j = S.vis[m]; j < kTile; ++j) sm[j] = kNegInf;
+        const Vec16 sv = load(sm);
+        const float nm = std::max(mx[m], hmax(sv));
+        const float alpha = std::exp(mx[m] - nm);  // 0 on the first tile (max -inf)
+        const Vec16 p = exp_nonpos(sub(sv, set1(nm)));
+        sum[m] = sum[m] * alpha + hsum(p);
+        store(sm, p);
+        mx[m] = nm;
+        S.alpha[m] = alpha;
+      }
+      int64_t m0 = 0;
+#ifdef PA_SKIP_ACC
+      m0 = M; acc[0] += s[0] * vr[0][0];
+#endif
+      for (; m0 + 4 <= M; m0 += 4) accumulate<4>(acc + m0 * D, D, s + m0 * kTile, S.alpha.data() + m0, vr, kt);
+      for (; m0 < M; ++m0) accumulate<1>(acc + m0 * D, D, s + m0 * kTile, S.alpha.data() + m0, vr, kt);
+    }
+  }
+}
+
+// Output row of query m of head h (an absolute KV head) of an item.
+inline float* out_row(const Problem& P, const Item& it, int64_t h, int64_t m) {
+  const int64_t r = it.r0 + m / P.G, g = m % P.G;
+  return P.out + ((P.cu[it.b] + r) * P.H + h * P.G + g) * P.D;
+}
+
+// A (sequence, query tile) split into chunks x head groups; items[first + c * groups + g].
+struct Split {
+  int64_t b, r0, r1, first, chunks, groups, group_heads;
+};
+
+template <typename T>
+void run(const Problem& P, int64_t B) {
+  const int64_t D = P.D, G = P.G, KVH = P.KVH;
+  const int threads = at::get_num_threads();
+  const int64_t qt = std::max<int64_t>(16, 64 / G);  // query rows per tile: up to 16 always in one
+  // (sequence, query tile) units over all KV heads, the keys they need and what they cost
+  struct Unit {
+    int64_t b, r0, r1, keys, cost;
+  };
+  std::vector<Unit> units;
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = P.cu[b + 1] - P.cu[b], cached = P.ctx[b] - n;
+    for (int64_t r0 = 0; r0 < n; r0 += qt) {
+      const int64_t r1 = std::min(n, r0 + qt), keys = cached + r1, cost = keys * (r1 - r0) * KVH;
+      units.push_back({b, r0, r1, keys, cost});
+      total += cost;
+    }
+  }
+  // ~4 items per thread: split long contexts into chunks, then (short ones) the KV heads into
+  // groups; the heads of an item also share its scratch (at most kScratch floats)
+  constexpr int64_t kScratch = 1 << 16;
+  const int64_t target = threads > 1 ? std::max<int64_t>(1, total / (4 * threads)) : total;
+  std::vector<Item> items;
+  std::vector<Split> splits;  // units split into chunks: their partials are merged at the end
+  int64_t part_floats = 0, max_heads_m = 0, max_m = 0;
+  for (const Unit& u : units) {
+    const int64_t M = (u.r1 - u.r0) * G;
+    const int64_t parts = (u.cost + target - 1) / target;
+    int64_t chunks = std::clamp<int64_t>(parts, 1, (u.keys + kMinChunk - 1) / kMinChunk);
+    int64_t chunk = (u.keys + chunks - 1) / chunks;
+    chunk = (chunk + kTile - 1) / kTile * kTile;
+    chunks = (u.keys + chunk - 1) / chunk;
+    int64_t groups = std::clamp<int64_t>((parts + chunks - 1) / chunks, 1, KVH);
+    groups = std::max(groups, (KVH * M * (2 * D + 2) + kScratch - 1) / kScratch);
+    const int64_t gh = (KVH + std::min(groups, KVH) - 1) / std::min(groups, KVH);
+    groups = (KVH + gh - 1) / gh;
+    max_heads_m = std::max(max_heads_m, gh * M);
+    max_m = std::max(max_m, M);
+    if (chunks > 1) splits.push_back({u.b, u.r0, u.r1, static_cast<int64_t>(items.size()), chunks, groups, gh});
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t g = 0; g < groups; ++g) {
+        Item it{u.b, u.r0, u.r1, g * gh, std::min(KVH, (g + 1) * gh), c * chunk, std::min(u.keys, (c + 1) * chunk), -1, 0};
+        it.cost = (it.c1 - it.c0) * (it.r1 - it.r0) * (it.h1 - it.h0);
+        if (chunks > 1) {
+          it.part = part_floats;
+          part_floats += (it.h1 - it.h0) * M * (D + 2);
+        }
+        items.push_back(it);
+      }
+  }
+  std::vector<float> partials(part_floats);
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return items[a].cost > items[b].cost; });
+
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, n_items, 1, [&](int64_t, int64_t) {
+    // sized for the largest item (heads x queries)
+    Scratch S(1, max_heads_m, D);
+    S.alpha.resize(max_m), S.s.resize(max_m * kTile), S.vis.resize(max_m);
+    for (int64_t k; (k = next.fetch_add(1)) < n_items;) {
+      const Item& it = items[order[k]];
+      attend<T>(P, it, S);
+      const int64_t M = (it.r1 - it.r0) * G;
+      for (int64_t hh = 0; hh < it.h1 - it.h0; ++hh) {
+        const float* acc = S.acc.data() + hh * M * D;
+        if (it.part < 0) {
+          for (int64_t m = 0; m < M; ++m) {
+            const Vec16 inv = set1(1.f / S.sum[hh * M + m]);
+            float* o = out_row(P, it, it.h0 + hh, m);
+            for (int64_t d = 0; d < D; d += 16) store(o + d, mul(load(acc + m * D + d), inv));
+          }
+        } else {
+          float* pp = partials.data() + it.part + hh * M * (D + 2);
+          std::copy_n(acc, M * D, pp);
+          std::copy_n(S.mx.data() + hh * M, M, pp + M * D);
+          std::copy_n(S.sum.data() + hh * M, M, pp + M * D + M);
+        }
+      }
+    }
+  });
+
+  // merge the chunks of split units, per KV head: out = sum_c e^(m_c - m) acc_c / sum_c e^(m_c - m) l_c
+  const int64_t n_merge = static_cast<int64_t>(splits.size()) * KVH;
+  at::parallel_for(0, n_merge, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const float*> pc;
+    std::vector<float> w;
+    for (int64_t i = begin; i < end; ++i) {
+      const Split& sp = splits[i / KVH];
+      const int64_t h = i % KVH, g = h / sp.group_heads, M = (sp.r1 - sp.r0) * G;
+      pc.resize(sp.chunks), w.resize(sp.chunks);
+      for (int64_t c = 0; c < sp.chunks; ++c) {
+        const Item& it = items[sp.first + c * sp.groups + g];
+        pc[c] = partials.data() + it.part + (h - it.h0) * M * (D + 2);
+      }
+      const Item& it0 = items[sp.first + g];
+      for (int64_t m = 0; m < M; ++m) {
+        float mx = kNegInf;
+        for (int64_t c = 0; c < sp.chunks; ++c) mx = std::max(mx, pc[c][M * D + m]);
+        float l = 0.f;
+        for (int64_t c = 0; c < sp.chunks; ++c) {
+          w[c] = pc[c][M * D + m] == kNegInf ? 0.f : std::exp(pc[c][M * D + m] - mx);
+          l += w[c] * pc[c][M * D + M + m];
+        }
+        const Vec16 inv = set1(1.f / l);
+        float* o = out_row(P, it0, h, m);
+        for (int64_t d = 0; d < D; d += 16) {
+          Vec16 a = zero();
+          for (int64_t c = 0; c < sp.chunks; ++c) a = fma(set1(w[c]), load(pc[c] + m * D + d), a);
+          store(o + d, mul(a, inv));
+        }
+      }
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                           const at::Tensor& context_lens, double scale) {
+  const char* me = "paged_attention: ";
+  for (const at::Tensor* t : {&q, &k_cache, &v_cache, &block_tables, &cu_seqlens_q, &context_lens})
+    TORCH_CHECK(t->device().is_cpu(), me, "all tensors must be on the CPU");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, me, "q must be float32 [T, H, D], got ",
+              q.scalar_type(), " ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), me,
+              "k_cache and v_cache must both be [num_blocks, block_size, KVH, D], got ", k_cache.sizes(), " and ",
+              v_cache.sizes());
+  const auto dt = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == dt && (dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16), me,
+              "k_cache and v_cache must both be float32, float16 or bfloat16, got ", dt, " and ", v_cache.scalar_type());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), me, "the caches must be contiguous");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t NB = k_cache.size(0), BS = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, me, "head dim of the cache (", k_cache.size(3), ") != q's (", D, ")");
+  TORCH_CHECK(D > 0 && D % 16 == 0, me, "head dim must be a multiple of 16, got ", D);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, me, "query heads (", H, ") must be a multiple of KV heads (", KVH, ")");
+  TORCH_CHECK(BS > 0, me, "block_size must be positive");
+  for (const at::Tensor* t : {&block_tables, &cu_seqlens_q, &context_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong, me, "block_tables, cu_seqlens_q and context_lens must be int64, got ",
+                t->scalar_type());
+  TORCH_CHECK(cu_seqlens_q.dim() == 1 && cu_seqlens_q.size(0) >= 1, me, "cu_seqlens_q must be [B + 1]");
+  const int64_t B = cu_seqlens_q.size(0) - 1;
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == B, me, "context_lens must be [B] = [", B, "], got ",
+              context_lens.sizes());
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B, me, "block_tables must be [B, max_blocks] with B = ",
+              B, ", got ", block_tables.sizes());
+  const at::Tensor qc = q.contiguous(), btc = block_tables.contiguous(), cuc = cu_seqlens_q.contiguous(),
+                   ctc = context_lens.contiguous();
+  const int64_t MB = btc.size(1);
+  const int64_t* bt = btc.data_ptr<int64_t>();
+  const int64_t* cu = cuc.data_ptr<int64_t>();
+  const int64_t* ctx = ctc.data_ptr<int64_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[B] == T, me, "cu_seqlens_q must run from 0 to T = ", T, ", got ", cu[0], " .. ", cu[B]);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = cu[b + 1] - cu[b];
+    TORCH_CHECK(n >= 1, me, "sequence ", b, " has ", n, " query rows (needs >= 1)");
+    TORCH_CHECK(ctx[b] >= n, me, "sequence ", b, ": context length ", ctx[b], " < its ", n, " query rows");
+    TORCH_CHECK(ctx[b] <= MB * BS, me, "sequence ", b, ": context length ", ctx[b], " > block table capacity ",
+                MB * BS);
+    for (int64_t i = 0; i < (ctx[b] + BS - 1) / BS; ++i)
+      TORCH_CHECK(bt[b * MB + i] >= 0 && bt[b * MB + i] < NB, me, "sequence ", b, ": block id ", bt[b * MB + i],
+                  " out of range [0, ", NB, ")");
+  }
+  at::Tensor out = at::empty({T, H, D}, q.options());
+  if (T == 0) return out;
+  const Problem P{qc.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), bt, cu, ctx, H, KVH, H / KVH,
+                  D, BS, MB, static_cast<float>(scale), out.data_ptr<float>()};
+  if (dt == at::kFloat) run<float>(P, B);
+  else if (dt == at::kHalf) run<c10::Half>(P, B);
+  else run<c10::BFloat16>(P, B);
+  return out;
+}
+
+std::string isa() { return PA_ISA; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(localllm, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_attention_isa() -> str", &isa);
+}
+
+TORCH_LIBRARY_IMPL(localllm, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+}

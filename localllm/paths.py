@@ -1,0 +1,21 @@
+"""Where localllm keeps its own files. Environment variables name locations only:
+LOCALLLM_HOME puts everything (compiled packages, conversion caches, chat history) under one
+folder; otherwise caches go to $XDG_CACHE_HOME/localllm (~/.cache/localllm) and the chat
+history to ~/.local/share/localllm."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_home() -> Path:
+    home = os.environ.get("LOCALLLM_HOME")
+    if home:
+        return Path(home).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "localllm"
+
+
+def data_home() -> Path:
+    home = os.environ.get("LOCALLLM_HOME")
+    return Path(home).expanduser() if home else Path("~/.local/share/localllm").expanduser()
