@@ -135,7 +135,7 @@ def run(
     prompt = "\n\n".join(parts)
     params = sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [])
-    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager)
+    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, parallel=1)
     engine = open_engine(model, quant, device, config, max_memory)
     if raw:
         request = prompt
@@ -213,6 +213,8 @@ def serve(
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait beyond the running batch; "
                                                                "more get 429.")] = 256,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Most sequences in one batch.")] = 64,
+    parallel: Annotated[int, typer.Option("--parallel", help="Full-length contexts the KV cache holds at once "
+                                                             "(shorter requests share them; more wait).")] = 4,
     quant: QuantOpt = "auto",
     device: DeviceOpt = "auto",
     ctx: CtxOpt = None,
@@ -228,8 +230,8 @@ def serve(
 
     if not 0 < port < 65536:
         raise fail(f"--port must be in 1..65535, got {port}", 2)
-    if max_queue < 0 or max_num_seqs < 1:
-        raise fail("--max-queue must be >= 0 and --max-num-seqs >= 1", 2)
+    if max_queue < 0 or max_num_seqs < 1 or parallel < 1:
+        raise fail("--max-queue must be >= 0, --max-num-seqs and --parallel >= 1", 2)
     try:  # name mistakes fail now, not after the server started
         ref = resolve_model(model)
     except ValueError as e:
@@ -245,7 +247,7 @@ def serve(
 
         aliases += [Path(ref.name).name, Path(ref.name).stem]
     config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager,
-                           max_num_seqs=max_num_seqs)
+                           max_num_seqs=max_num_seqs, parallel=parallel)
 
     def load():
         from .llm import build_engine
@@ -367,7 +369,7 @@ def chat(
     from .repl import ChatSession, history_path, run_pipe, run_repl
 
     sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager)
+    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, parallel=1)
     engine = open_engine(model, quant, device, config)
     name = engine.loaded.extra.get("name", model or "")
     interactive = sys.stdin.isatty()

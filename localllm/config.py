@@ -95,8 +95,11 @@ class EngineConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
-    num_kv_blocks: int | None = None  # None: sized from memory
+    num_kv_blocks: int | None = None  # None: sized for `parallel` full contexts (and memory)
     kv_memory_bytes: int | None = None  # explicit KV budget
+    # full-length contexts the KV cache holds at once (llama.cpp's --parallel): 1 for a chat or a
+    # one-shot run; a server's shorter requests share the same tokens
+    parallel: int = 4
     memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16

@@ -258,6 +258,9 @@ def remove(model: str) -> list[str]:
                            "it is not in the download cache and cannot be removed with `rm` "
                            f"(pip uninstall {spec.embedded.split('/')[0]} would)")
         raise HubError(f"{model} is not downloaded (see `localllm list`)")
+    from .model.compiled import remove_packages
+
+    packages = sum(remove_packages(repo_dir(r)) for r in repos)
     lines = []
     if cached:
         hashes = [rev.commit_hash for r in cached for rev in r.revisions]
@@ -274,6 +277,8 @@ def remove(model: str) -> list[str]:
         size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
         shutil.rmtree(d, ignore_errors=True)
         lines.append(f"deleted {repo} (partial download, {human_bytes(size)} freed)")
+    if packages:
+        lines.append(f"deleted {packages} compiled package{'s' * (packages != 1)} of {model}")
     if spec is not None and spec.embedded_path() is not None:
         lines.append(f"(the embedded {spec.name} stays: it is part of the {spec.embedded.split('/')[0]} package)")
     return lines

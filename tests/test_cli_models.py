@@ -137,7 +137,14 @@ def test_show_errors(cli):
     assert r.exit_code == 1 and "not downloaded" in r.output
 
 
-def test_rm(cli, cache):
+def test_rm(cli, cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
+    aoti = tmp_path / "aoti"
+    aoti.mkdir()
+    for name, repo in (("decode-d1-aaa-1", "models--test-org--tiny"), ("decode-d1-bbb-2", "models--other-org--extra")):
+        (aoti / f"{name}.pt2").write_bytes(b"package")  # compiled packages of two downloaded models
+        snapshot = cache / "hf" / "hub" / repo / "snapshots" / "0123"
+        (aoti / f"{name}.json").write_text(json.dumps({"source": str(snapshot.resolve()), "sha256": "", "scalars": {}}))
     r = cli("rm", "smollm2-135m")
     assert r.exit_code == 1 and "embedded model" in r.output
     r = cli("rm", "big")
@@ -148,6 +155,8 @@ def test_rm(cli, cache):
     assert "deleted test-org/tiny (1 revision, " in r.stdout and "deleted test-org/tiny-GGUF" in r.stdout
     assert not (hub / "models--test-org--tiny").exists() and not (hub / "models--test-org--tiny-GGUF").exists()
     assert (hub / "models--other-org--extra" / "refs" / "main").is_file()  # another model: untouched
+    assert "deleted 1 compiled package of tiny" in r.stdout
+    assert sorted(p.name for p in aoti.iterdir()) == ["decode-d1-bbb-2.json", "decode-d1-bbb-2.pt2"]
     rows = json.loads(cli("list", "--json").stdout)
     assert [r["status"] for r in rows if r["name"] == "tiny"] == ["available"]
     r = cli("rm", "other-org/extra")

@@ -130,3 +130,25 @@ def test_speculation_stats_reach_prometheus_metrics(tiny_model):
     assert m["localllm_spec_accepted_tokens_total"] == st["speculative"]["accepted"]
     plain = parse(ServerMetrics().render(make_engine(tiny_model).cache_stats(), {}))
     assert "localllm_spec_proposed_tokens_total" not in plain
+
+
+def test_adaptive_k_turns_speculation_off_when_it_does_not_pay_and_probes_again():
+    from localllm.engine.speculative import AdaptiveK
+
+    ak = AdaptiveK(k_max=4, probe_every=5)
+    for k, seconds in ((0, 1.0), (1, 1.6), (2, 2.2), (3, 2.8), (4, 3.4)):  # verify rows are expensive here
+        ak.observe(k, seconds)
+    assert ak.cost(2) == pytest.approx(2.2)
+    ak.update("r", proposed=4, accepted=0)
+    ak.update("r", proposed=2, accepted=0)  # acceptance ~0.25: 1.33 tokens for 1.6x the time
+    assert ak.choose("r", 1) == 0
+    assert [ak.choose("r", 1) for _ in range(5)] == [0, 0, 0, 0, 1]  # a probe with k=1 every 5 steps
+    for _ in range(6):
+        ak.update("good", proposed=4, accepted=4)
+    assert ak.choose("good", 1) == 4  # acceptance ~1: 5 tokens for 3.4x the time
+    cheap = AdaptiveK(k_max=4)
+    for k in range(5):
+        cheap.observe(k, 1.0 + 0.05 * k)
+    cheap.update("m", proposed=4, accepted=2)
+    assert 1 <= cheap.choose("m", 1) <= 4 and cheap.choose("m", 32) == 0  # big batches never speculate
+    assert AdaptiveK.expected_tokens(0.0, 4) == 1.0 and AdaptiveK.expected_tokens(1.0, 4) == 5.0

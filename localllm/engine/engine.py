@@ -117,21 +117,21 @@ class LLMEngine:
 
     # ---- sizing ---------------------------------------------------------------------------
     def _blocks_from_memory(self) -> int:
-        """KV blocks from the memory left after the weights (already loaded) and the peak
-        activations of the largest step; `kv_memory_bytes` overrides the computation."""
+        """KV blocks for `parallel` full-length contexts, within the memory left after the weights
+        (already loaded) and the peak activations of the largest step; `kv_memory_bytes`
+        overrides the computation."""
         cfg, c = self.config, self.model_config
         per_block = c.kv_bytes_per_token(self.loaded.kv_dtype.itemsize) * cfg.block_size
+        per_context = -(-self.max_model_len // cfg.block_size)
         device = self.loaded.model.device
         if cfg.kv_memory_bytes:
-            budget = cfg.kv_memory_bytes
+            blocks = cfg.kv_memory_bytes // per_block
         else:
             free = available_memory(device) - self._activation_peak()
-            # CPU: RAM is shared with everything else the user runs, so take a quarter of it
+            # CPU: RAM is shared with everything else the user runs, so take at most a quarter of it
             share = cfg.memory_utilization if device != "cpu" else 0.25
-            # no point in more than max_num_seqs full-length contexts
-            budget = min(int(free * share), cfg.max_num_seqs * self.max_model_len * per_block // cfg.block_size)
-        blocks = budget // per_block
-        min_blocks = -(-self.max_model_len // cfg.block_size) + 1  # + the null block
+            blocks = min(int(free * share) // per_block, max(1, cfg.parallel) * per_context + 1)
+        min_blocks = per_context + 1  # + the null block
         if blocks < min_blocks:
             if cfg.kv_memory_bytes:
                 raise ValueError(f"--kv-memory {cfg.kv_memory_bytes / 2**30:.2f} GiB holds {blocks * cfg.block_size} "
@@ -261,6 +261,39 @@ class LLMEngine:
             self.proposer.release(seq.request_id)
             self.adaptive.forget(seq.request_id)
 
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits (float32, on the CPU) at every position of a token sequence, [len(token_ids),
+        vocab]: row i scores the token that follows token_ids[i] (perplexity, evaluations).
+
+        The tokens run as one sequence through the runner's forward over the paged KV cache, as a
+        prompt's prefill does: chunked by `max_num_batched_tokens`, each chunk attending to the
+        cached ones, beside the blocks of whatever else is live (it runs between steps, under the
+        engine's lock; no scheduled batch, so other requests do not advance). Every position is
+        computed (no prefix-cache hit), and the blocks are freed afterwards, never hashed."""
+        ids = self.encode_prompt(list(token_ids))
+        n = len(ids)
+        if not n:
+            raise ValueError("nothing to score: token_ids is empty")
+        capacity = self.block_manager.capacity_blocks * self.config.block_size
+        if n > min(self.max_model_len, capacity):
+            raise ContextLengthError(f"{n} tokens to score but the context is {self.max_model_len} tokens "
+                                     f"and the KV cache holds {capacity}", n, min(self.max_model_len, capacity))
+        bm, budget, rows = self.block_manager, self.config.max_num_batched_tokens, []
+        with self._lock:
+            seq = Sequence(f"score-{next(self._ids)}", ids, SamplingParams(), 1)
+            try:
+                while seq.num_computed_tokens < n:
+                    k = min(n - seq.num_computed_tokens, budget)
+                    if not bm.can_allocate(seq, k):
+                        raise RuntimeError(f"out of KV blocks: {n} tokens to score beside the live requests")
+                    bm.allocate(seq, k)
+                    hidden = self.runner.forward_hidden([seq], [k])
+                    rows.append(self.runner.model.logits(hidden).float().cpu())
+                    seq.num_computed_tokens += k
+            finally:
+                bm.free_seq(seq)
+        return torch.cat(rows)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -275,6 +308,7 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         with self._lock:
+            t0 = time.perf_counter()
             proposals = self._propose() if self.proposer is not None else {}
             batch = self.scheduler.schedule({s: len(p.tokens) for s, p in proposals.items()})
             if not batch.seqs:
@@ -293,6 +327,11 @@ class LLMEngine:
                     seq.token_ids.extend(p.tokens)  # verified (and rolled back) below
                     verify[seq] = p
             results = self.runner.step(batch.seqs, batch.num_new_tokens, verify)
+            n = batch.num_new_tokens[0]
+            if self.proposer is not None and len(batch.seqs) == 1 and n <= self.adaptive.k_max + 1 \
+                    and batch.seqs[0].num_computed_tokens > 0:
+                # what speculation costs here, for choosing k (a one-sequence decode or verify step)
+                self.adaptive.observe(n - 1, time.perf_counter() - t0)
             outs = []
             for seq, n, new in zip(batch.seqs, batch.num_new_tokens, results):
                 if seq in verify:

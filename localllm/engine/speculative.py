@@ -80,34 +80,61 @@ def accept_sampling(drafts: list[int], p: torch.Tensor, q: torch.Tensor | None,
 # ---- adaptive k ---------------------------------------------------------------------------------
 @dataclass
 class AdaptiveK:
-    """Per-request k: grows while proposals are accepted, shrinks when they are not, and
-    shrinks with the batch (verify tokens crowd out other requests' work)."""
+    """Per-request k, chosen for the most tokens per second: a verify with k drafts at the
+    request's acceptance rate a yields (1 - a^(k+1)) / (1 - a) tokens on average and costs
+    cost(k) plain decode steps (measured by the engine on single-sequence steps; a prior until
+    then). When no k beats plain decode the request decodes plainly (k = 0), and is probed
+    again with k = 1 every `probe_every` steps. Large batches do not speculate: verify tokens
+    crowd out other requests' work."""
 
     k_max: int
+    probe_every: int = 32
     acceptance: dict[str, float] = field(default_factory=dict)
-    k: dict[str, int] = field(default_factory=dict)
+    off: dict[str, int] = field(default_factory=dict)  # steps since the request stopped speculating
+    step_s: dict[int, float] = field(default_factory=dict)  # EMA of one-sequence step seconds by k
+
+    def observe(self, k: int, seconds: float) -> None:
+        """A single-sequence step that verified k drafts (0: a plain decode step) took `seconds`."""
+        old = self.step_s.get(k)
+        self.step_s[k] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def cost(self, k: int) -> float:
+        if 0 in self.step_s and k in self.step_s:
+            return self.step_s[k] / self.step_s[0]
+        return 1.0 + 0.15 * k  # a prior: verify rows cost a fraction of a step until measured
+
+    @staticmethod
+    def expected_tokens(a: float, k: int) -> float:
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
     def choose(self, rid: str, batch_size: int) -> int:
-        k = self.k.setdefault(rid, self.k_max)
         if batch_size > 16:
             return 0
-        return max(1, min(k, self.k_max // (1 + batch_size // 4))) if k else 0
+        if rid in self.off:
+            self.off[rid] += 1
+            if self.off[rid] < self.probe_every:
+                return 0
+            del self.off[rid]
+            return 1
+        a = self.acceptance.get(rid, 0.5)
+        cap = max(1, self.k_max // (1 + batch_size // 4))
+        best_k, best = 0, 1.0
+        for k in range(1, cap + 1):
+            gain = self.expected_tokens(a, k) / self.cost(k)
+            if gain > best:
+                best_k, best = k, gain
+        if best_k == 0:
+            self.off[rid] = 0
+        return best_k
 
     def update(self, rid: str, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return
-        ema = 0.7 * self.acceptance.get(rid, 0.5) + 0.3 * accepted / proposed
-        self.acceptance[rid] = ema
-        k = self.k.get(rid, self.k_max)
-        if ema > 0.6 and accepted == proposed:
-            k = min(self.k_max, k + 1)
-        elif ema < 0.35:
-            k = max(1, k - 1)
-        self.k[rid] = k
+        self.acceptance[rid] = 0.7 * self.acceptance.get(rid, 0.5) + 0.3 * accepted / proposed
 
     def forget(self, rid: str) -> None:
         self.acceptance.pop(rid, None)
-        self.k.pop(rid, None)
+        self.off.pop(rid, None)
 
 
 # ---- proposers ----------------------------------------------------------------------------------

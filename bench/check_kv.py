@@ -1,0 +1,69 @@
+"""KV cache precision on the real model: teacher-forced decode with a 16-bit KV cache against the
+fp32 cache, same weights (the embedded model's default int4 path).
+
+    .venv/bin/python bench/check_kv.py [--tokens 600] [--threads 2]
+
+One token per step as decode runs, so every step reads the whole context back from the cache.
+Reports perplexity on the built-in evaluation text, how often the greedy token equals the fp32-KV
+path's, and the logit error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+from localllm.model.attention import AttnMeta
+from localllm.model.loader import load_model
+from localllm.quant.calib_text import EVAL
+from localllm.registry import resolve_model
+
+
+def teacher_forced(loaded, ids: list[int], kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (logits [T-1, V], greedy tokens [T-1]) predicting ids[1:], one decode step each."""
+    model, n, bs = loaded.model, len(ids), 16
+    caches = model.new_kv_cache(n // bs + 2, bs, kv_dtype)
+    table = torch.arange(1, n // bs + 2).view(1, -1)
+    logits, greedy = [], []
+    with torch.inference_mode():
+        for p in range(n - 1):
+            meta = AttnMeta.captured(table[0, p // bs:p // bs + 1] * bs + p % bs, table, torch.tensor([0, 1]),
+                                     torch.tensor([p + 1]))
+            hidden = model(torch.tensor([ids[p]]), torch.tensor([p]), meta, caches)
+            logits.append(model.logits(hidden)[0])
+            greedy.append(model.head.greedy(hidden)[0])
+    return torch.stack(logits), torch.stack(greedy)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=600)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", default="auto")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(resolve_model(None).local_path, args.precision)
+    ids = loaded.tokenizer.encode("\n\n".join(EVAL))[:args.tokens]
+    target = torch.tensor(ids[1:])
+    ref_logits, ref_greedy = teacher_forced(loaded, ids, torch.float32)
+    top2 = ref_logits.topk(2, dim=-1).values
+    gap = top2[:, 0] - top2[:, 1]
+    print(f"{len(ids) - 1} teacher-forced decode steps, {args.threads} threads, weights: {loaded.precision}")
+    print(f"{'KV':9} {'perplexity':>10} {'vs fp32 KV':>10} {'greedy == fp32 KV':>18} {'max |dlogit|':>13} "
+          f"{'mean |dlogit|':>14}  fp32-KV top-2 gap at flips")
+    base = math.exp(F.cross_entropy(ref_logits, target).item())
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        logits, greedy = (ref_logits, ref_greedy) if dtype == torch.float32 else teacher_forced(loaded, ids, dtype)
+        ppl = math.exp(F.cross_entropy(logits, target).item())
+        err = (logits - ref_logits).abs()
+        flips = (greedy != ref_greedy).nonzero().flatten()
+        print(f"{str(dtype).removeprefix('torch.'):9} {ppl:10.4f} {ppl / base - 1:+10.4%} "
+              f"{len(ids) - 1 - len(flips):12d}/{len(ids) - 1:<5d} {err.max().item():13.2e} {err.mean().item():14.2e}"
+              f"  {[round(gap[i].item(), 3) for i in flips]}")
+
+
+if __name__ == "__main__":
+    main()
