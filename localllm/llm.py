@@ -86,9 +86,11 @@ class CompletionOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, precision: str = "auto", device: str = "auto",
-                 draft: str | None = None, spec_tokens: int = 4, **engine_kwargs):
+                 draft: str | None = None, spec_tokens: int = 4, eager: bool = False, **engine_kwargs):
         """`draft`: a draft model (alias, path, repo), "ngram" for prompt lookup, or "auto" for
-        the registry's pairing; `spec_tokens`: the initial number of speculative tokens."""
+        the registry's pairing; `spec_tokens`: the initial number of speculative tokens; `eager`:
+        no compiled step (on CPU it is built in the background the first time) or CUDA graphs."""
+        engine_kwargs.setdefault("compile", not eager)
         config = EngineConfig(speculative=draft, num_speculative_tokens=spec_tokens, **engine_kwargs)
         self.engine = build_engine(model, precision, device, config)
         self.tokenizer = self.engine.tokenizer

@@ -12,9 +12,33 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES_FORCE_NATIVE"):
     if not _has_cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import signal  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+# compiled packages, conversion caches and chat history of the test run stay out of ~/.cache:
+# every test (and every CLI/server process a test starts) uses this home unless it sets its own
+os.environ["LOCALLLM_HOME"] = tempfile.mkdtemp(prefix="localllm-test-home-")
+_TEST_HOMES = (os.environ["LOCALLLM_HOME"], tempfile.gettempdir())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Default engines start background builders of the compiled step (detached, idle priority);
+    end the ones this test run started instead of leaving them to finish."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        home = next((e[len(b"LOCALLLM_HOME="):].decode() for e in env if e.startswith(b"LOCALLLM_HOME=")), "")
+        if b"localllm.model.compiled" in cmd and home.startswith(_TEST_HOMES):
+            try:
+                os.killpg(int(pid), signal.SIGKILL)  # the builder and the compilers it started
+            except OSError:
+                pass
 
 CHAT_PROMPTS = [
     "What is the capital of France?",

@@ -265,7 +265,7 @@ def remove_packages(source: str | os.PathLike) -> int:
 
 # ---- building in the background -----------------------------------------------------------------
 def _lock_path(model) -> Path:
-    return cache_dir() / f"build-{model.fingerprint[:12]}.lock"
+    return cache_dir() / f"build-{model.fingerprint[:12]}-{torch.get_num_threads()}.lock"
 
 
 def spawn_builder(origin: dict, kv_dtype: torch.dtype, threads: int, log_path: Path) -> subprocess.Popen:
