@@ -69,7 +69,7 @@ def fits(n: int, k: int, group_size: int) -> bool:
 
 
 def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights in the int4 layout of localllm.quant.int4 (w = (q - 8) * scales + zeros; q uint8
+    """Weights in the int4 layout of localllm.model.int4 (w = (q - 8) * scales + zeros; q uint8
     [N, K], scales/zeros [G, N]) -> the kernel's (w uint8 [N/16, K/8, 64], sc [N/16, G, 2, 16]
     with w = d * q + m). Scales are kept in fp16 when that is exact (GGUF, AWQ, GPTQ), else fp32.
     Rows past N are zero padding."""

@@ -7,7 +7,7 @@ from localllm_kernels import cpu_int4
 
 from localllm.model import layers
 from localllm.model.layers import Int4Linear, top_indices
-from localllm.quant.int4 import Int4Weight, quantize_rtn
+from localllm.model.int4 import Int4Weight, quantize_rtn
 
 needs_vnni = pytest.mark.skipif(not cpu_int4.supported(), reason="this CPU has no AVX-512 VNNI")
 

@@ -2,13 +2,16 @@
 //
 // Why: the torch path gathers every sequence's K/V through the block table into a dense tensor
 // (and converts it to fp32) before SDPA: at long context that copy costs as much as the attention.
-// Here each work item (sequence, KV head, query tile, context chunk) walks its block table and
-// reads every K/V row of its chunk once for all G query heads of the KV head and all query rows
-// of the tile (the whole sequence up to 16 rows: decode, speculative verify, prefix-hit extend),
-// with an online softmax over tiles of 16 keys (flash-decoding). When the work items are few
-// against the threads (decode at batch 1), long contexts are split into chunks whose partial
-// (max, sum, acc) are merged afterwards. Items are taken from a shared counter, longest first.
-// fp16/bf16 caches are converted to fp32 on load; all arithmetic is fp32.
+// Here a work item (sequence, query tile, range of KV heads, context chunk) walks its block table
+// in tiles of 16 positions; for each tile it takes the KV heads in turn (a tile's rows of all heads
+// lie together in the cache: walking one head's rows across the whole context instead reads
+// memory at a stride and runs ~3x slower), and reads each K/V row once for all G query heads of its
+// KV head and all query rows of the tile (the whole sequence up to 16 rows: decode, speculative
+// verify, prefix-hit extend), with an online softmax per tile (flash-decoding). When the items are
+// few against the threads (decode at batch 1), long contexts are split into chunks whose partial
+// (max, sum, acc) are merged afterwards, and short ones into groups of KV heads. Items are taken
+// from a shared counter, longest first. fp16/bf16 caches are converted to fp32 on load (once per
+// tile and head); all arithmetic is fp32.
 //
 // Built with -march=native (the cached library is keyed by the CPU's flags): AVX-512, AVX2+F16C+FMA,
 // or plain loops for any other CPU; every path works on 16 floats at a time (D % 16 == 0).
@@ -41,13 +44,16 @@ namespace {
 
 constexpr int kTile = 16;       // keys per softmax step: one query's scores over a tile are one Vec16
 constexpr int kMinChunk = 256;  // keys: shortest context chunk worth a work item of its own
+// up to this many queries per head, 16-bit rows are converted where they are read, else once per tile
+constexpr int64_t kDirectM = 4;
+constexpr int64_t kSerialWork = 1 << 17;  // multiply-adds per pass (q.k or p.v) below which one thread runs
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // ---- 16 floats ------------------------------------------------------------------------------
 
 #if defined(__AVX512F__)
 #define PA_ISA "avx512"
-constexpr int kQB = 4, kKB = 4;  // score block: queries x keys (accumulators kept in registers)
+constexpr int kAccQ = 4, kAccC = 4;  // accumulate block: queries x 16-column chunks (registers)
 struct Vec16 {
   __m512 v;
 };
@@ -88,7 +94,9 @@ inline Vec16 exp_nonpos(Vec16 a) {
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PA_ISA "avx2"
-constexpr int kQB = 2, kKB = 2;  // 16 ymm registers: 8 accumulators
+#define PA_AVX2 1
+constexpr int kQB = 1, kKB = 4;      // score block: queries x keys (16 ymm registers)
+constexpr int kAccQ = 2, kAccC = 2;  // accumulate block: queries x 16-column chunks
 struct Vec16 {
   __m256 lo, hi;
 };
@@ -121,6 +129,13 @@ inline float hsum8(__m256 a) {
   return _mm_cvtss_f32(s);
 }
 inline float hsum(Vec16 a) { return hsum8(_mm256_add_ps(a.lo, a.hi)); }
+// out[j] = hsum(a[j]) for 4 vectors at once
+inline void hsum4(const Vec16* a, float* out) {
+  const __m256 h01 = _mm256_hadd_ps(_mm256_add_ps(a[0].lo, a[0].hi), _mm256_add_ps(a[1].lo, a[1].hi));
+  const __m256 h23 = _mm256_hadd_ps(_mm256_add_ps(a[2].lo, a[2].hi), _mm256_add_ps(a[3].lo, a[3].hi));
+  const __m256 h = _mm256_hadd_ps(h01, h23);  // per 128-bit half: the 4 sums of that half
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
 inline float hmax(Vec16 a) {
   const __m256 m = _mm256_max_ps(a.lo, a.hi);
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
@@ -150,6 +165,7 @@ inline Vec16 exp_nonpos(Vec16 a) { return {exp8_nonpos(a.lo), exp8_nonpos(a.hi)}
 #else
 #define PA_ISA "generic"
 constexpr int kQB = 2, kKB = 2;
+constexpr int kAccQ = 2, kAccC = 2;
 struct Vec16 {
   float f[16];
 };
@@ -216,43 +232,16 @@ struct Item {
 };
 
 struct Scratch {
-  // per head of the item: scaled queries [M, D], acc [M, D], running max and sum [M]
+  // per head of the item: scaled queries [M, D], acc [M, D], running max and sum [M]; per tile:
+  // scores / probabilities [M, 16], rescale factors and keys visible [M], fp32 K/V rows [16, D]
   std::vector<float> qs, acc, mx, sum, alpha, s, kbuf, vbuf, zeros;
   std::vector<int> vis;
-  Scratch(int64_t heads, int64_t M, int64_t D)
-      : qs(heads * M * D), acc(heads * M * D), mx(heads * M), sum(heads * M), alpha(M), s(M * kTile),
+  Scratch(int64_t heads_m, int64_t M, int64_t D)
+      : qs(heads_m * D), acc(heads_m * D), mx(heads_m), sum(heads_m), alpha(M), s(M * kTile),
         kbuf(kTile * D), vbuf(kTile * D), zeros(D), vis(M) {}
 };
 
-// s[i * kTile + j] = q_i . k_j for NQ queries (rows D apart) and NK keys
-template <int NQ, int NK>
-inline void dots(const float* qs, int64_t D, const float* const* kr, float* s) {
-  Vec16 a[NQ][NK];
-  for (int i = 0; i < NQ; ++i)
-    for (int j = 0; j < NK; ++j) a[i][j] = zero();
-  for (int64_t d = 0; d < D; d += 16) {
-    Vec16 kv[NK];
-    for (int j = 0; j < NK; ++j) kv[j] = load(kr[j] + d);
-    for (int i = 0; i < NQ; ++i) {
-      const Vec16 qv = load(qs + i * D + d);
-      for (int j = 0; j < NK; ++j) a[i][j] = fma(qv, kv[j], a[i][j]);
-    }
-  }
-  for (int i = 0; i < NQ; ++i)
-    for (int j = 0; j < NK; ++j) s[i * kTile + j] = hsum(a[i][j]);
-}
-
-template <int NQ>
-inline void dots_q(int nk, const float* qs, int64_t D, const float* const* kr, float* s) {
-  if constexpr (kKB >= 4) {
-    if (nk == 4) return dots<NQ, 4>(qs, D, kr, s);
-    if (nk == 3) return dots<NQ, 3>(qs, D, kr, s);
-  }
-  if (nk >= 2) return dots<NQ, 2>(qs, D, kr, s);
-  return dots<NQ, 1>(qs, D, kr, s);
-}
-
-#if defined(__AVX512F__) && !defined(PA_NO_TREE)
+#if defined(__AVX512F__)
 // lane j of the result = the sum of the lanes of a[j]: four rounds of shuffles and adds (45 instructions
 // instead of 16 separate reductions), then one permute back into key order
 inline __m512 transpose_sum(__m512 a[16]) {
@@ -269,14 +258,15 @@ inline __m512 transpose_sum(__m512 a[16]) {
 
 // s[m * kTile + j] = q_m . k_j: per query, the 16 keys' dot products in 16 accumulators
 // (rows past kt point at zeros)
-inline void scores(int64_t M, int kt, const float* qs, int64_t D, const float* const* kr, float* s) {
+template <typename R>
+inline void scores(int64_t M, int kt, const float* qs, int64_t D, const R* const* kr, float* s) {
   (void)kt;
   for (int64_t m = 0; m < M; ++m) {
     __m512 a[16];
     for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
       const __m512 qv = _mm512_loadu_ps(qs + m * D + d);
-      for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[j] + d), a[j]);
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, load(kr[j] + d).v, a[j]);
     }
     _mm512_storeu_ps(s + m * kTile, transpose_sum(a));
   }
@@ -284,28 +274,114 @@ inline void scores(int64_t M, int kt, const float* qs, int64_t D, const float* c
 constexpr bool kFullTile = true;  // scores() reads 16 key rows
 #else
 constexpr bool kFullTile = false;
-inline void scores(int64_t M, int kt, const float* qs, int64_t D, const float* const* kr, float* s) {
+
+// s[i * kTile + j] = q_i . k_j for NQ queries (rows D apart) and NK keys
+template <int NQ, int NK, typename R>
+inline void dots(const float* qs, int64_t D, const R* const* kr, float* s) {
+  Vec16 a[NQ][NK];
+  for (int i = 0; i < NQ; ++i)
+    for (int j = 0; j < NK; ++j) a[i][j] = zero();
+  for (int64_t d = 0; d < D; d += 16) {
+    Vec16 kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = load(kr[j] + d);
+    for (int i = 0; i < NQ; ++i) {
+      const Vec16 qv = load(qs + i * D + d);
+      for (int j = 0; j < NK; ++j) a[i][j] = fma(qv, kv[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i) {
+#if defined(PA_AVX2)
+    if constexpr (NK == 4) {
+      hsum4(a[i], s + i * kTile);
+      continue;
+    }
+#endif
+    for (int j = 0; j < NK; ++j) s[i * kTile + j] = hsum(a[i][j]);
+  }
+}
+
+template <int NQ, typename R>
+inline void dots_q(int nk, const float* qs, int64_t D, const R* const* kr, float* s) {
+  if constexpr (kKB >= 4) {
+    if (nk == 4) return dots<NQ, 4, R>(qs, D, kr, s);
+    if (nk == 3) return dots<NQ, 3, R>(qs, D, kr, s);
+  }
+  if (nk >= 2) return dots<NQ, 2, R>(qs, D, kr, s);
+  return dots<NQ, 1, R>(qs, D, kr, s);
+}
+
+template <typename R>
+inline void scores(int64_t M, int kt, const float* qs, int64_t D, const R* const* kr, float* s) {
   for (int j0 = 0; j0 < kt; j0 += kKB) {
     const int nk = std::min(kKB, kt - j0);
     int64_t m0 = 0;
-    for (; m0 + kQB <= M; m0 += kQB) dots_q<kQB>(nk, qs + m0 * D, D, kr + j0, s + m0 * kTile + j0);
-    for (; m0 < M; ++m0) dots_q<1>(nk, qs + m0 * D, D, kr + j0, s + m0 * kTile + j0);
+    for (; m0 + kQB <= M; m0 += kQB) dots_q<kQB, R>(nk, qs + m0 * D, D, kr + j0, s + m0 * kTile + j0);
+    for (; m0 < M; ++m0) dots_q<1, R>(nk, qs + m0 * D, D, kr + j0, s + m0 * kTile + j0);
   }
 }
 #endif
 
-// acc_i = acc_i * alpha_i + sum_j p[i][j] v_j for NQ queries
-template <int NQ>
-inline void accumulate(float* acc, int64_t D, const float* p, const float* alpha, const float* const* vr, int kt) {
-  for (int64_t d = 0; d < D; d += 16) {
-    Vec16 a[NQ];
-    for (int i = 0; i < NQ; ++i) a[i] = mul(load(acc + i * D + d), set1(alpha[i]));
-    for (int j = 0; j < kt; ++j) {
-      const Vec16 vv = load(vr[j] + d);
-      for (int i = 0; i < NQ; ++i) a[i] = fma(set1(p[i * kTile + j]), vv, a[i]);
+// acc_i = acc_i * alpha_i + sum_j p[i][j] v_j for NQ queries and NC x 16 columns from d: the NQ x NC
+// accumulators stay in registers over the tile's keys (independent FMA chains)
+template <int NQ, int NC, typename R>
+inline void accumulate(float* acc, int64_t D, int64_t d, const float* p, const float* alpha, const R* const* vr,
+                       int kt) {
+  Vec16 a[NQ][NC];
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < NC; ++c) a[i][c] = mul(load(acc + i * D + d + 16 * c), set1(alpha[i]));
+  for (int j = 0; j < kt; ++j)
+    for (int c = 0; c < NC; ++c) {
+      const Vec16 vv = load(vr[j] + d + 16 * c);
+      for (int i = 0; i < NQ; ++i) a[i][c] = fma(set1(p[i * kTile + j]), vv, a[i][c]);
     }
-    for (int i = 0; i < NQ; ++i) store(acc + i * D + d, a[i]);
+  for (int i = 0; i < NQ; ++i)
+    for (int c = 0; c < NC; ++c) store(acc + i * D + d + 16 * c, a[i][c]);
+}
+
+template <int NQ, typename R>
+inline void accumulate_rows(float* acc, int64_t D, const float* p, const float* alpha, const R* const* vr, int kt) {
+  int64_t d = 0;
+  for (; d + 16 * kAccC <= D; d += 16 * kAccC) accumulate<NQ, kAccC, R>(acc, D, d, p, alpha, vr, kt);
+  for (; d < D; d += 16) accumulate<NQ, 1, R>(acc, D, d, p, alpha, vr, kt);
+}
+
+template <typename R>
+inline void accumulate_all(int64_t M, float* acc, int64_t D, const float* p, const float* alpha, const R* const* vr,
+                           int kt) {
+  int64_t m = 0;
+  for (; m + kAccQ <= M; m += kAccQ) accumulate_rows<kAccQ, R>(acc + m * D, D, p + m * kTile, alpha + m, vr, kt);
+  for (; m < M; ++m) accumulate_rows<1, R>(acc + m * D, D, p + m * kTile, alpha + m, vr, kt);
+}
+
+// One head over one tile of kt keys (rows kr, vr): scores, online softmax, acc update.
+template <typename R>
+inline void head_tile(const Problem& P, Scratch& S, int64_t M, int64_t hh, int kt, const R* const* kr,
+                      const R* const* vr) {
+  const int64_t D = P.D;
+  const float* qs = S.qs.data() + hh * M * D;
+  float* acc = S.acc.data() + hh * M * D;
+  float* mx = S.mx.data() + hh * M;
+  float* sum = S.sum.data() + hh * M;
+  float* s = S.s.data();
+  scores(M, kt, qs, D, kr, s);
+  for (int64_t m = 0; m < M; ++m) {
+    float* sm = s + m * kTile;
+    if (S.vis[m] == 0) {  // nothing visible yet: leave this query as it is
+      std::fill_n(sm, kTile, 0.f);
+      S.alpha[m] = 1.f;
+      continue;
+    }
+    for (int j = S.vis[m]; j < kTile; ++j) sm[j] = kNegInf;
+    const Vec16 sv = load(sm);
+    const float nm = std::max(mx[m], hmax(sv));
+    const float alpha = std::exp(mx[m] - nm);  // 0 on the first tile (max -inf)
+    const Vec16 p = exp_nonpos(sub(sv, set1(nm)));
+    sum[m] = sum[m] * alpha + hsum(p);
+    store(sm, p);
+    mx[m] = nm;
+    S.alpha[m] = alpha;
   }
+  accumulate_all(M, acc, D, s, S.alpha.data(), vr, kt);
 }
 
 // One work item: per head, its partial (max, sum, unnormalized acc) per query, in S. Tiles of 16
@@ -333,9 +409,10 @@ void attend(const Problem& P, const Item& it, Scratch& S) {
   int64_t bi = it.c0 / P.BS, off = it.c0 % P.BS;
   const T* kp[kTile];
   const T* vp[kTile];
+  const T* kd[kTile];
+  const T* vd[kTile];
   const float* kr[kTile];
   const float* vr[kTile];
-  float* s = S.s.data();
   for (int64_t pos0 = it.c0; pos0 < it.c1; pos0 += kTile) {
     const int kt = static_cast<int>(std::min<int64_t>(kTile, it.c1 - pos0));
     for (int j = 0; j < kt; ++j) {  // position j's rows of every KV head
@@ -352,50 +429,22 @@ void attend(const Problem& P, const Item& it, Scratch& S) {
     }
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t hd = (it.h0 + hh) * D;
-      if constexpr (std::is_same_v<T, float>) {
-        for (int j = 0; j < kt; ++j) kr[j] = kp[j] + hd, vr[j] = vp[j] + hd;
-      } else {  // convert the head's tile once for all its queries
+      if (std::is_same_v<T, float> || M <= kDirectM) {  // rows read (and converted) where they lie
+        for (int j = 0; j < kt; ++j) kd[j] = kp[j] + hd, vd[j] = vp[j] + hd;
+        if (kFullTile)
+          for (int j = kt; j < kTile; ++j) kd[j] = reinterpret_cast<const T*>(S.zeros.data());
+        head_tile(P, S, M, hh, kt, kd, vd);
+      } else {  // 16-bit rows converted once for all the head's queries
         for (int j = 0; j < kt; ++j) {
-          float* kd = S.kbuf.data() + j * D;
-          float* vd = S.vbuf.data() + j * D;
-          for (int64_t d = 0; d < D; d += 16) store(kd + d, load(kp[j] + hd + d)), store(vd + d, load(vp[j] + hd + d));
-          kr[j] = kd, vr[j] = vd;
+          float* kb = S.kbuf.data() + j * D;
+          float* vb = S.vbuf.data() + j * D;
+          for (int64_t d = 0; d < D; d += 16) store(kb + d, load(kp[j] + hd + d)), store(vb + d, load(vp[j] + hd + d));
+          kr[j] = kb, vr[j] = vb;
         }
+        if (kFullTile)
+          for (int j = kt; j < kTile; ++j) kr[j] = S.zeros.data();
+        head_tile(P, S, M, hh, kt, kr, vr);
       }
-      if (kFullTile)
-        for (int j = kt; j < kTile; ++j) kr[j] = S.zeros.data();
-      const float* qs = S.qs.data() + hh * M * D;
-      float* acc = S.acc.data() + hh * M * D;
-      float* mx = S.mx.data() + hh * M;
-      float* sum = S.sum.data() + hh * M;
-#ifndef PA_SKIP_SCORES
-      scores(M, kt, qs, D, kr, s);
-#else
-      for (int64_t m = 0; m < M; ++m) for (int j = 0; j < kTile; ++j) s[m * kTile + j] = qs[m * D] * kr[j][0];
-#endif
-      for (int64_t m = 0; m < M; ++m) {
-        float* sm = s + m * kTile;
-        if (S.vis[m] == 0) {  // nothing visible yet: leave this query as it is
-          std::fill_n(sm, kTile, 0.f);
-          S.alpha[m] = 1.f;
-          continue;
-        }
-        for (int j = S.vis[m]; j < kTile; ++j) sm[j] = kNegInf;
-        const Vec16 sv = load(sm);
-        const float nm = std::max(mx[m], hmax(sv));
-        const float alpha = std::exp(mx[m] - nm);  // 0 on the first tile (max -inf)
-        const Vec16 p = exp_nonpos(sub(sv, set1(nm)));
-        sum[m] = sum[m] * alpha + hsum(p);
-        store(sm, p);
-        mx[m] = nm;
-        S.alpha[m] = alpha;
-      }
-      int64_t m0 = 0;
-#ifdef PA_SKIP_ACC
-      m0 = M; acc[0] += s[0] * vr[0][0];
-#endif
-      for (; m0 + 4 <= M; m0 += 4) accumulate<4>(acc + m0 * D, D, s + m0 * kTile, S.alpha.data() + m0, vr, kt);
-      for (; m0 < M; ++m0) accumulate<1>(acc + m0 * D, D, s + m0 * kTile, S.alpha.data() + m0, vr, kt);
     }
   }
 }
@@ -414,7 +463,6 @@ struct Split {
 template <typename T>
 void run(const Problem& P, int64_t B) {
   const int64_t D = P.D, G = P.G, KVH = P.KVH;
-  const int threads = at::get_num_threads();
   const int64_t qt = std::max<int64_t>(16, 64 / G);  // query rows per tile: up to 16 always in one
   // (sequence, query tile) units over all KV heads, the keys they need and what they cost
   struct Unit {
@@ -430,9 +478,11 @@ void run(const Problem& P, int64_t B) {
       total += cost;
     }
   }
-  // ~4 items per thread: split long contexts into chunks, then (short ones) the KV heads into
-  // groups; the heads of an item also share its scratch (at most kScratch floats)
+  // one thread for small calls (waking the others costs more than they save); else ~4 items per
+  // thread: split long contexts into chunks, then (short ones) the KV heads into groups. The heads
+  // of an item also share its scratch (at most kScratch floats).
   constexpr int64_t kScratch = 1 << 16;
+  const int threads = total * D < kSerialWork ? 1 : at::get_num_threads();
   const int64_t target = threads > 1 ? std::max<int64_t>(1, total / (4 * threads)) : total;
   std::vector<Item> items;
   std::vector<Split> splits;  // units split into chunks: their partials are merged at the end
@@ -469,10 +519,8 @@ void run(const Problem& P, int64_t B) {
 
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, n_items, 1, [&](int64_t, int64_t) {
-    // sized for the largest item (heads x queries)
-    Scratch S(1, max_heads_m, D);
-    S.alpha.resize(max_m), S.s.resize(max_m * kTile), S.vis.resize(max_m);
+  at::parallel_for(0, n_items, threads > 1 ? 1 : n_items, [&](int64_t, int64_t) {
+    Scratch S(max_heads_m, max_m, D);  // for the largest item
     for (int64_t k; (k = next.fetch_add(1)) < n_items;) {
       const Item& it = items[order[k]];
       attend<T>(P, it, S);
@@ -497,7 +545,7 @@ void run(const Problem& P, int64_t B) {
 
   // merge the chunks of split units, per KV head: out = sum_c e^(m_c - m) acc_c / sum_c e^(m_c - m) l_c
   const int64_t n_merge = static_cast<int64_t>(splits.size()) * KVH;
-  at::parallel_for(0, n_merge, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_merge, std::max<int64_t>(1, n_merge / (4 * threads)), [&](int64_t begin, int64_t end) {
     std::vector<const float*> pc;
     std::vector<float> w;
     for (int64_t i = begin; i < end; ++i) {

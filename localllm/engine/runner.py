@@ -8,6 +8,7 @@ mapping, per-sequence query/context lengths and block tables.
 from __future__ import annotations
 
 import torch
+from localllm_kernels import cpu_attention
 
 from ..model.attention import AttnMeta
 from ..model.compiled import CompiledStep
@@ -38,7 +39,8 @@ class ModelRunner:
         if graph_batch and model.attention_backend == "triton":
             self.captured = DecodeGraphs(model, self.kv_caches, graph_batch, max_blocks_per_seq,
                                          capture=str(self.device).startswith("cuda"))
-        elif compiled and self.device == "cpu" and model.attention_backend == "torch":
+        elif compiled and self.device == "cpu" and model.attention_backend == "torch" and cpu_attention.load():
+            # (without our paged-attention op, e.g. no C++ compiler, the forward cannot be exported)
             self.captured = CompiledStep(model, self.kv_caches)
 
     def prepare(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:

@@ -55,9 +55,10 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
     fresh = [] if meta.q_lens is None else [
         i for i, (n, c) in enumerate(zip(meta.q_lens, meta.ctx_lens)) if n == c and n >= SDPA_MIN_TOKENS]
-    if not fresh:
-        out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, scale)
-        return out.reshape(T, H * D)
+    if not fresh:  # the kernel takes fp32 queries (and fp32/fp16/bf16 caches) and returns fp32
+        out = paged_attention(q.float(), k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                              scale)
+        return out.reshape(T, H * D).to(q.dtype)
     out = q.new_empty(T, H, D)
     start = 0
     for i, n in enumerate(meta.q_lens):
@@ -69,7 +70,7 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                                enable_gqa=kvh != H)[0]
             out[rows] = o.transpose(0, 1)
         else:
-            out[rows] = paged_attention(q[rows], k_cache, v_cache, meta.block_tables[i:i + 1],
+            out[rows] = paged_attention(q[rows].float(), k_cache, v_cache, meta.block_tables[i:i + 1],
                                         meta.cu_seqlens_q.new_tensor([0, n]), meta.context_lens[i:i + 1], scale)
         start += n
     return out.reshape(T, H * D)
