@@ -4,14 +4,13 @@ The C++ source is compiled once per machine with the system C++ compiler against
 (~7 s) into a shared library cached under ~/.cache/localllm/kernels (LOCALLLM_KERNEL_CACHE),
 keyed by the source, torch and the flags (see cpu_build); it registers
 ``torch.ops.localllm.int4_gemm``. A CPU without AVX-512 VNNI, a missing compiler or
-LOCALLLM_CPU_KERNELS=0 leaves ``load()`` False and callers on torch's own int4 kernel.
+leaves ``load()`` False and callers on torch's own int4 kernel.
 Imports only torch.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import platform
 import sys
 from pathlib import Path
@@ -29,8 +28,6 @@ CXXFLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
 
 def supported() -> bool:
     """This CPU can run the kernel and it is not switched off."""
-    if os.environ.get("LOCALLLM_CPU_KERNELS", "1").lower() in ("0", "false", "no", "off"):
-        return False
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
     try:

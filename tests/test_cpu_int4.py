@@ -6,8 +6,8 @@ import torch
 from localllm_kernels import cpu_int4
 
 from localllm.model import layers
-from localllm.model.layers import Int4Linear, top_indices
 from localllm.model.int4 import Int4Weight, quantize_rtn
+from localllm.model.layers import Int4Linear, top_indices
 
 needs_vnni = pytest.mark.skipif(not cpu_int4.supported(), reason="this CPU has no AVX-512 VNNI")
 
@@ -92,11 +92,11 @@ def test_int4_linear_kernels_and_dense_prefill(kind, monkeypatch):
 
 
 def test_kernel_switch_and_failed_build(monkeypatch, tmp_path):
-    """LOCALLLM_CPU_KERNELS=0 turns ours off; a compiler failure is an error build() reports (load()
-    then falls back to torch's kernel) and leaves no partial library behind."""
-    monkeypatch.setenv("LOCALLLM_CPU_KERNELS", "0")
-    assert not cpu_int4.supported()
-    monkeypatch.delenv("LOCALLLM_CPU_KERNELS")
+    """cpu_kernel=False (load_model(cpu_kernels=False)) puts a layer on torch's kernel; a compiler
+    failure is an error build() reports (load() then falls back to torch's kernel) and leaves no
+    partial library behind."""
+    w = quantize_rtn(torch.randn(32, 64), 32)
+    assert Int4Linear(w, torch.float32, cpu_kernel=False).kind == "aten"
     monkeypatch.setenv("CXX", "false")
     out = tmp_path / "lib.so"
     with pytest.raises(RuntimeError, match="failed"):
