@@ -151,8 +151,8 @@ def weight_bytes(f: ModelFacts, precision: str, device: str) -> int:
 
 
 def kv_bytes(f: ModelFacts, precision: str, device: str, ctx: int) -> int:
-    # the KV cache is in the activation dtype: fp32 on CPU except for bf16/fp16 weights
-    per = f.kv_bytes_per_token * (2 if device == "cpu" and precision not in ("bfloat16", "float16") else 1)
+    # 16-bit KV cache, except fp32 on CPU for float32 weights (the loader's choice)
+    per = f.kv_bytes_per_token * (2 if device == "cpu" and precision == "float32" else 1)
     return per * ctx
 
 

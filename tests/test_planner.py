@@ -99,7 +99,8 @@ def test_memory_model_numbers():
     assert weight_bytes(f, "awq", GPU) == int(linear * (0.5 + 4 / 128)) + 2 * other
     assert f.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, dim 128, fp16
     assert kv_bytes(f, "bfloat16", GPU, 1000) == 131072 * 1000
-    assert kv_bytes(f, "int4", CPU, 1000) == 2 * 131072 * 1000  # fp32 KV next to int4 weights on CPU
+    assert kv_bytes(f, "int4", CPU, 1000) == 131072 * 1000  # fp16 KV next to int4 weights on CPU
+    assert kv_bytes(f, "float32", CPU, 1000) == 2 * 131072 * 1000  # the exact fp32 path keeps an fp32 cache
 
 
 def test_failure_message():

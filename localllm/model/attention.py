@@ -64,9 +64,11 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for i, n in enumerate(meta.q_lens):
         rows = slice(start, start + n)
         if i in fresh:
-            # 4-D inputs: with 3-D ones SDPA takes its math path on CPU (4x slower at 512 tokens)
-            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None],
-                                               v[rows].transpose(0, 1)[None], is_causal=True, scale=scale,
+            # K/V rounded as the cache holds them: the same numbers as a read through the cache (a
+            # prefix hit or a later chunk). 4-D inputs: with 3-D ones SDPA takes its math path on
+            # CPU (4x slower at 512 tokens)
+            kk, vv = (t[rows].to(kc.dtype).to(q.dtype).transpose(0, 1)[None] for t in (k, v))
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], kk, vv, is_causal=True, scale=scale,
                                                enable_gqa=kvh != H)[0]
             out[rows] = o.transpose(0, 1)
         else:
