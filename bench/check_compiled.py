@@ -37,8 +37,8 @@ def main() -> int:
     loaded = load_model(path, "auto")
     msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
 
-    def run(batched: bool, logprobs=None, compile: bool = False) -> list:
-        eng = LLMEngine(loaded, EngineConfig(num_kv_blocks=400, compile=compile))
+    def run(batched: bool, logprobs=None, compile: bool = False, spec: str | None = None) -> list:
+        eng = LLMEngine(loaded, EngineConfig(num_kv_blocks=400, compile=compile, speculative=spec))
         if compile:
             steps.append(eng.runner.captured)
             assert eng.runner.captured.wait(), "the compiled step could not be built"
@@ -59,9 +59,10 @@ def main() -> int:
     alone = run(False, compile=True)
     print(f"package build or load + first run: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     batched = run(True, compile=True)
+    spec = run(False, compile=True, spec="ngram")  # verify steps through the packages too
     bad = 0
-    for i, (e, a, b) in enumerate(zip(eager, alone, batched)):
-        for name, got in (("alone", a), ("batched", b)):
+    for i, (e, a, b, sp) in enumerate(zip(eager, alone, batched, spec)):
+        for name, got in (("alone", a), ("batched", b), ("n-gram speculation", sp)):
             same = got.token_ids == e.token_ids
             if same:
                 print(f"prompt {i} {name}: identical ({len(e.token_ids)} tokens)")

@@ -39,10 +39,10 @@ class LocalWorker:
         from localllm.model.loader import load_model
 
         t0 = time.perf_counter()
-        self.loaded = load_model(path, "auto", max_model_len=4096)
+        self.loaded = load_model(path, "auto")  # as `localllm run` loads it: the same compiled packages
         self.load_s = time.perf_counter() - t0
         self.engine = LLMEngine(self.loaded, EngineConfig(max_model_len=4096, enable_prefix_caching=False,
-                                                          max_num_batched_tokens=2048, num_kv_blocks=600,
+                                                          max_num_batched_tokens=2048, parallel=1,
                                                           num_threads=threads, compile=compile))
         self.compile_wait_s = wait_for_compiled(self.engine)
 
@@ -228,6 +228,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--decode-context", default="32", help="prompt lengths to decode after (e.g. 32,2000)")
     ap.add_argument("--prefill", default="32,512,2048")
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--eager", action="store_true", help="localllm without its compiled step (the default "
@@ -271,22 +272,24 @@ def main(argv=None) -> dict:
             for e in engines:
                 s = statistics.median(times[e])
                 res["engines"][e][f"prefill_{n}"] = {"seconds": s, "tok_per_s": n / s, "runs": times[e]}
-        log(f"decode {args.decode_tokens} tokens x {args.runs} rounds ...")
-        rates = {e: [] for e in engines}
-        ids = prompt_ids(32, 7)
-        for _ in range(args.runs):
+        for ctx in (int(x) for x in args.decode_context.split(",")):
+            sfx = "" if ctx == 32 else f"_ctx{ctx}"
+            log(f"decode {args.decode_tokens} tokens after {ctx} x {args.runs} rounds ...")
+            rates = {e: [] for e in engines}
+            ids = prompt_ids(ctx, 7)
+            for _ in range(args.runs):
+                for e in engines:
+                    out = procs[e].ask(op="decode", ids=ids, n=args.decode_tokens)
+                    rates[e].append(out["tok_per_s"])
+                    res["engines"][e][f"decode_tokens{sfx}"] = out["tokens"][:16]
             for e in engines:
-                out = procs[e].ask(op="decode", ids=ids, n=args.decode_tokens)
-                rates[e].append(out["tok_per_s"])
-                res["engines"][e]["decode_tokens"] = out["tokens"][:16]
-        for e in engines:
-            res["engines"][e]["decode_tok_per_s"] = statistics.median(rates[e])
-            res["engines"][e]["decode_runs"] = rates[e]
-        if "localllm" in engines:  # per-round ratios cancel the machine's drift
-            for e in engines:
-                if e != "localllm":
-                    res["engines"][e]["decode_round_ratio"] = statistics.median(
-                        a / b for a, b in zip(rates["localllm"], rates[e]))
+                res["engines"][e][f"decode{sfx}_tok_per_s"] = statistics.median(rates[e])
+                res["engines"][e][f"decode{sfx}_runs"] = rates[e]
+            if "localllm" in engines:  # per-round ratios cancel the machine's drift
+                for e in engines:
+                    if e != "localllm":
+                        res["engines"][e][f"decode{sfx}_round_ratio"] = statistics.median(
+                            a / b for a, b in zip(rates["localllm"], rates[e]))
         for e in engines:
             res["engines"][e]["peak_rss_mb"] = procs[e].ask(op="rss")["peak_rss_mb"]
     finally:
@@ -330,6 +333,8 @@ def render(res: dict) -> str:
     for k in sorted((k for k in eng[names[0]] if k.startswith("prefill_")), key=lambda k: int(k.split("_")[1])):
         row(f"prefill {k.split('_')[1]} (tok/s)", get(k, "tok_per_s"), "{:.0f}".format)
     row("decode batch 1 (tok/s)", get("decode_tok_per_s"), "{:.1f}".format)
+    for k in sorted(k for k in eng[names[0]] if k.startswith("decode_ctx") and k.endswith("_tok_per_s")):
+        row(f"decode after {k.split('_')[1][3:]} tokens (tok/s)", get(k), "{:.1f}".format)
     row("cold start to 1st token (s)", get("cold_start_s"), "{:.2f}".format, False)
     row("peak RSS (MB)", get("peak_rss_mb"), "{:.0f}".format, False)
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
@@ -338,8 +343,9 @@ def render(res: dict) -> str:
     note = [f"{res['threads']} threads, {res['runs']} interleaved rounds, medians; ratios: > 1 means localllm is "
             "better (faster, or less time / memory)."]
     for p in peers:
-        if "decode_round_ratio" in eng[p]:
-            note.append(f"decode, median of per-round ratios localllm / {p}: {eng[p]['decode_round_ratio']:.2f}x")
+        for k in (k for k in eng[p] if k.startswith("decode") and k.endswith("_round_ratio")):
+            note.append(f"{k.removesuffix('_round_ratio')}, median of per-round ratios localllm / {p}: "
+                        f"{eng[p][k]:.2f}x")
     return "\n".join(lines + note)
 
 
