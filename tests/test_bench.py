@@ -1,4 +1,5 @@
-"""`localllm bench --json` in CI size: the shape of the report, not speed."""
+"""`localllm bench --json` in CI size: the shape of the report, not speed (eager: building the
+real model's compiled packages would take minutes; tests/test_compiled.py covers that path)."""
 
 import json
 import subprocess
@@ -6,7 +7,7 @@ import sys
 
 
 def test_bench_quick_json_shape():
-    r = subprocess.run([sys.executable, "-m", "localllm.cli", "bench", "--quick", "--json"],
+    r = subprocess.run([sys.executable, "-m", "localllm.cli", "bench", "--quick", "--json", "--eager"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)

@@ -417,20 +417,22 @@ class CompiledStep:
     def ready(self) -> bool:
         return "d1" in self._runners
 
-    def wait(self, kinds: tuple[str, ...] = KINDS, timeout: float = 600.0) -> bool:
-        """Block until the packages of `kinds` are loaded (tests, benchmarks); False on timeout."""
-        deadline = time.monotonic() + timeout
+    def wait(self, kinds: tuple[str, ...] = KINDS, timeout: float = 900.0) -> bool:
+        """Block until the packages of `kinds` are loaded (benchmarks, tests), starting a builder
+        when nobody is building them; False on timeout or when builds keep failing."""
+        deadline, spawned = time.monotonic() + timeout, 0
         while time.monotonic() < deadline:
             for k in kinds:
                 self._next_look.pop(k, None)
                 self._runner(k)
             if all(k in self._runners for k in kinds):
                 return True
-            if self.builder and self.builder.poll() is not None and builder_pid(self.model) is None:
-                for k in kinds:  # the builder ended: one last look
-                    self._next_look.pop(k, None)
-                    self._runner(k)
-                return all(k in self._runners for k in kinds)
+            ours = isinstance(self.builder, subprocess.Popen) and self.builder.poll() is None
+            if not ours and builder_pid(self.model) is None:  # nobody is building: (re)start one
+                if spawned == 2 or not self.background:
+                    return False
+                self.builder, spawned = None, spawned + 1
+                self._request_build()
             time.sleep(0.2)
         return False
 
