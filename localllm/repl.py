@@ -4,6 +4,10 @@ time) and two thin I/O loops around it: prompt-toolkit on a terminal, plain line
 One engine lives for the whole session, so each turn re-sends the conversation and the prefix cache
 serves the earlier turns' KV: `/stats` shows how many prompt tokens came from the cache.
 
+On a terminal a reply is decoded on the main thread (Ctrl-C only sets a flag there) and drawn in
+frames, at most 30 writes a second whatever the token rate (FrameWriter), so it streams as fast as
+`localllm run` or a piped chat; piped output is written token by token, as it always was.
+
 A reply stopped with Ctrl-C is KEPT in the conversation as far as it got (what you saw is what the
 model remembers); `/retry` regenerates it, `/undo` drops the exchange.
 """
@@ -11,6 +15,7 @@ model remembers); `/retry` regenerates it, `/undo` drops the exchange.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import threading
 import time
@@ -54,6 +59,25 @@ class ReplyStats:
     interrupted: bool = False
 
 
+class InterruptFlag:
+    """threading.Event's set/clear/is_set without its lock, so that the REPL's SIGINT handler can set
+    it: Event.set in a handler that interrupted Event.clear (or a first Ctrl-C's set) never returns."""
+
+    __slots__ = ("_on",)
+
+    def __init__(self):
+        self._on = False
+
+    def set(self) -> None:
+        self._on = True
+
+    def clear(self) -> None:
+        self._on = False
+
+    def is_set(self) -> bool:
+        return self._on
+
+
 class ChatSession:
     """Everything of `chat` except the terminal. `out` gets replies and command output, `note`
     gets hints and errors (the same terminal in the REPL; stderr when reading a pipe)."""
@@ -71,7 +95,7 @@ class ChatSession:
         self.params()  # fail early on bad settings
         self.out = out or _stdout
         self.note = note or _stdout
-        self.interrupt = threading.Event()
+        self.interrupt = InterruptFlag()
         self.last: ReplyStats | None = None
         self._block: list[str] | None = None  # lines of an open \"\"\" block
 
@@ -333,30 +357,123 @@ def run_pipe(session: ChatSession, lines) -> int:
     return 0
 
 
-def _reply_in_thread(session: ChatSession, text: str) -> bool:
-    """Generate in a worker so Ctrl-C (SIGINT, delivered to the main thread) only sets the
-    interrupt flag: the engine is never stopped half-way through a step."""
-    result, done = [True], threading.Event()
+class FrameWriter:
+    """Streams text to a terminal in frames: `sink(write)` returns a callable that only queues its
+    text; a writer thread hands the queue to the `write`s at most `fps` times a second (a first
+    chunk at once, then whatever piled up during the frame), in order across all sinks, whatever
+    the token rate. Terminal I/O (a write and flush per call of `_stdout`, and the terminal's
+    redraw of it) thus costs a frame, not a token, and never blocks the decode loop.
+    `flush()` returns once everything queued so far has been written (end of a reply, Ctrl-C,
+    before the prompt comes back); `close()` flushes and stops the thread."""
 
-    def work():
+    def __init__(self, fps: float = 30.0):
+        self.interval = 1.0 / fps if fps > 0 else 0.0
+        self.frames = 0  # batches written
+        self._queue: list[tuple[Callable[[str], None], str]] = []
+        self._cv = threading.Condition()
+        self._urgent = 0  # flush() calls waiting: write now, not at the end of the frame
+        self._busy = False  # the writer is writing a batch it took off the queue
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="localllm-frames", daemon=True)
+        self._thread.start()
+
+    def sink(self, write: Callable[[str], None]) -> Callable[[str], None]:
+        def put(text: str) -> None:
+            if not text:
+                return
+            with self._cv:
+                if not self._queue:
+                    self._cv.notify_all()  # the writer waits for a first chunk, not for each one
+                self._queue.append((write, text))
+        return put
+
+    def flush(self) -> None:
+        with self._cv:
+            self._urgent += 1
+            self._cv.notify_all()
+            try:
+                while (self._queue or self._busy) and self._thread.is_alive():
+                    self._cv.wait()
+            finally:
+                self._urgent -= 1
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
         try:
-            result[0] = session.handle(text)
+            self.flush()
         finally:
-            done.set()
+            with self._cv:
+                self._closed = True
+                self._cv.notify_all()
+            self._thread.join()
 
-    threading.Thread(target=work, daemon=True).start()
-    # an Event, not Thread.join: a join interrupted by Ctrl-C can mark a live thread as finished (CPython 3.11)
-    while not done.is_set():
-        try:
-            done.wait(0.05)
-        except KeyboardInterrupt:
-            session.interrupt.set()
-    return result[0]
+    def _run(self) -> None:
+        last = float("-inf")
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                while not self._urgent and not self._closed:
+                    left = last + self.interval - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
+                batch, self._queue = self._queue, []
+                self._busy = True
+            try:
+                start = 0
+                for i in range(1, len(batch) + 1):  # one call per run of the same sink
+                    if i == len(batch) or batch[i][0] is not batch[start][0]:
+                        batch[start][0]("".join(t for _, t in batch[start:i]))
+                        start = i
+            except BaseException as e:  # e.g. the terminal is gone: raised again by flush()
+                with self._cv:
+                    self._error = self._error or e
+            finally:
+                last = time.monotonic()
+                with self._cv:
+                    self.frames += 1
+                    self._busy = False
+                    self._cv.notify_all()
+
+
+def _reply_catching_sigint(session: ChatSession, text: str, frames: FrameWriter | None = None) -> bool:
+    """Handle one input on THIS thread with Ctrl-C (SIGINT) only setting the interrupt flag: the
+    engine is never stopped half-way through a step, the reply's tail is flushed, the session goes on.
+
+    Not a worker thread: torch's OpenMP (libgomp) gives every thread that runs a parallel region a
+    team of its own, and once it manages more threads than there are CPUs (the main thread's team
+    from loading + the worker's) it barely spins at its barriers, sleeping on a futex instead:
+    ~400 context switches per token in the worker, its decode 13-27% slower than a piped chat here
+    (bench/repl_tty.py; half the speed in tmux on an idle 2-core machine)."""
+    if threading.current_thread() is not threading.main_thread():
+        alive = session.handle(text)  # signal handlers can only be set from the main thread
+        if frames is not None:
+            frames.flush()
+        return alive
+
+    def on_sigint(signum, frame):
+        session.interrupt.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        alive = session.handle(text)
+        if frames is not None:
+            frames.flush()  # the tail of the reply (and its notes) before the prompt comes back
+        return alive
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_repl(session: ChatSession, input=None, output=None, history: Path | None = None,
-             banner: str | None = None, threaded: bool = True) -> int:
-    """The prompt-toolkit loop. `input`/`output` let tests drive it with a pipe input."""
+             banner: str | None = None, catch_sigint: bool = True, fps: float = 30.0) -> int:
+    """The prompt-toolkit loop. `input`/`output` let tests drive it with a pipe input. While it
+    runs, the session's `out` and `note` go through a FrameWriter (at most `fps` writes a second)."""
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import FileHistory, InMemoryHistory
     from prompt_toolkit.key_binding import KeyBindings
@@ -381,21 +498,32 @@ def run_repl(session: ChatSession, input=None, output=None, history: Path | None
     prompt = PromptSession(history=hist, key_bindings=kb, input=input, output=output)
     if banner:
         session.note(banner + "\n")
-    while True:
-        try:
-            line = prompt.prompt("... " if session.in_block else ">>> ",
-                                 placeholder=None if session.in_block else "Send a message (/? for help)")
-        except KeyboardInterrupt:
-            if session.in_block:
-                session.cancel_block()
+    frames = FrameWriter(fps)
+    out, note = session.out, session.note
+    session.out, session.note = frames.sink(out), frames.sink(note)
+    try:
+        while True:
+            frames.flush()  # nothing of ours may reach the terminal while prompt-toolkit draws
+            try:
+                line = prompt.prompt("... " if session.in_block else ">>> ",
+                                     placeholder=None if session.in_block else "Send a message (/? for help)")
+            except KeyboardInterrupt:
+                if session.in_block:
+                    session.cancel_block()
+                else:
+                    session.note("Use Ctrl+D or /bye to exit.\n")
+                continue
+            except EOFError:
+                return 0
+            text = session.feed(line)
+            if text is None:
+                continue
+            if catch_sigint:
+                alive = _reply_catching_sigint(session, text, frames)
             else:
-                session.note("Use Ctrl+D or /bye to exit.\n")
-            continue
-        except EOFError:
-            return 0
-        text = session.feed(line)
-        if text is None:
-            continue
-        alive = _reply_in_thread(session, text) if threaded else session.handle(text)
-        if not alive:
-            return 0
+                alive = session.handle(text)
+            if not alive:
+                return 0
+    finally:
+        session.out, session.note = out, note
+        frames.close()

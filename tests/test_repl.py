@@ -3,13 +3,15 @@ through a pipe input, and the pipe (non-TTY) mode of the real CLI."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 from conftest import make_engine
 
-from localllm.repl import ChatSession, run_pipe, run_repl
+from localllm.repl import ChatSession, FrameWriter, run_pipe, run_repl
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +156,99 @@ def test_prompt_toolkit_loop_through_a_pipe(session, tmp_path):
     assert "from prefix cache" in text(session.outputs)
     saved = hist.read_text()
     assert "/stats" in saved and "line one" in saved  # history persists across sessions
+
+
+def test_frame_writer_keeps_order_and_coalesces():
+    calls = []
+    frames = FrameWriter(fps=1e-6)  # a frame lasts for ever: only the first chunk and flush() write
+    out, note = frames.sink(lambda s: calls.append(("out", s))), frames.sink(lambda s: calls.append(("note", s)))
+    for i in range(200):
+        out(f"{i} ")
+    note("[a note]\n")
+    out("")  # nothing: no call
+    out("tail\n")
+    frames.flush()
+    assert len(calls) <= 4 and frames.frames <= 2  # first chunk; then out, note, out in one frame
+    assert "".join(s for who, s in calls if who == "out") == "".join(f"{i} " for i in range(200)) + "tail\n"
+    assert [who for who, _ in calls][-3:] == ["out", "note", "out"] and calls[-2] == ("note", "[a note]\n")
+    frames.close()
+    assert not frames._thread.is_alive()
+
+    def broken(s):
+        raise OSError("terminal gone")
+
+    frames = FrameWriter(fps=0)  # no frames: write as it comes
+    frames.sink(broken)("x")
+    with pytest.raises(OSError, match="terminal gone"):
+        frames.flush()  # the writer's error reaches the REPL's thread
+    frames.close()
+
+
+class _Engine:
+    """The shared engine, whose generate() presses Ctrl-C (SIGINT to this process, on this thread)
+    after `after` outputs of the next request."""
+
+    def __init__(self, engine, after: int):
+        self._engine, self.after = engine, after
+        self.threads = set()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate(self, *args):
+        self.threads.add(threading.current_thread())
+        gen = self._engine.generate(*args)
+        try:
+            for i, o in enumerate(gen):
+                if i == self.after:
+                    self.after = -1
+                    os.kill(os.getpid(), signal.SIGINT)
+                yield o
+        finally:
+            gen.close()
+
+
+def test_repl_streams_in_frames_and_ctrl_c_stops_a_reply(session, engine):
+    """The terminal path: a reply reaches `out` intact and in order, in a bounded number of writes
+    (not one per token), and Ctrl-C during it stops the reply, flushes its tail before the notice,
+    and keeps the session (and this process's SIGINT handler)."""
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    log = []
+    session.out = lambda s: log.append(("out", s))  # each call: one write + flush of the terminal
+    session.note = lambda s: log.append(("note", s))
+    handler = signal.getsignal(signal.SIGINT)
+    with create_pipe_input() as inp:
+        inp.send_text("Write a long story about a dragon.\nTell me about the sea.\nThanks!\n\x04")
+        session.engine = _Engine(engine, after=-1)
+        replies = []
+
+        def reply(orig=session.reply):
+            log.append(("reply", None))
+            session.settings["max_tokens"] = [40, 200, 4][len(replies)]
+            if len(replies) == 1:
+                session.engine.after = 5  # Ctrl-C after 5 tokens of the second reply
+            replies.append(orig())
+            return replies[-1]
+
+        session.reply = reply
+        code = run_repl(session, input=inp, output=DummyOutput(), fps=1e-6)  # one frame lasts for ever
+    assert code == 0 and signal.getsignal(signal.SIGINT) is handler
+    # decoded where torch's OpenMP team lives: a worker thread gets a team of its own (see _reply_catching_sigint)
+    assert session.engine.threads == {threading.main_thread()}
+    assert not any(t.name == "localllm-frames" for t in threading.enumerate())
+    assert replies[0].completion_tokens >= 20 and not replies[0].interrupted and not replies[2].interrupted
+    assert replies[1].interrupted and 5 <= replies[1].completion_tokens < 200
+    assert not engine.has_unfinished() and engine.num_running == 0
+    assert [m["role"] for m in session.messages] == ["user", "assistant"] * 3  # the stopped reply is kept
+    starts = [i for i, (who, _) in enumerate(log) if who == "reply"] + [len(log)]
+    for n, (a, b) in enumerate(zip(starts, starts[1:])):
+        writes = [s for who, s in log[a + 1:b] if who == "out"]
+        assert "".join(writes) == session.messages[2 * n + 1]["content"] + "\n"  # intact, in order
+        assert len(writes) <= 2  # the first chunk at once, the rest when the reply ends
+    after_stop = log[starts[1] + 1:starts[2]]
+    assert after_stop[-1][0] == "note" and "reply stopped" in after_stop[-1][1]  # after the reply's tail
 
 
 def test_pipe_mode_reads_lines(session):
