@@ -51,8 +51,8 @@ def main() -> None:
     spec = {"origin": loaded.model.origin, "kv_dtype": str(loaded.kv_dtype).removeprefix("torch."),
             "threads": args.threads}
     if args.policy == "normal":  # the same builder without lowering its priority
-        code = ("import json, os, sys; os.sched_setscheduler = lambda *a: None; os.nice = lambda n: 0; "
-                "from localllm.model import compiled; sys.exit(compiled._builder_main(json.loads(sys.argv[1])))")
+        code = ("import json, sys; from localllm.model import compiled; "
+                "sys.exit(compiled._builder_main(json.loads(sys.argv[1])))")
         import json
 
         proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)], stdout=subprocess.DEVNULL,

@@ -273,8 +273,15 @@ def spawn_builder(origin: dict, kv_dtype: torch.dtype, threads: int, log_path: P
     priority and outlives this process (a one-shot `run` leaves it to finish)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     spec = json.dumps({"origin": origin, "kv_dtype": str(kv_dtype).removeprefix("torch."), "threads": threads})
+    # idle priority before anything starts a thread (importing torch starts OpenMP's): threads
+    # inherit the policy of the thread that creates them
+    boot = ("import os, runpy, sys\n"
+            "try: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+            "except (AttributeError, OSError): os.nice(19)\n"
+            "sys.argv = ['localllm.model.compiled', sys.argv[1]]\n"
+            "runpy.run_module('localllm.model.compiled', run_name='__main__', alter_sys=True)")
     with open(log_path, "ab") as logf:
-        return subprocess.Popen([sys.executable, "-m", "localllm.model.compiled", spec], stdin=subprocess.DEVNULL,
+        return subprocess.Popen([sys.executable, "-c", boot, spec], stdin=subprocess.DEVNULL,
                                 stdout=logf, stderr=logf, start_new_session=True, close_fds=True)
 
 
@@ -316,11 +323,8 @@ def builder_pid(model) -> int | None:
 
 
 def _builder_main(spec: dict) -> int:
-    # idle priority: this process (and the compilers it starts) only runs on cores nobody else wants
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.nice(19)
+    """Build a model's packages; started by spawn_builder at idle priority (SCHED_IDLE), so this
+    process and the compilers it starts only run on cores nobody else wants."""
     torch.set_num_threads(spec["threads"])
     from torch._inductor import config as inductor_config
 
