@@ -114,8 +114,8 @@ def test_graph_falls_back_when_table_too_wide(triton_model):
 def test_int4_linear_triton_path(rows):
     """The layer the GPU runs (Triton kernel), with GPTQ act-order input permutation and bias,
     against x @ W.T on the checkpoint's own weight."""
+    from localllm.model.int4 import quantize_rtn
     from localllm.model.layers import Int4Linear
-    from localllm.quant.int4 import quantize_rtn
 
     g = torch.Generator().manual_seed(rows)
     n, k = 48, 128

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quant.int4 import Int4Weight, quantize_rtn
+from .int4 import Int4Weight, quantize_rtn
 
 
 class DenseLinear(nn.Module):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.loader import ModelLoadError
+from .errors import ModelLoadError
 from .int4 import Int4Weight
 
 log = logging.getLogger("localllm")

@@ -1,0 +1,92 @@
+"""The package's import graph: no module imports itself back through others (no cycles, counting the
+imports inside functions too), and the layers point one way: the quantizer command (localllm.quant)
+sits above the model and the engine, which never import it."""
+
+import ast
+from pathlib import Path
+
+import localllm
+
+ROOT = Path(localllm.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports (anywhere in its body, functions included)."""
+    files = {module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod.split(".")[: len(mod.split(".")) - node.level + (1 if is_pkg else 0)]
+                    base_name = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    base_name = node.module or ""
+                # `from pkg import name`: name may be a submodule
+                targets = [f"{base_name}.{a.name}" if f"{base_name}.{a.name}" in files else base_name
+                           for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in files:  # `import a.b.c` of a name inside a module -> the module
+                    t = t.rpartition(".")[0]
+                if t and t != mod and t.startswith("localllm"):
+                    graph[mod].add(t)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_graph_sees_relative_and_function_level_imports():
+    g = import_graph()
+    assert "localllm.model.llama" in g["localllm.model.loader"]  # from .llama import ... (top level)
+    assert "localllm.engine.engine" in g["localllm.quant.quantize"]  # inside perplexity()
+    assert "localllm.model.loader" in g["localllm.cli"]  # inside the commands
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_model_and_engine_never_import_the_quantizer():
+    bad = {m: sorted(t for t in ts if t.startswith("localllm.quant")) for m, ts in import_graph().items()
+           if m.startswith(("localllm.model", "localllm.engine"))}
+    assert {m: ts for m, ts in bad.items() if ts} == {}
+    assert sorted(p.name for p in (ROOT / "quant").glob("*.py")) == ["__init__.py", "calib_text.py", "quantize.py"]
