@@ -73,7 +73,7 @@ def test_triton_backend_equals_torch(tiny_model, graphs):
 
 def test_graph_padding_rows_touch_nothing(triton_model):
     """A padded decode step writes only its real rows' slots and returns their hidden states."""
-    eng = make_engine(triton_model, max_graph_batch=4)
+    eng = make_engine(triton_model, max_graph_batch=4, compile=True)
     runner, model = eng.runner, triton_model.model
     reqs = prompts(3, seed=5)
     for p in reqs:
@@ -99,7 +99,7 @@ def test_graph_padding_rows_touch_nothing(triton_model):
 
 
 def test_graph_falls_back_when_table_too_wide(triton_model):
-    eng = make_engine(triton_model, max_graph_batch=2)
+    eng = make_engine(triton_model, max_graph_batch=2, compile=True)
     graphs: DecodeGraphs = eng.runner.captured
     eng.add_request(prompts(1, seed=7)[0], GREEDY)
     eng.step()
