@@ -105,14 +105,14 @@ def test_quantized_checkpoints_generate(quantized):
 def test_gptq_beats_rtn_on_the_layer_output(small_src):
     """On real activations (layer 0's normed inputs), GPTQ's output error ||X (W - Q)^T|| is well
     below round-to-nearest's on the same group/sym settings."""
-    from localllm.model.loader import open_weights
-    from localllm.quant.quantize import RefModel, _hessian, _rms, calibration_ids, gptq, rtn
+    from localllm.model.loader import load_model
+    from localllm.quant.quantize import _hessian, calibration_ids, gptq, rtn
 
-    w = open_weights(small_src)
-    ref = RefModel(w, w.config)
-    ids = calibration_ids(w.tokenizer(), None, 8, 256)
-    x = _rms(ref.embed[ids], ref.layers[0]["in_norm"], w.config.rms_norm_eps).reshape(-1, HIDDEN)
-    W = ref.layers[0]["q"]
+    m = load_model(small_src, "float32")
+    ids = calibration_ids(m.tokenizer, None, 8, 256)
+    layer = m.model.layers[0]
+    x = layer.input_norm(m.model.embed[ids]).reshape(-1, HIDDEN)
+    W = layer.qkv.weight[:HIDDEN]  # q_proj: the first rows of the fused qkv
     H = _hessian(x)
     for sym in (True, False):
         e_rtn = (x @ (W - rtn(W, 64, sym, True, v1_zeros=not sym).dequantize()).t()).pow(2).mean()

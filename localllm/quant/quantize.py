@@ -1,8 +1,12 @@
 """Our own 4-bit quantizer: RTN, GPTQ and AWQ, writing standard AutoGPTQ/GPTQModel and AutoAWQ
 checkpoints (config.json with quantization_config, model.safetensors, tokenizer files).
 
-Calibration runs a plain fp32 torch forward over the dense weights, one decoder layer at a time
-(the whole model never runs at once):
+Calibration runs the real model (`load_model(src, "float32")`: fp32 DenseLinear layers), one
+decoder layer at a time through `DecoderLayer.forward` with the model's own ops, over the whole
+calibration set as one flattened batch of sequences (`Calibration`); the inputs of each linear
+are captured with forward hooks, and what a layer's quantization changes is written into that
+layer's weights, so the next layer sees the quantized model's activations (the whole model never
+runs at once):
 
 - RTN: per-group min/max rounding, no data.
 - GPTQ (Frantar et al.; the reference `fasterquant`): per linear, H = 2/n X Xᵀ of its inputs,
@@ -25,20 +29,22 @@ import re
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from ..model.layers import rope_inv_freq
-from ..model.loader import HFWeights, open_weights
+from ..model.attention import AttnMeta
+from ..model.llama import DecoderLayer, LlamaModel
+from ..model.loader import HFWeights, load_model, open_weights
 from ..model.quant_formats import AWQ_ORDER
 from .calib_text import CALIBRATION
 
 METHODS = ("rtn", "gptq", "awq")
-LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
 _HF = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
        "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
@@ -184,58 +190,98 @@ def gptq(w: torch.Tensor, H: torch.Tensor, group: int, sym: bool = True, act_ord
     return QLinear(Q[:, inv].t().int().contiguous(), Z.int(), S.half(), g_idx.int())
 
 
-# ---- reference forward (fp32, dense) ---------------------------------------------------------
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+# ---- calibration: the real model, one decoder layer at a time --------------------------------
+# The fused modules of a DecoderLayer and the checkpoint linears each one holds, in row order.
+FUSED = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 
 
-class RefModel:
-    """fp32 dense weights of a Llama-family checkpoint plus the pieces of its forward."""
+def _row_sizes(layer: DecoderLayer, fused: str) -> list[int]:
+    if fused == "qkv":
+        return list(layer.split)
+    n = getattr(layer, fused).out_features
+    return [n // 2, n // 2] if fused == "gate_up" else [n]
 
-    def __init__(self, weights, cfg):
-        self.cfg = cfg
-        self.embed = weights.dense("model.embed_tokens.weight").float()
-        self.layers = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            L = {m: weights.dense(p + _HF[m] + ".weight").float() for m in LINEARS}
-            for m in ("q", "k", "v"):
-                b = p + _HF[m] + ".bias"
-                L[m + "_bias"] = weights.dense(b).float() if weights.has(b) else None
-            L["in_norm"] = weights.dense(p + "input_layernorm.weight").float()
-            L["post_norm"] = weights.dense(p + "post_attention_layernorm.weight").float()
-            self.layers.append(L)
-        inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.inv_freq = inv
 
-    def rope(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        f = torch.outer(torch.arange(T, dtype=torch.float32), self.inv_freq)
-        e = torch.cat([f, f], -1)
-        return e.cos(), e.sin()
+def _split_rows(layer: DecoderLayer, fused: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A fused weight (or bias) [N, ...] -> its checkpoint parts by name (q/k/v, gate/up)."""
+    return dict(zip(FUSED[fused], t.split(_row_sizes(layer, fused))))
 
-    def attention(self, L: dict, h: torch.Tensor, cos, sin) -> torch.Tensor:
-        """Attention core of normed input h [B, T, hidden] -> input of o_proj [B, T, H*D]."""
-        c = self.cfg
-        B, T, _ = h.shape
-        q = F.linear(h, L["q"], L["q_bias"]).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
-        k = F.linear(h, L["k"], L["k_bias"]).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = F.linear(h, L["v"], L["v_bias"]).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        half = c.head_dim // 2
 
-        def rot(x):
-            return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+def _record(qlinears: dict, prefix: str, layer: DecoderLayer, fused: str, ql: QLinear) -> None:
+    """Split a QLinear of a fused module into its checkpoint linears (columns of q/z/s)."""
+    n0 = 0
+    for m, n in zip(FUSED[fused], _row_sizes(layer, fused)):
+        qlinears[prefix + _HF[m]] = QLinear(ql.q[:, n0:n0 + n].contiguous(), ql.z[:, n0:n0 + n].contiguous(),
+                                            ql.s[:, n0:n0 + n].contiguous(), ql.g_idx.clone())
+        n0 += n
 
-        o = F.scaled_dot_product_attention(rot(q), rot(k), v, is_causal=True,
-                                           enable_gqa=c.num_kv_heads != c.num_heads)
-        return o.transpose(1, 2).reshape(B, T, -1)
 
-    def mlp_act(self, L: dict, h: torch.Tensor) -> torch.Tensor:
-        return F.silu(F.linear(h, L["gate"])) * F.linear(h, L["up"])
+class _Stop(Exception):
+    """Ends a layer's forward once the part that is needed has run."""
 
-    def layer(self, L: dict, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        eps = self.cfg.rms_norm_eps
-        x = x + F.linear(self.attention(L, _rms(x, L["in_norm"], eps), cos, sin), L["o"])
-        return x + F.linear(self.mlp_act(L, _rms(x, L["post_norm"], eps)), L["down"])
+
+class Calibration:
+    """The calibration batch as the model's layers take it: B sequences of T tokens flattened to
+    [B*T, hidden] rows with their positions, described by one `AttnMeta` (B fresh prompts) over a
+    paged KV cache for one layer, which every layer reuses (a layer writes its K/V before it reads
+    them). `run` is `DecoderLayer.forward` with the model's own ops, RoPE table and scale."""
+
+    def __init__(self, model: LlamaModel, ids: torch.Tensor, block_size: int = 16):
+        if model.attention_backend != "torch":
+            raise QuantizeError("the quantizer runs the model on CPU (torch attention backend)")
+        B, T = ids.shape
+        nb = -(-T // block_size)
+        self.model, self.ids = model, ids
+        self.positions = torch.arange(T).repeat(B)
+        tables = 1 + torch.arange(B * nb).view(B, nb)  # block 0 is the null block
+        rows = torch.arange(B).repeat_interleave(T)
+        slots = tables[rows, self.positions // block_size] * block_size + self.positions % block_size
+        self.meta = AttnMeta(slots, tables, torch.arange(B + 1) * T, torch.full((B,), T), T == 1, [T] * B, [T] * B)
+        c = model.cfg
+        shape = (1 + B * nb, block_size, c.num_kv_heads, c.head_dim)
+        self.kv = (torch.zeros(shape), torch.zeros(shape))
+
+    def embed(self) -> torch.Tensor:
+        return self.model.embed[self.ids.reshape(-1)].to(self.model.act_dtype)
+
+    def run(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None):
+        """-> (x, residual) for the next layer, as LlamaModel.forward passes them on."""
+        m = self.model
+        return layer(x, residual, self.positions, self.meta, self.kv, m.ops, m.rope, m.scale)
+
+    def run_to(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, module: nn.Module,
+               output: bool = False) -> torch.Tensor:
+        """The input of `module` (one of the layer's linears) when the layer runs on (x, residual),
+        or with output=True its output; the forward stops there."""
+        got = []
+
+        def pre(_mod, args):
+            got.append(args[0])
+            raise _Stop
+
+        def post(_mod, _args, out):
+            got.append(out)
+            raise _Stop
+
+        hook = module.register_forward_hook(post) if output else module.register_forward_pre_hook(pre)
+        try:
+            self.run(layer, x, residual)
+        except _Stop:
+            pass
+        finally:
+            hook.remove()
+        return got[0]
+
+
+@contextmanager
+def _weight(module: nn.Module, w: torch.Tensor):
+    """Run `module` with weight `w` for a while (candidate weights of a search)."""
+    old = module.weight.data
+    module.weight.data = w
+    try:
+        yield module
+    finally:
+        module.weight.data = old
 
 
 def _hessian(x: torch.Tensor) -> torch.Tensor:
@@ -296,49 +342,66 @@ def _awq_clip(w: torch.Tensor, x: torch.Tensor, group: int, n_grid: int = 20, ma
     return out.view(n, k)
 
 
-def _awq_layer(ref: RefModel, L: dict, x: torch.Tensor, cos, sin, group: int, clip: bool,
-               search_tokens: int | None = None) -> None:
-    """Scale search + folding + clipping for one layer, in place on L (weights stay fp32). The
-    searches look at the first ~search_tokens tokens (whole sequences: attention needs them)."""
-    c, eps = ref.cfg, ref.cfg.rms_norm_eps
-    if search_tokens is not None:  # all of it by default, as AutoAWQ: on SmolLM2 the first 512 of 2816
-        x = x[: max(1, -(-search_tokens // x.shape[1]))]  # tokens gave +12.9% perplexity, all +9.0%
-    h = _rms(x, L["in_norm"], eps)
-    # 1) input_layernorm -> q, k, v; judged on the attention output
-    def attn_out(ws):
-        return F.linear(ref.attention({**L, "q": ws[0], "k": ws[1], "v": ws[2]}, h, cos, sin), L["o"])
+def _awq_layer(calib: Calibration, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None,
+               group: int, clip: bool) -> None:
+    """Scale search + folding + clipping for one layer, in place on its fp32 weights, judged on
+    all calibration tokens (as AutoAWQ: on SmolLM2 the first 512 of 2816 tokens gave +12.9%
+    perplexity, all +9.0%). Each block's input is what the layer computes with the weights as
+    scaled so far; v is clipped last, so the MLP's searches see the attention before that clip."""
+    c, ops = calib.model.cfg, calib.model.ops
+    qkv, o, gate_up, down = layer.qkv, layer.o, layer.gate_up, layer.down
+    # 1) input_layernorm -> q, k, v (one fused matrix: the search is per input channel, the
+    # rounding per row); judged on the attention output
+    h = calib.run_to(layer, x, residual, qkv)
 
-    s = _awq_search(h, [L["q"], L["k"], L["v"]], group, attn_out)
-    L["in_norm"] = L["in_norm"] / s
-    for m in ("q", "k", "v"):
-        L[m] = L[m] * s
+    def attn_out(ws):
+        with _weight(qkv, ws[0]):
+            return calib.run_to(layer, x, residual, o, output=True)
+
+    s = _awq_search(h, [qkv.weight], group, attn_out)
+    layer.input_norm.weight.div_(s)
+    qkv.weight.mul_(s)
     # 2) v -> o (only without GQA: v's outputs must be o's inputs one to one)
-    a = ref.attention(L, _rms(x, L["in_norm"], eps), cos, sin)
-    if c.num_kv_heads == c.num_heads and L["v_bias"] is None:
-        s = _awq_search(a, [L["o"]], group, lambda ws: F.linear(a, ws[0]))
-        L["v"] = L["v"] / s[:, None]
-        L["o"] = L["o"] * s
+    a = calib.run_to(layer, x, residual, o)
+    v_rows = slice(sum(layer.split[:2]), None)
+    if c.num_kv_heads == c.num_heads and qkv.bias is None:
+        def o_out(ws):
+            with _weight(o, ws[0]):
+                return o(a)
+
+        s = _awq_search(a, [o.weight], group, o_out)
+        qkv.weight[v_rows] /= s[:, None]
+        o.weight.mul_(s)
         a = a / s
     if clip:
-        L["v"] = _awq_clip(L["v"], _rms(x, L["in_norm"], eps), group)
-        L["o"] = _awq_clip(L["o"], a, group)
-    x2 = x + F.linear(a, L["o"])
-    h2 = _rms(x2, L["post_norm"], eps)
-    # 3) post_attention_layernorm -> gate, up; judged on the MLP output
-    s = _awq_search(h2, [L["gate"], L["up"]], group,
-                    lambda ws: F.linear(F.silu(F.linear(h2, ws[0])) * F.linear(h2, ws[1]), L["down"]))
-    L["post_norm"] = L["post_norm"] / s
-    L["gate"], L["up"] = L["gate"] * s, L["up"] * s
-    h2 = _rms(x2, L["post_norm"], eps)
+        o.weight.copy_(_awq_clip(o.weight, a, group))
+    # 3) post_attention_layernorm -> gate, up; judged on the MLP output (the layer's own modules
+    # and activation: down(act(gate_up(h))))
+    h2 = calib.run_to(layer, x, residual, gate_up)
+
+    def mlp_out(ws):
+        with _weight(gate_up, ws[0]):
+            return down(ops.act(gate_up(h2)))
+
+    s = _awq_search(h2, [gate_up.weight], group, mlp_out)
+    layer.post_norm.weight.div_(s)
+    gate_up.weight.mul_(s)
+    h2 = calib.run_to(layer, x, residual, gate_up)
     # 4) up -> down
-    act = ref.mlp_act(L, h2)
-    s = _awq_search(act, [L["down"]], group, lambda ws: F.linear(act, ws[0]))
-    L["up"] = L["up"] / s[:, None]
-    L["down"] = L["down"] * s
-    if clip:
-        L["gate"] = _awq_clip(L["gate"], h2, group)
-        L["up"] = _awq_clip(L["up"], h2, group)
-        L["down"] = _awq_clip(L["down"], ref.mlp_act(L, h2), group)
+    act = ops.act(gate_up(h2))
+
+    def down_out(ws):
+        with _weight(down, ws[0]):
+            return down(act)
+
+    s = _awq_search(act, [down.weight], group, down_out)
+    gate_up.weight[gate_up.out_features // 2:] /= s[:, None]
+    down.weight.mul_(s)
+    if clip:  # per (row, group): gate and up clip as one matrix. Not q/k: their errors only shift
+        # attention scores (AutoAWQ skips them too)
+        gate_up.weight.copy_(_awq_clip(gate_up.weight, h2, group))
+        down.weight.copy_(_awq_clip(down.weight, ops.act(gate_up(h2)), group))
+        qkv.weight[v_rows] = _awq_clip(qkv.weight[v_rows], calib.run_to(layer, x, residual, qkv), group)
 
 
 # ---- driver -----------------------------------------------------------------------------------
@@ -400,66 +463,66 @@ def quantize_model(src: str | Path, out: str | Path, method: str = "gptq", bits:
     act_order = gptq_default if act_order is None else act_order
     mse = gptq_default if mse is None else mse
     sym = False if sym is None else sym
-    ref = RefModel(weights, cfg)
+    seq_len = min(seq_len, cfg.max_position_embeddings)
+    # the real model in fp32 (DenseLinear layers); calibration rewrites its layers' weights
+    model = load_model(src, "float32", max_model_len=seq_len).model
     tok = weights.tokenizer()
     qlinears: dict[str, QLinear] = {}
     n_tokens = 0
-    todo = ref.layers[:layers] if layers is not None else ref.layers
-    with torch.inference_mode():
+    todo = list(model.layers)[:layers] if layers is not None else list(model.layers)
+    with torch.no_grad():
         if method == "rtn":
-            for i, L in enumerate(todo):
-                for m in LINEARS:
-                    qlinears[f"model.layers.{i}.{_HF[m]}"] = rtn(L[m], group_size, sym, zero_in_range=True,
-                                                                  v1_zeros=not sym)
+            for i, layer in enumerate(todo):
+                for fused in FUSED:
+                    for m, w in _split_rows(layer, fused, getattr(layer, fused).weight).items():
+                        qlinears[f"model.layers.{i}.{_HF[m]}"] = rtn(w, group_size, sym, zero_in_range=True,
+                                                                      v1_zeros=not sym)
         else:
             ids = calibration_ids(tok, calib_texts, num_samples, seq_len)
             n_tokens = ids.numel()
-            x = ref.embed[ids]
-            cos, sin = ref.rope(ids.shape[1])
-            for i, L in enumerate(todo):
+            calib = Calibration(model, ids)
+            x, residual = calib.embed(), None
+            for i, layer in enumerate(todo):
                 p = f"model.layers.{i}."
                 if method == "gptq":
-                    x = _gptq_layer(ref, L, x, cos, sin, group_size, sym, act_order, mse, qlinears, p)
+                    x, residual = _gptq_layer(calib, layer, x, residual, group_size, sym, act_order, mse,
+                                              qlinears, p)
                 else:
-                    _awq_layer(ref, L, x, cos, sin, group_size, awq_clip)
-                    x_next = ref.layer(L, x, cos, sin)  # AutoAWQ feeds the next layer unquantized outputs
-                    for m in LINEARS:
-                        qlinears[p + _HF[m]] = rtn(L[m], group_size, sym=False, zero_in_range=False)
-                    x = x_next
+                    _awq_layer(calib, layer, x, residual, group_size, awq_clip)
+                    # AutoAWQ feeds the next layer the unquantized (scaled, clipped) outputs
+                    x, residual = calib.run(layer, x, residual)
+                    for fused in FUSED:
+                        for m, w in _split_rows(layer, fused, getattr(layer, fused).weight).items():
+                            qlinears[p + _HF[m]] = rtn(w, group_size, sym=False, zero_in_range=False)
                 say(f"layer {i + 1}/{len(todo)} quantized")
-    path = _write_checkpoint(weights, cfg, ref, qlinears, Path(out), method, group_size, sym, act_order)
+    path = _write_checkpoint(weights, cfg, model, qlinears, Path(out), method, group_size, sym, act_order)
     deq = {k + ".weight": v.dequantize() for k, v in qlinears.items()} if keep_dequantized else {}
     return QuantizeResult(path, method, group_size, time.perf_counter() - t0, n_tokens, deq)
 
 
-def _gptq_layer(ref: RefModel, L: dict, x: torch.Tensor, cos, sin, group: int, sym: bool, act_order: bool,
-                mse: bool, qlinears: dict, p: str) -> torch.Tensor:
-    """True-sequential GPTQ of one layer: each stage sees the outputs of the quantized ones."""
-    eps = ref.cfg.rms_norm_eps
+def _gptq_layer(calib: Calibration, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None,
+                group: int, sym: bool, act_order: bool, mse: bool, qlinears: dict, p: str):
+    """True-sequential GPTQ of one layer in one forward: each linear is quantized when the forward
+    reaches it (a pre-hook: H from its input, GPTQ, the dequantized weight written into the
+    layer), so o sees the outputs of the quantized qkv, gate_up those of the quantized attention,
+    down those of the quantized gate_up. -> the quantized layer's (x, residual) for the next one."""
 
-    def run(names: list[str], inp: torch.Tensor) -> None:
-        # same input, same H (and act-order permutation): GPTQ treats rows independently, so
-        # q/k/v (gate/up) go through it as one matrix - 2-3x faster, identical result
-        ql = gptq(torch.cat([L[m] for m in names]), _hessian(inp), group, sym, act_order, mse=mse)
-        n0 = 0
-        for m in names:
-            n1 = n0 + L[m].shape[0]
-            part = QLinear(ql.q[:, n0:n1].contiguous(), ql.z[:, n0:n1].contiguous(), ql.s[:, n0:n1].contiguous(),
-                           ql.g_idx.clone())
-            qlinears[p + _HF[m]] = part
-            L[m] = part.dequantize()
-            n0 = n1
+    def quantize_on_call(fused: str):
+        def hook(mod, args):
+            # q/k/v (gate/up) share their input, hence H and the act-order permutation: GPTQ
+            # treats rows independently, so the fused matrix goes through it at once (2-3x
+            # faster than one by one, identical result)
+            ql = gptq(mod.weight, _hessian(args[0]), group, sym, act_order, mse=mse)
+            _record(qlinears, p, layer, fused, ql)
+            mod.weight.copy_(ql.dequantize())
+        return hook
 
-    h = _rms(x, L["in_norm"], eps)
-    run(["q", "k", "v"], h)
-    a = ref.attention(L, h, cos, sin)
-    run(["o"], a)
-    x = x + F.linear(a, L["o"])
-    h2 = _rms(x, L["post_norm"], eps)
-    run(["gate", "up"], h2)
-    act = ref.mlp_act(L, h2)
-    run(["down"], act)
-    return x + F.linear(act, L["down"])
+    hooks = [getattr(layer, f).register_forward_pre_hook(quantize_on_call(f)) for f in FUSED]
+    try:
+        return calib.run(layer, x, residual)
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 # ---- writing ----------------------------------------------------------------------------------
@@ -488,27 +551,31 @@ def pack_rows(q: torch.Tensor) -> torch.Tensor:
     return _to_int32(sum(q[:, j] << (4 * j) for j in range(8)))
 
 
-def _write_checkpoint(weights, cfg, ref: RefModel, qlinears: dict[str, QLinear], out: Path, method: str,
+def _write_checkpoint(weights, cfg, model: LlamaModel, qlinears: dict[str, QLinear], out: Path, method: str,
                       group: int, sym: bool, act_order: bool) -> Path:
+    """The checkpoint: separate q/k/v/gate/up tensors (sliced from the model's fused ones), norms
+    as calibration left them (AWQ folds its scales into them)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": ref.embed.half()}
-    for i, L in enumerate(ref.layers):
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed.half()}
+    for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = L["in_norm"].half()
-        t[p + "post_attention_layernorm.weight"] = L["post_norm"].half()
-        for m in ("q", "k", "v"):
-            if L[m + "_bias"] is not None:
-                t[p + _HF[m] + ".bias"] = L[m + "_bias"].half()
+        t[p + "input_layernorm.weight"] = layer.input_norm.weight.half()
+        t[p + "post_attention_layernorm.weight"] = layer.post_norm.weight.half()
+        if layer.qkv.bias is not None:
+            for m, b in _split_rows(layer, "qkv", layer.qkv.bias).items():
+                t[p + _HF[m] + ".bias"] = b.half()
     t["model.norm.weight"] = weights.dense("model.norm.weight").half()
     if not cfg.tie_word_embeddings and weights.has("lm_head.weight"):
         t["lm_head.weight"] = weights.dense("lm_head.weight").half()
-    skipped = [f"model.layers.{i}." for i in range(len(ref.layers)) if f"model.layers.{i}.mlp.down_proj" not in qlinears]
-    for i in range(len(ref.layers)):
+    skipped = [f"model.layers.{i}." for i in range(len(model.layers))
+               if f"model.layers.{i}.mlp.down_proj" not in qlinears]
+    for i, layer in enumerate(model.layers):
         if f"model.layers.{i}." in skipped:
-            for m in LINEARS:
-                t[f"model.layers.{i}.{_HF[m]}.weight"] = ref.layers[i][m].half()
+            for fused in FUSED:
+                for m, w in _split_rows(layer, fused, getattr(layer, fused).weight).items():
+                    t[f"model.layers.{i}.{_HF[m]}.weight"] = w.half()
     for name, ql in qlinears.items():
         if method == "awq":
             t[name + ".qweight"] = pack_awq(ql.q)
@@ -552,11 +619,10 @@ def _write_checkpoint(weights, cfg, ref: RefModel, qlinears: dict[str, QLinear],
 
 # ---- evaluation -------------------------------------------------------------------------------
 def perplexity(loaded, ids: list[int], window: int = 512) -> float:
-    """exp(mean NLL) of `ids` under a LoadedModel, in non-overlapping windows."""
+    """exp(mean NLL) of `ids` under a LoadedModel, in non-overlapping windows, each scored by the
+    engine (LLMEngine.score: the runner's forward over the paged cache, as a prompt would run)."""
     from ..config import EngineConfig
     from ..engine.engine import LLMEngine
-    from ..engine.sequence import Sequence
-    from ..sampling import SamplingParams
 
     eng = LLMEngine(loaded, EngineConfig(num_kv_blocks=window // 16 + 4, max_model_len=window, compile=False))
     nll, count = 0.0, 0
@@ -564,11 +630,7 @@ def perplexity(loaded, ids: list[int], window: int = 512) -> float:
         chunk = ids[start:start + window]
         if len(chunk) < 2:
             break
-        seq = Sequence("ppl", chunk, SamplingParams(), 1)
-        eng.block_manager.allocate(seq, len(chunk))
-        hidden = eng.runner.forward_hidden([seq], [len(chunk)])
-        logits = loaded.model.logits(hidden).float()
+        logits = eng.score(chunk)
         nll += F.cross_entropy(logits[:-1], torch.tensor(chunk[1:]), reduction="sum").item()
         count += len(chunk) - 1
-        eng.block_manager.free_seq(seq)
     return math.exp(nll / count)
