@@ -25,11 +25,12 @@ from localllm.quant.calib_text import EVAL
 from localllm.registry import resolve_model
 
 
-def teacher_forced(loaded, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (exact logits [T-1, V], greedy tokens [T-1]) predicting ids[1:], one decode step each."""
+def teacher_forced(loaded, ids: list[int], kv_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (exact logits [T-1, V], greedy tokens [T-1]) predicting ids[1:], one decode step each
+    (the KV cache in `kv_dtype`, default the model's own)."""
     model = loaded.model
     n, bs = len(ids), 16
-    caches = model.new_kv_cache(n // bs + 2, bs, loaded.kv_dtype)
+    caches = model.new_kv_cache(n // bs + 2, bs, kv_dtype or loaded.kv_dtype)
     table = torch.arange(1, n // bs + 2).view(1, -1)
     logits, greedy = [], []
     with torch.inference_mode():

@@ -15,27 +15,11 @@ import math
 
 import torch
 import torch.nn.functional as F
+from check_int4 import teacher_forced  # noqa: E402  (bench/ is on sys.path when run as a script)
 
-from localllm.model.attention import AttnMeta
 from localllm.model.loader import load_model
 from localllm.quant.calib_text import EVAL
 from localllm.registry import resolve_model
-
-
-def teacher_forced(loaded, ids: list[int], kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (logits [T-1, V], greedy tokens [T-1]) predicting ids[1:], one decode step each."""
-    model, n, bs = loaded.model, len(ids), 16
-    caches = model.new_kv_cache(n // bs + 2, bs, kv_dtype)
-    table = torch.arange(1, n // bs + 2).view(1, -1)
-    logits, greedy = [], []
-    with torch.inference_mode():
-        for p in range(n - 1):
-            meta = AttnMeta.captured(table[0, p // bs:p // bs + 1] * bs + p % bs, table, torch.tensor([0, 1]),
-                                     torch.tensor([p + 1]))
-            hidden = model(torch.tensor([ids[p]]), torch.tensor([p]), meta, caches)
-            logits.append(model.logits(hidden)[0])
-            greedy.append(model.head.greedy(hidden)[0])
-    return torch.stack(logits), torch.stack(greedy)
 
 
 def main() -> None:
