@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test setup lint bench clean
+.PHONY: run test setup lint bench bench-setup clean
 
 run: setup
 	echo "$(PROMPT)" | $(BIN)/localllm run --temperature 0
@@ -30,6 +30,10 @@ lint: setup
 
 bench: setup
 	$(BIN)/localllm bench
+
+# the side-by-side benchmarks' peers (llama-cpp-python compiles llama.cpp: ~8 min on 2 cores)
+bench-setup: setup
+	CMAKE_ARGS="$$($(BIN)/python bench/llama_cpp_cmake_args.py)" $(BIN)/pip install -q -e '.[bench]'
 
 clean:
 	rm -rf $(VENV) .pytest_cache

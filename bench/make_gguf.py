@@ -1,0 +1,113 @@
+"""Random-weight Q4_1 GGUFs of real model shapes, carrying the embedded model's tokenizer.
+
+    python bench/make_gguf.py llama-1b  [--out DIR]      # Llama-3.2-1B shape (16 x 2048, GQA 32/8)
+    python bench/make_gguf.py smollm2-1.7b [--out DIR]   # SmolLM2-1.7B shape (24 x 2048, 32 KV heads)
+
+The metadata (tokenizer, chat template, special tokens) is copied from SmolLM2-135M's GGUF, the
+shape keys are replaced, and every tensor gets the type it has there (Q4_1 matrices, Q8_0
+embeddings, F32 norms), so llama.cpp and localllm read the same file the way they read a real
+one. Weights are N(0, 0.02) and norms 1: the numbers are meaningless, the bytes per token are not.
+Used by bench/compare.py (--model) for the side-by-side tables at real sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+SHAPES = {
+    # vocab stays SmolLM2's 49152 (its tokenizer); embeddings tied as in both real models
+    "llama-1b": dict(block_count=16, embedding_length=2048, feed_forward_length=8192, head_count=32,
+                     head_count_kv=8, rope_freq_base=500000.0, context_length=131072),
+    "smollm2-1.7b": dict(block_count=24, embedding_length=2048, feed_forward_length=8192, head_count=32,
+                         head_count_kv=32, rope_freq_base=130000.0, context_length=8192),
+    "smollm2-135m": dict(block_count=30, embedding_length=576, feed_forward_length=1536, head_count=9,
+                         head_count_kv=3, rope_freq_base=100000.0, context_length=8192),
+}
+
+
+def source_gguf() -> str:
+    from localllm.registry import resolve_model
+
+    return str(resolve_model(None).local_path)
+
+
+def tensor_shapes(s: dict, vocab: int) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> numpy shape (rows, cols) as the writer takes it (ne reversed)."""
+    h, f = s["embedding_length"], s["feed_forward_length"]
+    hd = h // s["head_count"]
+    kv = s["head_count_kv"] * hd
+    out = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,)}
+    for i in range(s["block_count"]):
+        out.update({f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.ffn_norm.weight": (h,),
+                    f"blk.{i}.attn_q.weight": (h, h), f"blk.{i}.attn_k.weight": (kv, h),
+                    f"blk.{i}.attn_v.weight": (kv, h), f"blk.{i}.attn_output.weight": (h, h),
+                    f"blk.{i}.ffn_gate.weight": (f, h), f"blk.{i}.ffn_up.weight": (f, h),
+                    f"blk.{i}.ffn_down.weight": (h, f)})
+    return out
+
+
+def write(shape: str, out_path: str, seed: int = 0) -> str:
+    import gguf
+
+    src = gguf.GGUFReader(source_gguf())
+    s = SHAPES[shape]
+    arch = "llama"
+    types = {}
+    for t in src.tensors:  # the type each role has in the real file
+        role = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
+        types[role] = t.tensor_type
+    tmp = out_path + ".partial"
+    w = gguf.GGUFWriter(tmp, arch)
+    skip = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture"}
+    overrides = {f"{arch}.{k.replace('head_count', 'attention.head_count').replace('rope_freq_base', 'rope.freq_base')}": v
+                 for k, v in s.items()}
+    overrides[f"{arch}.rope.dimension_count"] = s["embedding_length"] // s["head_count"]
+    overrides["general.name"] = f"random {shape}"
+    overrides["general.size_label"] = shape
+    for key, field in src.fields.items():
+        if key in skip:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        val = overrides.pop(key, None)
+        w.add_key_value(key, field.contents() if val is None else val, vtype, sub)
+    assert not overrides, f"keys missing from the source file: {overrides}"
+    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
+    rng = np.random.default_rng(seed)
+    for name, shp in tensor_shapes(s, vocab).items():
+        role = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        qtype = types[role]
+        if len(shp) == 1:
+            w.add_tensor(name, np.ones(shp, np.float32))
+            continue
+        data = rng.standard_normal(shp, dtype=np.float32) * 0.02
+        q = gguf.quants.quantize(data, qtype)
+        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, out_path)  # never a half-written file under the final name
+    return out_path
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "models"))
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"random-{args.shape}.Q4_1.gguf")
+    if os.path.exists(path):
+        print(path)
+        return
+    print(f"writing {path} ...", file=sys.stderr)
+    print(write(args.shape, path))
+
+
+if __name__ == "__main__":
+    main()
