@@ -90,3 +90,17 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[to
 def int4_gemm(x: torch.Tensor, w: torch.Tensor, sc: torch.Tensor, group_size: int) -> torch.Tensor:
     """fp32 x [M, K] @ W.T -> fp32 [M, N padded to 16]."""
     return torch.ops.localllm.int4_gemm(x, w, sc, group_size)
+
+
+def pack_gguf(raws: list[torch.Tensor], rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """GGUF Q4_0 / Q4_1 blocks (per part uint8 [n_i, K/32, 18 | 20], the file's bytes) straight
+    into (w, sc) as `pack` lays them out, sc in fp16. rows [N]: the source row (over the parts
+    stacked) of each output row; padded here to a multiple of 16. None when the scales do not
+    fit fp16 (Q4_0 with |d| > 8188): the caller then goes through `pack`."""
+    pad = -rows.shape[0] % ROWS
+    if pad:
+        rows = torch.cat([rows, rows.new_full((pad,), -1)])
+    w, sc = torch.ops.localllm.pack_gguf_q4([r.contiguous() for r in raws], rows.to(torch.int64), k)
+    if raws[0].shape[2] == 18 and not torch.isfinite(sc).all():
+        return None
+    return w, sc

@@ -136,3 +136,59 @@ def test_top_indices_equals_topk():
         assert got.shape == (3, k)
         assert all(set(got[b].tolist()) == set(want[b].tolist()) for b in range(3))
     assert set(top_indices(x[:, :100], 5)[0].tolist()) == set(x[0, :100].topk(5).indices.tolist())  # narrow
+
+
+def gguf_blocks(n: int, k: int, q4_1: bool, seed: int, big_d: bool = False) -> tuple[torch.Tensor, Int4Weight]:
+    """Random GGUF Q4_0 / Q4_1 blocks (the file's bytes, [n, k/32, 18 | 20]) and the Int4Weight
+    they mean, decoded from the format's definition: value i of a block in the low nibble of
+    qs[i], value i + 16 in the high nibble; w = d * q + m (Q4_1) or d * (q - 8) (Q4_0)."""
+    g = torch.Generator().manual_seed(seed)
+    nb = k // 32
+    d = (torch.rand(n, nb, generator=g) * (9000 if big_d else 0.02) + 1e-3).half()
+    m = (torch.randn(n, nb, generator=g) * 0.05).half()
+    qs = torch.randint(0, 256, (n, nb, 16), generator=g, dtype=torch.uint8)
+    head = [d.view(torch.uint8).view(n, nb, 2)] + ([m.view(torch.uint8).view(n, nb, 2)] if q4_1 else [])
+    raw = torch.cat(head + [qs], dim=-1).contiguous()
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
+    zeros = (m.float() + 8 * d.float()) if q4_1 else torch.zeros(n, nb)
+    return raw, Int4Weight(q, d.float().t().contiguous(), zeros.t().contiguous(), 32)
+
+
+@needs_vnni
+@pytest.mark.parametrize("q4_1", [True, False])
+def test_pack_gguf_equals_pack(q4_1):
+    """The C++ shuffle from GGUF blocks (several parts, rows permuted, N padded) gives the bytes
+    `pack` gives from the decoded weight, so the layer computes the same numbers."""
+    assert cpu_int4.load()
+    sizes, k = [40, 24, 8], 128
+    parts = [gguf_blocks(n, k, q4_1, seed=i) for i, n in enumerate(sizes)]
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(9))
+    rows = torch.cat([perm, torch.arange(24) + 40, torch.arange(8) + 64])
+    w, sc = cpu_int4.pack_gguf([r for r, _ in parts], rows, k)
+    decoded = Int4Weight.cat([parts[0][1].permute_rows(perm), parts[1][1], parts[2][1]])
+    want_w, want_sc = cpu_int4.pack(decoded.q, decoded.scales, decoded.zeros)
+    assert torch.equal(w, want_w) and sc.dtype == want_sc.dtype == torch.float16 and torch.equal(sc, want_sc)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_int4.pack_gguf([parts[0][0]], torch.tensor([40]), k)
+
+
+@needs_vnni
+def test_pack_gguf_q4_0_scale_overflow():
+    """Q4_0 scales whose offset -8d overflows fp16 are refused (the loader then takes `pack`'s fp32 scales)."""
+    raw, _ = gguf_blocks(16, 64, False, seed=3, big_d=True)
+    assert cpu_int4.pack_gguf([raw], torch.arange(16), 64) is None
+
+
+@needs_vnni
+def test_gguf_layers_load_straight_into_the_kernel_layout(gguf_path):
+    """The real model's fused qkv (q/k rows reordered for RoPE) and down projection: the direct GGUF
+    path builds the same kernel buffers as decoding to Int4Weight and packing."""
+    from localllm.model.loader import GGUFWeights, _gguf_q4_linear
+
+    weights = GGUFWeights(gguf_path)
+    for names in (["model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+                   "model.layers.3.self_attn.v_proj.weight"], ["model.layers.0.mlp.down_proj.weight"]):
+        fast = _gguf_q4_linear(weights, names, None)
+        slow = Int4Linear(Int4Weight.cat([weights.int4(n) for n in names]), torch.float32)
+        assert fast.kind == slow.kind == "vnni"
+        assert torch.equal(fast.qw, slow.qw) and torch.equal(fast.qsc, slow.qsc)
