@@ -1,12 +1,15 @@
-"""How much a background build of the compiled step slows the foreground decode.
+"""What a background build of the compiled step costs a chat session's foreground decode.
 
-    .venv/bin/python bench/build_slowdown.py [--threads 2] [--runs 5] [--tokens 128]
+    .venv/bin/python bench/build_slowdown.py [--threads 2] [--tokens 128] [--think 10]
 
 A first `run`/`chat` on a model answers eagerly while `python -m localllm.model.compiled` builds
-the packages at idle CPU priority (SCHED_IDLE). This measures eager decode tok/s of the embedded
-model alone, then with a builder working in a fresh LOCALLLM_HOME (so it really builds),
-interleaving runs while the builder is alive. --policy normal builds at normal priority instead,
-for comparison.
+the packages at idle CPU priority; the engine stops the builder while it has work and continues
+it when idle. This plays a chat on the embedded model in a fresh LOCALLLM_HOME (so it really
+builds): replies of --tokens greedy tokens, each followed by --think seconds of the user reading
+and typing, until the replies run compiled. Printed: eager decode alone (before any build), each
+reply's tok/s while the build is pending, the first compiled reply, and how long the build took.
+--no-pause lets the builder run beside the decode (a builder this script starts itself, which
+the engine does not stop): what the pause avoids.
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -23,9 +24,10 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--policy", choices=("idle", "normal"), default="idle")
+    ap.add_argument("--think", type=float, default=10.0, help="idle seconds between replies")
+    ap.add_argument("--max-replies", type=int, default=60)
+    ap.add_argument("--no-pause", action="store_true")
     args = ap.parse_args()
     os.environ["LOCALLLM_HOME"] = tempfile.mkdtemp(prefix="build_slowdown_")
     import torch
@@ -39,40 +41,43 @@ def main() -> None:
     from localllm.sampling import SamplingParams
 
     loaded = load_model(resolve_model(None).local_path, "auto")
-    eng = LLMEngine(loaded, EngineConfig(compile=False, num_kv_blocks=64, enable_prefix_caching=False))
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
 
-    def rate(salt: int) -> float:
+    def reply(eng, salt: int) -> float:
         stamps = [time.perf_counter() for _ in eng.generate([100 + salt] + list(range(200, 231)), params)]
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
-    rate(0)  # warm-up
-    alone = [rate(i) for i in range(args.runs)]
-    spec = {"origin": loaded.model.origin, "kv_dtype": str(loaded.kv_dtype).removeprefix("torch."),
-            "threads": args.threads}
-    if args.policy == "normal":  # the same builder without lowering its priority
-        code = ("import json, sys; from localllm.model import compiled; "
-                "sys.exit(compiled._builder_main(json.loads(sys.argv[1])))")
-        import json
-
-        proc = subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-    else:
-        proc = compiled.spawn_builder(spec["origin"], loaded.kv_dtype, args.threads,
-                                      compiled.cache_dir() / "build.log")
-    time.sleep(3.0)  # past its imports: loading the model and exporting
-    during = []
+    eager = LLMEngine(loaded, EngineConfig(compile=False, parallel=1, enable_prefix_caching=False))
+    reply(eager, 0)  # warm-up
+    alone = [reply(eager, i) for i in range(5)]
+    del eager
+    eng = LLMEngine(loaded, EngineConfig(compile=True, parallel=1, enable_prefix_caching=False))
+    step = eng.runner.captured
+    if args.no_pause:  # a builder the engine does not know about, so it is never stopped
+        step.background = False
+        compiled.spawn_builder(loaded.model.origin, loaded.kv_dtype, args.threads, compiled.cache_dir() / "build.log")
     t0 = time.perf_counter()
-    while proc.poll() is None and len(during) < 4 * args.runs:
-        during.append(rate(100 + len(during)))
-    build_s = time.perf_counter() - t0
-    proc.kill()
-    proc.wait()
-    a, d = statistics.median(alone), statistics.median(during) if during else float("nan")
-    print(f"eager decode, {args.threads} threads, {args.tokens} tokens: alone {a:.1f} tok/s (runs {[round(x, 1) for x in alone]})")
-    print(f"while a {args.policy}-priority build runs: {d:.1f} tok/s over {len(during)} runs in {build_s:.0f} s "
-          f"(runs {[round(x, 1) for x in during]})")
-    print(f"foreground slowdown: {1 - d / a:+.1%}")
+    pending, first_compiled = [], None
+    for i in range(args.max_replies):
+        before = step.steps
+        r = reply(eng, 10 + i)
+        if step.steps - before >= args.tokens // 2:
+            first_compiled = (i, r, time.perf_counter() - t0)
+            break
+        pending.append(r)
+        time.sleep(args.think)
+    print(f"eager decode alone, {args.threads} threads, {args.tokens} tokens: {statistics.median(alone):.1f} tok/s "
+          f"(runs {[round(x, 1) for x in alone]})")
+    if pending:
+        print(f"replies while the build was pending ({'builder running beside them' if args.no_pause else 'builder stopped during replies'}"
+              f", {args.think:.0f} s idle between): median {statistics.median(pending):.1f} tok/s, "
+              f"runs {[round(x, 1) for x in pending]}")
+        print(f"foreground slowdown vs eager alone: {1 - statistics.median(pending) / statistics.median(alone):+.1%}")
+    if first_compiled:
+        i, r, t = first_compiled
+        print(f"reply {i + 1} ran compiled: {r:.1f} tok/s, {t:.0f} s after the session started")
+    else:
+        print(f"no compiled reply within {args.max_replies} replies")
 
 
 if __name__ == "__main__":

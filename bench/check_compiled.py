@@ -74,7 +74,7 @@ def main() -> int:
             bad += not tie
             print(f"prompt {i} {name}: diverges at {pos}: eager {e.token_ids[pos]} vs compiled "
                   f"{got.token_ids[pos]}, eager top-2 gap {gap:.3f} ({'near-tie' if tie else 'NOT a near-tie'})")
-    print(f"compiled steps {sum(s.calls for s in steps)}, failed: {[s.failed for s in steps if s.failed]}")
+    print(f"compiled steps {sum(s.steps for s in steps)}, failed: {[s.failed for s in steps if s.failed]}")
     return 1 if bad or any(s.failed for s in steps) else 0
 
 

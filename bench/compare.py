@@ -46,6 +46,19 @@ class LocalWorker:
                                                           num_threads=threads, compile=compile))
         self.compile_wait_s = wait_for_compiled(self.engine)
 
+    def bytes_per_token(self) -> dict:
+        """What one greedy decode step reads: every layer's weights, the head it ranks with (the
+        int4 copy when it has one; the exact rows it rescores are few) and, per token of
+        context, K and V of every layer."""
+        model = self.loaded.model
+        seen, total = set(), 0
+        for part in (*model.layers, model.norm, model.head.fast if model.head.fast is not None else model.head):
+            for t in (*part.parameters(), *part.buffers()):
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+        return {"weights": total, "kv_per_token": self.loaded.config.kv_bytes_per_token(self.loaded.kv_dtype.itemsize)}
+
     def prefill(self, ids: list[int]) -> float:
         from localllm.sampling import SamplingParams
 
@@ -72,6 +85,21 @@ class LlamaCppWorker:
         self.llm = Llama(path, n_ctx=4096, n_batch=2048, n_ubatch=512, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
         self.load_s = time.perf_counter() - t0
+        self.path = path
+
+    def bytes_per_token(self) -> dict:
+        """Every tensor of the file but the embedding (only its rows are read), unless the
+        embedding is also the output matrix; f16 K and V per token of context."""
+        from localllm.model.gguf import read_gguf
+
+        f = read_gguf(self.path)
+        tied = "output.weight" not in f.tensors
+        total = sum(t.data.nbytes for n, t in f.tensors.items() if n != "token_embd.weight" or tied)
+        meta, arch = f.metadata, f.metadata["general.architecture"]
+        heads = meta[f"{arch}.attention.head_count"]
+        kvh = meta.get(f"{arch}.attention.head_count_kv", heads)
+        dim = meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads)
+        return {"weights": total, "kv_per_token": meta[f"{arch}.block_count"] * 2 * kvh * dim * 2}
 
     def prefill(self, ids: list[int]) -> float:
         self.llm.reset()
@@ -143,6 +171,8 @@ def worker_main(kind: str, path: str, threads: int, compile: bool) -> None:
         elif cmd["op"] == "decode":
             rate, toks = w.decode(cmd["ids"], cmd["n"])
             res = {"tok_per_s": rate, "tokens": toks}
+        elif cmd["op"] == "bytes":
+            res = w.bytes_per_token() if hasattr(w, "bytes_per_token") else {}
         else:  # "rss"
             res = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         print(json.dumps(res), flush=True)
@@ -292,6 +322,7 @@ def main(argv=None) -> dict:
                             a / b for a, b in zip(rates["localllm"], rates[e]))
         for e in engines:
             res["engines"][e]["peak_rss_mb"] = procs[e].ask(op="rss")["peak_rss_mb"]
+            res["engines"][e]["bytes"] = procs[e].ask(op="bytes")
     finally:
         for p in procs.values():
             p.close()
@@ -303,8 +334,26 @@ def main(argv=None) -> dict:
                 cold[e].append(cold_start(e, args.model, args.threads))
         for e in engines:
             res["engines"][e]["cold_start_s"] = statistics.median(cold[e])
+    log("read bandwidth ...")
+    res["read_gb_s"] = read_bandwidth(args.threads)
     print(json.dumps(res, indent=2) if args.json else render(res))
     return res
+
+
+def read_bandwidth(threads: int, gib: float = 1.0, runs: int = 7) -> float:
+    """This machine's memory read bandwidth with `threads` threads: the median of summing a
+    1 GiB fp32 tensor (the roofline decode is measured against)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gib * 2**28))
+    x.sum()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times) / 1e9
 
 
 def render(res: dict) -> str:
@@ -335,6 +384,18 @@ def render(res: dict) -> str:
     row("decode batch 1 (tok/s)", get("decode_tok_per_s"), "{:.1f}".format)
     for k in sorted(k for k in eng[names[0]] if k.startswith("decode_ctx") and k.endswith("_tok_per_s")):
         row(f"decode after {k.split('_')[1][3:]} tokens (tok/s)", get(k), "{:.1f}".format)
+    bw = res.get("read_gb_s")
+
+    def achieved(ctx_key, ctx):  # GB/s of weights + K/V a decode step reads
+        def f(d):
+            b, rate = d.get("bytes") or {}, d.get(ctx_key)
+            return None if not b or rate is None else (b["weights"] + b["kv_per_token"] * ctx) * rate / 1e9
+        return f
+
+    for ctx_key, ctx, label in [("decode_tok_per_s", 32, "32")] + [
+            (k, int(k.split("_")[1][3:]), k.split("_")[1][3:]) for k in sorted(eng[names[0]])
+            if k.startswith("decode_ctx") and k.endswith("_tok_per_s")]:
+        row(f"decode after {label}: weights+KV read (GB/s)", achieved(ctx_key, ctx), "{:.1f}".format)
     row("cold start to 1st token (s)", get("cold_start_s"), "{:.2f}".format, False)
     row("peak RSS (MB)", get("peak_rss_mb"), "{:.0f}".format, False)
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
@@ -342,6 +403,8 @@ def render(res: dict) -> str:
              for r in rows]
     note = [f"{res['threads']} threads, {res['runs']} interleaved rounds, medians; ratios: > 1 means localllm is "
             "better (faster, or less time / memory)."]
+    if bw:
+        note.append(f"machine read bandwidth ({res['threads']} threads, 1 GiB sum): {bw:.1f} GB/s = the decode roofline")
     for p in peers:
         for k in (k for k in eng[p] if k.startswith("decode") and k.endswith("_round_ratio")):
             note.append(f"{k.removesuffix('_round_ratio')}, median of per-round ratios localllm / {p}: "

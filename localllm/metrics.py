@@ -95,6 +95,8 @@ _ENGINE_METRICS = [
     ("localllm_kv_blocks_used", "gauge", "KV cache blocks held by live requests.", "kv_blocks_used"),
     ("localllm_kv_blocks_total", "gauge", "KV cache blocks in the pool.", "kv_blocks_total"),
     ("localllm_engine_steps_total", "counter", "Engine steps run.", "steps"),
+    ("localllm_captured_steps_total", "counter", "Steps run by the captured step (the compiled CPU package or "
+     "CUDA graphs) instead of eagerly.", "captured_steps"),
     ("localllm_max_batch_size", "gauge", "Largest batch (sequences in one step) so far.", "max_batch_size"),
     ("localllm_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.", "preemptions"),
 ]

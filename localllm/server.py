@@ -62,11 +62,7 @@ class EngineLoop:
         self._closed = False
         self.stats: dict = engine.cache_stats()  # snapshot, refreshed by the loop thread
         self.pending = 0  # submitted, not yet admitted (read by the 429 check)
-        self._thread = threading.Thread(target=self._run, name="localllm-engine-loop", daemon=True)
-
-    def start(self) -> EngineLoop:
-        self._thread.start()
-        return self
+        self._thread: threading.Thread | None = None
 
     def submit(self, p: _Pending) -> None:
         with self._cv:
@@ -87,10 +83,13 @@ class EngineLoop:
         with self._cv:
             self._closed = True
             self._cv.notify()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        t = self._thread
+        if t is not None and t.is_alive() and threading.current_thread() is not t:
+            t.join(timeout)
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The loop, in the calling thread, until close()."""
+        self._thread = threading.current_thread()
         engine = self.engine
         while True:
             with self._cv:
@@ -171,9 +170,17 @@ class ServerState:
 
     def start_loading(self) -> None:
         self.aloop = asyncio.get_running_loop()
-        threading.Thread(target=self._load, name="localllm-loader", daemon=True).start()
+        threading.Thread(target=self._load_and_run, name="localllm-engine", daemon=True).start()
 
-    def _load(self) -> None:
+    def _load_and_run(self) -> None:
+        # one thread loads the model and then steps the engine: the only thread that enters
+        # torch, so OpenMP keeps one team whose threads spin between ops (a second calling
+        # thread gets a second team, and libgomp stops spinning when its threads outnumber the
+        # cores: the chat REPL lost ~25% of its decode speed to that)
+        if self._load():
+            self.loop.run()
+
+    def _load(self) -> bool:
         t0 = time.perf_counter()
         try:
             engine = self.load_engine()
@@ -181,13 +188,14 @@ class ServerState:
             self.load_error = str(e) or type(e).__name__
             self.log(f"Error: could not load the model: {self.load_error}")
             self.on_fatal()
-            return
+            return False
         if self.closing:
-            return
+            return False
         self.engine = engine
-        self.loop = EngineLoop(engine, self.log).start()
+        self.loop = EngineLoop(engine, self.log)
         self.log(f"model {self.cfg.model_id} loaded in {time.perf_counter() - t0:.1f} s "
                  f"(context {engine.max_model_len} tokens, {engine.cache_stats()['kv_blocks_total']} KV blocks); ready")
+        return True
 
     def begin_shutdown(self) -> None:
         """Called from the signal handler: end in-flight requests now so connections close fast."""

@@ -10,6 +10,7 @@ the real 30-layer model is `python bench/check_compiled.py`.
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -49,7 +50,7 @@ def background_build(tiny_int4):
     step = eng.runner.captured
     assert isinstance(step, compiled.CompiledStep)
     first = run_all(eng, reqs)
-    calls_before = step.calls
+    calls_before = step.steps
     builder = step.builder
     assert step.wait(timeout=900), (compiled.cache_dir() / "build.log").read_text()[-3000:]
     again = run_all(eng, reqs)
@@ -63,7 +64,7 @@ def test_background_build_then_switch(background_build, tiny_int4):
     assert b["builder"].wait(timeout=60) == 0
     assert b["calls_before"] == 0  # nothing waited for the build: the first answers were eager
     assert b["first"] == b["eager"] and b["again"] == b["eager"]
-    assert b["step"].calls > 0 and b["step"].failed is None
+    assert b["step"].steps > 0 and b["step"].failed is None
     for kind in compiled.KINDS:
         path = compiled.package_path(tiny_int4.model, kind, tiny_int4.kv_dtype)
         assert path.is_file() and path.with_suffix(".json").is_file()
@@ -105,7 +106,7 @@ def test_compiled_step_serves_sampling_and_logprobs(background_build, tiny_int4)
     ref = run_all(make_engine(tiny_int4), reqs, params)
     eng = make_engine(tiny_int4, compile=True)
     assert run_all(eng, reqs, params) == ref
-    assert eng.runner.captured.calls > 0
+    assert eng.runner.captured.steps > 0
 
 
 def test_damaged_package_is_never_loaded_and_is_built_again(background_build, tiny_int4):
@@ -171,3 +172,65 @@ def test_stale_packages_are_removed_and_rm_deletes_a_models_packages(background_
 
 def test_eager_config_has_no_captured_step(tiny_int4):
     assert make_engine(tiny_int4, compile=False).runner.captured is None
+
+
+def proc_state(pid: int) -> str:
+    """'T' when stopped (by SIGSTOP), else R/S/D/Z."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+SLEEPER = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+           "print('ready', flush=True); time.sleep(60)"]
+
+
+def wait_state(pid: int, stopped: bool, timeout: float = 10.0) -> bool:
+    """Signals land asynchronously: poll until the process is (not) stopped."""
+    deadline = time.monotonic() + timeout
+    while (proc_state(pid) == "T") != stopped and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return (proc_state(pid) == "T") == stopped
+
+
+def test_builder_is_stopped_while_the_engine_has_work(tiny_int4, tmp_path):
+    """A build beside a decode costs the decode ~94% on 2 cores (bench/build_slowdown.py): the
+    engine stops its builder's process group for each step and continues it when idle."""
+    eng = make_engine(tiny_int4, compile=True)
+    step = eng.runner.captured
+    step.background = False  # no real build here: a stand-in process plays the builder
+    step.builder = proc = compiled.spawn_in_group(SLEEPER, tmp_path / "log")
+    try:
+        seen = []
+        real = eng.runner.step
+
+        def spy(*a, **kw):
+            seen.append(proc_state(proc.pid))
+            return real(*a, **kw)
+
+        eng.runner.step = spy
+        run_all(eng, prompts(2, seed=5))
+        assert seen and set(seen) == {"T"}  # stopped during every step
+        assert wait_state(proc.pid, stopped=False)  # continued once the engine had nothing left
+        rid = eng.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=50))
+        eng.step()
+        assert wait_state(proc.pid, stopped=True)
+        eng.abort(rid)  # the last request aborted: idle again
+        assert wait_state(proc.pid, stopped=False)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_stopped_builder_continues_when_its_engine_process_dies(tmp_path):
+    """The engine process is killed while its builder is stopped: the kernel continues the
+    orphaned process group (SIGHUP, which the builder ignores, then SIGCONT)."""
+    code = ("import os, signal, sys; from pathlib import Path; from localllm.model import compiled; "
+            f"log = Path({str(tmp_path / 'log')!r}); p = compiled.spawn_in_group({SLEEPER!r}, log); "
+            "import time; [time.sleep(0.02) for _ in range(500) if 'ready' not in log.read_text()]; "
+            "os.killpg(p.pid, signal.SIGSTOP); print(p.pid, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    pid = int(out.stdout.split()[-1])
+    try:
+        assert wait_state(pid, stopped=False) and proc_state(pid) in ("S", "R")
+    finally:
+        os.kill(pid, signal.SIGKILL)

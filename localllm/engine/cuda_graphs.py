@@ -66,6 +66,9 @@ class DecodeGraphs:
             self.graphs[bs] = (graph, out)
         torch.cuda.synchronize()
 
+    def busy(self, busy: bool) -> None:
+        """Nothing is built in the background here (graphs are captured at start)."""
+
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor, None] | None:
         """(hidden states [B, hidden], None) of a decode step, or None when it is not a decode
         step or does not fit a bucket (too many sequences or a block table wider than the static

@@ -106,6 +106,7 @@ class LLMEngine:
                                   loaded.eos_ids, *self._graph_shape(), compiled=config.compile)
         self.eos_ids = loaded.eos_ids
         self.proposer = self._make_proposer(draft)
+        self._runners = [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftProposer) else [])
         self.adaptive = AdaptiveK(config.num_speculative_tokens)
         self.spec_stats = SpecStats()
         self._seqs: dict[str, Sequence] = {}
@@ -253,6 +254,8 @@ class LLMEngine:
             if seq is None or seq.is_finished:
                 return False
             self._release(seq, "abort")
+            if not self.has_unfinished():
+                self._busy(False)
             return True
 
     def _release(self, seq: Sequence, reason: str) -> None:
@@ -313,6 +316,7 @@ class LLMEngine:
             batch = self.scheduler.schedule({s: len(p.tokens) for s, p in proposals.items()})
             if not batch.seqs:
                 return []
+            self._busy(True)
             self.stats["steps"] += 1
             self.stats["max_batch_size"] = max(self.stats["max_batch_size"], len(batch.seqs))
             self.stats["preemptions"] = self.scheduler.num_preemptions
@@ -342,7 +346,13 @@ class LLMEngine:
                     self.block_manager.hash_full_blocks(seq)
                 else:
                     outs.append(self._append(seq, new))
+            if not self.has_unfinished():
+                self._busy(False)
             return outs
+
+    def _busy(self, busy: bool) -> None:
+        for r in self._runners:  # a background build of the compiled step runs only while idle
+            r.busy(busy)
 
     def _propose(self) -> dict:
         running = self.scheduler.running
@@ -426,7 +436,8 @@ class LLMEngine:
         return {**s, "hit_rate": s["cached_tokens"] / s["prompt_tokens"] if s["prompt_tokens"] else 0.0,
                 "speculative": self.spec_stats.as_dict() if self.proposer is not None else None,
                 "kv_blocks_total": self.num_blocks, "kv_blocks_used": self.block_manager.num_used_blocks,
-                "running": self.num_running, "waiting": self.num_waiting}
+                "running": self.num_running, "waiting": self.num_waiting,
+                "captured_steps": self.runner.captured.steps if self.runner.captured is not None else 0}
 
     def live_sequences(self) -> list[Sequence]:
         return [s for s in self._seqs.values() if s.status != SeqStatus.FINISHED]

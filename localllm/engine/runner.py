@@ -43,6 +43,11 @@ class ModelRunner:
             # (without our paged-attention op, e.g. no C++ compiler, the forward cannot be exported)
             self.captured = CompiledStep(model, self.kv_caches)
 
+    def busy(self, busy: bool) -> None:
+        """The engine has work, or has none left (a background build runs only then)."""
+        if self.captured is not None:
+            self.captured.busy(busy)
+
     def prepare(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
         bs = self.block_size
         ids, pos, ctx_lens, tables = [], [], [], []

@@ -25,10 +25,12 @@ deleted and built again, never loaded) and the model file it belongs to (`locall
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -64,8 +66,10 @@ def cache_dir() -> Path:
     return cache_home() / "aoti"
 
 
+@functools.cache
 def _code_digest() -> str:
-    """The sources whose math a package bakes in: a change to them invalidates every package."""
+    """The sources whose math a package bakes in: a change to them invalidates every package.
+    Read once: the code this process runs, not what an editor saved since."""
     here = Path(__file__).parent
     h = hashlib.sha256()
     for name in ("compiled.py", "llama.py", "layers.py", "attention.py"):
@@ -275,14 +279,23 @@ def spawn_builder(origin: dict, kv_dtype: torch.dtype, threads: int, log_path: P
     spec = json.dumps({"origin": origin, "kv_dtype": str(kv_dtype).removeprefix("torch."), "threads": threads})
     # idle priority before anything starts a thread (importing torch starts OpenMP's): threads
     # inherit the policy of the thread that creates them
-    boot = ("import os, runpy, sys\n"
+    # its own process group in our session (CompiledStep.busy stops and continues the group, its
+    # compiler children too); SIGHUP ignored: when this process dies with the group stopped, the
+    # kernel sends the orphaned group SIGHUP and then SIGCONT, so the build goes on
+    boot = ("import os, runpy, signal, sys\n"
+            "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
             "try: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
             "except (AttributeError, OSError): os.nice(19)\n"
             "sys.argv = ['localllm.model.compiled', sys.argv[1]]\n"
             "runpy.run_module('localllm.model.compiled', run_name='__main__', alter_sys=True)")
+    return spawn_in_group([sys.executable, "-c", boot, spec], log_path)
+
+
+def spawn_in_group(argv: list[str], log_path: Path) -> subprocess.Popen:
+    """Start argv in a process group of its own (same session), output appended to log_path."""
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     with open(log_path, "ab") as logf:
-        return subprocess.Popen([sys.executable, "-c", boot, spec], stdin=subprocess.DEVNULL,
-                                stdout=logf, stderr=logf, start_new_session=True, close_fds=True)
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, close_fds=True, **group)
 
 
 def build_missing(model, kv_dtype: torch.dtype) -> list[str]:
@@ -359,8 +372,9 @@ class CompiledStep:
         self._next_look: dict[str, float] = {}
         self.builder: subprocess.Popen | None = None
         self.failed: str | None = None
-        self.calls = 0  # steps served by a package
+        self.steps = 0  # steps served by a package
         self.kinds_used: set[str] = set()
+        self._builder_stopped = False
 
     def _runner(self, kind: str) -> _Package | None:
         runner = self._runners.get(kind)
@@ -389,11 +403,29 @@ class CompiledStep:
             return
         if builder_pid(self.model) is None:
             log_path = cache_dir() / "build.log"
-            log.warning("building the compiled step for this model in the background (about a minute of idle "
-                        "CPU, once per model; answers use the eager step until then) into %s", cache_dir())
+            log.warning("building the compiled step for this model in the background (a few minutes of CPU "
+                        "while no answer is being generated, once per model; answers use the eager step "
+                        "until then) into %s", cache_dir())
             self.builder = spawn_builder(self.model.origin, self.kv_dtype, torch.get_num_threads(), log_path)
         else:
             self.builder = False  # someone else is building it: just look for the result
+
+    def busy(self, busy: bool) -> None:
+        """The engine has work (True) or has none left (False). Our builder runs only while the
+        engine is idle: beside a decode, even at SCHED_IDLE, it cut eager decode from 47 to 2.7
+        tok/s on 2 cores (OpenMP's spinning threads lose their CPUs; bench/build_slowdown.py),
+        so it is stopped (SIGSTOP to its process group) while steps run and continued when the
+        last request finishes: a chat builds while the user reads and types, a server between
+        requests, a one-shot `run` after it answered (the builder outlives it)."""
+        b = self.builder
+        if busy == self._builder_stopped or not isinstance(b, subprocess.Popen):
+            return
+        if b.poll() is None:
+            try:
+                os.killpg(b.pid, signal.SIGSTOP if busy else signal.SIGCONT)
+            except OSError:  # gone between poll and kill
+                pass
+        self._builder_stopped = busy and b.returncode is None
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta):
         T = ids.shape[0]
@@ -413,7 +445,7 @@ class CompiledStep:
             self.failed = f"{type(e).__name__}: {e}"
             log.warning("compiled step disabled, using eager: %s", self.failed)
             return None
-        self.calls += 1
+        self.steps += 1
         self.kinds_used.add(kind)
         return out[0], out[1]
 
@@ -425,6 +457,7 @@ class CompiledStep:
         """Block until the packages of `kinds` are loaded (benchmarks, tests), starting a builder
         when nobody is building them; False on timeout or when builds keep failing."""
         deadline, spawned = time.monotonic() + timeout, 0
+        self.busy(False)
         while time.monotonic() < deadline:
             for k in kinds:
                 self._next_look.pop(k, None)
