@@ -42,7 +42,7 @@ class LocalWorker:
         self.loaded = load_model(path, "auto")  # as `localllm run` loads it: the same compiled packages
         self.load_s = time.perf_counter() - t0
         self.engine = LLMEngine(self.loaded, EngineConfig(max_model_len=4096, enable_prefix_caching=False,
-                                                          max_num_batched_tokens=2048, parallel=1,
+                                                          parallel=1,
                                                           num_threads=threads, compile=compile))
         self.compile_wait_s = wait_for_compiled(self.engine)
 

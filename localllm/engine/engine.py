@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -92,7 +92,10 @@ class _Output:
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, draft: LoadedModel | None = None):
         self.loaded = loaded
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
+        if config.max_num_batched_tokens is None:
+            config = replace(config, max_num_batched_tokens=512 if loaded.model.device == "cpu" else 2048)
+        self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.max_model_len = min(config.max_model_len or loaded.extra["max_model_len"],
