@@ -34,7 +34,7 @@ def pytest_sessionfinish(session, exitstatus):
         except OSError:
             continue
         home = next((e[len(b"LOCALLLM_HOME="):].decode() for e in env if e.startswith(b"LOCALLLM_HOME=")), "")
-        if b"localllm.model.compiled" in cmd and home.startswith(_TEST_HOMES):
+        if any(b"localllm.model.compiled" in c for c in cmd) and home.startswith(_TEST_HOMES):
             try:
                 os.killpg(int(pid), signal.SIGKILL)  # the builder and the compilers it started
             except OSError:
