@@ -90,16 +90,13 @@ class LlamaCppWorker:
     def bytes_per_token(self) -> dict:
         """Every tensor of the file but the embedding (only its rows are read), unless the
         embedding is also the output matrix; f16 K and V per token of context."""
-        from localllm.model.gguf import read_gguf
+        from localllm.model.loader import open_weights
 
-        f = read_gguf(self.path)
-        tied = "output.weight" not in f.tensors
-        total = sum(t.data.nbytes for n, t in f.tensors.items() if n != "token_embd.weight" or tied)
-        meta, arch = f.metadata, f.metadata["general.architecture"]
-        heads = meta[f"{arch}.attention.head_count"]
-        kvh = meta.get(f"{arch}.attention.head_count_kv", heads)
-        dim = meta.get(f"{arch}.attention.key_length", meta[f"{arch}.embedding_length"] // heads)
-        return {"weights": total, "kv_per_token": meta[f"{arch}.block_count"] * 2 * kvh * dim * 2}
+        weights = open_weights(self.path)
+        tensors = weights.file.tensors
+        tied = "output.weight" not in tensors
+        total = sum(t.data.nbytes for n, t in tensors.items() if n != "token_embd.weight" or tied)
+        return {"weights": total, "kv_per_token": weights.config.kv_bytes_per_token(2)}
 
     def prefill(self, ids: list[int]) -> float:
         self.llm.reset()

@@ -143,9 +143,10 @@ class GGUFWeights:
         perm = self._perm(name)
         return w.permute_rows(perm) if perm is not None else w
 
-    def q4_blocks(self, name: str) -> torch.Tensor | None:
+    def q4_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The file's own Q4_0 / Q4_1 blocks of `name`, uint8 [N, K/32, 18 | 20] (a view of the
-        mapped file), else None."""
+        mapped file), with the row order `int4` applies (q/k into rotate_half order; None: as
+        stored); None for other types."""
         t = self._tensor(name)
         if t.qtype.name not in ("Q4_0", "Q4_1"):
             return None
@@ -153,7 +154,7 @@ class GGUFWeights:
         with warnings.catch_warnings():  # read-only map: nothing writes through this view
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(np.asarray(t.data).reshape(-1))
-        return raw.view(n, k // 32, 18 if t.qtype.name == "Q4_0" else 20)
+        return raw.view(n, k // 32, 18 if t.qtype.name == "Q4_0" else 20), self._perm(name)
 
     def has(self, name: str) -> bool:
         try:
@@ -330,15 +331,17 @@ def _gguf_q4_linear(weights: GGUFWeights, names: list[str], bias: torch.Tensor |
     parts or this CPU do not allow it."""
     from localllm_kernels import cpu_int4
 
-    raws = [weights.q4_blocks(n) for n in names]
-    if any(r is None for r in raws) or len({r.shape[2] for r in raws}) != 1:
+    parts = [weights.q4_blocks(n) for n in names]
+    if any(p is None for p in parts):
+        return None
+    raws = [r for r, _ in parts]
+    if len({r.shape[2] for r in raws}) != 1:
         return None
     n, k = sum(r.shape[0] for r in raws), raws[0].shape[1] * 32
     if not (cpu_int4.fits(n, k, 32) and cpu_int4.load()):
         return None
     rows, off = [], 0
-    for name, r in zip(names, raws):  # q/k rows into rotate_half order, as `int4` does
-        perm = weights._perm(name)
+    for r, perm in parts:  # each part's rows in the order `int4` gives them, offset in the stack
         rows.append((torch.arange(r.shape[0]) if perm is None else perm) + off)
         off += r.shape[0]
     packed = cpu_int4.pack_gguf(raws, torch.cat(rows), k)
