@@ -8,6 +8,18 @@
 // every row of x. The kernel is bound by VPDPBUSD throughput: a third part (24 bits; logit error
 // against fp32 on the default model 9e-5 instead of 1e-2) cost 13% at batch 1 and 75% at 16.
 //
+// Loop shape (measured on a 2-core Xeon with AVX-512 VNNI, 135M/1B shapes, against the previous
+// 4-row version; outputs bit-identical): x is quantized into tiles of kMc = 6 rows whose parts,
+// block scales and sums lie in the order the kernel reads them (one pointer, immediate offsets);
+// each 16-row weight block meets a tile with 12 independent int32 chains (2 per row: VPDPBUSD has
+// 5 cycles of latency and 2 per cycle of throughput), the activations broadcast by the instruction
+// itself ({1to16}), the accumulators started at -8 * the part sums (no subtraction per block), and
+// for group size 32 no per-group fp32 partial. Rows 1-2 split their chains per chunk instead. At
+// large M, ~64 KB of weights meets every tile before the next (the tiles stream from L2 once per
+// chunk). The quantization of x runs on all threads. 1 thread: 1.2-1.4x at M = 1..16, 1.3-1.45x at
+// M = 64..512 (qkv M=64 124 -> 178 GFLOP/s); 2 threads 1.35-1.65x at M >= 64; int4_gemm's share of
+// a 512-token prefill on the 135M model ~1.33x faster. 8 rows (spills) was no faster than 6.
+//
 // Layout (built by localllm_kernels.cpu_int4.pack):
 //   w  uint8 [N/16, K/8, 64]: for rows r of a 16-row block and k-chunk c (8 columns), byte 4r+j
 //      holds q[r, 8c+j] in its low nibble and q[r, 8c+4+j] in its high nibble, so the low
@@ -31,20 +43,51 @@
 namespace {
 
 constexpr int kRows = 16;  // output rows per block (one zmm of fp32)
-constexpr int kMc = 4;     // activation rows per pass over a weight block
+// activation rows per pass over a weight block (a "tile" of x): 2 * kMc int32 chains hide
+// VPDPBUSD's latency; 6 measured as fast as 8 (which spills its fp32 accumulators) and 1.3x 4
+constexpr int kMc = 6;
+// at large M, the weight blocks of ~64 KB (L2) meet every tile before the next ones: the tiles'
+// activations stream from L2 once per 64 KB of weights, not once per 16-row block
+constexpr int64_t kWeightChunk = 64 * 1024;
 
 constexpr int kParts = 2;  // see the top: 3 is as exact as fp32, and slower
 constexpr float kBase = 254.f;  // weight of each part against the next
 
-// x [M, K] -> parts int8 [M, kParts, K]; e [M, K/32] block scales; s [M, G] fp32 group sums;
-// psum [M, K/32, kParts] 8 x each part's block sum, to center the weights exactly in int32.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_rows(const float* x, int64_t M, int64_t K,
-                                                                        int64_t gs, int8_t* parts, float* e,
-                                                                        float* s, int32_t* psum) {
-  const int64_t nb = K / 32, bpg = gs / 32;
+// Per activation row and 32-block: 8 x each part's block sum (to center the weights exactly in
+// int32) and the block scale e.
+struct BlockMeta {
+  int32_t ps[kParts];
+  float e;
+  float pad;
+};
+
+// Activations as the kernel reads them, in tiles of kMc rows (the last tile has mt = M % kMc rows
+// when that is not 0): tile t starts at row t * kMc; within a tile, per 32-block, the rows' parts
+// follow each other: parts int8 [.., K/32, mt, kParts, 32], meta [.., K/32, mt], s fp32 [.., G, mt]
+// (group sums). One pointer walks a tile's whole working set in order.
+struct Tiled {
+  int64_t M, K, nb, ng;
+  int8_t* parts;
+  BlockMeta* meta;
+  float* s;
+  int mt(int64_t t) const { return static_cast<int>(std::min<int64_t>(kMc, M - t * kMc)); }
+  int8_t* tparts(int64_t t) const { return parts + t * kMc * kParts * K; }
+  BlockMeta* tmeta(int64_t t) const { return meta + t * kMc * nb; }
+  float* ts(int64_t t) const { return s + t * kMc * ng; }
+};
+
+// x [M, K] -> the tiled activations above. Each part is int8; x = e * (p0 + p1/254) per block.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_rows(const float* x, const Tiled& q,
+                                                                        int64_t gs, int64_t m0, int64_t m1) {
+  const int64_t K = q.K, nb = q.nb, ng = q.ng, bpg = gs / 32;
   const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f), base = _mm512_set1_ps(kBase);
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = m0; m < m1; ++m) {
+    const int64_t t = m / kMc, i = m % kMc;
+    const int mt = q.mt(t);
+    int8_t* tp = q.tparts(t);
+    BlockMeta* tm = q.tmeta(t);
+    float* ts = q.ts(t);
     for (int64_t blk = 0; blk < nb; ++blk) {
       const float* xb = x + m * K + blk * 32;
       const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
@@ -52,24 +95,26 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_rows(const fl
       // blocks of zeros or denormals (127 / amax would overflow) contribute nothing
       const bool live = amax > 1e-30f;
       const __m512 inv = _mm512_set1_ps(live ? 127.f / amax : 0.f);
-      e[m * nb + blk] = live ? amax / 127.f : 0.f;
-      if (blk % bpg == 0) s[m * (K / gs) + blk / bpg] = 0.f;
-      s[m * (K / gs) + blk / bpg] += _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
-      int32_t* ps = psum + (m * nb + blk) * kParts;
-      for (int p = 0; p < kParts; ++p) ps[p] = 0;
-      for (int h = 0; h < 2; ++h) {
+      BlockMeta& bm = tm[blk * mt + i];
+      bm.e = live ? amax / 127.f : 0.f;
+      float& sg = ts[(blk / bpg) * mt + i];
+      if (blk % bpg == 0) sg = 0.f;
+      sg += _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+      int8_t* dst = tp + (blk * mt + i) * kParts * 32;
+      __m512 r[2] = {_mm512_mul_ps(v[0], inv), _mm512_mul_ps(v[1], inv)};
+      for (int p = 0; p < kParts; ++p) {
         // |r| <= 127, and each remainder (r - round(r)) * 254 again: every part fits int8 (with
         // 256 a tie at 0.5 would give 128)
-        __m512 r = _mm512_mul_ps(v[h], inv);
-        for (int p = 0; p < kParts; ++p) {
-          __m512 q = _mm512_roundscale_ps(r, kRound);
-          if (p == kParts - 1) q = _mm512_min_ps(lim, _mm512_max_ps(nlim, q));
-          const __m512i qi = _mm512_cvtps_epi32(q);
-          ps[p] += 8 * _mm512_reduce_add_epi32(qi);  // stored times 8: folds into a broadcast operand
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(parts + (m * kParts + p) * K + blk * 32 + h * 16),
-                           _mm512_cvtsepi32_epi8(qi));
-          r = _mm512_mul_ps(_mm512_sub_ps(r, q), base);
+        __m512i qs = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {
+          __m512 qf = _mm512_roundscale_ps(r[h], kRound);
+          if (p == kParts - 1) qf = _mm512_min_ps(lim, _mm512_max_ps(nlim, qf));
+          const __m512i qi = _mm512_cvtps_epi32(qf);
+          qs = _mm512_add_epi32(qs, qi);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + p * 32 + h * 16), _mm512_cvtsepi32_epi8(qi));
+          r[h] = _mm512_mul_ps(_mm512_sub_ps(r[h], qf), base);
         }
+        bm.ps[p] = 8 * _mm512_reduce_add_epi32(qs);  // times 8: folds into the accumulators' start
       }
     }
   }
@@ -82,12 +127,22 @@ __attribute__((target("avx512f,avx512bw,f16c"))) inline __m512 load16(const at::
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// One 16-row block against MC activation rows (px: their parts, [MC, kParts, K]).
-template <int MC, typename S>
+// acc += w . (4 int8 at p, broadcast to every lane), the broadcast folded into the instruction
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i dot4(__m512i acc, __m512i w,
+                                                                           const int8_t* p) {
+  // (the compiler keeps a separate VPBROADCASTD per use: one more uop to issue, 1.05-1.3x slower)
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// One 16-row block against a tile of MC activation rows. SPLIT independent int32 chains per row
+// and part (summed exactly at the end of each 32-block): few rows give few chains, and VPDPBUSD's
+// 5-cycle latency would bound them.
+template <int MC, int SPLIT, bool BPG1, typename S>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows(
-    const uint8_t* w, const S* sc, int64_t K, int64_t gs, const int8_t* px, const float* e, const float* s,
-    const int32_t* psum, float* out, int64_t ldo) {
-  const int64_t nb = K / 32, ng = K / gs, bpg = gs / 32;
+    const uint8_t* w, const S* sc, int64_t K, int64_t gs, const int8_t* px, const BlockMeta* meta,
+    const float* s, float* out, int64_t ldo) {
+  const int64_t ng = K / gs, bpg = BPG1 ? 1 : gs / 32;
   const __m512i mask = _mm512_set1_epi8(0x0F);
   const __m512 inv_base = _mm512_set1_ps(1.f / kBase);
   __m512 acc[MC];
@@ -97,53 +152,77 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows(
     for (int m = 0; m < MC; ++m) gacc[m] = _mm512_setzero_ps();
     for (int64_t bb = 0; bb < bpg; ++bb) {
       const int64_t blk = g * bpg + bb;
-      __m512i ip[MC][kParts];
+      const int8_t* xb = px + blk * MC * kParts * 32;
+      const BlockMeta* bm = meta + blk * MC;
+      __m512i ip[MC][kParts][SPLIT];
+      // sum (q - 8) * part = sum q * part - 8 * sum part: centered weights, exact in int32, so
+      // the fp32 sums below see small terms (sum q * x alone would cancel against m * sum x)
       for (int m = 0; m < MC; ++m)
-        for (int p = 0; p < kParts; ++p) ip[m][p] = _mm512_setzero_si512();
+        for (int p = 0; p < kParts; ++p)
+          for (int j = 0; j < SPLIT; ++j)
+            ip[m][p][j] = j == 0 ? _mm512_set1_epi32(-bm[m].ps[p]) : _mm512_setzero_si512();
+      const uint8_t* wb = w + blk * 4 * 64;
       for (int c = 0; c < 4; ++c) {
-        const __m512i raw = _mm512_loadu_si512(w + (blk * 4 + c) * 64);
+        const __m512i raw = _mm512_loadu_si512(wb + c * 64);
         const __m512i lo = _mm512_and_si512(raw, mask);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-        const int64_t k0 = blk * 32 + c * 8;
         for (int m = 0; m < MC; ++m) {
           for (int p = 0; p < kParts; ++p) {
-            int32_t x0, x1;  // 4 consecutive int8 activations, broadcast to every lane
-            std::memcpy(&x0, px + (m * kParts + p) * K + k0, 4);
-            std::memcpy(&x1, px + (m * kParts + p) * K + k0 + 4, 4);
-            ip[m][p] = _mm512_dpbusd_epi32(ip[m][p], lo, _mm512_set1_epi32(x0));
-            ip[m][p] = _mm512_dpbusd_epi32(ip[m][p], hi, _mm512_set1_epi32(x1));
+            const int8_t* xp = xb + (m * kParts + p) * 32 + c * 8;
+            constexpr int kLo = 0, kHi = SPLIT == 1 ? 0 : 1;
+            const int jl = SPLIT == 4 ? (2 * c) % 4 + kLo : kLo, jh = SPLIT == 4 ? (2 * c) % 4 + kHi : kHi;
+            ip[m][p][jl] = dot4(ip[m][p][jl], lo, xp);
+            ip[m][p][jh] = dot4(ip[m][p][jh], hi, xp + 4);
           }
         }
       }
       for (int m = 0; m < MC; ++m) {
-        // sum (q - 8) * part = sum q * part - 8 * sum part: centered weights, exact in int32, so
-        // the fp32 sums below see small terms (sum q * x alone would cancel against m * sum x)
-        const int32_t* ps = psum + (m * nb + blk) * kParts;
         __m512i c[kParts];
-        for (int p = 0; p < kParts; ++p) c[p] = _mm512_sub_epi32(ip[m][p], _mm512_set1_epi32(ps[p]));
+        for (int p = 0; p < kParts; ++p) {
+          c[p] = ip[m][p][0];
+          for (int j = 1; j < SPLIT; ++j) c[p] = _mm512_add_epi32(c[p], ip[m][p][j]);
+        }
         __m512 t = _mm512_cvtepi32_ps(c[kParts - 1]);
         for (int p = kParts - 2; p >= 0; --p) t = _mm512_fmadd_ps(t, inv_base, _mm512_cvtepi32_ps(c[p]));
-        gacc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(e[m * nb + blk]), gacc[m]);
+        if (BPG1)  // fma(t, e, +0) but for the sign of a zero, which acc below never shows
+          gacc[m] = _mm512_mul_ps(t, _mm512_set1_ps(bm[m].e));
+        else
+          gacc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(bm[m].e), gacc[m]);
       }
     }
     const __m512 d = load16(sc + g * 2 * kRows);
     const __m512 off = _mm512_fmadd_ps(_mm512_set1_ps(8.f), d, load16(sc + (g * 2 + 1) * kRows));  // m + 8d
     for (int m = 0; m < MC; ++m) {
       acc[m] = _mm512_fmadd_ps(gacc[m], d, acc[m]);
-      acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(s[m * ng + g]), acc[m]);
+      acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(s[g * MC + m]), acc[m]);
     }
   }
   for (int m = 0; m < MC; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
 }
 
+template <int MC, typename S>
+void run_mc(int64_t gs, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const BlockMeta* meta,
+            const float* s, float* out, int64_t ldo) {
+  constexpr int kSplit = MC == 1 ? 4 : MC == 2 ? 2 : 1;
+  if (gs == 32)
+    block_rows<MC, kSplit, true, S>(w, sc, K, gs, px, meta, s, out, ldo);
+  else
+    block_rows<MC, kSplit, false, S>(w, sc, K, gs, px, meta, s, out, ldo);
+}
+
 template <typename S>
-void run_block(int mc, const uint8_t* w, const S* sc, int64_t K, int64_t gs, const int8_t* px, const float* e,
-               const float* s, const int32_t* psum, float* out, int64_t ldo) {
+void run_block(int mc, int64_t gs, const uint8_t* w, const S* sc, int64_t K, const int8_t* px,
+               const BlockMeta* meta, const float* s, float* out, int64_t ldo) {
+  static_assert(kMc >= 4 && kMc <= 8, "one case per tile height below");
   switch (mc) {
-    case 1: return block_rows<1, S>(w, sc, K, gs, px, e, s, psum, out, ldo);
-    case 2: return block_rows<2, S>(w, sc, K, gs, px, e, s, psum, out, ldo);
-    case 3: return block_rows<3, S>(w, sc, K, gs, px, e, s, psum, out, ldo);
-    default: return block_rows<4, S>(w, sc, K, gs, px, e, s, psum, out, ldo);
+    case 1: return run_mc<1, S>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 2: return run_mc<2, S>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 3: return run_mc<3, S>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 4: return run_mc<4, S>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 5: return run_mc<std::min(5, kMc), S>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 6: return run_mc<std::min(6, kMc), S>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 7: return run_mc<std::min(7, kMc), S>(gs, w, sc, K, px, meta, s, out, ldo);
+    default: return run_mc<kMc, S>(gs, w, sc, K, px, meta, s, out, ldo);
   }
 }
 
@@ -152,18 +231,24 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const S* sc, i
           float* y) {
   const int64_t nb = K / 32, ng = K / gs, N = nblocks * kRows;
   std::vector<int8_t> px(M * kParts * K);
-  std::vector<float> e(M * nb), s(M * ng);
-  std::vector<int32_t> psum(M * nb * kParts);
-  quantize_rows(x, M, K, gs, px.data(), e.data(), s.data(), psum.data());
-  const int64_t wstride = (K / 8) * 64, sstride = ng * 2 * kRows;
+  std::vector<BlockMeta> meta(M * nb);
+  std::vector<float> s(M * ng);
+  const Tiled q{M, K, nb, ng, px.data(), meta.data(), s.data()};
+  // rows are independent: split them over the threads once there are enough to pay for a fork
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    quantize_rows(x, q, gs, m0, m1);
+  });
+  const int64_t wstride = (K / 8) * 64, sstride = ng * 2 * kRows, ntiles = (M + kMc - 1) / kMc;
   // ~8 blocks per task: enough to split the smallest layers over the threads, few enough forks
+  const int64_t wchunk = std::max<int64_t>(1, kWeightChunk / wstride);
   at::parallel_for(0, nblocks, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t nbk = begin; nbk < end; ++nbk) {
-      for (int64_t m0 = 0; m0 < M; m0 += kMc) {
-        const int mc = static_cast<int>(std::min<int64_t>(kMc, M - m0));
-        run_block<S>(mc, w + nbk * wstride, sc + nbk * sstride, K, gs, px.data() + m0 * kParts * K,
-                     e.data() + m0 * nb, s.data() + m0 * ng, psum.data() + m0 * nb * kParts,
-                     y + m0 * N + nbk * kRows, N);
+    for (int64_t c0 = begin; c0 < end; c0 += wchunk) {
+      const int64_t c1 = std::min(end, c0 + wchunk);
+      for (int64_t t = 0; t < ntiles; ++t) {
+        for (int64_t nbk = c0; nbk < c1; ++nbk) {
+          run_block<S>(q.mt(t), gs, w + nbk * wstride, sc + nbk * sstride, K, q.tparts(t), q.tmeta(t), q.ts(t),
+                       y + t * kMc * N + nbk * kRows, N);
+        }
       }
     }
   });
