@@ -68,11 +68,12 @@ class LocalWorker:
             self.engine.step()
         return time.perf_counter() - t0
 
-    def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
+    def decode(self, ids: list[int], n: int, temperature: float = 0.0) -> tuple[float, list[int]]:
         from localllm.sampling import SamplingParams
 
         stamps, last = [], None
-        for last in self.engine.generate(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)):  # noqa: B007
+        params = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=0)
+        for last in self.engine.generate(ids, params):  # noqa: B007
             stamps.append(time.perf_counter())
         return (n - 1) / (stamps[-1] - stamps[0]), last.token_ids
 
@@ -110,7 +111,15 @@ class LlamaCppWorker:
         logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
         return int(logits.argmax())
 
-    def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
+    def decode(self, ids: list[int], n: int, temperature: float = 0.0) -> tuple[float, list[int]]:
+        if temperature > 0:  # llama.cpp's own sampler chain, with the same settings as ours
+            stamps, toks = [], []
+            for tok in self.llm.generate(ids, top_k=0, top_p=1.0, min_p=0.0, temp=temperature, reset=True):
+                stamps.append(time.perf_counter())
+                toks.append(tok)
+                if len(toks) == n:
+                    break
+            return (n - 1) / (stamps[-1] - stamps[0]), toks
         # a plain eval loop: Llama.generate(reset=False) would evaluate the prompt again
         self.llm.reset()
         self.llm.eval(ids)
@@ -141,17 +150,24 @@ class HFWorker:
             self.model(self.torch.tensor([ids]), logits_to_keep=1).logits.argmax(-1)
         return time.perf_counter() - t0
 
-    def decode(self, ids: list[int], n: int) -> tuple[float, list[int]]:
+    def decode(self, ids: list[int], n: int, temperature: float = 0.0) -> tuple[float, list[int]]:
         torch = self.torch
+        g = torch.Generator().manual_seed(0)
+
+        def pick(logits):
+            if temperature == 0:
+                return int(logits.argmax())
+            return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
+
         with torch.inference_mode():
             out = self.model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-            toks = [int(out.logits[0, -1].argmax())]
+            toks = [pick(out.logits[0, -1])]
             past = out.past_key_values
             t0 = time.perf_counter()
             for _ in range(n - 1):
                 out = self.model(torch.tensor([[toks[-1]]]), past_key_values=past, use_cache=True)
                 past = out.past_key_values
-                toks.append(int(out.logits[0, -1].argmax()))
+                toks.append(pick(out.logits[0, -1]))
         return (n - 1) / (time.perf_counter() - t0), toks
 
 
@@ -166,7 +182,7 @@ def worker_main(kind: str, path: str, threads: int, compile: bool) -> None:
         if cmd["op"] == "prefill":
             res = {"seconds": w.prefill(cmd["ids"])}
         elif cmd["op"] == "decode":
-            rate, toks = w.decode(cmd["ids"], cmd["n"])
+            rate, toks = w.decode(cmd["ids"], cmd["n"], cmd.get("temperature", 0.0))
             res = {"tok_per_s": rate, "tokens": toks}
         elif cmd["op"] == "bytes":
             res = w.bytes_per_token() if hasattr(w, "bytes_per_token") else {}
@@ -257,6 +273,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--decode-context", default="32", help="prompt lengths to decode after (e.g. 32,2000)")
     ap.add_argument("--prefill", default="32,512,2048")
+    ap.add_argument("--sampled", type=float, default=0.7, help="also decode with sampling at this temperature "
+                    "(0.7: run's and chat's default; 0: skip)")
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--eager", action="store_true", help="localllm without its compiled step (the default "
                     "compiles: a first run on a model waits for the build)")
@@ -299,14 +317,17 @@ def main(argv=None) -> dict:
             for e in engines:
                 s = statistics.median(times[e])
                 res["engines"][e][f"prefill_{n}"] = {"seconds": s, "tok_per_s": n / s, "runs": times[e]}
-        for ctx in (int(x) for x in args.decode_context.split(",")):
-            sfx = "" if ctx == 32 else f"_ctx{ctx}"
-            log(f"decode {args.decode_tokens} tokens after {ctx} x {args.runs} rounds ...")
+        decodes = [(int(x), 0.0) for x in args.decode_context.split(",")]
+        if args.sampled:
+            decodes.append((32, args.sampled))
+        for ctx, temp in decodes:
+            sfx = ("" if ctx == 32 else f"_ctx{ctx}") + ("_sampled" if temp else "")
+            log(f"decode {args.decode_tokens} tokens after {ctx} (temperature {temp}) x {args.runs} rounds ...")
             rates = {e: [] for e in engines}
             ids = prompt_ids(ctx, 7)
             for _ in range(args.runs):
                 for e in engines:
-                    out = procs[e].ask(op="decode", ids=ids, n=args.decode_tokens)
+                    out = procs[e].ask(op="decode", ids=ids, n=args.decode_tokens, temperature=temp)
                     rates[e].append(out["tok_per_s"])
                     res["engines"][e][f"decode_tokens{sfx}"] = out["tokens"][:16]
             for e in engines:
@@ -379,6 +400,7 @@ def render(res: dict) -> str:
     for k in sorted((k for k in eng[names[0]] if k.startswith("prefill_")), key=lambda k: int(k.split("_")[1])):
         row(f"prefill {k.split('_')[1]} (tok/s)", get(k, "tok_per_s"), "{:.0f}".format)
     row("decode batch 1 (tok/s)", get("decode_tok_per_s"), "{:.1f}".format)
+    row("decode batch 1, sampled (tok/s)", get("decode_sampled_tok_per_s"), "{:.1f}".format)
     for k in sorted(k for k in eng[names[0]] if k.startswith("decode_ctx") and k.endswith("_tok_per_s")):
         row(f"decode after {k.split('_')[1][3:]} tokens (tok/s)", get(k), "{:.1f}".format)
     bw = res.get("read_gb_s")

@@ -26,7 +26,12 @@ SHAPES = {
                          head_count_kv=32, rope_freq_base=130000.0, context_length=8192),
     "smollm2-135m": dict(block_count=30, embedding_length=576, feed_forward_length=1536, head_count=9,
                          head_count_kv=3, rope_freq_base=100000.0, context_length=8192),
+    # the tests' model (tests/conftest.py): 2 layers, weights scaled up so logits are peaked
+    # (greedy ties would make token-exact comparisons flaky)
+    "tiny": dict(block_count=2, embedding_length=64, feed_forward_length=128, head_count=4, head_count_kv=2,
+                 rope_freq_base=10000.0, context_length=1024),
 }
+PEAKED = {"tiny"}
 
 
 def source_gguf() -> str:
@@ -84,7 +89,11 @@ def write(shape: str, out_path: str, seed: int = 0) -> str:
         if len(shp) == 1:
             w.add_tensor(name, np.ones(shp, np.float32))
             continue
-        data = rng.standard_normal(shp, dtype=np.float32) * 0.02
+        data = rng.standard_normal(shp, dtype=np.float32)
+        if shape not in PEAKED:
+            data *= 0.02
+        elif name != "token_embd.weight":
+            data *= 2 / shp[1] ** 0.5
         q = gguf.quants.quantize(data, qtype)
         w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
     w.write_header_to_file()

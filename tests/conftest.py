@@ -127,3 +127,15 @@ def tiny_model(tmp_path_factory, fp32_model):
     save_file(tensors, str(out / "model.safetensors"))
     fp32_model.tokenizer.save_hf(out)
     return load_model(out, "float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """The tiny model's shape as a GGUF the way the default model is stored (Q4_1 matrices, a Q8_0
+    embedding read in place), written by bench/make_gguf.py with the real tokenizer."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).parent.parent / "bench" / "make_gguf.py")
+    make_gguf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_gguf)
+    return Path(make_gguf.write("tiny", str(tmp_path_factory.mktemp("tiny-gguf") / "tiny.Q4_1.gguf")))

@@ -1,6 +1,6 @@
 """The compiled CPU step (localllm.model.compiled): the default path of every engine.
 
-CI-cheap: a 2-layer int4 model, so each package compiles in seconds. The module's packages are
+CI-cheap: a 2-layer int4 GGUF, so each package compiles in seconds. The module's packages are
 built once, by the real background builder process an engine starts; every test then checks
 that the compiled steps give the eager path's tokens (alone, batched, with speculation, with
 prefix-cache hits), and how damaged, stale or half-built packages are handled. The same check on
@@ -32,11 +32,13 @@ def home(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny_int4(tiny_model, home):
+def tiny_int4(tiny_gguf, home):
+    """Stored as the default model is: Q4_1 layers, the Q8_0 embedding and head read in place."""
+    from localllm.model.layers import Q8Matrix
     from localllm.model.loader import load_model
 
-    loaded = load_model(tiny_model.source, "int4")
-    assert "int4" in loaded.precision
+    loaded = load_model(tiny_gguf, "auto")
+    assert "int4" in loaded.precision and isinstance(loaded.model.head.exact, Q8Matrix)
     return loaded
 
 

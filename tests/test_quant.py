@@ -111,7 +111,7 @@ def test_gptq_beats_rtn_on_the_layer_output(small_src):
     m = load_model(small_src, "float32")
     ids = calibration_ids(m.tokenizer, None, 8, 256)
     layer = m.model.layers[0]
-    x = layer.input_norm(m.model.embed[ids]).reshape(-1, HIDDEN)
+    x = layer.input_norm(m.model.embed.rows(ids)).reshape(-1, HIDDEN)
     W = layer.qkv.weight[:HIDDEN]  # q_proj: the first rows of the fused qkv
     H = _hessian(x)
     for sym in (True, False):

@@ -85,7 +85,7 @@ def test_graph_padding_rows_touch_nothing(triton_model):
         eng.block_manager.allocate(s, 1)
     before = [k.clone() for k, _ in runner.kv_caches]
     ids, pos, meta = runner.prepare(seqs, [1, 1, 1])
-    hidden, _ = runner.captured.run(ids, pos, meta)
+    hidden = runner.captured.run(ids, pos, meta)
     assert hidden.shape == (3, model.cfg.hidden_size)
     assert runner.captured.slots[3].item() == -1 and runner.captured.context_lens[3].item() == 0
     # exactly the three new slots changed, in every layer (bitwise: never-written slots may hold NaN)

@@ -69,8 +69,8 @@ class DecodeGraphs:
     def busy(self, busy: bool) -> None:
         """Nothing is built in the background here (graphs are captured at start)."""
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor, None] | None:
-        """(hidden states [B, hidden], None) of a decode step, or None when it is not a decode
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor | None:
+        """Hidden states [B, hidden] of a decode step, or None when it is not a decode
         step or does not fit a bucket (too many sequences or a block table wider than the static
         one): run it eagerly."""
         B, width = ids.shape[0], meta.block_tables.shape[1]
@@ -91,4 +91,4 @@ class DecodeGraphs:
             graph.replay()
         else:
             out = self._forward(bs)
-        return out[:B], None
+        return out[:B]

@@ -76,16 +76,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_hidden(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
-        return self._forward(*self.prepare(seqs, counts))[0]
+        return self._forward(*self.prepare(seqs, counts))
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta):
-        """-> (hidden, greedy tokens or None). A captured step (CUDA graphs, or the compiled CPU
-        step, which also returns the greedy tokens) serves the steps it covers."""
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """Hidden states of the new tokens. A captured step (CUDA graphs, or the compiled CPU
+        step) serves the steps it covers."""
         if self.captured is not None:
-            out = self.captured.run(ids, positions, meta)
-            if out is not None:
-                return out
-        return self.model(ids, positions, meta, self.kv_caches), None
+            hidden = self.captured.run(ids, positions, meta)
+            if hidden is not None:
+                return hidden
+        return self.model(ids, positions, meta, self.kv_caches)
 
     @torch.inference_mode()
     def sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -114,31 +114,26 @@ class ModelRunner:
         """Run one flattened batch. Returns, per sequence, the tokens to append: one sampled
         token when its pending tokens were all computed, the verified run for a speculative
         sequence (`verify[seq]` is its Proposal), None for a prompt chunk still prefilling."""
-        hidden, greedy = self._forward(*self.prepare(seqs, counts))
+        hidden = self._forward(*self.prepare(seqs, counts))
         out: list[list[int] | None] = [None] * len(seqs)
         last, who = [], []
         end = 0
         for i, (seq, n) in enumerate(zip(seqs, counts)):
             end += n
             if verify and seq in verify:
-                out[i] = self._verify(hidden[end - n:end], None if greedy is None else greedy[end - n:end],
-                                      seq, verify[seq])
+                out[i] = self._verify(hidden[end - n:end], seq, verify[seq])
             elif seq.num_computed_tokens + n >= seq.num_tokens:
                 last.append(end - 1)
                 who.append(i)
         if who:
-            picked = [seqs[i] for i in who]
-            if greedy is not None and not any(s.params.needs_logits for s in picked):
-                toks = greedy[last].tolist()
-            else:
-                toks = self.sample(hidden[last], picked)
+            toks = self.sample(hidden[last], [seqs[i] for i in who])
             for i, t in zip(who, toks):
                 out[i] = [t]
         return out
 
-    def _verify(self, rows: torch.Tensor, greedy: torch.Tensor | None, seq: Sequence, proposal) -> list[int]:
+    def _verify(self, rows: torch.Tensor, seq: Sequence, proposal) -> list[int]:
         head = self.model.head
         if seq.params.greedy:
-            return accept_greedy(proposal.tokens, (head.greedy(rows) if greedy is None else greedy).tolist())
+            return accept_greedy(proposal.tokens, head.greedy(rows).tolist())
         p = torch.stack([filter_probs(r, seq.params) for r in head(rows).cpu()])
         return accept_sampling(proposal.tokens, p, proposal.q, seq.generator or self.default_generator)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling import SamplingParams, filter_probs
+from ..sampling import SamplingParams, draw, filter_probs
 from .block_manager import BlockManager
 from .sequence import Sequence
 
@@ -71,9 +71,9 @@ def accept_sampling(drafts: list[int], p: torch.Tensor, q: torch.Tensor | None,
         total = residual.sum()
         if total <= 0:  # p == q: any rejection is a zero-probability event; fall back to p
             residual, total = p[i], p[i].sum()
-        out.append(int(torch.multinomial(residual / total, 1, generator=generator)))
+        out.append(draw(residual / total, generator))
         return out
-    out.append(int(torch.multinomial(p[len(drafts)], 1, generator=generator)))
+    out.append(draw(p[len(drafts)], generator))
     return out
 
 
@@ -221,7 +221,7 @@ class DraftProposer:
                     tok = int(logits[i].argmax())
                 else:
                     q = filter_probs(logits[i], m.params)
-                    tok = int(torch.multinomial(q, 1, generator=m.generator))
+                    tok = draw(q, m.generator)
                     qs[m].append(q)
                 m.token_ids.append(tok)
                 drafts[m].append(tok)

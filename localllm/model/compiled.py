@@ -1,6 +1,6 @@
 """The compiled CPU step: the model's one forward (`LlamaModel.forward`: every layer, attention
-over the paged cache through our paged-attention op) plus the greedy head, exported once and
-compiled ahead of time by AOTInductor into a C++ package.
+over the paged cache through our paged-attention op), exported once and compiled ahead of time
+by AOTInductor into a C++ package.
 
 Why: at batch 1 the eager step is ~300 small aten calls per token plus Python; on 2 cores that
 overhead is as large as the matmuls. One compiled graph fuses the elementwise work (norms, RoPE,
@@ -95,8 +95,10 @@ class _Step(torch.nn.Module):
 
     def forward(self, ids, positions, slots, block_tables, cu_seqlens_q, context_lens, *caches):
         meta = AttnMeta.captured(slots, block_tables, cu_seqlens_q, context_lens)
-        hidden = self.m(ids, positions, meta, list(zip(caches[::2], caches[1::2])))
-        return hidden, self.m.head.greedy(hidden)
+        # the hidden states only: the head runs outside, greedy (int4 rank + exact rescore) or the
+        # exact logits a sampled token needs (temperature 0.7 is run's and chat's default): in the
+        # graph, every sampled token paid for a greedy head it did not use (1.2 ms on 135M)
+        return (self.m(ids, positions, meta, list(zip(caches[::2], caches[1::2]))),)
 
 
 def _layout(model, kv_dtype: torch.dtype, lens: list[tuple[int, int]], num_blocks: int):
@@ -200,15 +202,16 @@ def _same_as_eager(model, package, kind: str, kv_dtype: torch.dtype) -> bool:
             p_args[2] = p_args[3][0, p_args[1] // 16] * 16 + p_args[1] % 16
             model(p_args[0], p_args[1], AttnMeta.captured(*p_args[2:]), kv)
         ref = model(ids, pos, AttnMeta.captured(slots, tables, cu, ctx), [(k.clone(), v.clone()) for k, v in kv])
-        hidden, _ = package(*args, *caches)
+        hidden = package(*args, *caches)[0]
     # matmul inputs rounded at other points of a fused graph differ by ~5e-3 over 30 layers; a
     # wrong group size or a wrong cache slot gives O(1)
     return bool(((hidden - ref).norm() / ref.norm()) < 3e-2)
 
 
 def _tensors(model) -> dict[str, torch.Tensor]:
+    # every name of a shared tensor (a tied embedding and head): packages may use either
     step = _Step(model)
-    return dict(step.named_parameters()) | dict(step.named_buffers())
+    return dict(step.named_parameters(remove_duplicate=False)) | dict(step.named_buffers(remove_duplicate=False))
 
 
 class _Package:
@@ -356,7 +359,7 @@ def _builder_main(spec: dict) -> int:
 
 # ---- the runner's captured step -----------------------------------------------------------------
 class CompiledStep:
-    """The runner's captured step on CPU: run() -> (hidden, greedy tokens), or None for a step it
+    """The runner's captured step on CPU: run() -> hidden states, or None for a step it
     does not cover (the runner then runs the eager forward). Steps covered: every sequence has a
     cached prefix (decode, speculative verify, prefix-hit extend) and at most max_rows() new
     tokens in all. A missing package is requested from a background builder once; until it is on
@@ -447,7 +450,7 @@ class CompiledStep:
             return None
         self.steps += 1
         self.kinds_used.add(kind)
-        return out[0], out[1]
+        return out[0]
 
     @property
     def ready(self) -> bool:

@@ -243,32 +243,74 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class DenseMatrix(nn.Module):
+    """A [V, H] matrix read by rows (the embedding) and by products (the head): a plain tensor."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.shape = tuple(weight.shape)
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.weight[idx]
+
+    def matmul(self, h: torch.Tensor) -> torch.Tensor:
+        """h [M, H] @ W^T -> fp32 [M, V]."""
+        return F.linear(h.to(self.weight.dtype), self.weight).float()
+
+    def dense(self) -> torch.Tensor:
+        return self.weight
+
+
+class Q8Matrix(nn.Module):
+    """A [V, H] matrix kept as GGUF Q8_0 blocks (uint8 [V, H/32, 34], usually a view of the
+    memory-mapped file) and read in place by our C++ ops: the values d * q are exact in fp32, so
+    rows and products equal those of the fp32 matrix (up to summation order) at a quarter of the
+    memory and of the bytes a sampled token's head reads (localllm_kernels.cpu_q8)."""
+
+    def __init__(self, blocks: torch.Tensor):
+        super().__init__()
+        self.register_buffer("blocks", blocks)
+        self.shape = (blocks.shape[0], blocks.shape[1] * 32)
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.ops.localllm.q8_0_rows(self.blocks, idx.reshape(-1)).view(*idx.shape, self.shape[1])
+
+    def matmul(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.ops.localllm.q8_0_gemm(h.float(), self.blocks)
+
+    def dense(self) -> torch.Tensor:
+        from localllm_kernels import cpu_q8
+
+        return cpu_q8.dequantize(self.blocks)
+
+
 class LMHead(nn.Module):
     """Logits over the vocabulary.
 
-    `weight` holds the exact head (e.g. the Q8_0 embedding dequantized to fp32). With
-    `fast_greedy`, greedy rows are scored by an int4 copy and the top candidates are
+    `exact` holds the exact head (a DenseMatrix, or the GGUF's Q8_0 embedding as a Q8Matrix).
+    With `fast_greedy`, greedy rows are scored by an int4 copy and the top candidates are
     re-scored exactly: the argmax equals the exact head's unless the true winner falls outside
     the int4 top-k, at a fraction of the bandwidth."""
 
-    def __init__(self, weight: torch.Tensor, fast_greedy: bool = False, rescore_k: int = 32,
+    def __init__(self, exact: DenseMatrix | Q8Matrix, fast_greedy: bool = False, rescore_k: int = 32,
                  device: str = "cpu", fast: Int4Linear | None = None, cpu_kernel: bool = True):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)  # [V, H] exact
+        self.exact = exact
         self.rescore_k = rescore_k
         self.fast = fast  # prebuilt int4 copy (conversion cache)
         if fast_greedy and fast is None:
-            v, h = weight.shape
+            v, h = exact.shape
             group = 32 if h % 32 == 0 else None
             if group:
-                w = quantize_rtn(weight.float(), group)
+                w = quantize_rtn(exact.dense().float(), group)
                 # fp16 scales and offsets: fewer bytes for the VNNI kernel; this copy only ranks
                 d, m = w.scales.half().float(), (w.zeros - 8 * w.scales).half().float()
                 self.fast = Int4Linear(Int4Weight(w.q, d, m + 8 * d, group), torch.bfloat16, device=device,
                                        cpu_kernel=cpu_kernel)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h.to(self.weight.dtype), self.weight).float()
+        return self.exact.matmul(h)
 
     def greedy(self, h: torch.Tensor) -> torch.Tensor:
         """Argmax token per row, equal to forward(h).argmax(-1)."""
@@ -276,8 +318,8 @@ class LMHead(nn.Module):
             return self.forward(h).argmax(-1)
         approx = self.fast(h)
         cand = top_indices(approx, self.rescore_k)  # [B, k]
-        rows = self.weight[cand]  # [B, k, H]
-        exact = torch.einsum("bkh,bh->bk", rows, h.to(self.weight.dtype))
+        rows = self.exact.rows(cand)  # [B, k, H]
+        exact = torch.einsum("bkh,bh->bk", rows, h.to(rows.dtype))
         return cand.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1)
 
 

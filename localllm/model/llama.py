@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import AttnMeta, default_backend, make_attention
-from .layers import LMHead, RMSNorm, RotaryEmbedding
+from .layers import DenseMatrix, LMHead, Q8Matrix, RMSNorm, RotaryEmbedding
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,14 +97,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm,
+    def __init__(self, cfg: ModelConfig, embed: DenseMatrix | Q8Matrix, layers: list[DecoderLayer], norm: RMSNorm,
                  head: LMHead, act_dtype: torch.dtype, max_positions: int, device: str = "cpu",
                  fingerprint: str | None = None, origin: dict | None = None):
         """fingerprint: identity of the weights (keys what is cached per model, e.g. compiled
         packages); origin: the load_model arguments that load the same model again."""
         super().__init__()
         self.cfg, self.act_dtype, self.device = cfg, act_dtype, device
-        self.embed = nn.Parameter(embed, requires_grad=False)  # [V, H]
+        self.embed = embed  # [V, H]; a tied head shares it
         self.layers = nn.ModuleList(layers)
         self.norm, self.head = norm, head
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype).to(device)
@@ -128,7 +128,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] of a flattened batch of new tokens."""
-        x = self.embed[input_ids].to(self.act_dtype)
+        x = self.embed.rows(input_ids).to(self.act_dtype)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, meta, kv, self.ops, self.rope, self.scale)

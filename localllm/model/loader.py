@@ -22,7 +22,7 @@ from . import quant_formats  # AWQ / GPTQ (also legacy quant_config.json / quant
 from .errors import ModelLoadError
 from .gguf import GGUFError, GGUFFile, dequantize, read_gguf
 from .int4 import Int4Weight, quantize_rtn
-from .layers import ConcatLinear, DenseLinear, Int4Linear, Int8Linear, LMHead, RMSNorm
+from .layers import ConcatLinear, DenseLinear, DenseMatrix, Int4Linear, Int8Linear, LMHead, Q8Matrix, RMSNorm
 from .llama import DecoderLayer, LlamaModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -155,6 +155,18 @@ class GGUFWeights:
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.from_numpy(np.asarray(t.data).reshape(-1))
         return raw.view(n, k // 32, 18 if t.qtype.name == "Q4_0" else 20), self._perm(name)
+
+    def q8_blocks(self, name: str) -> torch.Tensor | None:
+        """The file's own Q8_0 blocks of `name`, uint8 [N, K/32, 34] (a view of the mapped file);
+        None for other types or a permuted tensor."""
+        t = self._tensor(name)
+        if t.qtype.name != "Q8_0" or self._perm(name) is not None:
+            return None
+        n, k = t.shape
+        with warnings.catch_warnings():  # read-only map: nothing writes through this view
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(np.asarray(t.data).reshape(-1))
+        return raw.view(n, k // 32, 34)
 
     def has(self, name: str) -> bool:
         try:
@@ -398,7 +410,7 @@ class ConvertCache:
     the head) saved once per file as safetensors under ~/.cache/localllm/converted, keyed by the
     file's path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md)."""
 
-    VERSION = 3
+    VERSION = 4  # 4: Q8_0 embeddings are read from the GGUF, not stored in fp32
 
     def __init__(self, file: Path, dense: bool = False, cpu_kernel: bool = True):
         from localllm_kernels import cpu_int4
@@ -498,13 +510,21 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
                 RMSNorm(weights.dense(p + "input_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
                 RMSNorm(weights.dense(p + "post_attention_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
             ))
-        # the embedding and head stay exact (fp32 on CPU): they are where rounding flips tokens
+        # the embedding and head stay exact (fp32 on CPU, or the file's Q8_0 blocks read in place):
+        # they are where rounding flips tokens
         head_dtype = torch.float32 if device == "cpu" else act_dtype
 
-        def exact(name: str) -> torch.Tensor:
+        def exact(name: str) -> DenseMatrix | Q8Matrix:
+            from localllm_kernels import cpu_q8
+
+            if device == "cpu" and isinstance(weights, GGUFWeights) and cpu_q8.load():
+                blocks = weights.q8_blocks(name)
+                if blocks is not None:
+                    return Q8Matrix(blocks)
+
             def build():
                 return weights.dense(name).to(device, head_dtype)
-            return cache.tensor(name, build) if cache else build()
+            return DenseMatrix(cache.tensor(name, build) if cache else build())
 
         embed = exact("model.embed_tokens.weight")
         head_w = embed if cfg.tie_word_embeddings or not weights.has("lm_head.weight") else exact("lm_head.weight")
@@ -522,7 +542,8 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     # which int4 kernel(s) the layers call (also inside ConcatLinear): a compiled graph bakes it in
     kinds = {m.kind for part in (*layers, head) for m in part.modules() if isinstance(m, Int4Linear)}
     kernel = "+".join(sorted(kinds)) or None
-    fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device, kernel)
+    fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device, kernel,
+                                      type(head_w).__name__)
     model = LlamaModel(cfg, embed, layers, norm, head, act_dtype, max_len, device, fingerprint, origin)
     eos = set(tokenizer.eos_ids) | weights.extra_eos_ids()
     desc = mode

@@ -242,7 +242,7 @@ class Calibration:
         self.kv = (torch.zeros(shape), torch.zeros(shape))
 
     def embed(self) -> torch.Tensor:
-        return self.model.embed[self.ids.reshape(-1)].to(self.model.act_dtype)
+        return self.model.embed.rows(self.ids.reshape(-1)).to(self.model.act_dtype)
 
     def run(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None):
         """-> (x, residual) for the next layer, as LlamaModel.forward passes them on."""
@@ -558,7 +558,7 @@ def _write_checkpoint(weights, cfg, model: LlamaModel, qlinears: dict[str, QLine
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed.half()}
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed.dense().half()}
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = layer.input_norm.weight.half()

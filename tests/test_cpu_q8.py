@@ -1,0 +1,77 @@
+"""GGUF Q8_0 matrices read in place (kernels/cpu/q8_0.cpp): against fp64 on the expanded matrix,
+and the embedded model's embedding and head loaded that way."""
+
+import pytest
+import torch
+from localllm_kernels import cpu_q8
+
+from localllm.model.layers import DenseMatrix, Q8Matrix
+
+
+def random_blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half()
+    if n > 1:
+        d[0, 0] = 0.0  # a zero block
+    q = torch.randint(-128, 128, (n, k // 32, 32), generator=g, dtype=torch.int8)
+    return torch.cat([d.view(torch.uint8).view(n, k // 32, 2), q.view(torch.uint8)], -1).contiguous()
+
+
+def test_dequantize_is_exact():
+    b = random_blocks(40, 96)
+    d = b[..., :2].contiguous().view(torch.float16).double()
+    q = b[..., 2:].contiguous().view(torch.int8).double()
+    assert torch.equal(cpu_q8.dequantize(b).double(), (d * q).reshape(40, 96))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (1100, 576), (300, 2048)])
+def test_gemm_matches_fp64(m, n, k):
+    assert cpu_q8.load()
+    b = random_blocks(n, k, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    ref = x.double() @ cpu_q8.dequantize(b).double().t()
+    y = torch.ops.localllm.q8_0_gemm(x, b)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    # fp32 accumulation of exact products: as close as an fp32 GEMM on the expanded matrix
+    err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    dense_err = (((x @ cpu_q8.dequantize(b).t()).double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-6 and err < 10 * dense_err + 1e-7
+
+
+def test_rows_equal_the_expanded_matrix_and_errors():
+    assert cpu_q8.load()
+    b = random_blocks(500, 128)
+    idx = torch.tensor([0, 499, 7, 7, 250])
+    assert torch.equal(torch.ops.localllm.q8_0_rows(b, idx), cpu_q8.dequantize(b)[idx])
+    assert torch.ops.localllm.q8_0_rows(b, idx[:0]).shape == (0, 128)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.localllm.q8_0_rows(b, torch.tensor([500]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.localllm.q8_0_rows(b, torch.tensor([-1]))
+    with pytest.raises(RuntimeError, match="K mismatch"):
+        torch.ops.localllm.q8_0_gemm(torch.zeros(1, 96), b)
+    with pytest.raises(RuntimeError, match="fp32"):
+        torch.ops.localllm.q8_0_gemm(torch.zeros(1, 128, dtype=torch.float64), b)
+    with pytest.raises(RuntimeError, match="contiguous uint8"):
+        torch.ops.localllm.q8_0_gemm(torch.zeros(1, 128), b[:, :, :33])
+
+
+def test_embedded_model_reads_its_q8_0_embedding_in_place(int4_model, gguf_path):
+    """The GGUF's Q8_0 embedding is not copied: embedding rows, exact logits and greedy picks equal
+    those of the fp32 matrix it used to be expanded into."""
+    from localllm.model.loader import open_weights
+
+    model = int4_model.model
+    assert isinstance(model.embed, Q8Matrix) and model.head.exact is model.embed  # tied: one matrix
+    w = open_weights(gguf_path).dense("model.embed_tokens.weight")
+    dense = DenseMatrix(w)
+    ids = torch.tensor([[0, 1, 2], [49151, 500, 7]])
+    assert torch.equal(model.embed.rows(ids), w[ids])
+    h = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0))
+    ref = h.double() @ w.double().t()
+    logits = model.head(h)
+    assert ((logits.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+    assert torch.equal(model.head.greedy(h), dense.matmul(h).argmax(-1))
+    # mapped from the file, not resident: its storage is the GGUF's
+    assert model.embed.blocks.untyped_storage().nbytes() >= model.embed.blocks.numel()
