@@ -80,6 +80,17 @@ class GGUFFile:
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
 
+    def read(self, t: GGUFTensor) -> np.ndarray:
+        """A copy of the tensor's bytes (uint8, shaped as `t.data`), read with pread rather than
+        through the map: pages touched through the map count in this process's RSS, and each
+        fault maps a large neighbourhood (reading the 61 small norms of the 135M model through
+        it left 25 MB of unrelated layers mapped)."""
+        with open(self.path, "rb") as f:
+            buf = os.pread(f.fileno(), t.nbytes, t.offset)
+        if len(buf) != t.nbytes:
+            raise GGUFError(f"{self.path}: truncated file while reading tensor {t.name}")
+        return np.frombuffer(buf, dtype=np.uint8).reshape(t.data.shape)
+
 
 class _Cursor:
     def __init__(self, buf: memoryview, path: Path):
@@ -197,17 +208,18 @@ def _read_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
     return GGUFFile(path, metadata, tensors)
 
 
-def dequantize(t: GGUFTensor) -> np.ndarray:
-    """Dequantize a tensor to float32 with its torch shape."""
+def dequantize(t: GGUFTensor, raw: np.ndarray | None = None) -> np.ndarray:
+    """Dequantize a tensor to float32 with its torch shape; `raw`: its bytes (default: the map)."""
+    raw = np.asarray(t.data) if raw is None else raw
     if t.qtype.name == "F32":
-        return np.asarray(t.data).view(np.float32).reshape(t.shape)
+        return raw.view(np.float32).reshape(t.shape)
     if t.qtype.name == "F16":
-        return np.asarray(t.data).view(np.float16).astype(np.float32).reshape(t.shape)
+        return raw.view(np.float16).astype(np.float32).reshape(t.shape)
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize as _deq
 
     try:
-        out = _deq(np.asarray(t.data), GGMLQuantizationType(t.qtype.id))
+        out = _deq(raw, GGMLQuantizationType(t.qtype.id))
     except NotImplementedError:
         raise GGUFError(f"tensor {t.name}: quantization type {t.qtype.name} is not supported") from None
     return out.reshape(t.shape).astype(np.float32, copy=False)

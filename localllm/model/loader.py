@@ -118,7 +118,8 @@ class GGUFWeights:
         return next((p for k, p in self.perms.items() if f".{k}." in name), None)
 
     def dense(self, name: str) -> torch.Tensor:
-        w = torch.from_numpy(np.array(dequantize(self._tensor(name))))
+        t = self._tensor(name)
+        w = torch.from_numpy(np.array(dequantize(t, self.file.read(t))))
         perm = self._perm(name)
         return w[perm] if perm is not None else w
 
