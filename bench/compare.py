@@ -22,6 +22,7 @@ import sys
 import time
 
 ENGINES = ("localllm", "llama.cpp", "transformers")
+TOP_P = 0.95  # `localllm run`'s default, with its temperature 0.7 (--sampled)
 TEXT = ("The history of computing is a story of people turning ideas about calculation into machines. "
         "Early mechanical calculators could add and subtract; later designs stored programs in memory, "
         "so the same hardware could solve many problems. ")
@@ -72,7 +73,7 @@ class LocalWorker:
         from localllm.sampling import SamplingParams
 
         stamps, last = [], None
-        params = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=0)
+        params = SamplingParams(temperature=temperature, top_p=TOP_P, max_tokens=n, ignore_eos=True, seed=0)
         for last in self.engine.generate(ids, params):  # noqa: B007
             stamps.append(time.perf_counter())
         return (n - 1) / (stamps[-1] - stamps[0]), last.token_ids
@@ -114,7 +115,7 @@ class LlamaCppWorker:
     def decode(self, ids: list[int], n: int, temperature: float = 0.0) -> tuple[float, list[int]]:
         if temperature > 0:  # llama.cpp's own sampler chain, with the same settings as ours
             stamps, toks = [], []
-            for tok in self.llm.generate(ids, top_k=0, top_p=1.0, min_p=0.0, temp=temperature, reset=True):
+            for tok in self.llm.generate(ids, top_k=0, top_p=TOP_P, min_p=0.0, temp=temperature, reset=True):
                 stamps.append(time.perf_counter())
                 toks.append(tok)
                 if len(toks) == n:
@@ -154,7 +155,7 @@ class HFWorker:
         torch = self.torch
         g = torch.Generator().manual_seed(0)
 
-        def pick(logits):
+        def pick(logits):  # (no top-p here: transformers is the reference, not a rival, for sampling)
             if temperature == 0:
                 return int(logits.argmax())
             return int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
@@ -273,8 +274,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--decode-context", default="32", help="prompt lengths to decode after (e.g. 32,2000)")
     ap.add_argument("--prefill", default="32,512,2048")
-    ap.add_argument("--sampled", type=float, default=0.7, help="also decode with sampling at this temperature "
-                    "(0.7: run's and chat's default; 0: skip)")
+    ap.add_argument("--sampled", type=float, default=0.7, help="also decode with sampling at this temperature, "
+                    "top-p 0.95 (run's defaults; 0: skip)")
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--eager", action="store_true", help="localllm without its compiled step (the default "
                     "compiles: a first run on a model waits for the build)")
