@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -111,16 +112,15 @@ def filter_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def _top_p(probs: torch.Tensor, top_p: float, first: int = 256) -> torch.Tensor:
     """Keep the smallest set of most likely tokens reaching top_p. The nucleus is almost always
-    among the few hundred most likely tokens: rank those first (a full sort of a 49k vocabulary
-    took 4.4 ms a token), the whole row only when they fall short."""
-    n = probs.shape[-1]
-    k = min(first, n)
-    while True:
-        top, order = probs.topk(k)  # sorted, descending
+    among the few hundred most likely tokens: rank those first (torch's full sort of a 49k
+    vocabulary took 4.4-5.5 ms a token), and the whole row, with numpy's sort, only
+    when they fall short (a flat distribution: high temperature, random weights)."""
+    top, order = probs.topk(min(first, probs.shape[-1]))  # sorted, descending
+    cum = top.cumsum(-1)
+    if top.shape[-1] < probs.shape[-1] and cum[-1] <= top_p:
+        order = torch.from_numpy(np.argsort(-probs.numpy()))  # introsort: 0.7 ms; "stable" was 4.6
+        top = probs[order]
         cum = top.cumsum(-1)
-        if k == n or cum[-1] > top_p:
-            break
-        k = n
     keep = top.masked_fill(cum - top > top_p, 0.0)  # a token stays if the mass before it is <= top_p
     return torch.zeros_like(probs).scatter_(-1, order, keep)
 
