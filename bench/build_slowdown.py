@@ -7,7 +7,8 @@ the packages at idle CPU priority; the engine stops the builder while it has wor
 it when idle. This plays a chat on the embedded model in a fresh LOCALLLM_HOME (so it really
 builds): replies of --tokens greedy tokens, each followed by --think seconds of the user reading
 and typing, until the replies run compiled. Printed: eager decode alone (before any build), each
-reply's tok/s while the build is pending, the first compiled reply, and how long the build took.
+reply's tok/s while the build is pending, the first compiled reply, how long the build took, and
+eager decode alone again once every package is built (the baseline is both "alone" sets).
 --no-pause lets the builder run beside the decode (a builder this script starts itself, which
 the engine does not stop): what the pause avoids.
 """
@@ -66,8 +67,14 @@ def main() -> None:
             break
         pending.append(r)
         time.sleep(args.think)
-    print(f"eager decode alone, {args.threads} threads, {args.tokens} tokens: {statistics.median(alone):.1f} tok/s "
-          f"(runs {[round(x, 1) for x in alone]})")
+    # the machine drifts: "alone" is measured before the build and again after it has finished
+    step.wait(timeout=1800)
+    eager = LLMEngine(loaded, EngineConfig(compile=False, parallel=1, enable_prefix_caching=False))
+    after = [reply(eager, 100 + i) for i in range(5)]
+    print(f"eager decode alone, {args.threads} threads, {args.tokens} tokens: before the build "
+          f"{statistics.median(alone):.1f} tok/s (runs {[round(x, 1) for x in alone]}), after it "
+          f"{statistics.median(after):.1f} (runs {[round(x, 1) for x in after]})")
+    alone = alone + after
     if pending:
         print(f"replies while the build was pending ({'builder running beside them' if args.no_pause else 'builder stopped during replies'}"
               f", {args.think:.0f} s idle between): median {statistics.median(pending):.1f} tok/s, "
