@@ -1,13 +1,12 @@
 """GGUF Q8_0 matrices read in place on CPU (`kernels/cpu/q8_0.cpp`): build, load, torch reference.
 
-``gemm(x, blocks)``: x fp32 [M, K] times the matrix held as Q8_0 blocks (uint8 [N, K/32, 34]: an
-fp16 scale d, then 32 int8 q; value d * q, exact in fp32) transposed -> fp32 [M, N].
-``rows(blocks, idx)``: the rows idx of the matrix, fp32 [n, K].
+``torch.ops.localllm.q8_0_gemm(x, blocks)``: x fp32 [M, K] times the matrix held as Q8_0 blocks
+(uint8 [N, K/32, 34]: an fp16 scale d, then 32 int8 q; value d * q, exact in fp32) transposed ->
+fp32 [M, N]. ``torch.ops.localllm.q8_0_rows(blocks, idx)``: the rows idx of the matrix, fp32 [n, K].
 
-Compiled with -march=native once per machine, as cpu_attention (see cpu_build); registers
-``torch.ops.localllm.q8_0_gemm`` / ``q8_0_rows``. Without a working compiler ``load()`` is False
-and the functions below run the torch reference (which expands the whole matrix per call: callers
-keep an fp32 copy instead). Imports only torch.
+Compiled with -march=native once per machine, as cpu_attention (see cpu_build). Without a working
+compiler ``load()`` is False and the loader keeps an fp32 copy of the matrix instead;
+``dequantize`` is the torch reference. Imports only torch.
 """
 
 from __future__ import annotations
@@ -58,14 +57,3 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     q = blocks[..., 2:].contiguous().view(torch.int8).float()  # [N, nb, 32]
     return (d * q).reshape(n, nb * 32)
 
-
-def gemm(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    if load():
-        return torch.ops.localllm.q8_0_gemm(x, blocks)
-    return x @ dequantize(blocks).t()
-
-
-def rows(blocks: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    if load():
-        return torch.ops.localllm.q8_0_rows(blocks, idx)
-    return dequantize(blocks[idx])

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .model.layers import top_indices
+
 
 class SamplingError(ValueError):
     """An invalid sampling value; the message names the parameter."""
@@ -115,8 +117,6 @@ def _top_p(probs: torch.Tensor, top_p: float, first: int = 256) -> torch.Tensor:
     among the few hundred most likely tokens: rank those first (torch's full sort of a 49k
     vocabulary took 4.4-5.5 ms a token), and the whole row, with numpy's sort, only
     when they fall short (a flat distribution: high temperature, random weights)."""
-    from .model.layers import top_indices
-
     idx = top_indices(probs[None], min(first, probs.shape[-1]))[0]  # the most likely, unordered
     top, o = probs[idx].sort(descending=True)
     order = idx[o]

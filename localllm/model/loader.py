@@ -42,6 +42,13 @@ def _qk_row_perm(n_heads: int, head_dim: int) -> torch.Tensor:
     return torch.arange(n_heads * head_dim).view(n_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
 
 
+def _mapped(t) -> torch.Tensor:
+    """A GGUF tensor's bytes as a flat uint8 tensor viewing the mapped file (no copy)."""
+    with warnings.catch_warnings():  # read-only map: nothing writes through this view
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(t.data).reshape(-1))
+
+
 class GGUFWeights:
     def __init__(self, path: Path):
         try:
@@ -152,10 +159,7 @@ class GGUFWeights:
         if t.qtype.name not in ("Q4_0", "Q4_1"):
             return None
         n, k = t.shape
-        with warnings.catch_warnings():  # read-only map: nothing writes through this view
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(np.asarray(t.data).reshape(-1))
-        return raw.view(n, k // 32, 18 if t.qtype.name == "Q4_0" else 20), self._perm(name)
+        return _mapped(t).view(n, k // 32, 18 if t.qtype.name == "Q4_0" else 20), self._perm(name)
 
     def q8_blocks(self, name: str) -> torch.Tensor | None:
         """The file's own Q8_0 blocks of `name`, uint8 [N, K/32, 34] (a view of the mapped file);
@@ -164,10 +168,7 @@ class GGUFWeights:
         if t.qtype.name != "Q8_0" or self._perm(name) is not None:
             return None
         n, k = t.shape
-        with warnings.catch_warnings():  # read-only map: nothing writes through this view
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.from_numpy(np.asarray(t.data).reshape(-1))
-        return raw.view(n, k // 32, 34)
+        return _mapped(t).view(n, k // 32, 34)
 
     def has(self, name: str) -> bool:
         try:
