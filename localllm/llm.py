@@ -2,12 +2,35 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
 from .engine.engine import LLMEngine, RequestOutput
 from .hardware import pick_device
-from .sampling import SamplingParams
+from .sampling import SamplingError, SamplingParams
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # int64 (OpenAI) and uint64 (vLLM) seeds
+
+
+def check_seed(seed) -> None:
+    """A seed every front end accepts: an integer in -2^63..2^64-1 (SamplingError otherwise)."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise SamplingError("seed", f"must be an integer, got {seed!r}")
+    if not SEED_MIN <= seed <= SEED_MAX:
+        raise SamplingError("seed", f"must be in -2^63..2^64-1, got {seed}")
+
+
+def generator_seed(seed: int | None) -> int | None:
+    """The seed handed to the engine. torch's CPU generator keeps only the low 32 bits of its seed
+    (0, 2^32 and 2^63 draw the same numbers), so a seed outside 0..2^32-1 is hashed from its full
+    value into that range instead of being cut; seeds inside it are used as they are."""
+    if seed is None or 0 <= seed < 1 << 32:
+        return seed
+    digest = hashlib.blake2b(str(seed).encode(), digest_size=4, person=b"localllm-seed").digest()
+    return int.from_bytes(digest, "little")
 
 
 def build_engine(model: str | None = None, precision: str = "auto", device: str = "auto",
@@ -44,20 +67,23 @@ def _planned(model: str | None, precision: str, device: str, config: EngineConfi
     from .planner import GiB, PlanError, device_facts, facts_for, normalize_quant, plan
 
     quant = normalize_quant(precision)
-    if quant not in ("auto", "awq", "gptq") and not max_memory:
+    kv = config.kv_memory_bytes
+    if quant not in ("auto", "awq", "gptq") and not max_memory and not kv:
         return model, quant, config
     try:
         facts = facts_for(model)
     except PlanError:
-        if quant == "auto" and not max_memory:
-            return model, "auto", config  # size unknown before the download: load it as it comes
+        if not max_memory and quant not in ("awq", "gptq"):  # size unknown before the download: load it as it comes
+            return model, quant, config
         raise
-    p = plan(facts, device_facts(device), quant, config.max_model_len, int(max_memory * GiB) if max_memory else None)
+    # with --kv-memory the plan counts the KV the engine will allocate: weights + it must fit
+    p = plan(facts, device_facts(device), quant, config.max_model_len,
+             int(max_memory * GiB) if max_memory else None, kv)
     if not p.fits:
         raise PlanError(p.reason)
     for w in p.warnings:
         logging.getLogger("localllm").warning("warning: %s", w)
-    changes = {"max_model_len": config.max_model_len or p.ctx}
+    changes = {"max_model_len": config.max_model_len or p.ctx}  # with --kv-memory: the context it holds
     if max_memory and not config.kv_memory_bytes:
         changes["kv_memory_bytes"] = p.kv_bytes
     return p.variant or model, p.precision, dataclasses.replace(config, **changes)

@@ -3,7 +3,10 @@
 Responses are plain dicts built here so their shape is exactly what OpenAI/vLLM send (which
 keys are present, which are null) and nothing depends on pydantic's serialisation options.
 Unknown request fields are ignored, as vLLM does; fields we cannot honour (tools, JSON mode,
-echo, suffix, best_of) are refused with a 400 naming them rather than silently dropped.
+logit_bias, guided decoding, audio, echo, suffix, best_of) are refused with a 400 naming them
+rather than silently dropped. Types are strict where OpenAI's schema is (`max_tokens: true` or
+`logprobs: "yes"` are errors, not 1 and true), and no text with a lone UTF-16 surrogate (legal
+JSON, not encodable text) gets past the request models.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import time
 import uuid
 from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class APIError(Exception):
@@ -30,7 +34,44 @@ class APIError(Exception):
 
 # ---- requests ---------------------------------------------------------------------------------
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def surrogate_path(obj: Any) -> tuple[str, str] | None:
+    """(field path, offending character) of the first string in a parsed JSON body that holds a
+    lone UTF-16 surrogate ("a\\ud800b" is legal JSON but no UTF-8 text: the tokenizer and the
+    response encoder would fail on it), or None. Iterative: nesting depth costs no stack."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, o = stack.pop()
+        if isinstance(o, str):
+            if not o.isascii():
+                try:
+                    o.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    return path or "body", o[e.start]
+        elif isinstance(o, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(list(o.items())))
+            stack.extend((path or "body", k) for k in o if isinstance(k, str))  # keys first
+        elif isinstance(o, list):
+            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in reversed(list(enumerate(o))))
+    return None
+
+
+class _Request(_Model):
+    """A top-level request body: its text is checked once for lone surrogates before validation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        found = surrogate_path(data)
+        if found:
+            where, ch = found
+            raise PydanticCustomError(
+                "invalid_text", "{where}: invalid text: lone UTF-16 surrogate {code} (not valid Unicode; "
+                "send the full surrogate pair or the character itself)",
+                {"where": where, "code": f"\\u{ord(ch):04x}"})
+        return data
 
 
 class StreamOptions(_Model):
@@ -44,7 +85,7 @@ class ChatMessage(_Model):
     name: str | None = None
 
 
-class _SamplingRequest(_Model):
+class _SamplingRequest(_Request):
     """Fields shared by /v1/chat/completions and /v1/completions (OpenAI + vLLM extras)."""
 
     model: str | None = None  # None: the served model
@@ -65,6 +106,23 @@ class _SamplingRequest(_Model):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # accepted by OpenAI or vLLM but not honoured here: refused with a 400 naming the field
+    logit_bias: Any = None
+    # other unknown fields are kept (not validated) so that guided_* (vLLM) can be refused by name
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for the first field this server would otherwise silently ignore."""
+        if self.logit_bias not in (None, {}):
+            return "logit_bias", "logit_bias is not supported by this server"
+        for name, value in (self.model_extra or {}).items():
+            if value is None:
+                continue
+            if name.startswith("guided_") or name == "structured_outputs":
+                return name, f"{name} (structured output) is not supported by this server"
+            if name == "response_format" and not (isinstance(value, dict) and value.get("type", "text") == "text"):
+                return name, "response_format other than 'text' is not supported"
+        return None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -74,6 +132,29 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tools / function calling is not supported by this server"
+        if self.functions is not None or self.function_call is not None:
+            name = "functions" if self.functions is not None else "function_call"
+            return name, f"{name} (function calling) is not supported by this server"
+        if self.tool_choice not in (None, "none", "auto"):  # 'none'/'auto' without tools change nothing
+            return "tool_choice", f"tool_choice {self.tool_choice!r} needs tools, which this server does not support"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "response_format other than 'text' is not supported"
+        if self.modalities is not None and self.modalities != ["text"]:
+            return "modalities", f"only text output is supported (modalities: [\"text\"]), got {self.modalities!r}"
+        for name in ("audio", "prediction"):
+            if getattr(self, name) is not None:
+                return name, f"{name} is not supported by this server"
+        return super().unsupported()
 
 
 class CompletionRequest(_SamplingRequest):
@@ -85,14 +166,14 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 
@@ -105,9 +186,12 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if part.get("type") != "text":
                     raise APIError(400, f"messages[{i}].content[{j}]: only text content parts are supported "
                                         f"(got type {part.get('type')!r})", param=f"messages[{i}].content")
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content[{j}]: a part of type 'text' needs a 'text' string",
+                                   param=f"messages[{i}].content")
                 texts.append(part["text"])
             content = "".join(texts)
         out.append({"role": m.role, "content": content or ""})

@@ -26,6 +26,7 @@ from .config import ModelConfig
 GiB = 1 << 30
 DEFAULT_CTX = 4096  # without --ctx: the context a plan must at least fit (then it grows to what fits)
 PREFILL_TOKENS = 2048  # EngineConfig.max_num_batched_tokens: activations of one prefill chunk
+BLOCK = 16  # EngineConfig.block_size: KV is allocated in blocks of this many tokens
 QUANT_ALIASES = {
     "auto": "auto", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16",
     "float16": "float16", "half": "float16", "fp32": "float32", "f32": "float32", "float32": "float32",
@@ -194,11 +195,15 @@ def _candidates(f: ModelFacts, quant: str, device: str) -> list[tuple[str, str |
 
 
 def plan(f: ModelFacts, dev: DeviceFacts, quant: str = "auto", ctx: int | None = None,
-         max_memory: int | None = None) -> Plan:
+         max_memory: int | None = None, kv_memory: int | None = None) -> Plan:
     """The first candidate whose weights + KV(ctx) + runtime fit the budget. `max_memory` (bytes)
     replaces 90% of the device's free memory as the budget. Without `ctx` the plan must fit
-    min(DEFAULT_CTX, model context) and then takes the largest context that fits."""
+    min(DEFAULT_CTX, model context) and then takes the largest context that fits. `kv_memory`
+    (bytes, --kv-memory) is what the engine will allocate for KV whatever the context: the plan
+    counts exactly that, and the context is what it holds (at most the model's)."""
     quant = normalize_quant(quant)
+    if kv_memory:
+        return _plan_fixed_kv(f, dev, quant, ctx, max_memory, kv_memory)
     kind = "cpu" if dev.device == "cpu" else "cuda"
     budget = int(max_memory) if max_memory else int(dev.available * 0.9)
     if ctx is not None and ctx < 1:
@@ -232,6 +237,40 @@ def plan(f: ModelFacts, dev: DeviceFacts, quant: str = "auto", ctx: int | None =
            f"{floor} + runtime {gib(over)}); only {gib(budget)} available ({where})")
     return Plan(f.name, dev.device, precision, variant, floor, False, msg, w, kv, over, budget, label, [],
                 f.estimated)
+
+
+def _plan_fixed_kv(f: ModelFacts, dev: DeviceFacts, quant: str, ctx: int | None, max_memory: int | None,
+                   kv_memory: int) -> Plan:
+    kind = "cpu" if dev.device == "cpu" else "cuda"
+    budget = int(max_memory) if max_memory else int(dev.available * 0.9)
+    if ctx is not None and ctx < 1:
+        raise PlanError(f"--ctx must be positive, got {ctx}")
+    over = overhead_bytes(f)
+    cands = _candidates(f, quant, kind)
+    rejected = []
+    where = "--max-memory" if max_memory else f"free {'RAM' if kind == 'cpu' else 'GPU memory'} x 0.9"
+    for i, (precision, variant, label, warning) in enumerate(cands):
+        w = weight_bytes(f, "native" if f.native and precision in ("auto", "int4") else
+                         (variant and "awq") or precision, kind)
+        # the engine's 16-token blocks, one of them the null block
+        holds = (kv_memory // (kv_bytes(f, precision, kind, 1) * BLOCK) - 1) * BLOCK
+        n = min(ctx or f.max_context, f.max_context, max(holds, 0))
+        if holds < (min(ctx, f.max_context) if ctx else 1):
+            what = f"one {min(ctx, f.max_context)}-token context (--ctx)" if ctx else "one KV block"
+            return Plan(f.name, dev.device, precision, variant, n, False,
+                        f"--kv-memory {gib(kv_memory)} holds {max(holds, 0)} tokens, less than {what}; raise it"
+                        + (" or lower --ctx" if ctx else ""), w, kv_memory, over, budget, label, [], f.estimated)
+        if w + kv_memory + over <= budget or i == len(cands) - 1:
+            fits = w + kv_memory + over <= budget
+            why = (f"{label} with the KV cache --kv-memory asks for (ctx {n})" if fits else
+                   f"{f.name} needs >= {(w + kv_memory + over) / GiB:.2f} GiB (weights {gib(w)} as {label} + KV "
+                   f"{gib(kv_memory)} from --kv-memory + runtime {gib(over)}); only {gib(budget)} available ({where})")
+            if fits and rejected:
+                why += f" ({'; '.join(rejected)})"
+            return Plan(f.name, dev.device, precision, variant, n, fits, why, w, kv_memory, over, budget, label,
+                        [warning] if warning and fits else [], f.estimated)
+        rejected.append(f"{label} needs {gib(w + kv_memory + over)}")
+    raise AssertionError("unreachable: the last candidate always returns")
 
 
 # ---- facts ------------------------------------------------------------------------------------
@@ -315,8 +354,9 @@ def device_facts(device: str = "auto") -> DeviceFacts:
 
 
 def plan_for(model=None, quant: str = "auto", max_memory: float | None = None, ctx: int | None = None,
-             device: str = "auto") -> Plan:
+             device: str = "auto", kv_memory: int | None = None) -> Plan:
     """The plan for a MODEL argument (alias, repo, directory, .gguf, Path or ModelRef) on this
-    machine; `max_memory` in GiB. Reads metadata only: nothing is loaded or downloaded."""
+    machine; `max_memory` in GiB, `kv_memory` in bytes. Reads metadata only: nothing is loaded
+    or downloaded."""
     return plan(facts_for(model), device_facts(device), quant, ctx,
-                int(max_memory * GiB) if max_memory else None)
+                int(max_memory * GiB) if max_memory else None, kv_memory)

@@ -9,11 +9,17 @@ requests meet in the engine and are batched together (continuous batching).
 
 The model loads in a background thread after the server starts listening: /health answers 503
 until it is ready, then 200.
+
+Nothing slow runs on the event loop: request bodies are capped (413 beyond --max-body-mb, read
+in chunks), prompts are rendered and tokenized in a worker thread (the tokenizer releases the
+GIL) and reach the engine thread as token ids, and a prompt whose byte count alone proves that
+it cannot fit the context is refused before it is tokenized at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import sys
@@ -150,6 +156,7 @@ class ServerConfig:
     cors_origins: list[str] = field(default_factory=list)
     max_queue: int = 256  # requests beyond the engine's batch (max_num_seqs) that may wait
     max_num_seqs: int = 64
+    max_body_bytes: int = 8 << 20  # larger request bodies get a 413
 
 
 class ServerState:
@@ -167,6 +174,7 @@ class ServerState:
         self.live = 0  # engine requests admitted or being admitted, not finished (429 check)
         self.aloop: asyncio.AbstractEventLoop | None = None
         self.on_fatal: Callable[[], None] = lambda: None
+        self.token_bytes: int | None = None  # most input bytes one token can stand for (None: no bound)
 
     def start_loading(self) -> None:
         self.aloop = asyncio.get_running_loop()
@@ -191,6 +199,7 @@ class ServerState:
             return False
         if self.closing:
             return False
+        self.token_bytes = max_token_bytes(engine.tokenizer)
         self.engine = engine
         self.loop = EngineLoop(engine, self.log)
         self.log(f"model {self.cfg.model_id} loaded in {time.perf_counter() - t0:.1f} s "
@@ -228,6 +237,7 @@ class Generation:
     def __init__(self, state: ServerState, prompts: list, params: list, n: int, max_tokens_param: str,
                  prompt_param: str):
         self.state, self.n = state, n
+        self.prompts = prompts
         self.jobs = [(p, params[j]) for p in prompts for j in range(n)]  # choice index = prompt * n + j
         base = oai.new_id("r")
         self.rids = [f"{base}-{i}" for i in range(len(self.jobs))]
@@ -250,13 +260,22 @@ class Generation:
                                 f"(--max-queue {state.cfg.max_queue}); retry shortly", "rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"})
         aloop = asyncio.get_running_loop()
-        futs = []
-        for i, ((prompt, params), rid) in enumerate(zip(self.jobs, self.rids)):
-            fut = aloop.create_future()
-            futs.append(fut)
+        for i in range(len(self.jobs)):  # counted from now: tokenizing takes a while
             self.live.add(i)
             state.live += 1
-            loop.submit(_Pending(prompt, params, rid, self._sink(aloop, i), self._done(aloop, fut)))
+        try:
+            # off the event loop (and off the engine thread, which would stall every stream)
+            ids = [await asyncio.to_thread(self._encode, p) for p in self.prompts]
+        except BaseException as e:
+            self.close()
+            if isinstance(e, Exception):
+                raise self._api_error(e) from None
+            raise
+        futs = []  # a loop closed meanwhile answers each submit with a ShutdownError (503)
+        for i, ((_, params), rid) in enumerate(zip(self.jobs, self.rids)):
+            fut = aloop.create_future()
+            futs.append(fut)
+            loop.submit(_Pending(ids[i // self.n], params, rid, self._sink(aloop, i), self._done(aloop, fut)))
         try:
             results = await asyncio.gather(*futs, return_exceptions=True)
         except asyncio.CancelledError:
@@ -266,6 +285,22 @@ class Generation:
         if errors:
             self.close()
             raise self._api_error(errors[0])
+
+    def _encode(self, prompt) -> list[int]:
+        """Prompt (text, token ids or chat messages) -> token ids, in a worker thread. Refuses a
+        prompt whose bytes alone prove it is longer than the context, without tokenizing it."""
+        engine, bound = self.state.engine, self.state.token_bytes
+        if bound and not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+            texts = [prompt] if isinstance(prompt, str) else [m.get("content") or "" for m in prompt]
+            nbytes = sum(len(t.encode("utf-8")) for t in texts)
+            least = nbytes // bound
+            if least >= engine.max_model_len:
+                what = "messages" if self.prompt_param == "messages" else "prompt"
+                raise APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens. "
+                                    f"However, your {what} take {nbytes} bytes: at least {least} tokens. "
+                                    f"Please reduce the length of the {what}.",
+                               param=self.prompt_param, code="context_length_exceeded")
+        return engine.encode_prompt(prompt)
 
     def _sink(self, aloop: asyncio.AbstractEventLoop, i: int):
         def deliver(item):  # on the event loop; bookkeeping here, so it never depends on a reader
@@ -384,6 +419,7 @@ class Generation:
 # ---- request -> engine requests ------------------------------------------------------------------
 def _sampling(body: oai._SamplingRequest, max_tokens: int | None, max_tokens_param: str, logprobs: int | None,
               seed_offset: int = 0):
+    from .llm import generator_seed
     from .sampling import SamplingError, SamplingParams
 
     def pick(v, default):
@@ -395,19 +431,43 @@ def _sampling(body: oai._SamplingRequest, max_tokens: int | None, max_tokens_par
             top_k=pick(body.top_k, 0), min_p=pick(body.min_p, 0.0),
             repetition_penalty=pick(body.repetition_penalty, 1.0),
             presence_penalty=pick(body.presence_penalty, 0.0), frequency_penalty=pick(body.frequency_penalty, 0.0),
-            seed=None if body.seed is None else (body.seed + seed_offset) % (1 << 64),  # n>1: one seed per choice
-            stop=body.stop or [], stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
+            seed=None if body.seed is None else generator_seed(body.seed + seed_offset),  # n>1: one per choice
+            stop=[] if body.stop is None else body.stop, stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
             logprobs=logprobs, min_tokens=body.min_tokens)
     except SamplingError as e:
         param = max_tokens_param if e.param == "max_tokens" else e.param
         raise APIError(400, str(e).replace("max_tokens", param, 1), param=param) from None
 
 
-def _check_common(body: oai._SamplingRequest) -> None:
+def _check_common(body: oai._SamplingRequest, max_tokens: int | None, max_tokens_param: str, vocab: int) -> None:
+    bad = body.unsupported()
+    if bad:
+        raise APIError(400, bad[1], param=bad[0])
     if not 1 <= body.n <= 16:
         raise APIError(400, f"n must be between 1 and 16, got {body.n}", param="n")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if max_tokens is not None and body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
+                       param="min_tokens")
+    out = [t for t in body.stop_token_ids or [] if not 0 <= t < vocab]
+    if out:
+        raise APIError(400, f"stop_token_ids must be in 0..{vocab - 1}, got {out[0]}", param="stop_token_ids")
+
+
+def max_token_bytes(tokenizer) -> int | None:
+    """An upper bound on the input bytes one token can stand for, so that len(bytes) // bound
+    tokens at least: the longest vocabulary entry in UTF-8 (byte-level and SentencePiece entries
+    take at least as many bytes as the text they match), x3 when a normalizer may shrink the text
+    first (NFC composes three 3-byte jamo into one 3-byte syllable). None when a token may stand
+    for unbounded text (an unknown-word token without byte fallback, non-BPE models)."""
+    tok = getattr(tokenizer, "tok", None)
+    model = getattr(tok, "model", None)
+    if type(model).__name__ != "BPE" or (model.unk_token is not None and not model.byte_fallback):
+        return None
+    longest = max((len(t.encode("utf-8")) for t in tok.get_vocab(with_added_tokens=True)), default=0)
+    return longest * (1 if tok.normalizer is None else 3) or None
 
 
 def _params_list(body, max_tokens, max_tokens_param, logprobs) -> list:
@@ -420,18 +480,67 @@ def _sse(obj: dict | str) -> str:
 
 
 # ---- the app ------------------------------------------------------------------------------------
+class _BodyLimitMiddleware:
+    """Request bodies larger than `max_bytes` get a 413 in OpenAI's error shape. The body is read
+    in chunks (as uvicorn hands them over) and never held beyond the cap; what is over is read and
+    dropped (up to _DRAIN bytes) so that the client sees the 413 rather than a reset connection."""
+
+    _DRAIN = 64 << 20
+
+    def __init__(self, app, max_bytes: int, on_reject: Callable[[], None]):
+        self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) <= self.max_bytes:  # uvicorn holds the body to its length
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body, more = msg.get("body", b""), msg.get("more_body", False)
+            size += len(body)
+            if size > self.max_bytes:
+                chunks = []
+                if size > self.max_bytes + self._DRAIN:
+                    break
+            else:
+                chunks.append(body)
+        if size > self.max_bytes:
+            self.on_reject()
+            told = f"{int(length)} bytes" if length.isdigit() else "larger than that"
+            err = APIError(413, f"the request body is {told}; this server accepts at most {self.max_bytes} bytes "
+                                f"({self.max_bytes / (1 << 20):g} MiB, serve --max-body-mb)",
+                           code="request_too_large")
+            return await JSONResponse(err.body(), status_code=413, headers={"Connection": "close"})(
+                scope, receive, send)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        return await self.app(scope, replay, send)
+
+
 class _AuthMiddleware:
-    """Bearer-key check for everything but /health and CORS preflights (pure ASGI: streams untouched)."""
+    """Bearer-key check for everything but /health and CORS preflights (pure ASGI: streams untouched).
+    Keys are compared as SHA-256 digests in constant time: neither content nor length leaks."""
 
     def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
+        self.app, self.key = app, hashlib.sha256(key.encode()).digest()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] == "/health" or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         auth = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+        if scheme.lower() == b"bearer" and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self.key):
             return await self.app(scope, receive, send)
         msg = "Incorrect API key provided." if auth else "Missing API key: send it as 'Authorization: Bearer KEY'."
         err = APIError(401, msg, code="invalid_api_key")
@@ -454,6 +563,10 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
 
     app = FastAPI(title="localllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+
+    def count_413() -> None:
+        state.metrics.errors[413] += 1
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=cfg.max_body_bytes, on_reject=count_413)
     if cfg.api_key:
         app.add_middleware(_AuthMiddleware, key=cfg.api_key)
     if cfg.cors_origins:
@@ -475,6 +588,9 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
     async def _validation_error(request: Request, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
+        if first.get("type") == "invalid_text":
+            return error_response(APIError(400, first.get("msg", "invalid text"),
+                                           param=(first.get("ctx") or {}).get("where"), code="invalid_text"))
         if first.get("type") == "json_invalid":
             ctx = first.get("ctx") or {}
             return error_response(APIError(400, f"invalid JSON in the request body: {ctx.get('error', first.get('msg'))}"))
@@ -532,18 +648,14 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
         state.metrics.http_requests += 1
         state.require_ready()
         state.check_model(body.model)
-        _check_common(body)
-        if body.tools:
-            raise APIError(400, "tools / function calling is not supported by this server", param="tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format other than 'text' is not supported", param="response_format")
+        mt_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        _check_common(body, max_tokens, mt_param, state.engine.model_config.vocab_size)
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be between 0 and 20, got {body.top_logprobs}",
                            param="top_logprobs")
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        mt_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _params_list(body, max_tokens, mt_param, logprobs)
         gen = Generation(state, [oai.message_dicts(body.messages)], params, body.n, mt_param, "messages")
@@ -565,7 +677,7 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
         state.metrics.http_requests += 1
         state.require_ready()
         state.check_model(body.model)
-        _check_common(body)
+        _check_common(body, body.max_tokens, "max_tokens", state.engine.model_config.vocab_size)
         for param, bad in (("echo", body.echo), ("suffix", body.suffix), ("best_of", (body.best_of or 1) > 1)):
             if bad:
                 raise APIError(400, f"{param} is not supported by this server", param=param)
