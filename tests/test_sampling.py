@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from localllm.sampling import SamplingParams, _top_p, draw, filter_probs
+from localllm.sampling import SamplingParams, draw, filter_probs, nucleus, sample_row
 
 
 def top_p_by_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -13,20 +13,69 @@ def top_p_by_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
 
 
+def reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p as dense torch ops over the whole vocabulary."""
+    x = logits / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        x = x.masked_fill(x < x.topk(params.top_k).values[-1], float("-inf"))
+    p = torch.softmax(x, -1)
+    if params.top_p < 1:
+        p = top_p_by_sort(p, params.top_p)
+    if params.min_p > 0:
+        p = p.masked_fill(p < params.min_p * p.max(), 0.0)
+    return p / p.sum()
+
+
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 8.0])  # peaked .. nearly flat (past 256 candidates)
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
 def test_top_p_equals_full_sort(temperature, top_p):
     g = torch.Generator().manual_seed(int(temperature * 10) + int(top_p * 1000))
-    probs = torch.softmax(torch.randn(5000, generator=g) * 4 / temperature, -1)
-    got = _top_p(probs, top_p)
-    assert torch.equal(got, top_p_by_sort(probs, top_p))
-    assert got.sum() >= min(top_p, probs.sum()) - 1e-6
+    logits = torch.randn(5000, generator=g) * 4
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    ref = reference(logits, params)
+    idx, probs = nucleus(logits, params)
+    assert set(idx.tolist()) == set(ref.nonzero().flatten().tolist())
+    assert (probs[:-1] >= probs[1:]).all()  # most likely first
+    torch.testing.assert_close(probs, ref[idx], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(filter_probs(logits, params), ref, rtol=1e-5, atol=1e-7)
 
 
 def test_top_p_small_vocabulary_and_boundary():
-    probs = torch.tensor([0.5, 0.3, 0.2])
-    assert torch.equal(_top_p(probs, 0.5), torch.tensor([0.5, 0.3, 0.0]))  # mass before the 2nd is 0.5
-    assert torch.equal(_top_p(probs, 0.4), torch.tensor([0.5, 0.0, 0.0]))
+    logits = torch.tensor([0.0, float("-inf"), 0.0])  # probabilities 0.5, 0, 0.5: exact in binary
+    idx, probs = nucleus(logits, SamplingParams(temperature=1.0, top_p=0.5))  # mass before the 2nd: 0.5
+    assert sorted(idx.tolist()) == [0, 2] and probs.tolist() == [0.5, 0.5]
+    assert len(nucleus(logits, SamplingParams(temperature=1.0, top_p=0.4))[0]) == 1
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=100, top_p=0.8, min_p=0.02), dict(top_k=7), dict(min_p=0.1),
+                                dict(top_k=1000, top_p=0.99), dict(top_p=0.3, min_p=0.5), dict()])
+def test_filter_combinations_match_plain_torch(kw):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3000, generator=g) * 3
+    params = SamplingParams(temperature=0.7, **kw)
+    ref = reference(logits, params)
+    torch.testing.assert_close(filter_probs(logits, params), ref, rtol=1e-5, atol=1e-7)
+
+
+def test_masked_logits_are_never_drawn():
+    logits = torch.randn(2000, generator=torch.Generator().manual_seed(2))
+    logits[logits.argmax()] = float("-inf")  # min_tokens masks end-of-sequence ids this way
+    for kw in (dict(top_p=0.95), dict(), dict(top_k=5)):
+        p = filter_probs(logits, SamplingParams(temperature=1.0, **kw))
+        assert p[logits == float("-inf")].sum() == 0 and abs(float(p.sum()) - 1) < 1e-5
+
+
+def test_sample_row_follows_the_nucleus():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 3.0])
+    params = SamplingParams(temperature=1.0, top_p=0.8)
+    ref = reference(logits, params)
+    g = torch.Generator().manual_seed(3)
+    n = 20000
+    hist = torch.zeros(5)
+    for _ in range(n):
+        hist[sample_row(logits, params, g)] += 1
+    assert hist[ref == 0].sum() == 0
+    assert (hist / n - ref).abs().max() < 0.015
 
 
 def test_draw_follows_the_distribution_and_never_picks_zeros():
@@ -47,14 +96,3 @@ def test_draw_when_the_uniform_rounds_up_to_the_total(monkeypatch):
     p = torch.tensor([0.25, 0.75, 0.0, 0.0])
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
     assert draw(p, None) == 1  # the last token with mass, not past the end
-
-
-def test_filter_probs_combinations_match_plain_torch():
-    g = torch.Generator().manual_seed(1)
-    logits = torch.randn(3000, generator=g) * 3
-    params = SamplingParams(temperature=0.7, top_k=100, top_p=0.8, min_p=0.02)
-    x = logits / 0.7
-    x = x.masked_fill(x < x.topk(100).values[-1], float("-inf"))
-    ref = top_p_by_sort(torch.softmax(x, -1), 0.8)
-    ref = ref.masked_fill(ref < 0.02 * ref.max(), 0.0)
-    assert torch.allclose(filter_probs(logits, params), ref / ref.sum(), atol=0, rtol=1e-6)

@@ -49,6 +49,9 @@ constexpr int kMc = 6;
 // at large M, the weight blocks of ~64 KB (L2) meet every tile before the next ones: the tiles'
 // activations stream from L2 once per 64 KB of weights, not once per 16-row block
 constexpr int64_t kWeightChunk = 64 * 1024;
+// decode streams each weight once from memory: asking for the bytes 4 KB ahead keeps more reads
+// in flight than the hardware prefetcher does (1 thread, cache-cold 1B-shape layers: 1.15-1.2x)
+constexpr int64_t kPrefetch = 4096;
 
 constexpr int kParts = 2;  // see the top: 3 is as exact as fp32, and slower
 constexpr float kBase = 254.f;  // weight of each part against the next
@@ -163,6 +166,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows(
             ip[m][p][j] = j == 0 ? _mm512_set1_epi32(-bm[m].ps[p]) : _mm512_setzero_si512();
       const uint8_t* wb = w + blk * 4 * 64;
       for (int c = 0; c < 4; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
         const __m512i raw = _mm512_loadu_si512(wb + c * 64);
         const __m512i lo = _mm512_and_si512(raw, mask);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
