@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import math
+import os
+import re
 import sys
 import time
 from typing import Annotated, Optional
@@ -20,12 +23,15 @@ ModelArg = Annotated[Optional[str], typer.Argument(help="Alias from models.toml,
                                                          "directory or .gguf file (default: the embedded model).")]
 QuantOpt = Annotated[str, typer.Option("--quant", "--precision", help="auto|bf16|fp16|fp32|int8|int4|awq|gptq "
                                                                       "(auto: the planner picks what fits).")]
-MaxMemOpt = Annotated[Optional[float], typer.Option("--max-memory", help="GiB the model may use (weights + KV + "
-                                                                         "runtime); default: 90% of free memory.")]
+MaxMemOpt = Annotated[Optional[str], typer.Option("--max-memory", help="Memory the model may use (weights + KV + "
+                                                                       "runtime): GiB, or with a unit (8GiB, 512MiB, "
+                                                                       "8G); default: 90% of free memory.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto|cpu|cuda")]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context length (default: the model's).")]
-KvMemOpt = Annotated[Optional[float], typer.Option("--kv-memory", help="GiB of memory for the KV cache.")]
+KvMemOpt = Annotated[Optional[str], typer.Option("--kv-memory", help="Memory for the KV cache: GiB, or with a "
+                                                                     "unit (512MiB, 2GiB).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: a draft MODEL, 'ngram' "
                                                                  "(prompt lookup) or 'auto' (the registry's pairing).")]
 SpecTokensOpt = Annotated[int, typer.Option("--spec-tokens", help="Initial speculative tokens per step (k).")]
@@ -42,15 +48,68 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def engine_config(ctx: int | None = None, kv_memory: float | None = None, threads: int | None = None,
-                  draft: str | None = None, spec_tokens: int = 4, enforce_eager: bool = False, **kw):
+_UNITS = {"": 1 << 30, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12}
+
+
+def parse_memory(text: str | None, flag: str) -> int | None:
+    """'8' (GiB), '8GiB', '512MiB', '8G' (binary), '8GB' (decimal) -> bytes; a clear error for
+    anything else, including 0, negative, nan and inf."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if m is None or m.group(2) not in _UNITS:
+        raise fail(f"invalid value for {flag}: {text!r} is not a size (a number of GiB, or with a unit: "
+                   "512MiB, 8GiB, 8G, 8GB)", 2)
+    value = float(m.group(1)) * _UNITS[m.group(2)]
+    if not math.isfinite(value) or value < 1:
+        raise fail(f"invalid value for {flag}: must be a positive size, got {text!r}", 2)
+    return int(value)
+
+
+def check_memory(device: str, **asked: int | None) -> None:
+    """Refuse up front any memory request beyond what the device has free (the kernel's OOM
+    killer would end the process later, silently)."""
+    from .hardware import available_memory, pick_device
+    from .planner import gib
+
+    asked = {k: v for k, v in asked.items() if v}
+    if not asked:
+        return
+    try:
+        dev = pick_device(device)
+    except ValueError as e:
+        raise fail(str(e), 2) from None
+    free = available_memory(dev)
+    for flag, n in asked.items():
+        if n > free:
+            where = "free RAM" if dev == "cpu" else f"free memory on {dev}"
+            raise fail(f"{flag} {gib(n)} is more than the {gib(free)} of {where}; lower it or leave it out", 1)
+
+
+def engine_config(ctx: int | None = None, kv_memory: str | None = None, threads: int | None = None,
+                  draft: str | None = None, spec_tokens: int = 4, enforce_eager: bool = False, device: str = "auto",
+                  **kw):
     from .config import EngineConfig
 
     if not 1 <= spec_tokens <= 16:
         raise fail(f"invalid value for --spec-tokens: must be in 1..16, got {spec_tokens}", 2)
-    return EngineConfig(max_model_len=ctx, kv_memory_bytes=int(kv_memory * (1 << 30)) if kv_memory else None,
-                        num_threads=threads, speculative=draft, num_speculative_tokens=spec_tokens,
-                        compile=not enforce_eager, **kw)
+    if threads is not None and threads < 1:
+        raise fail(f"invalid value for --threads: must be >= 1 (leave it out for all cores), got {threads}", 2)
+    if ctx is not None and ctx < 1:
+        raise fail(f"invalid value for --ctx: must be >= 1 (leave it out for the model's), got {ctx}", 2)
+    kv_bytes = parse_memory(kv_memory, "--kv-memory")
+    check_memory(device, **{"--kv-memory": kv_bytes})
+    return EngineConfig(max_model_len=ctx, kv_memory_bytes=kv_bytes, num_threads=threads, speculative=draft,
+                        num_speculative_tokens=spec_tokens, compile=not enforce_eager, **kw)
+
+
+def max_memory_gib(max_memory: str | None, device: str) -> float | None:
+    """--max-memory -> GiB (what the planner takes), checked against the machine."""
+    n = parse_memory(max_memory, "--max-memory")
+    check_memory(device, **{"--max-memory": n})
+    return None if n is None else n / (1 << 30)
 
 
 def open_engine(model: str | None, quant: str, device: str, config, max_memory: float | None = None):
@@ -72,12 +131,32 @@ def open_engine(model: str | None, quant: str, device: str, config, max_memory: 
 
 
 def sampling_params(**kw):
+    from .llm import check_seed, generator_seed
     from .sampling import SamplingError, SamplingParams
 
     try:
-        return SamplingParams(**kw)
+        check_seed(kw.get("seed"))
+        return SamplingParams(**{**kw, "seed": generator_seed(kw.get("seed"))})
     except SamplingError as e:
         raise fail(f"invalid value for --{e.param.replace('_', '-')}: {e}", 2) from None
+
+
+def read_stdin() -> str:
+    """Piped stdin as text; input that is not UTF-8 is refused with where it goes wrong (decoding
+    it with replacements would send the model something the user never wrote)."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # already text (an embedding program's or a test's stand-in)
+        return sys.stdin.read()
+    data = stream.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise fail(f"stdin is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); convert it first, "
+                   "e.g. with iconv -t UTF-8", 2) from None
+
+
+def _looks_like_path(word: str) -> bool:
+    return word.startswith(("/", "./", "../", "~")) or os.path.exists(word)
 
 
 # ---- run ------------------------------------------------------------------------------------------
@@ -115,8 +194,8 @@ def run(
     from .registry import load_registry, looks_like_model
 
     words = list(args or [])
-    if model is None and words and looks_like_model(words[0], load_registry()):
-        model = words.pop(0)
+    if model is None and words and (looks_like_model(words[0], load_registry()) or _looks_like_path(words[0])):
+        model = words.pop(0)  # a path that is no model is an error (resolve_model says why), never prompt text
     elif model is None and len(words) > 1 and " " not in words[0]:
         from .registry import resolve_model
 
@@ -125,18 +204,19 @@ def run(
         except ValueError as e:
             if getattr(e, "suggestions", None):
                 raise fail(str(e)) from None
+    max_gib = max_memory_gib(max_memory, device)
     if dry_run:
-        print_plan(model, quant, device, ctx, max_memory)
+        print_plan(model, quant, device, ctx, max_gib, parse_memory(kv_memory, "--kv-memory"))
         return
-    piped = "" if sys.stdin.isatty() else sys.stdin.read()
+    piped = "" if sys.stdin.isatty() else read_stdin()
     parts = [p for p in (piped.strip("\n"), " ".join(words)) if p.strip()]
     if not parts:
         raise fail("no prompt: pass it as arguments or pipe it on stdin (e.g. echo hi | localllm run)", 2)
     prompt = "\n\n".join(parts)
     params = sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [])
-    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, parallel=1)
-    engine = open_engine(model, quant, device, config, max_memory)
+    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, device, parallel=1)
+    engine = open_engine(model, quant, device, config, max_gib)
     if raw:
         request = prompt
     else:
@@ -144,13 +224,15 @@ def run(
     _stream_answer(engine, request, params, verbose)
 
 
-def print_plan(model: str | None, quant: str, device: str, ctx: int | None, max_memory: float | None) -> None:
-    """`--dry-run`: the planner's choice and why; exit 1 when the model does not fit."""
+def print_plan(model: str | None, quant: str, device: str, ctx: int | None, max_memory: float | None,
+               kv_memory: int | None = None) -> None:
+    """`--dry-run`: the planner's choice and why (with the KV cache --kv-memory asks for); exit 1
+    when the model does not fit."""
     from .model.loader import ModelLoadError
     from .planner import PlanError, plan_for
 
     try:
-        plan = plan_for(model, quant, max_memory, ctx, device)
+        plan = plan_for(model, quant, max_memory, ctx, device, kv_memory)
     except (PlanError, ModelLoadError, FileNotFoundError) as e:
         raise fail(str(e)) from None
     except ValueError as e:
@@ -175,13 +257,15 @@ def _stream_answer(engine, request, params, verbose: bool) -> None:
                 out.write(o.delta)
                 out.flush()
             last = o
+        out.write("\n")
+        out.flush()
     except (ContextLengthError, ChatTemplateError) as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:
         out.write("\n")
         raise typer.Exit(130) from None
-    out.write("\n")
-    out.flush()
+    except BrokenPipeError:  # `localllm run ... | head -c 20`: the reader is gone
+        raise _broken_pipe() from None
     if verbose and last is not None:
         end = time.perf_counter()
         n = len(last.token_ids)
@@ -195,6 +279,45 @@ def _stream_answer(engine, request, params, verbose: bool) -> None:
             typer.echo(f"speculative: {spec['accepted']}/{spec['proposed']} proposals accepted "
                        f"({spec['acceptance_rate']:.0%}), {spec['mean_accepted_length']:.2f} tokens per verify step",
                        err=True)
+
+
+def _broken_pipe() -> typer.Exit:
+    """Stdout's reader went away: exit quietly with 141 (128 + SIGPIPE), as `yes | head` does.
+    Stdout now points at /dev/null so that flushing it at exit cannot fail a second time."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return typer.Exit(141)
+
+
+def check_api_key(key: str | None) -> None:
+    """An empty key would turn authentication off and a key with spaces around it could never be
+    sent (HTTP strips them from header values): both are refused, as is anything but printable
+    ASCII (a header carries nothing else reliably)."""
+    if key is None:
+        return
+    if not key:
+        raise fail("--api-key is empty: pass a key, or leave the option out to run without authentication", 2)
+    if key != key.strip():
+        raise fail("--api-key has leading or trailing whitespace, which clients cannot send; remove it", 2)
+    if not all(33 <= ord(c) <= 126 or c == " " for c in key):
+        raise fail("--api-key must be printable ASCII (letters, digits, punctuation)", 2)
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """A loud warning when the server listens beyond loopback without a key."""
+    import ipaddress
+
+    if api_key:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (f"WARNING: listening on {host} without an API key: anyone who can reach this machine can use the "
+            "model. Pass --api-key KEY (or set LOCALLLM_API_KEY), or listen on 127.0.0.1.")
 
 
 # ---- serve ----------------------------------------------------------------------------------------
@@ -223,7 +346,10 @@ def serve(
     draft: DraftOpt = None,
     spec_tokens: SpecTokensOpt = 4,
     enforce_eager: EagerOpt = False,
-    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "warning",
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level: "
+                                                               + "|".join(LOG_LEVELS))] = "warning",
+    max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body in MiB; larger ones "
+                                                                     "get a 413.")] = 8.0,
 ):
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
     from .registry import resolve_model
@@ -232,6 +358,11 @@ def serve(
         raise fail(f"--port must be in 1..65535, got {port}", 2)
     if max_queue < 0 or max_num_seqs < 1 or parallel < 1:
         raise fail("--max-queue must be >= 0, --max-num-seqs and --parallel >= 1", 2)
+    if log_level.lower() not in LOG_LEVELS:
+        raise fail(f"invalid value for --log-level: {log_level!r} is not one of {', '.join(LOG_LEVELS)}", 2)
+    if not (math.isfinite(max_body_mb) and max_body_mb > 0):
+        raise fail(f"invalid value for --max-body-mb: must be a positive number of MiB, got {max_body_mb}", 2)
+    check_api_key(api_key)
     try:  # name mistakes fail now, not after the server started
         ref = resolve_model(model)
     except ValueError as e:
@@ -246,7 +377,7 @@ def serve(
         from pathlib import Path
 
         aliases += [Path(ref.name).name, Path(ref.name).stem]
-    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager,
+    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, device,
                            max_num_seqs=max_num_seqs, parallel=parallel)
 
     def load():
@@ -257,10 +388,14 @@ def serve(
         finally:
             _startup_done()
 
-    cfg = ServerConfig(model_id, aliases, api_key, list(cors_origin or []), max_queue, max_num_seqs)
+    cfg = ServerConfig(model_id, aliases, api_key, list(cors_origin or []), max_queue, max_num_seqs,
+                       int(max_body_mb * (1 << 20)))
     typer.echo(f"localllm serve: {model_id} on http://{host}:{port}/v1 (loading the model; /health is 503 "
                f"until it is ready){' - API key required' if api_key else ''}", err=True)
-    code = run_server(create_app(cfg, load), host, port, log_level)
+    warning = exposure_warning(host, api_key)
+    if warning:
+        typer.echo(warning, err=True)
+    code = run_server(create_app(cfg, load), host, port, log_level.lower())
     raise typer.Exit(code)
 
 
@@ -369,7 +504,7 @@ def chat(
     from .repl import ChatSession, history_path, run_pipe, run_repl
 
     sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, parallel=1)
+    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, device, parallel=1)
     engine = open_engine(model, quant, device, config)
     name = engine.loaded.extra.get("name", model or "")
     interactive = sys.stdin.isatty()
@@ -382,13 +517,16 @@ def chat(
                           top_p=top_p, top_k=top_k, seed=seed)
     try:
         if not interactive:
-            code = run_pipe(session, sys.stdin)
+            # bytes: a line that is not UTF-8 costs that line only
+            code = run_pipe(session, getattr(sys.stdin, "buffer", sys.stdin))
         else:
             banner = (f"localllm chat: {name} ({engine.loaded.precision}, context {engine.max_model_len}). "
                       '/? for help, """ for multi-line input, Ctrl+D or /bye to exit.')
             code = run_repl(session, history=history_path() if history else None, banner=banner)
     except KeyboardInterrupt:
         code = 130
+    except BrokenPipeError:
+        raise _broken_pipe() from None
     raise typer.Exit(code)
 
 
@@ -489,6 +627,13 @@ def _startup_done() -> None:
 
 
 def main() -> None:
+    for i, arg in enumerate(sys.argv[1:], 1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError as e:  # Python decodes argv with surrogateescape: raw bytes show up here
+            typer.echo(f"Error: argument {i} is not UTF-8 text (byte 0x{ord(arg[e.start]) & 0xff:02x}): "
+                       f"{arg.encode('utf-8', 'backslashreplace').decode()}", err=True)
+            sys.exit(2)
     if len(sys.argv) > 1 and sys.argv[1] in _LOADING_COMMANDS:
         gc.disable()
     app()

@@ -136,12 +136,16 @@ class ChatSession:
 
     # ---- generation -----------------------------------------------------------------------
     def params(self):
+        """The settings as SamplingParams; SamplingError when one is out of range (checked like the
+        CLI flags, so that /set refuses what would fail at the next message)."""
+        from .llm import check_seed, generator_seed
         from .sampling import SamplingParams
 
         s = self.settings
+        check_seed(s["seed"])
         return SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
                               top_k=s["top_k"], min_p=s["min_p"], repetition_penalty=s["repeat_penalty"],
-                              seed=s["seed"])
+                              seed=generator_seed(s["seed"]))
 
     def conversation(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
@@ -173,6 +177,10 @@ class ChatSession:
         except (ContextLengthError, ChatTemplateError) as e:
             self.messages.pop()
             self.note(f"Error: {e}. Use /undo or /clear to make room.\n")
+            return None
+        except Exception as e:  # noqa: BLE001 - a bad message costs that message, never the session
+            self.messages.pop()
+            self.note(f"Error: {type(e).__name__}: {e}; the message was not kept\n")
             return None
         finally:
             gen.close()  # aborts the request (frees its KV blocks) if it did not finish
@@ -346,9 +354,17 @@ def _stdout(s: str) -> None:
 
 # ---- the two loops ----------------------------------------------------------------------------
 def run_pipe(session: ChatSession, lines) -> int:
-    """Non-interactive: one input line at a time (\"\"\" blocks work), replies on stdout."""
-    for raw in lines:
-        text = session.feed(raw.rstrip("\n"))
+    """Non-interactive: one input line at a time (\"\"\" blocks work), replies on stdout. Lines may
+    be bytes (stdin's buffer): one that is not UTF-8 is reported and skipped, the session goes on."""
+    for number, raw in enumerate(lines, 1):
+        if isinstance(raw, bytes):
+            try:
+                raw = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                session.note(f"Error: input line {number} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                             f"{e.start}); skipped\n")
+                continue
+        text = session.feed(raw.rstrip("\r\n") if raw.endswith("\r\n") else raw.rstrip("\n"))
         if text is not None and not session.handle(text):
             return 0
     if session.in_block:

@@ -267,3 +267,37 @@ def test_chat_cli_from_a_pipe(tmp_path):
     stats = [line for line in r.stdout.splitlines() if line.startswith("prompt tokens:")]
     assert len(stats) == 1 and "(0 from prefix cache)" not in stats[0]  # turn 2 hit the cache
     assert "Unknown command '/foo'" in r.stderr and "\x1b" not in r.stdout
+
+
+def test_set_refuses_what_the_next_message_would_fail_on(session):
+    """`/set seed 10**30` was echoed, then the next message killed the REPL (issue #19)."""
+    session.handle(f"/set seed {10 ** 30}")
+    session.handle("/set temperature inf")
+    notes = text(session.notes)
+    assert "invalid value for seed: seed: must be in -2^63..2^64-1" in notes and "invalid value for temperature" in notes
+    assert session.settings["seed"] is None and session.settings["temperature"] == 0.0
+    session.handle(f"/set seed {2 ** 63}")  # in range: kept, and the next message works
+    assert session.settings["seed"] == 2 ** 63
+    session.handle("Hi")
+    assert session.last.completion_tokens > 0 and [m["role"] for m in session.messages] == ["user", "assistant"]
+
+
+def test_a_failing_message_costs_that_message_only(session, monkeypatch):
+    real = session.engine.generate
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+        yield
+    monkeypatch.setattr(session.engine, "generate", broken)
+    assert session.handle("first") is True
+    assert "Error: RuntimeError: boom; the message was not kept" in text(session.notes) and session.messages == []
+    monkeypatch.setattr(session.engine, "generate", real)
+    session.handle("second")
+    assert [m["content"] for m in session.messages][:1] == ["second"]
+
+
+def test_pipe_mode_skips_a_line_that_is_not_utf8(session):
+    code = run_pipe(session, iter([b"/set top_k 3\n", b"caf\xe9\n", b"/set top_k 4\r\n", b"/bye\n"]))
+    assert code == 0
+    assert "input line 2 is not UTF-8 text (byte 0xe9 at offset 3); skipped" in text(session.notes)
+    assert session.settings["top_k"] == 4 and session.messages == []
