@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from localllm_kernels import cpu_sampler
 
 from .model.layers import top_indices
 
@@ -120,14 +121,18 @@ def nucleus(logits: torch.Tensor, params: SamplingParams, span: float = 8.0) -> 
             probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
             probs = probs / probs.sum()
         return None, probs
-    m = x.max()
     if top_k:  # only the top-k can be drawn: they are the candidates and the normaliser
+        m = x.max()
         tiers = [lambda: top_indices(x[None], top_k)[0]]
     else:
-        tiers = [lambda: (x >= m - span * params.temperature).nonzero()[:, 0],
+        if x.device.type == "cpu" and cpu_sampler.load():  # one thread, ~20 us (sampler.cpp)
+            near, (m, z) = torch.ops.localllm.softmax_top(x, inv_t, span)
+        else:
+            m = x.max()
+            near, z = (x >= m - span * params.temperature).nonzero()[:, 0], torch.exp((x - m) * inv_t).sum()
+        tiers = [lambda: near,
                  lambda: torch.from_numpy(np.argpartition(-x.numpy(), 4096)[:4096]),  # 0.1 ms
                  lambda: torch.from_numpy(np.argsort(-x.numpy()))]  # numpy's introsort: 0.7 ms
-        z = torch.exp((x - m) * inv_t).sum()
     for i, tier in enumerate(tiers):
         idx = tier()
         if idx.shape[-1] > 4096 and i == 0:

@@ -2,8 +2,19 @@
 
 import pytest
 import torch
+from localllm_kernels import cpu_sampler
 
 from localllm.sampling import SamplingParams, draw, filter_probs, nucleus, sample_row
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernel(request, monkeypatch):
+    """Each test twice: with sampler.cpp's pass over the row, and with the torch ops it replaces."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_sampler, "load", lambda: False)
+    else:
+        assert cpu_sampler.load(), "the sampler kernel must build here"
+    return request.param
 
 
 def top_p_by_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -28,7 +39,7 @@ def reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 8.0])  # peaked .. nearly flat (past 256 candidates)
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
-def test_top_p_equals_full_sort(temperature, top_p):
+def test_top_p_equals_full_sort(temperature, top_p, kernel):
     g = torch.Generator().manual_seed(int(temperature * 10) + int(top_p * 1000))
     logits = torch.randn(5000, generator=g) * 4
     params = SamplingParams(temperature=temperature, top_p=top_p)
@@ -40,7 +51,7 @@ def test_top_p_equals_full_sort(temperature, top_p):
     torch.testing.assert_close(filter_probs(logits, params), ref, rtol=1e-5, atol=1e-7)
 
 
-def test_top_p_small_vocabulary_and_boundary():
+def test_top_p_small_vocabulary_and_boundary(kernel):
     logits = torch.tensor([0.0, float("-inf"), 0.0])  # probabilities 0.5, 0, 0.5: exact in binary
     idx, probs = nucleus(logits, SamplingParams(temperature=1.0, top_p=0.5))  # mass before the 2nd: 0.5
     assert sorted(idx.tolist()) == [0, 2] and probs.tolist() == [0.5, 0.5]
@@ -49,7 +60,7 @@ def test_top_p_small_vocabulary_and_boundary():
 
 @pytest.mark.parametrize("kw", [dict(top_k=100, top_p=0.8, min_p=0.02), dict(top_k=7), dict(min_p=0.1),
                                 dict(top_k=1000, top_p=0.99), dict(top_p=0.3, min_p=0.5), dict()])
-def test_filter_combinations_match_plain_torch(kw):
+def test_filter_combinations_match_plain_torch(kw, kernel):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(3000, generator=g) * 3
     params = SamplingParams(temperature=0.7, **kw)
@@ -57,7 +68,7 @@ def test_filter_combinations_match_plain_torch(kw):
     torch.testing.assert_close(filter_probs(logits, params), ref, rtol=1e-5, atol=1e-7)
 
 
-def test_masked_logits_are_never_drawn():
+def test_masked_logits_are_never_drawn(kernel):
     logits = torch.randn(2000, generator=torch.Generator().manual_seed(2))
     logits[logits.argmax()] = float("-inf")  # min_tokens masks end-of-sequence ids this way
     for kw in (dict(top_p=0.95), dict(), dict(top_k=5)):
@@ -76,6 +87,21 @@ def test_sample_row_follows_the_nucleus():
         hist[sample_row(logits, params, g)] += 1
     assert hist[ref == 0].sum() == 0
     assert (hist / n - ref).abs().max() < 0.015
+
+
+@pytest.mark.parametrize("V", [1, 15, 16, 17, 49152 + 7])
+def test_softmax_top_kernel_against_torch(V):
+    assert cpu_sampler.load()
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(V, generator=g) * 5
+    if V > 2:
+        x[1] = float("-inf")
+    inv_t, span = 1 / 0.7, 8.0
+    idx, stats = torch.ops.localllm.softmax_top(x, inv_t, span)
+    m = x.max()
+    assert stats[0] == m
+    torch.testing.assert_close(stats[1], torch.exp((x.double() - m) * inv_t).sum().float(), rtol=1e-6, atol=0)
+    assert idx.tolist() == (x >= m - span / inv_t).nonzero()[:, 0].tolist()
 
 
 def test_draw_follows_the_distribution_and_never_picks_zeros():
