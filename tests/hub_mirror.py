@@ -9,7 +9,9 @@ and the error headers huggingface_hub maps to exceptions: `X-Error-Code: RepoNot
 `GatedRepo` (401 without a token that has access), `RevisionNotFound`, `EntryNotFound`.
 
 Faults for resume tests: `drop_after[file] = n` sends n bytes of the first GET of that file and then
-closes the connection; `stall_after[file] = n` sends n bytes and then hangs until `release` is set.
+closes the connection; `stall_after[file] = n` makes every GET of that file (a client's Range
+retries too) stop at byte n and hang until `release` is set, however long that takes: a test can
+take its time to interrupt the download, which cannot finish or time out meanwhile.
 Every request is recorded in `requests` as (method, path, headers).
 """
 
@@ -208,10 +210,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _stream(self, f: MirrorFile, filename: str, start: int) -> None:
         mirror = self.mirror
-        with mirror._lock:  # faults fire once, on the first full GET of a file
+        with mirror._lock:  # a drop fires once, on the first full GET of a file; a stall until released
             drop = mirror.drop_after.pop(filename, None) if start == 0 else None
-            stall = mirror.stall_after.pop(filename, None) if start == 0 else None
-        limit = drop if drop is not None else stall
+            stall = None if mirror.release.is_set() else mirror.stall_after.get(filename)
+        limit = drop if drop is not None else None if stall is None else max(stall - start, 0)
         with open(f.path, "rb") as fh:
             fh.seek(start)
             sent = 0
@@ -227,7 +229,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(2)  # the client sees a truncated body
         elif stall is not None:
             mirror.stalled.set()
-            mirror.release.wait(60)
+            mirror.release.wait()  # the test sets it (its fixtures too, at the end): never on a timer
             self.close_connection = True
 
     def do_GET(self) -> None:  # noqa: N802

@@ -118,23 +118,30 @@ def test_pull_resumes_after_dropped_connection(mirror, env):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
 def test_pull_resumes_after_interrupted_process(mirror, env, sig):
+    """The mirror holds the download at `cut` until the signal has been sent and the process has
+    exited, and the client never times out on its own, so the signal always lands mid-download
+    however slow the machine is (it once finished first on a loaded CI machine)."""
     cut = 2 * 10 * 1024 * 1024  # huggingface_hub writes 10 MiB chunks: stall right after the second
     mirror.stall_after["model.safetensors"] = cut
+    env = {**env, "HF_HUB_DOWNLOAD_TIMEOUT": "3600"}  # huggingface_hub's read timeout: no retry meanwhile
     p = subprocess.Popen([sys.executable, "-m", "localllm.cli", "pull", "test-org/tiny"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    blobs = Path(env["HF_HOME"]) / "hub" / "models--test-org--tiny" / "blobs"
     try:
-        assert mirror.stalled.wait(60), "the download never started"
-        blobs = Path(env["HF_HOME"]) / "hub" / "models--test-org--tiny" / "blobs"
-        deadline = time.time() + 30
-        while time.time() < deadline:  # wait until the client has written what it received
+        assert mirror.stalled.wait(300), "the download never started"
+        deadline = time.monotonic() + 300  # a bound against a hang, not a timing: the mirror sends no more
+        while True:  # until the client has written what it received
             parts = list(blobs.glob("*.incomplete"))
             if parts and parts[0].stat().st_size >= cut:
                 break
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "the client never wrote what it received"
             time.sleep(0.05)
         p.send_signal(sig)
-        _, err = p.communicate(timeout=30)
+        _, err = p.communicate(timeout=300)
     finally:
         p.kill()
+        p.wait()
         mirror.release.set()
     if sig == signal.SIGINT:
         assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
