@@ -131,12 +131,14 @@ def open_engine(model: str | None, quant: str, device: str, config, max_memory: 
 
 
 def sampling_params(**kw):
-    from .llm import check_seed, generator_seed
+    from .llm import check_seed, generator_seed, safe_sampling
     from .sampling import SamplingError, SamplingParams
 
     try:
         check_seed(kw.get("seed"))
-        return SamplingParams(**{**kw, "seed": generator_seed(kw.get("seed"))})
+        temperature, penalty = safe_sampling(kw.get("temperature", 0.7), kw.get("repetition_penalty", 1.0))
+        return SamplingParams(**{**kw, "seed": generator_seed(kw.get("seed")), "temperature": temperature,
+                                 "repetition_penalty": penalty})
     except SamplingError as e:
         raise fail(f"invalid value for --{e.param.replace('_', '-')}: {e}", 2) from None
 
@@ -548,6 +550,8 @@ def bench(
 
     if runs < 1:
         raise fail("invalid value for --runs: must be >= 1", 2)
+    if threads is not None and threads < 1:
+        raise fail(f"invalid value for --threads: must be >= 1 (leave it out for all cores), got {threads}", 2)
     cfg = BenchConfig.quick() if quick else BenchConfig(runs=runs)
     if threads:
         import torch

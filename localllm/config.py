@@ -116,3 +116,10 @@ class EngineConfig:
     compile: bool = True
     max_graph_batch: int = 256  # largest decode batch captured (capped by max_num_seqs)
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        # 0 used to mean "default" by falling through `if x:` tests; None is the only default
+        for name in ("max_model_len", "kv_memory_bytes", "num_threads", "num_kv_blocks"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"EngineConfig.{name} must be a positive integer or None, got {v!r}")

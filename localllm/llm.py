@@ -23,6 +23,23 @@ def check_seed(seed) -> None:
         raise SamplingError("seed", f"must be in -2^63..2^64-1, got {seed}")
 
 
+MIN_TEMPERATURE = 0.01  # as vLLM: a positive temperature below it is raised to it
+MIN_REPETITION_PENALTY = 0.01
+
+
+def safe_sampling(temperature, repetition_penalty):
+    """(temperature, repetition_penalty) the sampler can divide logits by: a positive temperature
+    below 0.01 is raised to 0.01 (vLLM does the same; 1e-199 overflowed the logits to inf, the
+    probabilities to NaN, and the failed step ended every request in the batch) and a repetition
+    penalty below 0.01 is refused (SamplingError)."""
+    if isinstance(temperature, float) and 0 < temperature < MIN_TEMPERATURE:
+        temperature = MIN_TEMPERATURE
+    if isinstance(repetition_penalty, (int, float)) and not isinstance(repetition_penalty, bool) \
+            and 0 < repetition_penalty < MIN_REPETITION_PENALTY:
+        raise SamplingError("repetition_penalty", f"must be >= {MIN_REPETITION_PENALTY}, got {repetition_penalty}")
+    return temperature, repetition_penalty
+
+
 def generator_seed(seed: int | None) -> int | None:
     """The seed handed to the engine. torch's CPU generator keeps only the low 32 bits of its seed
     (0, 2^32 and 2^63 draw the same numbers), so a seed outside 0..2^32-1 is hashed from its full

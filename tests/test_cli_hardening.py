@@ -34,6 +34,7 @@ def assert_one_line_error(r: subprocess.CompletedProcess, code: int, *needles: s
     (["run", "--threads", "-1", "hi"], "--threads"),
     (["run", "--threads", "0", "hi"], "--threads"),
     (["run", "--ctx", "0", "hi"], "--ctx"),
+    (["bench", "--threads", "0"], "--threads"),
     (["run", "--kv-memory", "nan", "hi"], "--kv-memory"),
     (["run", "--kv-memory", "inf", "hi"], "--kv-memory"),
     (["run", "--kv-memory", "0", "hi"], "--kv-memory"),
@@ -137,3 +138,13 @@ def test_serve_beyond_loopback_without_a_key_warns():
     err = r.stderr.decode()
     assert r.returncode != 0, err  # uvicorn's startup failure (3)
     assert "WARNING: listening on 192.0.2.1 without an API key" in err and "Traceback" not in err
+
+
+def test_engine_config_refuses_zero_instead_of_reading_it_as_default():
+    from localllm.config import EngineConfig
+
+    for name in ("max_model_len", "kv_memory_bytes", "num_threads", "num_kv_blocks"):
+        for bad in (0, -1, 1.5, True):
+            with pytest.raises(ValueError, match=f"EngineConfig.{name} must be a positive integer"):
+                EngineConfig(**{name: bad})
+        assert getattr(EngineConfig(**{name: 3}), name) == 3

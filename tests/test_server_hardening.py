@@ -319,3 +319,14 @@ def test_fuzzed_requests_never_5xx_or_hang(server, path):
     assert statuses.count(200) >= 20 and statuses.count(400) >= 20, Counter(statuses)  # both paths taken
     assert wait_for(lambda: idle(server)), server.metrics()
     assert server.metrics().get('localllm_request_errors_total{code="500"}', 0) == 0
+
+
+def test_tiny_temperature_and_repetition_penalty_cannot_poison_the_batch(server):
+    """Found by the fuzz: temperature 3.8e-199 overflowed the logits, and the failed engine step
+    ended every request in the batch with a 500. Raised to 0.01 as vLLM does; a repetition
+    penalty that small is refused."""
+    r = post(server, "/v1/chat/completions", chat_body("0", temperature=3.7903854301626863e-199, top_p=0.5))
+    assert r.status_code == 200, r.text
+    for penalty in (1e-300, 0.001):
+        assert_error(post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 1.0,
+                                                      "repetition_penalty": penalty}), 400, param="repetition_penalty")
