@@ -236,3 +236,22 @@ def test_unknown_architecture_is_one_clear_line(tmp_path, family):
     (tmp_path / "bad.gguf").write_bytes(raw)
     with pytest.raises(ModelLoadError, match=r"architecture 'fooba' is not supported \(supported: llama, qwen2, qwen3"):
         load_model(tmp_path / "bad.gguf")
+
+
+def test_bench_generator_writes_qwen3_shapes(tmp_path, fp32_model):
+    """bench/make_gguf.py's Qwen3 shapes (for side-by-side runs at real sizes): arch qwen3 with
+    q/k norms, an explicit head_dim and the vocabulary padded with unused tokens, which our loader
+    reads with the tokenizer unchanged."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).parent.parent / "bench" / "make_gguf.py")
+    make_gguf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_gguf)
+    loaded = load_model(make_gguf.write("tiny-qwen3", str(tmp_path / "q.gguf")), "auto")
+    cfg = loaded.config
+    assert (cfg.architecture, cfg.qk_norm, cfg.head_dim, cfg.vocab_size) == ("Qwen3ForCausalLM", True, 32, 50000)
+    assert loaded.model.embed.shape == (50000, 64) and loaded.precision.startswith("int4")
+    text = "Hello, world! <|im_start|>user"
+    assert loaded.tokenizer.encode(text) == fp32_model.tokenizer.encode(text)
+    *_, out = make_engine(loaded).generate(text, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out.token_ids) == 4 and max(out.token_ids) < 50000
