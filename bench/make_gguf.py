@@ -2,11 +2,15 @@
 
     python bench/make_gguf.py llama-1b  [--out DIR]      # Llama-3.2-1B shape (16 x 2048, GQA 32/8)
     python bench/make_gguf.py smollm2-1.7b [--out DIR]   # SmolLM2-1.7B shape (24 x 2048, 32 KV heads)
+    python bench/make_gguf.py qwen3-1.7b [--out DIR]     # Qwen3-1.7B shape (arch qwen3: q/k norms,
+                                                         # head_dim 128, a 151,936-token vocabulary)
 
 The metadata (tokenizer, chat template, special tokens) is copied from SmolLM2-135M's GGUF, the
 shape keys are replaced, and every tensor gets the type it has there (Q4_1 matrices, Q8_0
 embeddings, F32 norms), so llama.cpp and localllm read the same file the way they read a real
 one. Weights are N(0, 0.02) and norms 1: the numbers are meaningless, the bytes per token are not.
+Qwen3 shapes keep the tokenizer but pad its vocabulary with unused tokens to Qwen3's 151,936, so
+the embedding and head weigh what they do in the real model.
 Used by bench/compare.py (--model) for the side-by-side tables at real sizes.
 """
 
@@ -26,12 +30,21 @@ SHAPES = {
                          head_count_kv=32, rope_freq_base=130000.0, context_length=8192),
     "smollm2-135m": dict(block_count=30, embedding_length=576, feed_forward_length=1536, head_count=9,
                          head_count_kv=3, rope_freq_base=100000.0, context_length=8192),
+    # Qwen3: arch qwen3 (per-head q/k RMSNorm), head_dim 128 != hidden / heads, Qwen3's vocabulary size
+    "qwen3-0.6b": dict(block_count=28, embedding_length=1024, feed_forward_length=3072, head_count=16,
+                       head_count_kv=8, rope_freq_base=1000000.0, context_length=40960,
+                       arch="qwen3", head_dim=128, vocab=151936),
+    "qwen3-1.7b": dict(block_count=28, embedding_length=2048, feed_forward_length=6144, head_count=16,
+                       head_count_kv=8, rope_freq_base=1000000.0, context_length=40960,
+                       arch="qwen3", head_dim=128, vocab=151936),
     # the tests' model (tests/conftest.py): 2 layers, weights scaled up so logits are peaked
     # (greedy ties would make token-exact comparisons flaky)
     "tiny": dict(block_count=2, embedding_length=64, feed_forward_length=128, head_count=4, head_count_kv=2,
                  rope_freq_base=10000.0, context_length=1024),
+    "tiny-qwen3": dict(block_count=2, embedding_length=64, feed_forward_length=128, head_count=4, head_count_kv=2,
+                       rope_freq_base=1000000.0, context_length=1024, arch="qwen3", head_dim=32, vocab=50000),
 }
-PEAKED = {"tiny"}
+PEAKED = {"tiny", "tiny-qwen3"}
 
 
 def source_gguf() -> str:
@@ -43,15 +56,17 @@ def source_gguf() -> str:
 def tensor_shapes(s: dict, vocab: int) -> dict[str, tuple[int, ...]]:
     """GGUF tensor name -> numpy shape (rows, cols) as the writer takes it (ne reversed)."""
     h, f = s["embedding_length"], s["feed_forward_length"]
-    hd = h // s["head_count"]
-    kv = s["head_count_kv"] * hd
+    hd = s.get("head_dim", h // s["head_count"])
+    q, kv = s["head_count"] * hd, s["head_count_kv"] * hd
     out = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,)}
     for i in range(s["block_count"]):
         out.update({f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.ffn_norm.weight": (h,),
-                    f"blk.{i}.attn_q.weight": (h, h), f"blk.{i}.attn_k.weight": (kv, h),
-                    f"blk.{i}.attn_v.weight": (kv, h), f"blk.{i}.attn_output.weight": (h, h),
+                    f"blk.{i}.attn_q.weight": (q, h), f"blk.{i}.attn_k.weight": (kv, h),
+                    f"blk.{i}.attn_v.weight": (kv, h), f"blk.{i}.attn_output.weight": (h, q),
                     f"blk.{i}.ffn_gate.weight": (f, h), f"blk.{i}.ffn_up.weight": (f, h),
                     f"blk.{i}.ffn_down.weight": (h, f)})
+        if s.get("arch") == "qwen3":
+            out.update({f"blk.{i}.attn_q_norm.weight": (hd,), f"blk.{i}.attn_k_norm.weight": (hd,)})
     return out
 
 
@@ -59,31 +74,48 @@ def write(shape: str, out_path: str, seed: int = 0) -> str:
     import gguf
 
     src = gguf.GGUFReader(source_gguf())
-    s = SHAPES[shape]
-    arch = "llama"
+    s = dict(SHAPES[shape])
+    arch, head_dim, vocab = s.pop("arch", "llama"), s.pop("head_dim", None), s.pop("vocab", None)
     types = {}
     for t in src.tensors:  # the type each role has in the real file
         role = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
         types[role] = t.tensor_type
+    types["attn_q_norm.weight"] = types["attn_k_norm.weight"] = types["attn_norm.weight"]
     tmp = out_path + ".partial"
     w = gguf.GGUFWriter(tmp, arch)
     skip = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture"}
-    overrides = {f"{arch}.{k.replace('head_count', 'attention.head_count').replace('rope_freq_base', 'rope.freq_base')}": v
-                 for k, v in s.items()}
-    overrides[f"{arch}.rope.dimension_count"] = s["embedding_length"] // s["head_count"]
-    overrides["general.name"] = f"random {shape}"
-    overrides["general.size_label"] = shape
+    shape_keys = {f"{arch}.{k.replace('head_count', 'attention.head_count').replace('rope_freq_base', 'rope.freq_base')}": v
+                  for k, v in s.items()}
+    shape_keys[f"{arch}.rope.dimension_count"] = head_dim or s["embedding_length"] // s["head_count"]
+    if head_dim:
+        shape_keys[f"{arch}.attention.key_length"] = shape_keys[f"{arch}.attention.value_length"] = head_dim
+    tokens = src.fields["tokenizer.ggml.tokens"].contents()
+    pad = max(0, (vocab or len(tokens)) - len(tokens))
+    shape_keys[f"{arch}.vocab_size"] = len(tokens) + pad
+    shape_keys[f"{arch}.attention.layer_norm_rms_epsilon"] = float(
+        src.fields["llama.attention.layer_norm_rms_epsilon"].contents())
+    extend = {"tokenizer.ggml.tokens": [f"<|unused_{i}|>" for i in range(pad)],
+              "tokenizer.ggml.token_type": [gguf.TokenType.UNUSED] * pad,
+              "tokenizer.ggml.scores": [0.0] * pad}
+    overrides = {"general.name": f"random {shape}", "general.size_label": shape}
     for key, field in src.fields.items():
         if key in skip:
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        if key.startswith("llama."):  # the source's shape keys: ours replace them, under our arch
+            continue
         val = overrides.pop(key, None)
-        w.add_key_value(key, field.contents() if val is None else val, vtype, sub)
+        val = field.contents() if val is None else val
+        if key in extend:
+            val = list(val) + extend[key]
+        w.add_key_value(key, val, vtype, sub)
+    for key, val in shape_keys.items():
+        w.add_key_value(key, val, gguf.GGUFValueType.FLOAT32 if isinstance(val, float) else gguf.GGUFValueType.UINT32)
     assert not overrides, f"keys missing from the source file: {overrides}"
-    vocab = len(src.fields["tokenizer.ggml.tokens"].contents())
+    vocab = len(tokens) + pad
     rng = np.random.default_rng(seed)
-    for name, shp in tensor_shapes(s, vocab).items():
+    for name, shp in tensor_shapes(SHAPES[shape], vocab).items():
         role = name.split(".", 2)[-1] if name.startswith("blk.") else name
         qtype = types[role]
         if len(shp) == 1:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM)."""
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM)."""
 
     vocab_size: int
     hidden_size: int
@@ -22,13 +22,14 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     architecture: str = "LlamaForCausalLM"
     model_type: str = "llama"
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+        supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
         if arch not in supported:
             raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(supported))})")
         heads = cfg["num_attention_heads"]
@@ -50,6 +51,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             architecture=arch,
             model_type=cfg.get("model_type", "llama"),
         )

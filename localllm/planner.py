@@ -46,6 +46,10 @@ KNOWN_SHAPES = {
     "meta-llama/llama-3.2-3b-instruct": (28, 3072, 8192, 24, 8, 128, 128256, True),
     "meta-llama/llama-3.1-8b-instruct": (32, 4096, 14336, 32, 8, 128, 128256, False),
     "mistralai/mistral-7b-instruct-v0.3": (32, 4096, 14336, 32, 8, 128, 32768, False),
+    "qwen/qwen3-0.6b": (28, 1024, 3072, 16, 8, 128, 151936, True),
+    "qwen/qwen3-1.7b": (28, 2048, 6144, 16, 8, 128, 151936, True),
+    "qwen/qwen3-4b": (36, 2560, 9728, 32, 8, 128, 151936, True),
+    "qwen/qwen3-8b": (36, 4096, 12288, 32, 8, 128, 151936, False),
 }
 
 

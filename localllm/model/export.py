@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from .loader import open_weights
 
 
-def hf_tensor_names(num_layers: int, tied: bool, qkv_bias: bool) -> list[str]:
+def hf_tensor_names(num_layers: int, tied: bool, qkv_bias: bool, qk_norm: bool = False) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
     for i in range(num_layers):
         p = f"model.layers.{i}."
@@ -22,6 +22,8 @@ def hf_tensor_names(num_layers: int, tied: bool, qkv_bias: bool) -> list[str]:
         names += [p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
         if qkv_bias:
             names += [p + f"self_attn.{m}_proj.bias" for m in "qkv"]
+        if qk_norm:
+            names += [p + f"self_attn.{m}_norm.weight" for m in "qk"]
     return names
 
 
@@ -35,7 +37,7 @@ def export_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {n: w.dense(n).to(dtype).contiguous()
-               for n in hf_tensor_names(cfg.num_layers, cfg.tie_word_embeddings, cfg.qkv_bias)}
+               for n in hf_tensor_names(cfg.num_layers, cfg.tie_word_embeddings, cfg.qkv_bias, cfg.qk_norm)}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     tok = w.tokenizer()
     hf = cfg.to_hf()

@@ -1,4 +1,5 @@
-"""One config-driven Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias), SmolLM (tied head).
+"""One config-driven Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms),
+SmolLM (tied head).
 
 There is one layer loop (`LlamaModel.forward` over `DecoderLayer.forward`). What differs between
 CPU and GPU is chosen per op once at load (`Ops`): the attention backend and, on the Triton
@@ -77,10 +78,12 @@ class Ops:
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, qkv: nn.Module, o: nn.Module, gate_up: nn.Module, down: nn.Module,
-                 input_norm: RMSNorm, post_norm: RMSNorm):
+                 input_norm: RMSNorm, post_norm: RMSNorm, q_norm: RMSNorm | None = None,
+                 k_norm: RMSNorm | None = None):
         super().__init__()
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         self.input_norm, self.post_norm = input_norm, post_norm
+        self.q_norm, self.k_norm = q_norm, k_norm  # per head, before RoPE (Qwen3)
         self.H, self.KVH, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.split = [self.H * self.D, self.KVH * self.D, self.KVH * self.D]
 
@@ -90,7 +93,10 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         h, residual = ops.add_norm(x, residual, self.input_norm)
         q, k, v = self.qkv(h).split(self.split, dim=-1)
-        q, k = ops.rope(positions, q.view(T, self.H, self.D), k.view(T, self.KVH, self.D), rope)
+        q, k = q.view(T, self.H, self.D), k.view(T, self.KVH, self.D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = ops.rope(positions, q, k, rope)
         a = ops.attention(q, k, v.view(T, self.KVH, self.D), kv[0], kv[1], meta, scale)
         h, residual = ops.add_norm(self.o(a), residual, self.post_norm)
         return self.down(ops.act(self.gate_up(h))), residual

@@ -33,7 +33,11 @@ _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+# GGUF general.architecture -> the HF architecture it holds
+_GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "mistral": "MistralForCausalLM"}
 
 
 def _qk_row_perm(n_heads: int, head_dim: int) -> torch.Tensor:
@@ -58,8 +62,8 @@ class GGUFWeights:
         self.path = path
         meta = self.file.metadata
         arch = meta.get("general.architecture")
-        if arch not in ("llama", "qwen2", "mistral"):
-            raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (supported: llama, qwen2, mistral)")
+        if arch not in _GGUF_ARCHS:
+            raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (supported: {', '.join(_GGUF_ARCHS)})")
         self.arch = arch
 
         def m(key, default=None):
@@ -79,8 +83,8 @@ class GGUFWeights:
                 max_position_embeddings=int(m("context_length", 4096)),
                 tie_word_embeddings="output.weight" not in self.file.tensors,
                 qkv_bias="blk.0.attn_q.bias" in self.file.tensors,
-                architecture={"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                              "mistral": "MistralForCausalLM"}[arch],
+                qk_norm="blk.0.attn_q_norm.weight" in self.file.tensors,
+                architecture=_GGUF_ARCHS[arch],
                 model_type=arch,
             )
         except (KeyError, TypeError) as e:
@@ -511,6 +515,8 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
                 linear(f"{i}.down", [mlp + "down_proj.weight"]),
                 RMSNorm(weights.dense(p + "input_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
                 RMSNorm(weights.dense(p + "post_attention_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
+                *([RMSNorm(weights.dense(att + f"{n}_norm.weight").to(device, act_dtype), cfg.rms_norm_eps)
+                   for n in "qk"] if cfg.qk_norm else []),
             ))
         # the embedding and head stay exact (fp32 on CPU, or the file's Q8_0 blocks read in place):
         # they are where rounding flips tokens

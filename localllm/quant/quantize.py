@@ -563,6 +563,9 @@ def _write_checkpoint(weights, cfg, model: LlamaModel, qlinears: dict[str, QLine
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = layer.input_norm.weight.half()
         t[p + "post_attention_layernorm.weight"] = layer.post_norm.weight.half()
+        if layer.q_norm is not None:
+            t[p + "self_attn.q_norm.weight"] = layer.q_norm.weight.half()
+            t[p + "self_attn.k_norm.weight"] = layer.k_norm.weight.half()
         if layer.qkv.bias is not None:
             for m, b in _split_rows(layer, "qkv", layer.qkv.bias).items():
                 t[p + _HF[m] + ".bias"] = b.half()

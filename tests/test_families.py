@@ -1,0 +1,257 @@
+"""Model families beyond Llama against transformers (fp32) on the same random weights: a tiny
+checkpoint of each family written by transformers itself, loaded from the HF directory and from a
+GGUF holding the same tensors under llama.cpp's names."""
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_engine
+
+from localllm.model.loader import load_model
+from localllm.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+# the real tokenizer's vocabulary (49152), 2 layers; head_dim 32 != hidden / heads (16) as in
+# Qwen3 (q/o are 128-wide from a 64-wide residual)
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6)
+
+
+def peaked(model: torch.nn.Module, seed: int) -> None:
+    """Random weights scaled so logits are peaked (greedy near-ties would make token-exact
+    comparisons flaky), and norm weights away from 1 so a misplaced norm shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 2 / p.shape[1] ** 0.5)
+
+
+def write_hf(model, out: Path, tokenizer_from) -> Path:
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer_from.save_hf(out)
+    return out
+
+
+# HF tensor name -> llama.cpp's, for the families written here
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool = False) -> Path:
+    """The model's tensors under llama.cpp's names (q/k rows as stored: llama.cpp permutes them for
+    arch 'llama' only), with the embedded model's tokenizer metadata. F32, or with `quantized` the
+    way the default model is stored: Q4_1 matrices, a Q8_0 embedding (read in place), F32 norms."""
+    import gguf
+
+    cfg = model.config
+    src = gguf.GGUFReader(str(tokenizer_gguf))
+    w = gguf.GGUFWriter(str(out), arch)
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer.") or key == "general.name":
+            vtype = field.types[0]
+            w.add_key_value(key, field.contents(), vtype,
+                            field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{i}.{GGUF_NAMES[module]}.{kind}"
+        data = t.float().numpy().astype(np.float32)
+        if quantized and data.ndim == 2:
+            qtype = gguf.GGMLQuantizationType.Q8_0 if gname == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_1
+            q = gguf.quants.quantize(data, qtype)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+FAMILIES = {
+    "qwen3": (lambda tied: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **TINY, rope_theta=1e6, tie_word_embeddings=tied, attention_bias=False)), "qwen3"),
+}
+
+
+@pytest.fixture(scope="module", params=[(f, tied) for f in FAMILIES for tied in (True, False)],
+                ids=lambda p: f"{p[0]}-{'tied' if p[1] else 'untied'}")
+def family(request, tmp_path_factory, fp32_model, gguf_path):
+    """(transformers model, HF directory, F32 GGUF, Q4_1 GGUF) of one tiny family checkpoint."""
+    name, tied = request.param
+    make, arch = FAMILIES[name]
+    torch.manual_seed(0)
+    model = make(tied).eval()
+    peaked(model, seed=1)
+    if tied:
+        model.tie_weights()
+    out = tmp_path_factory.mktemp(name)
+    hf_dir = write_hf(model, out / "hf", fp32_model.tokenizer)
+    gguf_file = write_gguf(model, arch, out / f"{name}.gguf", gguf_path)
+    q4_file = write_gguf(model, arch, out / f"{name}.Q4_1.gguf", gguf_path, quantized=True)
+    return model, hf_dir, gguf_file, q4_file
+
+
+PROMPT = [1, 504, 3458, 282, 5248, 314, 17, 2, 9, 8822, 1137, 30, 42, 99, 1000, 20000]
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_logits_match_transformers(family, source):
+    ref_model, hf_dir, gguf_file, _ = family
+    loaded = load_model(hf_dir if source == "hf" else gguf_file, "float32")
+    eng = make_engine(loaded)
+    ours = eng.score(PROMPT)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([PROMPT])).logits[0].float()
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_greedy_decode_equals_transformers(family):
+    """Prefill then token-by-token decode over the paged cache, against transformers' generate."""
+    ref_model, hf_dir, _, _ = family
+    eng = make_engine(load_model(hf_dir, "float32"))
+    *_, last = eng.generate(list(PROMPT), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    assert last.token_ids == hf_greedy(ref_model, PROMPT, 32)
+
+
+def test_batched_with_prefix_hits_and_chunked_prefill(family):
+    """Three requests in one batch: two share a 32-token prefix (the second one's prefix comes from
+    the cache once the first is in), prompts prefilled in 8-token chunks across KV blocks."""
+    ref_model, hf_dir, _, _ = family
+    eng = make_engine(load_model(hf_dir, "float32"), max_num_batched_tokens=8, block_size=16)
+    shared = PROMPT * 2
+    prompts = [shared + [7, 8, 9], shared + [400, 500], list(reversed(PROMPT))]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    *_, first = eng.generate(prompts[0], params)  # fills the prefix cache
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert eng.cache_stats()["cached_tokens"] >= 2 * 32
+    assert first.token_ids == done[ids[0]].token_ids
+    for rid, p in zip(ids, prompts):
+        assert done[rid].token_ids == hf_greedy(ref_model, p, 32)
+
+
+def test_int4_gguf_follows_its_fp32_weights(family):
+    """A Q4_1 GGUF run in int4 (the file's blocks repacked for our kernel, the Q8_0 embedding and
+    head read in place, 16-bit matmul inputs) against the same file's weights in fp32."""
+    q4_file = family[3]
+    int4 = load_model(q4_file, "auto")
+    assert int4.precision.startswith("int4")
+    ref = make_engine(load_model(q4_file, "float32")).score(PROMPT)
+    got = make_engine(int4).score(PROMPT)
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+    *_, a = make_engine(int4).generate(list(PROMPT), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    *_, b = make_engine(load_model(q4_file, "float32")).generate(
+        list(PROMPT), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert sum(x == y for x, y in zip(a.token_ids, b.token_ids)) >= 14
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_quantizer_writes_a_checkpoint_of_the_family(family, method, tmp_path):
+    """`localllm quantize` on the family: a standard checkpoint whose int4 weights load back
+    exactly, with the family's extra tensors (q/k norms) carried over."""
+    from localllm.model.loader import open_weights
+    from localllm.quant.quantize import quantize_model
+
+    ref_model, hf_dir, _, _ = family
+    r = quantize_model(hf_dir, tmp_path / method, method, num_samples=2, seq_len=64, keep_dequantized=True)
+    w = open_weights(r.path)
+    assert w.config.qk_norm and w.config.architecture == "Qwen3ForCausalLM"
+    for name, want in r.dequantized.items():
+        assert torch.equal(w.int4(name).dequantize_logical(), want), name
+    assert load_model(r.path, "auto").precision.startswith("int4")
+    # transformers on the checkpoint's weights (dequantized, q/k norms and AWQ-folded input norms
+    # as written) == our fp32 run of the checkpoint
+    state = {n: w.dense(n).float() for n in ref_model.state_dict() if w.has(n) or n in r.dequantized}
+    ref_model = copy.deepcopy(ref_model)
+    missing, _ = ref_model.load_state_dict(state, strict=False)
+    assert missing in ([], ["lm_head.weight"])  # tied: the embedding
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([PROMPT])).logits[0].float()
+    ours = make_engine(load_model(r.path, "float32")).score(PROMPT)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_unknown_architecture_is_one_clear_line(tmp_path, family):
+    import json
+
+    from localllm.model.errors import ModelLoadError
+
+    _, hf_dir, gguf_file, _ = family
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["architectures"] = ["FooForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "model.safetensors").write_bytes((hf_dir / "model.safetensors").read_bytes())
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'FooForCausalLM' \(supported: .*Qwen3"):
+        load_model(bad)
+    raw = bytearray(gguf_file.read_bytes())
+    at = raw.find(b"qwen3", 0, 4096)  # general.architecture's value (lengths stay: 'llama' would be read)
+    raw[at:at + 5] = b"fooba"
+    (tmp_path / "bad.gguf").write_bytes(raw)
+    with pytest.raises(ModelLoadError, match=r"architecture 'fooba' is not supported \(supported: llama, qwen2, qwen3"):
+        load_model(tmp_path / "bad.gguf")
+
+
+def test_bench_generator_writes_qwen3_shapes(tmp_path, fp32_model):
+    """bench/make_gguf.py's Qwen3 shapes (for side-by-side runs at real sizes): arch qwen3 with
+    q/k norms, an explicit head_dim and the vocabulary padded with unused tokens, which our loader
+    reads with the tokenizer unchanged."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).parent.parent / "bench" / "make_gguf.py")
+    make_gguf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_gguf)
+    loaded = load_model(make_gguf.write("tiny-qwen3", str(tmp_path / "q.gguf")), "auto")
+    cfg = loaded.config
+    assert (cfg.architecture, cfg.qk_norm, cfg.head_dim, cfg.vocab_size) == ("Qwen3ForCausalLM", True, 32, 50000)
+    assert loaded.model.embed.shape == (50000, 64) and loaded.precision.startswith("int4")
+    text = "Hello, world! <|im_start|>user"
+    assert loaded.tokenizer.encode(text) == fp32_model.tokenizer.encode(text)
+    *_, out = make_engine(loaded).generate(text, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out.token_ids) == 4 and max(out.token_ids) < 50000
