@@ -131,14 +131,10 @@ def open_engine(model: str | None, quant: str, device: str, config, max_memory: 
 
 
 def sampling_params(**kw):
-    from .llm import check_seed, generator_seed, safe_sampling
     from .sampling import SamplingError, SamplingParams
 
     try:
-        check_seed(kw.get("seed"))
-        temperature, penalty = safe_sampling(kw.get("temperature", 0.7), kw.get("repetition_penalty", 1.0))
-        return SamplingParams(**{**kw, "seed": generator_seed(kw.get("seed")), "temperature": temperature,
-                                 "repetition_penalty": penalty})
+        return SamplingParams(**kw)
     except SamplingError as e:
         raise fail(f"invalid value for --{e.param.replace('_', '-')}: {e}", 2) from None
 

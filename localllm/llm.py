@@ -2,52 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
 from .engine.engine import LLMEngine, RequestOutput
 from .hardware import pick_device
-from .sampling import SamplingError, SamplingParams
-
-SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # int64 (OpenAI) and uint64 (vLLM) seeds
-
-
-def check_seed(seed) -> None:
-    """A seed every front end accepts: an integer in -2^63..2^64-1 (SamplingError otherwise)."""
-    if seed is None:
-        return
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise SamplingError("seed", f"must be an integer, got {seed!r}")
-    if not SEED_MIN <= seed <= SEED_MAX:
-        raise SamplingError("seed", f"must be in -2^63..2^64-1, got {seed}")
-
-
-MIN_TEMPERATURE = 0.01  # as vLLM: a positive temperature below it is raised to it
-MIN_REPETITION_PENALTY = 0.01
-
-
-def safe_sampling(temperature, repetition_penalty):
-    """(temperature, repetition_penalty) the sampler can divide logits by: a positive temperature
-    below 0.01 is raised to 0.01 (vLLM does the same; 1e-199 overflowed the logits to inf, the
-    probabilities to NaN, and the failed step ended every request in the batch) and a repetition
-    penalty below 0.01 is refused (SamplingError)."""
-    if isinstance(temperature, float) and 0 < temperature < MIN_TEMPERATURE:
-        temperature = MIN_TEMPERATURE
-    if isinstance(repetition_penalty, (int, float)) and not isinstance(repetition_penalty, bool) \
-            and 0 < repetition_penalty < MIN_REPETITION_PENALTY:
-        raise SamplingError("repetition_penalty", f"must be >= {MIN_REPETITION_PENALTY}, got {repetition_penalty}")
-    return temperature, repetition_penalty
-
-
-def generator_seed(seed: int | None) -> int | None:
-    """The seed handed to the engine. torch's CPU generator keeps only the low 32 bits of its seed
-    (0, 2^32 and 2^63 draw the same numbers), so a seed outside 0..2^32-1 is hashed from its full
-    value into that range instead of being cut; seeds inside it are used as they are."""
-    if seed is None or 0 <= seed < 1 << 32:
-        return seed
-    digest = hashlib.blake2b(str(seed).encode(), digest_size=4, person=b"localllm-seed").digest()
-    return int.from_bytes(digest, "little")
+from .sampling import SamplingParams
 
 
 def build_engine(model: str | None = None, precision: str = "auto", device: str = "auto",

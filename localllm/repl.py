@@ -138,15 +138,12 @@ class ChatSession:
     def params(self):
         """The settings as SamplingParams; SamplingError when one is out of range (checked like the
         CLI flags, so that /set refuses what would fail at the next message)."""
-        from .llm import check_seed, generator_seed, safe_sampling
         from .sampling import SamplingParams
 
         s = self.settings
-        check_seed(s["seed"])
-        temperature, penalty = safe_sampling(s["temperature"], s["repeat_penalty"])
-        return SamplingParams(max_tokens=s["max_tokens"], temperature=temperature, top_p=s["top_p"],
-                              top_k=s["top_k"], min_p=s["min_p"], repetition_penalty=penalty,
-                              seed=generator_seed(s["seed"]))
+        return SamplingParams(max_tokens=s["max_tokens"], temperature=s["temperature"], top_p=s["top_p"],
+                              top_k=s["top_k"], min_p=s["min_p"], repetition_penalty=s["repeat_penalty"],
+                              seed=s["seed"])
 
     def conversation(self) -> list[dict]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.messages

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -10,6 +11,12 @@ import torch
 from localllm_kernels import cpu_sampler
 
 from .model.layers import top_indices
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # int64 (OpenAI) and uint64 (vLLM) seeds
+# as vLLM: a positive temperature below this samples at it (1e-199 overflowed the logits to inf and
+# the probabilities to NaN), and a repetition penalty below it is refused (it divides logits)
+MIN_TEMPERATURE = 0.01
+MIN_REPETITION_PENALTY = 0.01
 
 
 class SamplingError(ValueError):
@@ -61,11 +68,13 @@ class SamplingParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise SamplingError("top_k", f"must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
         num("min_p", self.min_p, 0, 1)
-        num("repetition_penalty", self.repetition_penalty, 0, 100, lo_open=True)
+        num("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, 100)
         num("presence_penalty", self.presence_penalty, -2, 2)
         num("frequency_penalty", self.frequency_penalty, -2, 2)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise SamplingError("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise SamplingError("seed", f"must be in -2^63..2^64-1, got {self.seed}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise SamplingError("stop", "must be a non-empty string or a list of non-empty strings")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
@@ -84,6 +93,16 @@ class SamplingParams:
         """False when the argmax of the raw logits is the answer (no penalties, no logprobs)."""
         return not (self.greedy and self.repetition_penalty == 1.0 and self.presence_penalty == 0
                     and self.frequency_penalty == 0 and self.logprobs is None)
+
+
+def generator_seed(seed: int) -> int:
+    """What a request's generator is seeded with. torch's CPU generator keeps only the low 32 bits
+    of its seed (0, 2^32 and 2^63 draw the same numbers), so a seed outside 0..2^32-1 is hashed
+    from its full value into that range instead of being cut; seeds inside it are used as given."""
+    if 0 <= seed < 1 << 32:
+        return seed
+    digest = hashlib.blake2b(str(seed).encode(), digest_size=4, person=b"localllm-seed").digest()
+    return int.from_bytes(digest, "little")
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
@@ -113,7 +132,8 @@ def nucleus(logits: torch.Tensor, params: SamplingParams, span: float = 8.0) -> 
     (a flat distribution: high temperature, random weights)."""
     x = logits.float()
     V = x.shape[-1]
-    inv_t = 1.0 / params.temperature
+    t = max(params.temperature, MIN_TEMPERATURE)
+    inv_t = 1.0 / t
     top_k = params.top_k if 0 < params.top_k < V else 0
     if not top_k and params.top_p >= 1.0:
         probs = torch.softmax(x * inv_t, -1)
@@ -129,7 +149,7 @@ def nucleus(logits: torch.Tensor, params: SamplingParams, span: float = 8.0) -> 
             near, (m, z) = torch.ops.localllm.softmax_top(x, inv_t, span)
         else:
             m = x.max()
-            near, z = (x >= m - span * params.temperature).nonzero()[:, 0], torch.exp((x - m) * inv_t).sum()
+            near, z = (x >= m - span * t).nonzero()[:, 0], torch.exp((x - m) * inv_t).sum()
         tiers = [lambda: near,
                  lambda: torch.from_numpy(np.argpartition(-x.numpy(), 4096)[:4096]),  # 0.1 ms
                  lambda: torch.from_numpy(np.argsort(-x.numpy()))]  # numpy's introsort: 0.7 ms

@@ -419,20 +419,18 @@ class Generation:
 # ---- request -> engine requests ------------------------------------------------------------------
 def _sampling(body: oai._SamplingRequest, max_tokens: int | None, max_tokens_param: str, logprobs: int | None,
               seed_offset: int = 0):
-    from .llm import generator_seed, safe_sampling
     from .sampling import SamplingError, SamplingParams
 
     def pick(v, default):
         return default if v is None else v
 
     try:
-        temperature, repetition_penalty = safe_sampling(pick(body.temperature, 1.0), pick(body.repetition_penalty, 1.0))
         return SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=pick(body.top_p, 1.0),
+            max_tokens=max_tokens, temperature=pick(body.temperature, 1.0), top_p=pick(body.top_p, 1.0),
             top_k=pick(body.top_k, 0), min_p=pick(body.min_p, 0.0),
-            repetition_penalty=repetition_penalty,
+            repetition_penalty=pick(body.repetition_penalty, 1.0),
             presence_penalty=pick(body.presence_penalty, 0.0), frequency_penalty=pick(body.frequency_penalty, 0.0),
-            seed=None if body.seed is None else generator_seed(body.seed + seed_offset),  # n>1: one per choice
+            seed=None if body.seed is None else body.seed + seed_offset,  # n>1: one per choice
             stop=[] if body.stop is None else body.stop, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
             logprobs=logprobs, min_tokens=body.min_tokens)

@@ -4,7 +4,17 @@ import pytest
 import torch
 from localllm_kernels import cpu_sampler
 
-from localllm.sampling import SamplingParams, draw, filter_probs, nucleus, sample_row
+from localllm.sampling import (
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    SamplingError,
+    SamplingParams,
+    draw,
+    filter_probs,
+    generator_seed,
+    nucleus,
+    sample_row,
+)
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -122,3 +132,25 @@ def test_draw_when_the_uniform_rounds_up_to_the_total(monkeypatch):
     p = torch.tensor([0.25, 0.75, 0.0, 0.0])
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
     assert draw(p, None) == 1  # the last token with mass, not past the end
+
+
+def test_tiny_temperatures_sample_at_the_floor(kernel):
+    """1e-199 overflowed logits / T to inf and the probabilities to NaN (the fuzz test's find):
+    a positive temperature below MIN_TEMPERATURE samples at it, never NaN."""
+    logits = torch.randn(3000, generator=torch.Generator().manual_seed(4)) * 3
+    for kw in (dict(top_p=0.9), dict(), dict(top_k=5)):
+        p = filter_probs(logits, SamplingParams(temperature=1e-199, **kw))
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p, filter_probs(logits, SamplingParams(temperature=MIN_TEMPERATURE, **kw)))
+        assert sample_row(logits, SamplingParams(temperature=1e-199, **kw), None) == int(logits.argmax())
+
+
+def test_seeds_use_their_full_width():
+    assert generator_seed(0) == 0 and generator_seed(2**32 - 1) == 2**32 - 1  # as given
+    wide = [generator_seed(s) for s in (2**32, 2**63, -1, -(2**63), 2**64 - 1)]
+    assert len(set(wide + [0])) == len(wide) + 1 and all(0 <= s < 2**32 for s in wide)
+    for bad in (2**64, -(2**63) - 1):
+        with pytest.raises(SamplingError, match="seed"):
+            SamplingParams(seed=bad)
+    with pytest.raises(SamplingError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=MIN_REPETITION_PENALTY / 2)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, generator_seed
 
 
 class SeqStatus(enum.Enum):
@@ -42,7 +42,7 @@ class Sequence:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+            self.generator = torch.Generator().manual_seed(generator_seed(self.params.seed))
 
     @property
     def num_prompt_tokens(self) -> int:
