@@ -348,8 +348,13 @@ def serve(
                                                                + "|".join(LOG_LEVELS))] = "warning",
     max_body_mb: Annotated[float, typer.Option("--max-body-mb", help="Largest request body in MiB; larger ones "
                                                                      "get a 413.")] = 8.0,
+    max_memory: MaxMemOpt = None,
+    keep_alive: Annotated[str, typer.Option("--keep-alive", help="Without MODEL: how long an idle model stays "
+                                                                 "loaded (seconds or 5m, 1h; -1 = forever).")]
+        = "5m",
 ):
-    """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
+    """OpenAI- and Ollama-compatible server: /v1/... and /api/... on one port. With MODEL it serves that
+    model; without, every local model, loaded on demand (least recently used unloaded to fit --max-memory)."""
     from .registry import resolve_model
 
     if not 0 < port < 65536:
@@ -361,12 +366,17 @@ def serve(
     if not (math.isfinite(max_body_mb) and max_body_mb > 0):
         raise fail(f"invalid value for --max-body-mb: must be a positive number of MiB, got {max_body_mb}", 2)
     check_api_key(api_key)
+    mem = max_memory_gib(max_memory, device)
+    from .server import ServerConfig, create_app
+    from .server import serve as run_server
+
+    if model is None:
+        _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx,
+                   kv_memory, threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep_alive)
     try:  # name mistakes fail now, not after the server started
         ref = resolve_model(model)
     except ValueError as e:
         raise fail(str(e)) from None
-    from .server import ServerConfig, create_app
-    from .server import serve as run_server
 
     spec = ref.spec
     model_id = spec.name if spec else ref.name
@@ -382,7 +392,7 @@ def serve(
         from .llm import build_engine
 
         try:
-            return build_engine(model, quant, device, config)
+            return build_engine(model, quant, device, config, max_memory=mem)
         finally:
             _startup_done()
 
@@ -395,6 +405,41 @@ def serve(
         typer.echo(warning, err=True)
     code = run_server(create_app(cfg, load), host, port, log_level.lower())
     raise typer.Exit(code)
+
+
+def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx, kv_memory,
+               threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep_alive) -> None:
+    """`serve` without MODEL: every local model, loaded on demand (model_pool)."""
+    from .model_pool import ModelPool, PoolConfig
+    from .ollama_api import parse_keep_alive
+    from .openai_schema import APIError
+    from .planner import normalize_quant
+    from .server import ServerConfig, create_app
+    from .server import serve as run_server
+
+    try:
+        keep = parse_keep_alive(keep_alive)
+        normalize_quant(quant)
+    except APIError as e:
+        raise fail(f"invalid value for --keep-alive: {e.message.partition(': ')[2]}", 2) from None
+    except ValueError as e:
+        raise fail(str(e), 2) from None
+    if draft is not None:
+        raise fail("--draft needs a MODEL: the draft pairing is per model", 2)
+    config = engine_config(ctx, kv_memory, threads, None, spec_tokens, enforce_eager, device,
+                           max_num_seqs=max_num_seqs, parallel=parallel)
+    def log(message: str) -> None:
+        typer.echo(message, err=True)
+    pool = ModelPool(PoolConfig(config, quant, device, int(mem * (1 << 30)) if mem else None, keep), log)
+    cfg = ServerConfig(None, [], api_key, list(cors_origin or []), max_queue, max_num_seqs,
+                       int(max_body_mb * (1 << 20)))
+    _startup_done()
+    typer.echo(f"localllm serve: every local model, on demand, on http://{host}:{port}/v1 and /api (Ollama)"
+               f"{' - API key required' if api_key else ''}", err=True)
+    warning = exposure_warning(host, api_key)
+    if warning:
+        typer.echo(warning, err=True)
+    raise typer.Exit(run_server(create_app(cfg, None, log, pool), host, port, log_level.lower()))
 
 
 # ---- pull / list / show / rm ----------------------------------------------------------------------

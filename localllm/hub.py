@@ -261,10 +261,12 @@ def _map_error(e: Exception, repo: str, revision: str) -> HubError | None:
     return None
 
 
-def pull(repo: str, revision: str = "main", filename: str | None = None, progress: bool | None = None
-         ) -> PullResult:
+def pull(repo: str, revision: str = "main", filename: str | None = None, progress: bool | None = None,
+         bars=None) -> PullResult:
     """Make `repo@revision` (all files a safetensors checkpoint needs, or the one GGUF `filename`)
-    complete in the HF cache. Downloads only what is missing; resumes partial files."""
+    complete in the HF cache. Downloads only what is missing; resumes partial files. `bars`: an
+    object with rich Progress's start/stop/add_task/update to report bytes to (the server's
+    /api/pull) instead of the terminal."""
     t0 = time.perf_counter()
     if offline():
         path = cached_snapshot(repo, revision, filename)
@@ -275,7 +277,8 @@ def pull(repo: str, revision: str = "main", filename: str | None = None, progres
         size = sum((path / f).stat().st_size for f in files)
         return PullResult(repo, revision, path.name, path / filename if filename else path, files, size)
     try:
-        return _pull_online(repo, revision, filename, progress_enabled() if progress is None else progress, t0)
+        return _pull_online(repo, revision, filename, progress_enabled() if progress is None else progress, t0,
+                            bars)
     except HubError:
         raise
     except Exception as e:
@@ -285,7 +288,7 @@ def pull(repo: str, revision: str = "main", filename: str | None = None, progres
         raise mapped from None
 
 
-def _pull_online(repo: str, revision: str, filename: str | None, show: bool, t0: float) -> PullResult:
+def _pull_online(repo: str, revision: str, filename: str | None, show: bool, t0: float, sink=None) -> PullResult:
     from huggingface_hub import HfApi, hf_hub_download
 
     info = HfApi(endpoint=endpoint()).model_info(repo, revision=revision, files_metadata=True)
@@ -296,7 +299,7 @@ def _pull_online(repo: str, revision: str, filename: str | None, show: bool, t0:
     todo = [f for f in files if not (snap / f).exists()]
     result = PullResult(repo, revision, commit, snap / filename if filename else snap, files,
                         sum(sizes[f] for f in files))
-    bars = _progress() if show and todo else None
+    bars = sink if sink is not None else _progress() if show and todo else None
     if bars is not None:
         bars.start()
     try:

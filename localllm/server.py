@@ -150,7 +150,7 @@ class EngineLoop:
 # ---- server state ------------------------------------------------------------------------------
 @dataclass
 class ServerConfig:
-    model_id: str  # the id /v1/models returns
+    model_id: str | None  # the id /v1/models returns; None: every local model, loaded on demand (model_pool)
     aliases: list[str] = field(default_factory=list)  # other names a request may use (alias, hub repo)
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
@@ -160,8 +160,10 @@ class ServerConfig:
 
 
 class ServerState:
-    def __init__(self, cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[[str], None]):
+    def __init__(self, cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Callable[[str], None],
+                 pool: Any = None):
         self.cfg = cfg
+        self.pool = pool  # a model_pool.ModelPool when no model is pinned
         self.load_engine = load_engine
         self.log = log
         self.names = {n.lower() for n in [cfg.model_id, *cfg.aliases] if n}
@@ -176,8 +178,15 @@ class ServerState:
         self.on_fatal: Callable[[], None] = lambda: None
         self.token_bytes: int | None = None  # most input bytes one token can stand for (None: no bound)
 
+    @property
+    def name(self) -> str | None:
+        return self.cfg.model_id
+
     def start_loading(self) -> None:
         self.aloop = asyncio.get_running_loop()
+        if self.pool is not None:
+            self.pool.start()
+            return
         threading.Thread(target=self._load_and_run, name="localllm-engine", daemon=True).start()
 
     def _load_and_run(self) -> None:
@@ -213,19 +222,32 @@ class ServerState:
             self.aloop.call_soon_threadsafe(self._close_loop)
 
     def _close_loop(self) -> None:
+        if self.pool is not None:
+            self.pool.begin_shutdown()
         if self.loop is not None:
             self.loop.close(timeout=0)
 
     def require_ready(self) -> EngineLoop:
         if self.closing:
             raise APIError(503, "the server is shutting down", "service_unavailable", code="server_shutting_down")
-        if self.loop is None:
+        if self.loop is None and self.pool is None:
             raise APIError(503, "the model is still loading; retry shortly", "service_unavailable",
                            code="model_loading", headers={"Retry-After": "1"})
         return self.loop
 
+    async def acquire(self, name: str | None, keep_alive: float | None = None) -> tuple[Any, Callable[[], None]]:
+        """The model a request names, ready to run (loaded first in pool mode), and the callback
+        that ends its use. The pinned model is the ServerState itself (engine, loop, token_bytes)."""
+        self.require_ready()
+        if self.pool is not None:
+            return await self.pool.acquire(name, keep_alive)
+        self.check_model(name)
+        return self, lambda: None
+
     def check_model(self, name: str | None) -> None:
-        if name is not None and name.lower() not in self.names:
+        if self.pool is not None:
+            raise APIError(400, "this endpoint needs a pinned model (localllm serve MODEL)", param="model")
+        if name is not None and name.lower().removesuffix(":latest") not in self.names:
             raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.cfg.model_id}`.",
                            param="model", code="model_not_found")
 
@@ -235,8 +257,10 @@ class Generation:
     """The engine requests behind one HTTP request (one per prompt x n) and their outputs."""
 
     def __init__(self, state: ServerState, prompts: list, params: list, n: int, max_tokens_param: str,
-                 prompt_param: str):
+                 prompt_param: str, target: Any = None, on_close: Callable[[], None] | None = None):
         self.state, self.n = state, n
+        self.target = target if target is not None else state  # what has .engine/.loop/.token_bytes
+        self.on_close = on_close  # called once when the request is over (the pool's release)
         self.prompts = prompts
         self.jobs = [(p, params[j]) for p in prompts for j in range(n)]  # choice index = prompt * n + j
         base = oai.new_id("r")
@@ -247,10 +271,12 @@ class Generation:
         self.max_tokens_param, self.prompt_param = max_tokens_param, prompt_param
         self.t0 = time.perf_counter()
         self.first_token = False
+        self.first_token_at: float | None = None  # Ollama's prompt_eval/eval split
 
     async def start(self) -> None:
         state = self.state
-        loop = state.require_ready()
+        state.require_ready()
+        loop = self.target.loop
         cap = state.cfg.max_num_seqs + state.cfg.max_queue
         if len(self.jobs) > cap:
             raise APIError(400, f"this request needs {len(self.jobs)} sequences (prompts x n) but the server "
@@ -289,7 +315,7 @@ class Generation:
     def _encode(self, prompt) -> list[int]:
         """Prompt (text, token ids or chat messages) -> token ids, in a worker thread. Refuses a
         prompt whose bytes alone prove it is longer than the context, without tokenizing it."""
-        engine, bound = self.state.engine, self.state.token_bytes
+        engine, bound = self.target.engine, self.target.token_bytes
         if bound and not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
             texts = [prompt] if isinstance(prompt, str) else [m.get("content") or "" for m in prompt]
             nbytes = sum(len(t.encode("utf-8")) for t in texts)
@@ -369,6 +395,7 @@ class Generation:
                 raise self._api_error(item)
             if not self.first_token and item.new_token_ids:
                 self.first_token = True
+                self.first_token_at = time.perf_counter()
                 self.state.metrics.ttft.observe(time.perf_counter() - self.t0)
             if item.finished:
                 self.finals[i] = item
@@ -402,11 +429,14 @@ class Generation:
 
     def close(self) -> None:
         """Abort whatever is still running (client gone, error, shutdown)."""
-        loop = self.state.loop
+        loop = self.target.loop
         for i in list(self.live):
             if loop is not None:
                 loop.abort(self.rids[i])
             self._finish(i, "abort")
+        if self.on_close is not None:
+            on_close, self.on_close = self.on_close, None
+            on_close()
 
     def usage(self) -> dict:
         finals = [self.finals.get(i) for i in range(len(self.jobs))]
@@ -479,6 +509,13 @@ def _sse(obj: dict | str) -> str:
 
 
 # ---- the app ------------------------------------------------------------------------------------
+def _error_body(scope, err: APIError) -> dict:
+    """An error as the route's API shapes it: Ollama's {"error": "..."} on /api/, else OpenAI's."""
+    from .ollama_api import is_ollama_path
+
+    return {"error": err.message} if is_ollama_path(scope["path"]) else err.body()
+
+
 class _BodyLimitMiddleware:
     """Request bodies larger than `max_bytes` get a 413 in OpenAI's error shape. The body is read
     in chunks (as uvicorn hands them over) and never held beyond the cap; what is over is read and
@@ -514,7 +551,7 @@ class _BodyLimitMiddleware:
             err = APIError(413, f"the request body is {told}; this server accepts at most {self.max_bytes} bytes "
                                 f"({self.max_bytes / (1 << 20):g} MiB, serve --max-body-mb)",
                            code="request_too_large")
-            return await JSONResponse(err.body(), status_code=413, headers={"Connection": "close"})(
+            return await JSONResponse(_error_body(scope, err), status_code=413, headers={"Connection": "close"})(
                 scope, receive, send)
         body, replayed = b"".join(chunks), False
 
@@ -543,14 +580,17 @@ class _AuthMiddleware:
             return await self.app(scope, receive, send)
         msg = "Incorrect API key provided." if auth else "Missing API key: send it as 'Authorization: Bearer KEY'."
         err = APIError(401, msg, code="invalid_api_key")
-        await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+        await JSONResponse(_error_body(scope, err), status_code=401)(scope, receive, send)
 
 
-def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[[str], None] | None = None
-               ) -> FastAPI:
-    """The FastAPI app. `load_engine()` builds the LLMEngine (called in a background thread)."""
+def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Callable[[str], None] | None = None,
+               pool: Any = None) -> FastAPI:
+    """The FastAPI app. `load_engine()` builds the LLMEngine (called in a background thread);
+    with `pool` (a model_pool.ModelPool) instead, every local model is served on demand."""
+    from . import ollama_api
+
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    state = ServerState(cfg, load_engine, log)
+    state = ServerState(cfg, load_engine, log, pool)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -559,6 +599,8 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
         state.closing = True
         if state.loop is not None:
             await asyncio.to_thread(state.loop.close)
+        if state.pool is not None:
+            await state.pool.close()
 
     app = FastAPI(title="localllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -574,47 +616,54 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
         app.add_middleware(CORSMiddleware, allow_origins=cfg.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
 
-    # ---- errors, always in OpenAI's shape ----
-    def error_response(e: APIError) -> JSONResponse:
+    # ---- errors: OpenAI's shape, Ollama's ({"error": "..."}) on Ollama's /api/ routes ----
+    def error_response(e: APIError, request: Request | None = None) -> JSONResponse:
         state.metrics.errors[e.status] += 1
+        if request is not None and ollama_api.is_ollama_path(request.url.path):
+            return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return error_response(e)
+        return error_response(e, request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
+        return error_response(_validation_api_error(e), request)
+
+    def _validation_api_error(e: RequestValidationError) -> APIError:
         errs = e.errors()
         first = errs[0] if errs else {}
         if first.get("type") == "invalid_text":
-            return error_response(APIError(400, first.get("msg", "invalid text"),
-                                           param=(first.get("ctx") or {}).get("where"), code="invalid_text"))
+            return APIError(400, first.get("msg", "invalid text"), param=(first.get("ctx") or {}).get("where"),
+                            code="invalid_text")
         if first.get("type") == "json_invalid":
             ctx = first.get("ctx") or {}
-            return error_response(APIError(400, f"invalid JSON in the request body: {ctx.get('error', first.get('msg'))}"))
+            return APIError(400, f"invalid JSON in the request body: {ctx.get('error', first.get('msg'))}")
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         if not loc:  # no body, or not an object
-            return error_response(APIError(400, "the request body must be a JSON object "
-                                                "(with Content-Type: application/json)"))
+            return APIError(400, "the request body must be a JSON object (with Content-Type: application/json)")
         parts = [f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: {er.get('msg')}"
                  for er in errs[:5]]
-        return error_response(APIError(400, "; ".join(parts), param=param))
+        return APIError(400, "; ".join(parts), param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(e.status_code, str(e.detail), kind))
+        return error_response(APIError(e.status_code, str(e.detail), kind), request)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
         log(f"internal error on {request.url.path}: {type(e).__name__}: {e}")
-        return error_response(APIError(500, f"internal error: {type(e).__name__}", "internal_error"))
+        return error_response(APIError(500, f"internal error: {type(e).__name__}", "internal_error"), request)
 
     # ---- endpoints ----
     @app.get("/health")
     async def health():
+        if state.pool is not None:  # nothing to load up front: models load when asked for
+            return JSONResponse({"status": "ok"} if not state.closing else {"status": "shutting down"},
+                                status_code=200 if not state.closing else 503)
         if state.load_error:
             return JSONResponse({"status": "error", "error": state.load_error}, status_code=503)
         if state.loop is None or state.closing:
@@ -631,6 +680,10 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
     @app.get("/v1/models")
     async def models():
         state.require_ready()
+        if state.pool is not None:
+            return {"object": "list", "data": [
+                {"id": m.name, "object": "model", "created": int(m.modified), "owned_by": "localllm"}
+                for m in await state.pool.catalog()]}
         return {"object": "list", "data": [{
             "id": cfg.model_id, "object": "model", "created": state.created, "owned_by": "localllm",
             "max_model_len": state.engine.max_model_len}]}
@@ -638,6 +691,9 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         state.require_ready()
+        if state.pool is not None:
+            m = await state.pool.find(model_id)
+            return {"id": m.name, "object": "model", "created": int(m.modified), "owned_by": "localllm"}
         state.check_model(model_id)
         return {"id": cfg.model_id, "object": "model", "created": state.created, "owned_by": "localllm",
                 "max_model_len": state.engine.max_model_len}
@@ -645,11 +701,17 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
     @app.post("/v1/chat/completions")
     async def chat_completions(body: oai.ChatCompletionRequest, request: Request):
         state.metrics.http_requests += 1
-        state.require_ready()
-        state.check_model(body.model)
+        target, release = await state.acquire(body.model)
+        try:
+            return await _chat_completion(body, request, target, release)
+        except BaseException:
+            release()
+            raise
+
+    async def _chat_completion(body: oai.ChatCompletionRequest, request: Request, target, release):
         mt_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        _check_common(body, max_tokens, mt_param, state.engine.model_config.vocab_size)
+        _check_common(body, max_tokens, mt_param, target.engine.model_config.vocab_size)
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be between 0 and 20, got {body.top_logprobs}",
                            param="top_logprobs")
@@ -657,10 +719,11 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _params_list(body, max_tokens, mt_param, logprobs)
-        gen = Generation(state, [oai.message_dicts(body.messages)], params, body.n, mt_param, "messages")
+        gen = Generation(state, [oai.message_dicts(body.messages)], params, body.n, mt_param, "messages",
+                         target, release)
         await gen.start()
-        rid, created, name = oai.new_id("chatcmpl"), oai.now(), cfg.model_id
-        token_text = _token_text(state.engine)
+        rid, created, name = oai.new_id("chatcmpl"), oai.now(), target.name
+        token_text = _token_text(target.engine)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _stream(gen, _chat_events(gen, rid, created, name, include_usage, body.logprobs, token_text))
@@ -674,9 +737,15 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
     @app.post("/v1/completions")
     async def completions(body: oai.CompletionRequest, request: Request):
         state.metrics.http_requests += 1
-        state.require_ready()
-        state.check_model(body.model)
-        _check_common(body, body.max_tokens, "max_tokens", state.engine.model_config.vocab_size)
+        target, release = await state.acquire(body.model)
+        try:
+            return await _completion(body, request, target, release)
+        except BaseException:
+            release()
+            raise
+
+    async def _completion(body: oai.CompletionRequest, request: Request, target, release):
+        _check_common(body, body.max_tokens, "max_tokens", target.engine.model_config.vocab_size)
         for param, bad in (("echo", body.echo), ("suffix", body.suffix), ("best_of", (body.best_of or 1) > 1)):
             if bad:
                 raise APIError(400, f"{param} is not supported by this server", param=param)
@@ -693,10 +762,10 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
             raise APIError(400, f"at most 16 choices per request (prompts x n), got {len(prompts) * body.n}",
                            param="prompt")
         params = _params_list(body, body.max_tokens, "max_tokens", body.logprobs)
-        gen = Generation(state, prompts, params, body.n, "max_tokens", "prompt")
+        gen = Generation(state, prompts, params, body.n, "max_tokens", "prompt", target, release)
         await gen.start()
-        rid, created, name = oai.new_id("cmpl"), oai.now(), cfg.model_id
-        token_text = _token_text(state.engine)
+        rid, created, name = oai.new_id("cmpl"), oai.now(), target.name
+        token_text = _token_text(target.engine)
         want_lp = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -737,6 +806,7 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any], log: Callable[
             raise APIError(400, f"token ids must be in 0..{vocab - 1}, got {bad[0]}", param="tokens")
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
+    ollama_api.mount(app, state)
     return app
 
 

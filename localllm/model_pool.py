@@ -1,0 +1,290 @@
+"""Models on demand for `localllm serve` without a MODEL: every local model is servable, and a
+request for one that is not loaded loads it.
+
+Each loaded model has its own thread that loads the engine and then runs its EngineLoop (the
+thread that loads is the one that steps: one OpenMP team per model, see server.py). Memory is
+counted with the planner: a model's need is weights + its KV cache + runtime, and when a new
+model does not fit the budget (--max-memory, else 90% of what is free now) the least recently
+used idle model is unloaded first. A model with requests in flight is never unloaded. Requests
+for a model that is loading wait for that one load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .openai_schema import APIError
+
+DEFAULT_KEEP_ALIVE = 300.0  # seconds an idle model stays loaded (Ollama's default: 5m)
+
+
+@dataclass
+class LocalModel:
+    """A model that can be served without downloading anything."""
+
+    name: str
+    aliases: list[str]
+    path: str | None
+    size: int
+    modified: float
+    variant: str = ""
+
+
+def local_models() -> list[LocalModel]:
+    """Registry models that are embedded or downloaded, and other models in the HF cache."""
+    import os
+
+    from .models_cli import list_models
+
+    out: dict[str, LocalModel] = {}
+    for row in list_models():
+        if row["status"] not in ("embedded", "downloaded") or row["name"] in out:
+            continue
+        path = row["path"]
+        try:
+            modified = os.stat(path).st_mtime if path else 0.0
+        except OSError:
+            modified = 0.0
+        aliases = [*row["aliases"], *([row["repo"]] if row["repo"] != row["name"] else [])]
+        out[row["name"]] = LocalModel(row["name"], aliases, path, row["size_bytes"] or 0, modified, row["variant"])
+    return list(out.values())
+
+
+def find_model(models: list[LocalModel], name: str) -> LocalModel | None:
+    """A request's model name -> the local model (name, alias or repo; `:latest` as Ollama adds it)."""
+    key = name.strip().lower()
+    keys = {key, key.removesuffix(":latest")}
+    for m in models:
+        if keys & {n.lower() for n in [m.name, *m.aliases]}:
+            return m
+    return None
+
+
+@dataclass
+class PoolConfig:
+    engine_config: Any  # EngineConfig for every model (ctx, kv memory, threads, batch)
+    quant: str = "auto"
+    device: str = "auto"
+    max_memory: int | None = None  # bytes for all loaded models together; None: 90% of free memory
+    keep_alive: float = DEFAULT_KEEP_ALIVE
+
+
+@dataclass
+class LoadedModel:
+    """One loaded engine and its loop thread; what server.Generation runs requests on."""
+
+    name: str
+    need: int  # planned bytes (weights + KV + runtime)
+    engine: Any = None
+    loop: Any = None
+    token_bytes: int | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    error: APIError | None = None
+    active: int = 0  # requests in flight
+    last_used: float = field(default_factory=time.monotonic)
+    expires_at: float | None = None  # wall-clock time (None: while in use, or forever)
+    keep_alive: float = DEFAULT_KEEP_ALIVE
+    loaded_at: float = 0.0
+    load_seconds: float = 0.0
+
+
+class ModelPool:
+    def __init__(self, cfg: PoolConfig, log: Callable[[str], None],
+                 catalog: Callable[[], list[LocalModel]] = local_models):
+        self.cfg, self.log, self._catalog = cfg, log, catalog
+        self.loaded: dict[str, LoadedModel] = {}
+        self._lock = asyncio.Lock()  # one load decision at a time (memory accounting)
+        self._reaper: asyncio.Task | None = None
+        self.closing = False
+
+    async def catalog(self) -> list[LocalModel]:
+        return await asyncio.to_thread(self._catalog)  # scans the HF cache: off the event loop
+
+    async def find(self, name: str | None) -> LocalModel:
+        models = await self.catalog()
+        if not name:
+            raise APIError(400, "model is required: this server serves every local model "
+                                f"({', '.join(m.name for m in models) or 'none'})", param="model")
+        m = find_model(models, name)
+        if m is None:
+            raise APIError(404, f"model '{name}' not found: not a local model (pull it first; local models: "
+                                f"{', '.join(m.name for m in models) or 'none'})", "not_found_error",
+                           param="model", code="model_not_found")
+        return m
+
+    # ---- acquire / release -----------------------------------------------------------------------
+    async def acquire(self, name: str | None, keep_alive: float | None = None
+                      ) -> tuple[LoadedModel, Callable[[], None]]:
+        """The loaded model `name` names (loading it first), counted as in use until release()."""
+        if self.closing:
+            raise APIError(503, "the server is shutting down", "service_unavailable", code="server_shutting_down")
+        local = await self.find(name)
+        async with self._lock:
+            entry = self.loaded.get(local.name)
+            if entry is None:
+                entry = await self._start_load(local)
+            entry.active += 1
+            entry.expires_at = None
+            if keep_alive is not None:
+                entry.keep_alive = keep_alive
+        try:
+            await entry.ready.wait()
+        except BaseException:
+            self._release(entry)
+            raise
+        if entry.error is not None:
+            self._release(entry)
+            raise entry.error
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._release(entry)
+        return entry, release
+
+    def _release(self, entry: LoadedModel) -> None:
+        entry.active -= 1
+        entry.last_used = time.monotonic()
+        if entry.active == 0 and entry.error is None:
+            if entry.keep_alive == 0:
+                self._unload_later(entry)
+            else:
+                entry.expires_at = None if entry.keep_alive < 0 else time.time() + entry.keep_alive
+
+    # ---- loading ---------------------------------------------------------------------------------
+    def _plan(self, local: LocalModel, budget: int | None):
+        from .planner import DEFAULT_CTX, device_facts, facts_for, plan
+
+        facts = facts_for(local.name)
+        ec = self.cfg.engine_config
+        ctx = ec.max_model_len or min(DEFAULT_CTX, facts.max_context)  # a fixed context per model, not "all that fits"
+        return plan(facts, device_facts(self.cfg.device), self.cfg.quant, ctx, budget, ec.kv_memory_bytes)
+
+    async def _start_load(self, local: LocalModel) -> LoadedModel:
+        """Under self._lock: plan, unload LRU idle models until it fits, start the loader thread."""
+        from .planner import PlanError
+
+        while True:
+            used = sum(e.need for e in self.loaded.values())
+            budget = None if self.cfg.max_memory is None else self.cfg.max_memory - used
+            try:
+                p = await asyncio.to_thread(self._plan, local, budget)
+            except (PlanError, ValueError, OSError) as e:
+                raise APIError(400, f"cannot load {local.name}: {e}", param="model") from None
+            if p.fits:
+                break
+            idle = sorted((e for e in self.loaded.values() if e.active == 0), key=lambda e: e.last_used)
+            if idle:
+                await self._unload(idle[0], "to make room for " + local.name)
+                continue
+            if self.loaded:  # only models in use are in the way: they finish, then it fits
+                raise APIError(503, f"{local.name} does not fit next to the models in use "
+                                    f"({', '.join(self.loaded)}): {p.reason}; retry when they are idle",
+                               "service_unavailable", code="model_memory_busy", headers={"Retry-After": "1"})
+            raise APIError(400, f"{local.name} cannot be loaded: {p.reason}", param="model", code="model_too_large")
+        entry = LoadedModel(local.name, p.needed_bytes, keep_alive=self.cfg.keep_alive)
+        self.loaded[local.name] = entry
+        aloop = asyncio.get_running_loop()
+        config = dataclasses.replace(self.cfg.engine_config, max_model_len=p.ctx,
+                                     kv_memory_bytes=self.cfg.engine_config.kv_memory_bytes or p.kv_bytes)
+        model = p.variant or local.name
+        threading.Thread(target=self._load_and_run, args=(entry, model, p.precision, config, aloop),
+                         name=f"localllm-engine-{local.name}", daemon=True).start()
+        return entry
+
+    def _load_and_run(self, entry: LoadedModel, model: str, precision: str, config, aloop) -> None:
+        from .llm import build_engine
+        from .server import EngineLoop, max_token_bytes
+
+        t0 = time.perf_counter()
+        try:
+            engine = build_engine(model, precision, self.cfg.device, config)
+        except BaseException as e:  # noqa: BLE001 - answered to every waiting request
+            self.log(f"Error: could not load {entry.name}: {e}")
+            err = APIError(500, f"could not load {entry.name}: {e or type(e).__name__}", "internal_error",
+                           code="model_load_failed")
+            aloop.call_soon_threadsafe(self._load_failed, entry, err)
+            return
+        entry.token_bytes = max_token_bytes(engine.tokenizer)
+        entry.engine = engine
+        entry.loop = EngineLoop(engine, self.log)
+        entry.load_seconds = time.perf_counter() - t0
+        entry.loaded_at = time.time()
+        self.log(f"model {entry.name} loaded in {entry.load_seconds:.1f} s (context {engine.max_model_len} tokens, "
+                 f"{engine.cache_stats()['kv_blocks_total']} KV blocks)")
+        aloop.call_soon_threadsafe(entry.ready.set)
+        entry.loop.run()
+
+    def _load_failed(self, entry: LoadedModel, err: APIError) -> None:
+        entry.error = err
+        if self.loaded.get(entry.name) is entry:
+            del self.loaded[entry.name]
+        entry.ready.set()
+
+    # ---- unloading -------------------------------------------------------------------------------
+    async def _unload(self, entry: LoadedModel, why: str) -> None:
+        if self.loaded.get(entry.name) is not entry:
+            return
+        del self.loaded[entry.name]
+        await entry.ready.wait()
+        if entry.loop is not None:
+            await asyncio.to_thread(entry.loop.close)
+        entry.engine = entry.loop = None
+        await asyncio.to_thread(gc.collect)  # the engine's tensors go now, not at some later collection
+        self.log(f"model {entry.name} unloaded ({why})")
+
+    def _unload_later(self, entry: LoadedModel) -> None:
+        async def run():
+            async with self._lock:
+                if entry.active == 0:
+                    await self._unload(entry, "keep_alive 0")
+        asyncio.get_running_loop().create_task(run())
+
+    async def unload(self, name: str) -> bool:
+        """Unload `name` now if it is loaded and idle (keep_alive 0 on an empty request, rm)."""
+        async with self._lock:
+            entry = self.loaded.get(name)
+            if entry is None:
+                return False
+            if entry.active:
+                entry.keep_alive = 0  # unloaded when its last request ends
+                return True
+            await self._unload(entry, "requested")
+            return True
+
+    def start(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    async def _reap(self) -> None:
+        """Unload idle models whose keep_alive ran out."""
+        while not self.closing:
+            await asyncio.sleep(1.0)
+            now = time.time()
+            async with self._lock:
+                for entry in list(self.loaded.values()):
+                    if entry.active == 0 and entry.expires_at is not None and entry.expires_at <= now:
+                        await self._unload(entry, "keep_alive expired")
+
+    def begin_shutdown(self) -> None:
+        self.closing = True
+        for entry in list(self.loaded.values()):
+            if entry.loop is not None:
+                entry.loop.close(timeout=0)
+
+    async def close(self) -> None:
+        self.closing = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for entry in list(self.loaded.values()):
+            if entry.loop is not None:
+                await asyncio.to_thread(entry.loop.close)
+        self.loaded.clear()

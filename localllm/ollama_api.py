@@ -1,0 +1,535 @@
+"""Ollama's native API (/api/...) on the same FastAPI app and port as the OpenAI routes.
+
+Front ends that speak only Ollama (VS Code's Ollama provider, Open WebUI, Continue, the `ollama`
+clients) probe /api/version, /api/tags and /api/show, then chat through /api/chat or
+/api/generate. These routes run on the same engines as /v1 (server.Generation), so a prompt
+answers with the same tokens on either API. Streams are newline-delimited JSON, durations are in
+nanoseconds and errors are {"error": "..."}, as Ollama sends them. What we cannot honour yet
+(structured output, tools, thinking, images) is a 400 naming the field, never silently dropped;
+routes we do not serve (create, push, copy, embeddings, blobs) are a 501.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any, Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.background import BackgroundTask
+
+from . import openai_schema as oai
+from .model_pool import LocalModel, find_model
+from .openai_schema import APIError
+
+VERSION = "0.11.0"  # the Ollama API version we answer like (clients check a minimum)
+FOREVER = "2318-11-30T00:00:00Z"  # what Ollama reports as expires_at for keep_alive < 0
+
+
+def is_ollama_path(path: str) -> bool:
+    return path.startswith("/api/")
+
+
+# ---- requests ---------------------------------------------------------------------------------
+class _Body(oai._Request):
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+
+class Options(BaseModel):
+    """The `options` we map onto SamplingParams; runtime ones (num_thread, num_gpu, ...) are ignored."""
+
+    model_config = ConfigDict(extra="allow")
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    num_predict: int | None = None
+    stop: Union[str, list[str], None] = None
+    num_ctx: int | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    mirostat: int | None = None
+    typical_p: float | None = None
+    tfs_z: float | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | None = None
+    images: list[Any] | None = None
+    tool_calls: list[Any] | None = None
+
+
+class _GenBody(_Body):
+    model: str = ""
+    stream: bool = True
+    format: Any = None
+    options: Options | None = None
+    keep_alive: Union[float, str, None] = None
+    think: Any = None
+
+
+class ChatRequest(_GenBody):
+    messages: list[Message] = []
+    tools: list[Any] | None = None
+
+
+class GenerateRequest(_GenBody):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    images: list[Any] | None = None
+    suffix: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+
+
+class ModelRequest(_Body):
+    model: str = ""
+    name: str = ""  # older clients send `name`
+
+    def target(self) -> str:
+        if not (self.model or self.name):
+            raise APIError(400, "model is required", param="model")
+        return self.model or self.name
+
+
+class PullRequest(ModelRequest):
+    stream: bool = True
+    insecure: bool = False
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value: float | str | None) -> float | None:
+    """Ollama's keep_alive (seconds as a number, or a Go duration "5m", "1h30m", "-1") -> seconds;
+    negative: forever, 0: unload after this request, None: the server's default."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    parts = _DURATION.findall(body)
+    if not parts or "".join(n + u for n, u in parts) != body:
+        raise APIError(400, f"keep_alive: {value!r} is not a duration (e.g. 300, \"5m\", \"1h30m\", \"-1\")",
+                       param="keep_alive")
+    return sign * sum(float(n) * _UNIT[u] for n, u in parts)
+
+
+def iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _now_iso() -> str:
+    return iso(time.time())
+
+
+def _refuse_unsupported(body: _GenBody, tools: Any = None, images: bool = False) -> None:
+    if body.format not in (None, ""):
+        raise APIError(400, "format (JSON mode or a JSON schema: structured output) is not supported by this "
+                            "server yet", param="format")
+    if tools:
+        raise APIError(400, "tools (function calling) are not supported by this server yet", param="tools")
+    if body.think not in (None, False):
+        raise APIError(400, "think (a separate reasoning trace) is not supported by this server yet; send "
+                            "think: false or leave it out", param="think")
+    if images:
+        raise APIError(400, "images are not supported: the served models are text-only", param="images")
+    o = body.options
+    if o is not None:
+        if o.mirostat not in (None, 0):
+            raise APIError(400, "options.mirostat is not supported by this server", param="options.mirostat")
+        for name in ("typical_p", "tfs_z"):
+            if getattr(o, name) not in (None, 1.0):
+                raise APIError(400, f"options.{name} is not supported by this server", param=f"options.{name}")
+
+
+def sampling_params(options: Options | None):
+    """Ollama options -> SamplingParams, with Ollama's defaults (temperature 0.8, top_k 40,
+    top_p 0.9). num_predict < 0 means no limit (up to the context), as in Ollama."""
+    from .sampling import SamplingError, SamplingParams
+
+    o = options or Options()
+
+    def pick(v, default):
+        return default if v is None else v
+    num_predict = o.num_predict if o.num_predict is not None and o.num_predict >= 0 else None
+    try:
+        return SamplingParams(
+            max_tokens=num_predict, temperature=pick(o.temperature, 0.8), top_p=pick(o.top_p, 0.9),
+            top_k=pick(o.top_k, 40), min_p=pick(o.min_p, 0.0), repetition_penalty=pick(o.repeat_penalty, 1.0),
+            presence_penalty=pick(o.presence_penalty, 0.0), frequency_penalty=pick(o.frequency_penalty, 0.0),
+            seed=o.seed, stop=[o.stop] if isinstance(o.stop, str) else list(o.stop or []))
+    except SamplingError as e:
+        name = "num_predict" if e.param == "max_tokens" else {"repetition_penalty": "repeat_penalty"}.get(
+            e.param, e.param)
+        raise APIError(400, f"options.{name}: {e}", param=f"options.{name}") from None
+
+
+def _digest(m: LocalModel) -> str:
+    return hashlib.sha256(f"{m.name}\0{m.path}\0{m.size}\0{m.modified}".encode()).hexdigest()
+
+
+def _details(m: LocalModel, info: dict | None = None) -> dict:
+    info = info or {}
+    arch = _arch(info.get("architecture"))
+    fmt = info.get("format") or ("gguf" if (m.path or "").endswith(".gguf") else "safetensors")
+    params = info.get("parameters")
+    return {"parent_model": "", "format": fmt, "family": arch, "families": [arch] if arch else None,
+            "parameter_size": _param_size(params) if params else "",
+            "quantization_level": (info.get("quantization") or m.variant or "").split(" ")[0]}
+
+
+def _arch(name: str | None) -> str:
+    """LlamaForCausalLM -> llama (the GGUF-style name Ollama reports)."""
+    if not name:
+        return ""
+    return re.sub(r"For(CausalLM|ConditionalGeneration)$", "", name).lower()
+
+
+def _param_size(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+async def _catalog(state) -> list[LocalModel]:
+    if state.pool is not None:
+        return await state.pool.catalog()
+    return [await asyncio.to_thread(_pinned_model, state)]
+
+
+def _pinned_model(state) -> LocalModel:
+    import os
+
+    from .models_cli import local_path
+    from .registry import resolve_model
+
+    cfg = state.cfg
+    path = local_path(resolve_model(cfg.model_id))
+    p = str(path) if path else None
+    size = 0
+    if path is not None:
+        size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return LocalModel(cfg.model_id, [a for a in cfg.aliases if a], p, size, os.stat(p).st_mtime if p else 0.0)
+
+
+async def _find(state, name: str) -> LocalModel:
+    models = await _catalog(state)
+    m = find_model(models, name)
+    if m is None:
+        raise APIError(404, f"model '{name}' not found, try pulling it first", param="model",
+                       code="model_not_found")
+    return m
+
+
+class _Timing:
+    """Ollama's *_duration fields (nanoseconds) from the moments a request went through."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.loaded = self.start
+        self.first = None
+        self.end = None
+
+    def ns(self, a: float, b: float) -> int:
+        return max(0, int((b - a) * 1e9))
+
+
+def _final(out, timing: _Timing) -> dict:
+    end = timing.end or time.perf_counter()
+    first = timing.first or end
+    return {"done": True, "done_reason": out.finish_reason or "stop",
+            "total_duration": timing.ns(timing.start, end), "load_duration": timing.ns(timing.start, timing.loaded),
+            "prompt_eval_count": out.num_prompt_tokens, "prompt_eval_duration": timing.ns(timing.loaded, first),
+            "eval_count": len(out.token_ids), "eval_duration": timing.ns(first, end)}
+
+
+# ---- the routes -------------------------------------------------------------------------------
+def mount(app: FastAPI, state) -> None:
+    """Add Ollama's routes to `app` (a server.create_app app; `state` its ServerState)."""
+    from .server import Generation
+
+    @app.get("/api/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/api/tags")
+    async def tags():
+        state.require_ready()
+        return {"models": [{"name": m.name, "model": m.name, "modified_at": iso(m.modified), "size": m.size,
+                            "digest": _digest(m), "details": _details(m)} for m in await _catalog(state)]}
+
+    @app.post("/api/show")
+    async def show(body: ModelRequest):
+        from .models_cli import describe
+
+        state.require_ready()
+        m = await _find(state, body.target())
+        info = await asyncio.to_thread(describe, m.name)
+        arch = _arch(info.get("architecture")) or "unknown"
+        stops = [t["text"] for t in info.get("stop_tokens") or []]
+        model_info = {"general.architecture": arch, "general.parameter_count": info.get("parameters"),
+                      f"{arch}.context_length": info.get("context_length"),
+                      f"{arch}.embedding_length": info.get("embedding_length"),
+                      f"{arch}.block_count": info.get("layers"),
+                      f"{arch}.attention.head_count": info.get("heads"),
+                      f"{arch}.attention.head_count_kv": info.get("kv_heads"),
+                      f"{arch}.vocab_size": info.get("vocab_size")}
+        template = (info.get("chat_template") or {}).get("template") or ""
+        return {"license": "", "modelfile": f"# served by localllm\nFROM {m.path}\n",
+                "parameters": "\n".join(f'stop "{s}"' for s in stops), "template": template,
+                "details": _details(m, info), "model_info": model_info,
+                "capabilities": ["completion"], "modified_at": iso(m.modified)}
+
+    @app.get("/api/ps")
+    async def ps():
+        state.require_ready()
+        rows = []
+        if state.pool is None:
+            if state.engine is not None:
+                m = await _find(state, state.cfg.model_id)
+                rows.append(_ps_row(m, state.engine, state.loop, FOREVER, m.size))
+        else:
+            models = {m.name: m for m in await state.pool.catalog()}
+            for name, e in list(state.pool.loaded.items()):
+                if e.engine is None or name not in models:
+                    continue
+                expires = (FOREVER if e.keep_alive < 0 else
+                           iso(e.expires_at if e.expires_at is not None else time.time() + e.keep_alive))
+                rows.append(_ps_row(models[name], e.engine, e.loop, expires, e.need))
+        return {"models": rows}
+
+    def _ps_row(m: LocalModel, engine, loop, expires: str, size: int) -> dict:
+        stats = loop.stats if loop is not None else {}
+        return {"name": m.name, "model": m.name, "size": size, "digest": _digest(m), "details": _details(m),
+                "expires_at": expires, "size_vram": 0 if str(engine.loaded.model.device) == "cpu" else size,
+                "context_length": engine.max_model_len,
+                # ours: KV blocks in use (0 when idle: nothing leaked) and in all
+                "kv_blocks_used": stats.get("kv_blocks_used", 0), "kv_blocks_total": stats.get("kv_blocks_total", 0)}
+
+    async def _load_only(name: str, keep_alive: float | None, chat: bool):
+        """An empty chat/generate: load the model (or, with keep_alive 0, unload it), as Ollama does."""
+        if keep_alive == 0 and state.pool is not None:
+            m = await _find(state, name)
+            await state.pool.unload(m.name)
+            reason = "unload"
+        else:
+            _, release = await state.acquire(name, keep_alive)
+            release()
+            reason = "load"
+        body = {"model": name, "created_at": _now_iso(), "done": True, "done_reason": reason}
+        body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+        return body
+
+    async def _run(name: str, prompt, options: Options | None, keep_alive: float | None, stream: bool,
+                   request: Request, chat: bool):
+        timing = _Timing()
+        target, release = await state.acquire(name, keep_alive)
+        timing.loaded = time.perf_counter()
+        try:
+            params = sampling_params(options)
+            gen = Generation(state, [prompt], [params], 1, "num_predict", "messages" if chat else "prompt",
+                             target, release)
+            await gen.start()
+        except BaseException:
+            release()
+            raise
+
+        def piece(text: str) -> dict:
+            return {"message": {"role": "assistant", "content": text}} if chat else {"response": text}
+
+        if not stream:
+            if not await gen.collect(request):
+                return Response(status_code=499)
+            timing.end = time.perf_counter()
+            timing.first = gen.first_token_at or timing.end
+            out = gen.finals[0]
+            return {"model": name, "created_at": _now_iso(), **piece(out.text), **_final(out, timing)}
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for _, out in gen.outputs():
+                    if timing.first is None and out.new_token_ids:
+                        timing.first = time.perf_counter()
+                    if out.delta:
+                        yield _line({"model": name, "created_at": _now_iso(), **piece(out.delta), "done": False})
+                    if out.finished:
+                        timing.end = time.perf_counter()
+                        yield _line({"model": name, "created_at": _now_iso(), **piece(""), **_final(out, timing)})
+            except APIError as e:  # after the headers: an error line, as Ollama sends it
+                state.metrics.errors[e.status] += 1
+                yield _line({"error": e.message})
+            finally:
+                gen.close()
+        return StreamingResponse(events(), media_type="application/x-ndjson", background=BackgroundTask(gen.close))
+
+    @app.post("/api/chat")
+    async def chat(body: ChatRequest, request: Request):
+        state.metrics.http_requests += 1
+        _refuse_unsupported(body, body.tools, any(m.images for m in body.messages))
+        keep_alive = parse_keep_alive(body.keep_alive)
+        if not body.model:
+            raise APIError(400, "model is required", param="model")
+        if not body.messages:
+            return await _load_only(body.model, keep_alive, True)
+        if any(m.tool_calls for m in body.messages):
+            raise APIError(400, "messages with tool_calls are not supported by this server yet", param="messages")
+        messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+        return await _run(body.model, messages, body.options, keep_alive, body.stream, request, True)
+
+    @app.post("/api/generate")
+    async def generate(body: GenerateRequest, request: Request):
+        state.metrics.http_requests += 1
+        _refuse_unsupported(body, None, bool(body.images))
+        for name in ("suffix", "template", "context"):
+            if getattr(body, name):
+                raise APIError(400, f"{name} is not supported by this server", param=name)
+        keep_alive = parse_keep_alive(body.keep_alive)
+        if not body.model:
+            raise APIError(400, "model is required", param="model")
+        if not body.prompt:
+            return await _load_only(body.model, keep_alive, False)
+        if body.raw:
+            prompt: Any = body.prompt
+        else:
+            prompt = ([{"role": "system", "content": body.system}] if body.system else []) + [
+                {"role": "user", "content": body.prompt}]
+        return await _run(body.model, prompt, body.options, keep_alive, body.stream, request, False)
+
+    @app.post("/api/pull")
+    async def pull(body: PullRequest):
+        return await _pull(state, body)
+
+    @app.delete("/api/delete")
+    async def delete(body: ModelRequest):
+        from .hub import HubError
+        from .models_cli import remove
+
+        name = body.target()
+        if state.pool is not None:
+            m = find_model(await state.pool.catalog(), name)
+            if m is not None:
+                await state.pool.unload(m.name)
+        elif name.lower().removesuffix(":latest") in state.names:
+            raise APIError(400, f"{name} is the model this server was started with; stop the server to delete it",
+                           param="model")
+        try:
+            await asyncio.to_thread(remove, name)
+        except (HubError, ValueError) as e:
+            raise APIError(404, str(e), param="model") from None
+        return Response(status_code=200)
+
+    async def not_served(request: Request):
+        raise APIError(501, f"{request.method} {request.url.path} is not supported by localllm (it serves local "
+                            "text models: chat, generate, pull, delete)", "not_implemented")
+
+    for path in ("/api/create", "/api/push", "/api/copy", "/api/embed", "/api/embeddings", "/api/blobs/{digest}"):
+        app.add_api_route(path, not_served, methods=["POST", "HEAD"] if "blobs" in path else ["POST"],
+                          include_in_schema=False)
+
+
+def _line(obj: dict) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+# ---- pull -------------------------------------------------------------------------------------
+class _PullProgress:
+    """Stands in for hub's rich progress bars: each file's bytes become Ollama status objects."""
+
+    def __init__(self, emit):
+        self.emit, self.tasks = emit, {}
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def add_task(self, desc: str, total: int | None = None, completed: int = 0) -> int:
+        i = len(self.tasks)
+        self.tasks[i] = [desc, total or 0, completed, -1]
+        self._report(i)
+        return i
+
+    def update(self, task: int, advance: float = 0) -> None:
+        t = self.tasks[task]
+        t[2] += int(advance)
+        if t[2] - t[3] >= (1 << 20) or t[2] >= t[1]:  # every MiB and the end: not one object per chunk
+            self._report(task)
+
+    def _report(self, task: int) -> None:
+        desc, total, done, _ = self.tasks[task]
+        self.tasks[task][3] = done
+        self.emit({"status": f"pulling {desc}", "digest": desc, "total": total, "completed": min(done, total)})
+
+
+async def _pull(state, body: PullRequest):
+    from .hub import HubError, variant_for
+    from .hub import pull as hub_pull
+    from .models_cli import local_path
+    from .registry import resolve_model
+
+    name = body.target()
+    try:
+        ref = resolve_model(name.removesuffix(":latest"))
+    except ValueError as e:
+        raise APIError(404, f"pull model manifest: {e}", param="model") from None
+    here = await asyncio.to_thread(local_path, ref)
+    aloop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def emit(obj: dict) -> None:
+        aloop.call_soon_threadsafe(queue.put_nowait, obj)
+
+    def work() -> None:
+        try:
+            if here is None:
+                v = variant_for(ref, "auto")
+                hub_pull(v.repo, v.revision, v.filename, progress=False, bars=_PullProgress(emit))
+            emit({"status": "verifying sha256 digest"})
+            emit({"status": "writing manifest"})
+            emit({"status": "success"})
+        except HubError as e:
+            emit({"error": str(e)})
+        except Exception as e:  # noqa: BLE001 - reported to the client, never a dropped stream
+            emit({"error": f"pull failed: {type(e).__name__}: {e}"})
+        emit(None)
+
+    task = asyncio.create_task(asyncio.to_thread(work))
+
+    async def events() -> AsyncIterator[dict]:
+        yield {"status": "pulling manifest"}
+        while (obj := await queue.get()) is not None:
+            yield obj
+        await task
+
+    if not body.stream:
+        last: dict = {}
+        async for obj in events():
+            last = obj
+        if "error" in last:
+            raise APIError(404 if "not found" in last["error"] else 502, last["error"], param="model")
+        return last
+
+    async def lines() -> AsyncIterator[str]:
+        async for obj in events():
+            yield _line(obj)
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
