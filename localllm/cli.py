@@ -174,6 +174,10 @@ def run(
     seed: Annotated[Optional[int], typer.Option(help="Same seed, same output.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    think: Annotated[Optional[bool], typer.Option(
+        "--think/--no-think", help="Reasoning models (Qwen3, ...): --think prints the reasoning before the answer; "
+                                   "--no-think asks the model not to reason. Default: it reasons, only the answer "
+                                   "is printed.", show_default=False)] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Token counts, TTFT and speed on stderr.")] = False,
     quant: QuantOpt = "auto",
     device: DeviceOpt = "auto",
@@ -219,7 +223,7 @@ def run(
         request = prompt
     else:
         request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    _stream_answer(engine, request, params, verbose)
+    _stream_answer(engine, request, params, verbose, think)
 
 
 def print_plan(model: str | None, quant: str, device: str, ctx: int | None, max_memory: float | None,
@@ -240,21 +244,47 @@ def print_plan(model: str | None, quant: str, device: str, ctx: int | None, max_
     typer.echo(plan.describe())
 
 
-def _stream_answer(engine, request, params, verbose: bool) -> None:
+def _stream_answer(engine, request, params, verbose: bool, think: bool | None = None) -> None:
+    """Stream the reply to stdout. A reasoning model's reasoning is left out of it unless `think`
+    (then it comes first, between "Thinking..." and "...done thinking." as Ollama prints it)."""
     from .chat import ChatTemplateError
     from .engine.engine import ContextLengthError
+    from .reasoning import ThinkSplitter, chat_prompt, reasons
 
     out = sys.stdout
     t0 = time.perf_counter()
     first = last = None
+    splitter, shown = None, False
     try:
+        if isinstance(request, list) and reasons(engine.tokenizer.chat_template):
+            request, inside = chat_prompt(engine, request, think)
+            splitter = ThinkSplitter(inside)
+        elif think:
+            typer.echo("note: this model does not reason (its chat template has no <think> tags); --think "
+                       "changes nothing", err=True)
+
+        def write(reasoning: str, answer: str) -> None:
+            nonlocal shown
+            if reasoning and think:
+                out.write(reasoning if shown else "Thinking...\n" + reasoning.lstrip("\n"))
+                shown = True
+            if answer:
+                if shown:
+                    out.write("\n...done thinking.\n\n")
+                    shown = False
+                out.write(answer)
+            out.flush()
+
         for o in engine.generate(request, params):
             if first is None:
                 first = time.perf_counter()
-            if o.delta:
-                out.write(o.delta)
-                out.flush()
+            if o.delta and splitter:
+                write(*splitter.feed(o.delta))
+            elif o.delta:
+                write("", o.delta)
             last = o
+        if splitter:
+            write(*splitter.flush())
         out.write("\n")
         out.flush()
     except (ContextLengthError, ChatTemplateError) as e:
@@ -542,6 +572,10 @@ def chat(
     draft: DraftOpt = None,
     spec_tokens: SpecTokensOpt = 4,
     enforce_eager: EagerOpt = False,
+    think: Annotated[Optional[bool], typer.Option(
+        "--think/--no-think", help="Reasoning models: show the reasoning dimmed (--think, the default) or ask "
+                                   "the model not to reason (--no-think); /set think on|hide|off in the chat.",
+        show_default=False)] = None,
 ):
     """Interactive chat (/? for commands). With stdin not a terminal, reads one message per line."""
     from .repl import ChatSession, history_path, run_pipe, run_repl
@@ -557,7 +591,7 @@ def chat(
         (sys.stdout if interactive else sys.stderr).flush()
 
     session = ChatSession(engine, name, system, note=note, max_tokens=max_tokens, temperature=temperature,
-                          top_p=top_p, top_k=top_k, seed=seed)
+                          top_p=top_p, top_k=top_k, seed=seed, think="off" if think is False else "on")
     try:
         if not interactive:
             # bytes: a line that is not UTF-8 costs that line only

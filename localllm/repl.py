@@ -30,6 +30,7 @@ Commands:
   /help, /?                 this help
   /system [TEXT]            show or set the system prompt
   /set NAME VALUE           temperature, top_p, top_k, max_tokens, seed (VALUE 'none' unsets max_tokens/seed)
+  /set think on|hide|off    reasoning models: show the reasoning dimmed, hide it, or ask for none
   /show                     model and settings
   /stats                    last reply: tokens, TTFT, tokens/s, prompt tokens served from the prefix cache
   /clear                    forget the conversation (keeps the system prompt)
@@ -41,6 +42,8 @@ Input: \"\"\" starts and ends a multi-line message. Ctrl+C stops a reply (the pa
 
 SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "seed": int,
             "min_p": float, "repeat_penalty": float}
+THINK_MODES = ("on", "hide", "off")
+DIM, UNDIM = "\x1b[2m", "\x1b[22m"
 
 
 def history_path() -> Path:
@@ -84,7 +87,11 @@ class ChatSession:
 
     def __init__(self, engine, model_name: str = "", system: str | None = None,
                  out: Callable[[str], None] | None = None, note: Callable[[str], None] | None = None,
-                 **settings):
+                 think: str = "on", **settings):
+        if think not in THINK_MODES:
+            raise ValueError(f"think must be one of {', '.join(THINK_MODES)}, got {think!r}")
+        self.think = think
+        self.dim = False  # a terminal: reasoning is written dimmed into the reply; else to `note`
         self.engine = engine
         self.model_name = model_name
         self.system = system
@@ -153,23 +160,48 @@ class ChatSession:
         (or on KeyboardInterrupt). The partial answer is kept."""
         from .chat import ChatTemplateError
         from .engine.engine import ContextLengthError
+        from .reasoning import ThinkSplitter, chat_prompt, reasons
 
         self.interrupt.clear()
         stats, text, last = ReplyStats(), "", None
         t0 = time.perf_counter()
         first = None
-        gen = self.engine.generate(self.conversation(), self.params())
+        prompt, splitter = self.conversation(), None
+        thought = False  # reasoning has been shown (dimmed: the terminal is still dim)
+
+        def show(reasoning: str, answer: str) -> None:
+            nonlocal text, thought
+            if reasoning and self.think == "on":
+                if not thought:
+                    reasoning = (DIM if self.dim else "") + reasoning.lstrip("\n")
+                (self.out if self.dim else self.note)(reasoning)
+                thought = True
+            if answer:
+                if thought:  # a blank line between the reasoning and the answer
+                    (self.out if self.dim else self.note)((UNDIM if self.dim else "") + "\n")
+                    thought = False
+                text += answer  # the conversation keeps the answer, as the templates expect
+                self.out(answer)
+
+        gen = None
         try:
+            if reasons(getattr(self.engine.tokenizer, "chat_template", None)):
+                prompt, inside = chat_prompt(self.engine, prompt, False if self.think == "off" else None)
+                splitter = ThinkSplitter(inside)
+            gen = self.engine.generate(prompt, self.params())
             for o in gen:
                 if first is None:
                     first = time.perf_counter()
                 last = o
-                if o.delta:
-                    text += o.delta
-                    self.out(o.delta)
+                if o.delta and splitter:
+                    show(*splitter.feed(o.delta))
+                elif o.delta:
+                    show("", o.delta)
                 if self.interrupt.is_set() and not o.finished:
                     stats.interrupted = True
                     break
+            if splitter:
+                show(*splitter.flush())
         except KeyboardInterrupt:
             stats.interrupted = True
         except (ContextLengthError, ChatTemplateError) as e:
@@ -181,7 +213,10 @@ class ChatSession:
             self.note(f"Error: {type(e).__name__}: {e}; the message was not kept\n")
             return None
         finally:
-            gen.close()  # aborts the request (frees its KV blocks) if it did not finish
+            if gen is not None:
+                gen.close()  # aborts the request (frees its KV blocks) if it did not finish
+            if thought and self.dim:  # stopped while reasoning: the terminal leaves dim text
+                self.out(UNDIM)
         end = time.perf_counter()
         if last is not None:
             n = len(last.token_ids)
@@ -236,6 +271,14 @@ class ChatSession:
         key, value = key.replace("-", "_").lower(), value.strip()
         if key == "system":
             return self._system(value)
+        if key == "think":
+            if value.lower() not in THINK_MODES:
+                self.note(f"usage: /set think {'|'.join(THINK_MODES)} (show the reasoning dimmed, hide it, or ask "
+                          "the model not to reason)\n")
+                return
+            self.think = value.lower()
+            self.out(f"think = {self.think}\n")
+            return
         if key not in SETTABLE or not value:
             self.note(f"usage: /set {{{'|'.join(SETTABLE)}}} VALUE\n")
             return
@@ -264,6 +307,7 @@ class ChatSession:
             lines += [f"path: {loaded.source}", f"precision: {loaded.precision}"]
         lines.append(f"context: {self.engine.max_model_len} tokens")
         lines += [f"{k}: {v}" for k, v in self.settings.items()]
+        lines.append(f"think: {self.think}")
         lines.append(f"system: {self.system!r}" if self.system else "system: (none)")
         lines.append(f"messages: {len(self.messages)}")
         self.out("\n".join(lines) + "\n")
@@ -515,6 +559,7 @@ def run_repl(session: ChatSession, input=None, output=None, history: Path | None
     frames = FrameWriter(fps)
     out, note = session.out, session.note
     session.out, session.note = frames.sink(out), frames.sink(note)
+    session.dim = True  # a terminal: reasoning is shown dimmed in the reply
     try:
         while True:
             frames.flush()  # nothing of ours may reach the terminal while prompt-toolkit draws

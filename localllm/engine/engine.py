@@ -202,13 +202,14 @@ class LLMEngine:
         return None
 
     # ---- requests -------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
-        """A string, token ids, or chat messages -> prompt token ids."""
+    def encode_prompt(self, prompt: str | list[int] | list[dict], **template_kwargs) -> list[int]:
+        """A string, token ids, or chat messages -> prompt token ids. `template_kwargs` reach the
+        chat template (e.g. enable_thinking=False for Qwen3)."""
         from ..chat import render_chat
 
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             text = render_chat(self.tokenizer.chat_template, prompt, bos_token=self.tokenizer.bos_token,
-                               eos_token=self.tokenizer.eos_token)
+                               eos_token=self.tokenizer.eos_token, **template_kwargs)
             return self.tokenizer.encode(text)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)

@@ -1,0 +1,158 @@
+"""Reasoning (<think>...</think>) split from the answer, however the text is cut into deltas."""
+
+import copy
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import make_engine
+
+from localllm.reasoning import ThinkSplitter, opened, reasons, split
+
+
+def feed_in_pieces(text: str, cuts: list[int], thinking: bool = False) -> tuple[str, str]:
+    s = ThinkSplitter(thinking)
+    r, a = "", ""
+    for lo, hi in zip([0] + cuts, cuts + [len(text)]):
+        dr, da = s.feed(text[lo:hi])
+        r, a = r + dr, a + da
+    fr, fa = s.flush()
+    return r + fr, a + fa
+
+
+CASES = [
+    # (model output, starts inside <think>, reasoning, answer)
+    ("<think>\nLet me add.\n</think>\n\nTwo.", False, "\nLet me add.\n", "Two."),
+    ("<think>\n\n</think>\n\nHi", False, "\n\n", "Hi"),  # enable_thinking=False, emitted by the model
+    ("Plain answer, <think> mentioned later.", False, "", "Plain answer, <think> mentioned later."),
+    ("I reason.\n</think>\n\nAnswer <b>", True, "I reason.\n", "Answer <b>"),  # the prompt opened it
+    ("<think>never closed", False, "never closed", ""),
+    ("<thin", False, "", "<thin"),  # a tag that never completes is text
+    ("a < b", False, "", "a < b"),
+    ("\n<think>x</think>y", False, "x", "y"),
+]
+
+
+@pytest.mark.parametrize("text,thinking,reasoning,answer", CASES)
+def test_every_cut_gives_the_same_split(text, thinking, reasoning, answer):
+    assert split(text, thinking) == (reasoning, answer)
+    for i in range(len(text) + 1):  # one cut anywhere, tags included
+        assert feed_in_pieces(text, [i], thinking) == (reasoning, answer), i
+    rng = random.Random(0)
+    for _ in range(50):  # several cuts, one character per delta included
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6)))) if len(text) > 1 else []
+        assert feed_in_pieces(text, cuts, thinking) == (reasoning, answer), cuts
+    assert feed_in_pieces(text, list(range(1, len(text))), thinking) == (reasoning, answer)
+
+
+def test_templates_and_prompts():
+    assert reasons("... {{- '<think>\\n\\n</think>\\n\\n' }} ...") and not reasons("{{ messages }}") and not reasons(None)
+    assert opened("<|im_start|>assistant\n<think>\n")
+    assert not opened("<|im_start|>assistant\n<think>\n\n</think>\n\n") and not opened("hello")
+
+
+# ---- front ends: the chat REPL and `run`, on a scripted reasoning model ----------------------
+
+QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+REPLY = "<think>\nThe user greets me.\n</think>\n\nHello! How can I help?"
+
+
+class ScriptedReasoner:
+    """The real engine's tokenizer and prompt encoding under Qwen3's chat template; generate()
+    streams REPLY in small deltas (a random model does not write <think> tags)."""
+
+    def __init__(self, engine):
+        from localllm.chat import render_chat
+
+        self._engine, self.tokenizer, self.max_model_len = engine, copy.copy(engine.tokenizer), engine.max_model_len
+        self.tokenizer.chat_template = QWEN3_TEMPLATE
+        self.render = lambda messages, **kw: render_chat(QWEN3_TEMPLATE, messages, **kw)
+        self.prompts: list[str] = []
+
+    def encode_prompt(self, messages, **template_kwargs):
+        text = self.render(messages, **template_kwargs)
+        self.prompts.append(text)
+        return self.tokenizer.encode(text)
+
+    def generate(self, prompt, params):
+        assert isinstance(prompt, list) and isinstance(prompt[0], int)  # encoded through encode_prompt
+        pieces = [REPLY[i:i + 3] for i in range(0, len(REPLY), 3)]
+        for i, p in enumerate(pieces):
+            yield SimpleNamespace(delta=p, token_ids=list(range(i + 1)), finished=i == len(pieces) - 1,
+                                  finish_reason="stop", num_prompt_tokens=len(prompt), num_cached_tokens=0)
+
+
+@pytest.fixture
+def reasoner(int4_model):
+    return ScriptedReasoner(make_engine(int4_model))
+
+
+def session_of(engine, **kw):
+    from localllm.repl import ChatSession
+
+    out, notes = [], []
+    s = ChatSession(engine, "qwen3", out=out.append, note=notes.append, **kw)
+    s.outputs, s.notes = out, notes
+    return s
+
+
+def test_chat_shows_reasoning_dimmed_and_keeps_only_the_answer(reasoner):
+    from localllm.repl import DIM, UNDIM
+
+    s = session_of(reasoner)
+    s.dim = True  # as in a terminal
+    s.handle("hi")
+    assert "".join(s.outputs) == DIM + "The user greets me.\n" + UNDIM + "\nHello! How can I help?\n"
+    assert s.messages[-1] == {"role": "assistant", "content": "Hello! How can I help?"}
+    # the next turn's prompt carries the answer, not the reasoning (the template drops it anyway)
+    s.handle("and?")
+    assert "The user greets me." not in reasoner.prompts[-1] and "Hello! How can I help?" in reasoner.prompts[-1]
+
+
+def test_chat_think_modes(reasoner):
+    s = session_of(reasoner, think="hide")
+    s.handle("hi")
+    assert "".join(s.outputs) == "Hello! How can I help?\n" and not s.notes
+    s.handle("/set think off")  # the template's enable_thinking=False: an empty reasoning block
+    s.handle("hi again")
+    assert reasoner.prompts[-1].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    s.handle("/set think on")
+    s.handle("once more")  # not a terminal: the reasoning goes to the notes, the answer to out
+    assert "The user greets me." in "".join(s.notes) and not reasoner.prompts[-1].endswith("</think>\n\n")
+    s.notes.clear()
+    s.handle("/set think loud")
+    assert "usage: /set think on|hide|off" in "".join(s.notes) and s.think == "on"
+
+
+@pytest.mark.parametrize("think", [None, True, False])
+def test_run_prints_the_answer_and_the_reasoning_only_when_asked(reasoner, think, capsys):
+    from localllm.cli import _stream_answer
+    from localllm.sampling import SamplingParams
+
+    _stream_answer(reasoner, [{"role": "user", "content": "hi"}], SamplingParams(), False, think)
+    out = capsys.readouterr().out
+    if think:
+        assert out == "Thinking...\nThe user greets me.\n\n...done thinking.\n\nHello! How can I help?\n"
+    else:
+        assert out == "Hello! How can I help?\n"
+    assert reasoner.prompts[-1].endswith("</think>\n\n") == (think is False)
+
+
+def test_qwen3_template_renders_as_transformers_renders_it(tmp_path, int4_model):
+    """Our jinja sandbox renders the family's template (tools, reasoning in the history,
+    enable_thinking) exactly as transformers' apply_chat_template."""
+    transformers = pytest.importorskip("transformers")
+    from localllm.chat import render_chat
+
+    int4_model.tokenizer.save_hf(tmp_path)
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ref.chat_template = QWEN3_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": "<think>\nCall the tool.\n</think>\n\nChecking.",
+              "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+             {"role": "tool", "content": "18C"}, {"role": "user", "content": "Thanks"}]
+    for kw in ({}, {"enable_thinking": False}, {"tools": tools}):
+        want = ref.apply_chat_template(convo, tokenize=False, add_generation_prompt=True, **kw)
+        assert render_chat(QWEN3_TEMPLATE, convo, **kw) == want, kw
