@@ -20,15 +20,17 @@ def free_port() -> int:
 
 
 class ServerProc:
-    """`localllm serve ARGS` on a free loopback port; records the /health codes seen while starting."""
+    """`localllm serve [MODEL] ARGS` on a free loopback port; records the /health codes seen while starting."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, model: str | None = "smollm2-135m", env: dict[str, str] | None = None):
+        """`model=None`: no MODEL argument, i.e. every local model on demand."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="localllm-serve-", suffix=".log", delete=False)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**(env or os.environ), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "localllm.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args],
+            [sys.executable, "-m", "localllm.cli", "serve", *([model] if model else []), "--host", "127.0.0.1",
+             "--port", str(self.port), *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.health_codes: list[int] = []
 
