@@ -11,6 +11,7 @@ import torch
 from localllm_kernels import cpu_sampler
 
 from .model.layers import top_indices
+from .structured import Constraint
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # int64 (OpenAI) and uint64 (vLLM) seeds
 # as vLLM: a positive temperature below this samples at it (1e-199 overflowed the logits to inf and
@@ -44,6 +45,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return per token (0: only the chosen)
     min_tokens: int = 0
     spec_tokens: int | None = None  # speculative tokens per step (None: the engine's; 0: off)
+    constraint: Constraint | None = None  # output held to a JSON schema / regex / choice / grammar
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -81,6 +83,8 @@ class SamplingParams:
             raise SamplingError("logprobs", f"must be an integer in 0..20, got {self.logprobs!r}")
         if self.spec_tokens is not None and (not isinstance(self.spec_tokens, int) or not 0 <= self.spec_tokens <= 16):
             raise SamplingError("spec_tokens", f"must be an integer in 0..16, got {self.spec_tokens!r}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise SamplingError("constraint", "must be a Constraint (localllm.structured.Constraint.make)")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise SamplingError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
 
@@ -90,9 +94,9 @@ class SamplingParams:
 
     @property
     def needs_logits(self) -> bool:
-        """False when the argmax of the raw logits is the answer (no penalties, no logprobs)."""
+        """False when the argmax of the raw logits is the answer (no penalties, logprobs or constraint)."""
         return not (self.greedy and self.repetition_penalty == 1.0 and self.presence_penalty == 0
-                    and self.frequency_penalty == 0 and self.logprobs is None)
+                    and self.frequency_penalty == 0 and self.logprobs is None and self.constraint is None)
 
 
 def generator_seed(seed: int) -> int:

@@ -15,6 +15,7 @@ from ..config import EngineConfig
 from ..hardware import available_memory
 from ..model.loader import LoadedModel
 from ..sampling import SamplingParams
+from ..structured import Grammars
 from ..tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager
 from .runner import ModelRunner
@@ -108,6 +109,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, config.block_size, self.num_blocks, loaded.kv_dtype,
                                   loaded.eos_ids, *self._graph_shape(), compiled=config.compile)
         self.eos_ids = loaded.eos_ids
+        # matchers for constrained requests (llguidance), over the head's whole vocabulary
+        self.grammars = Grammars(self.tokenizer.tok.to_str, self.model_config.vocab_size, sorted(self.eos_ids))
         self.proposer = self._make_proposer(draft)
         self._runners = [self.runner] + ([self.proposer.runner] if isinstance(self.proposer, DraftProposer) else [])
         self.adaptive = AdaptiveK(config.num_speculative_tokens)
@@ -244,6 +247,8 @@ class LLMEngine:
             if rid in self._seqs:
                 raise ValueError(f"request id {rid!r} is already in use")
             seq = Sequence(rid, ids, params, max_tokens)
+            if params.constraint is not None:
+                seq.matcher = self.grammars.matcher(params.constraint)
             self._seqs[rid] = seq
             self._outputs[rid] = _Output(IncrementalDetokenizer(self.tokenizer, ids), params.stop)
             self.scheduler.add(seq)
@@ -393,12 +398,17 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         p = seq.params
-        reason, kept = None, []
+        reason, kept, complete = None, [], False
         for t in new:
             kept.append(t)
             if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
                 reason = "stop"
                 break
+            if seq.matcher is not None:
+                seq.matcher.consume_token(t)
+                if seq.matcher.is_stopped():  # the grammar is complete and allows nothing more
+                    reason, complete = "stop", True
+                    break
             if seq.num_output_tokens + len(kept) >= seq.max_tokens or \
                     seq.num_tokens + len(kept) >= self.max_model_len:
                 reason = "length"
@@ -409,7 +419,7 @@ class LLMEngine:
         self.block_manager.hash_full_blocks(seq)  # before a finish frees them: the next turn reuses them
         self.stats["generated_tokens"] += len(kept)
         out = self._outputs[seq.request_id]
-        visible = kept[:-1] if reason == "stop" else kept  # the stop token itself is not text
+        visible = kept[:-1] if reason == "stop" and not complete else kept  # a stop token is not text
         delta = out.add(visible, final=reason is not None)
         if out.stopped:
             reason = "stop"

@@ -14,6 +14,7 @@ from ..model.attention import AttnMeta
 from ..model.compiled import CompiledStep
 from ..model.llama import LlamaModel
 from ..sampling import apply_penalties, filter_probs, sample_row, top_logprobs
+from ..structured import allowed
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
 from .speculative import accept_greedy, accept_sampling
@@ -98,6 +99,8 @@ class ModelRunner:
         out = []
         for row, seq in zip(logits, seqs):
             p = seq.params
+            if seq.matcher is not None:  # before penalties and temperature: what may come next at all
+                row = row.masked_fill(~allowed(seq.matcher, row.shape[-1]), float("-inf"))
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 row = apply_penalties(row.clone(), p, seq.prompt_ids, seq.output_ids)
             if p.min_tokens and seq.num_output_tokens < p.min_tokens:

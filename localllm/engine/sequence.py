@@ -37,6 +37,7 @@ class Sequence:
     num_preemptions: int = 0
     counted: bool = False  # prompt counted in the engine's cache statistics
     logprobs: list[dict] = field(default_factory=list)
+    matcher: object | None = None  # llguidance matcher of a constrained request (localllm.structured)
 
     def __post_init__(self):
         if not self.token_ids:

@@ -1,0 +1,111 @@
+"""Constrained decoding: a request's output held to a JSON schema, any JSON object, a regex, a
+choice of strings or a Lark grammar, through llguidance (a maintained grammar engine: it builds
+its tokenizer from the tokenizers JSON we hold, compiles a schema in ~1 ms and fills a token mask
+in tens of microseconds; it refuses schema keywords it does not support instead of ignoring them).
+
+The seam to the engine is small: `Constraint` (what the request asks, checked when the request is
+made), `Grammars.matcher` (one matcher per request), `allowed` (the tokens the matcher allows next,
+applied to the logits before penalties and temperature) and the matcher's own consume_token /
+is_stopped / rollback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+KINDS = ("json", "json_schema", "regex", "choice", "grammar")
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be compiled; the message says why."""
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """kind "json" (any JSON object; spec unused), "json_schema" (spec: the schema, a dict),
+    "regex" (spec: a pattern), "choice" (spec: a list of strings), "grammar" (spec: Lark text)."""
+
+    kind: str
+    spec: str | tuple | None = None
+
+    @classmethod
+    def make(cls, kind: str, spec=None) -> Constraint:
+        """A checked constraint (ConstraintError otherwise); a schema dict is kept as JSON text
+        so that the constraint is hashable and compiled once."""
+        if kind not in KINDS:
+            raise ConstraintError(f"unknown constraint kind {kind!r} (one of {', '.join(KINDS)})")
+        if kind == "json_schema":
+            if not isinstance(spec, (dict, bool)):
+                raise ConstraintError("a JSON schema must be an object")
+            spec = json.dumps(spec)  # key order kept: properties are generated in it
+        elif kind == "choice":
+            if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) and c for c in spec):
+                raise ConstraintError("a choice must be a non-empty list of non-empty strings")
+            spec = tuple(spec)
+        elif kind in ("regex", "grammar"):
+            if not isinstance(spec, str) or not spec:
+                raise ConstraintError(f"a {kind} must be a non-empty string")
+        c = cls(kind, spec)
+        error = _check(c.grammar())
+        if error:
+            raise ConstraintError(f"invalid {kind}: {error}")
+        return c
+
+    def grammar(self) -> str:
+        return _grammar(self.kind, self.spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar(kind: str, spec) -> str:
+    from llguidance import LLMatcher
+
+    if kind == "json":
+        return LLMatcher.grammar_from_json_schema({"type": "object"})
+    if kind == "json_schema":
+        return LLMatcher.grammar_from_json_schema(spec)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(spec)
+    if kind == "choice":  # Lark string literals take JSON's escapes
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+    return LLMatcher.grammar_from_lark(spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _check(grammar: str) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar(grammar)
+
+
+class Grammars:
+    """Matchers for one model's tokenizer. The llguidance tokenizer takes ~0.5 s to build (the
+    49k-token vocabulary), so it is built at the first constrained request, not at load."""
+
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_ids: list[int]):
+        self._json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, eos_ids
+
+    @functools.cached_property
+    def tokenizer(self):
+        from llguidance import LLTokenizer
+
+        return LLTokenizer(self._json(), n_vocab=self.vocab_size, eos_token=self.eos_ids)
+
+    def matcher(self, constraint: Constraint):
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self.tokenizer, constraint.grammar(), log_level=0)
+        if m.is_error():
+            raise ConstraintError(f"invalid {constraint.kind}: {m.get_error()}")
+        return m
+
+
+def allowed(matcher, vocab_size: int) -> torch.Tensor:
+    """bool [vocab_size]: the tokens the matcher allows next (its bitmask, bit i of word i // 32)."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    return torch.from_numpy(bits[:vocab_size].astype(bool))
