@@ -301,3 +301,127 @@ def test_unknown_architecture_is_one_clear_line(tmp_path, family):
     with pytest.raises(ModelLoadError, match=rf"architecture '{bad_arch.decode()}' is not supported "
                                              r"\(supported: llama, qwen2, qwen3, mistral, phi3\)"):
         load_model(tmp_path / "bad.gguf")
+
+
+# ---- Phi-3 / Phi-4-mini specifics -------------------------------------------------------------
+@pytest.mark.parametrize("family", ["phi4-mini"], indirect=True)
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_longrope_long_factors_past_the_original_length(family, source):
+    """Run at the full 1024-token context, the long factors apply (ours: for every position, picked
+    once by the context); transformers takes them for a sequence longer than the original 128
+    positions, so a 150-token prompt scored at once gets the same logits."""
+    ref_model, hf_dir, gguf_file, _, _ = family
+    path = hf_dir if source == "hf" else gguf_file
+    long, short = load_model(path, "float32"), load_model(path, "float32", max_model_len=PHI4_ORIG)
+    assert long.extra["max_model_len"] == 1024
+    assert not torch.allclose(long.model.rope.cos[:PHI4_ORIG], short.model.rope.cos)  # the sets differ
+    prompt = (PROMPT * 10)[:150]
+    ours = make_engine(long).score(prompt)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["phi3-mini"], indirect=True)
+def test_sliding_window_bounds_the_context(family):
+    """Attention here is always full: a Phi-3 window (512 of 1024 here, 2047 of 4096 in
+    Phi-3-mini-4k) caps the default context, and a longer one asked for is refused in one line."""
+    from localllm.model.errors import ModelLoadError
+
+    _, hf_dir, gguf_file, _, _ = family
+    for path in (hf_dir, gguf_file):
+        assert load_model(path, "float32").extra["max_model_len"] == 512
+        assert load_model(path, "float32", max_model_len=256).extra["max_model_len"] == 256
+        with pytest.raises(ModelLoadError, match=r"sliding window of 512 tokens.*--ctx 512 or less"):
+            load_model(path, "float32", max_model_len=1024)
+
+
+def test_phi_configs_as_published():
+    """config.json of the published models (shapes as on the hub, factor lists shortened to their
+    real lengths with made-up values) -> our config, as transformers resolves it."""
+    from localllm.config import ModelConfig
+
+    phi4 = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 200064, "hidden_size": 3072,
+            "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 24,
+            "num_key_value_heads": 8, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+            "partial_rotary_factor": 0.75, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "sliding_window": 262144,
+            "tie_word_embeddings": True, "hidden_act": "silu", "pad_token_id": 199999,
+            "rope_scaling": {"type": "longrope", "long_factor": [2.0] * 48, "short_factor": [1.0] * 48}}
+    c = ModelConfig.from_hf(phi4)
+    assert (c.head_dim, c.rotary_dim, c.num_kv_heads, c.tie_word_embeddings) == (128, 96, 8, True)
+    assert c.fused_checkpoint and c.sliding_window == 262144
+    assert c.rope_scaling["original_max_position_embeddings"] == 4096
+    assert c.rope_scaling["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    ref = transformers.Phi3Config(**phi4)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, attn = ROPE_INIT_FUNCTIONS["longrope"](ref, None)
+    assert attn == pytest.approx(c.rope_scaling["attention_factor"])
+    from localllm.model.layers import rope_inv_freq
+
+    ours, ours_attn = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling, 4096)
+    assert torch.equal(ours, inv) and ours_attn == pytest.approx(attn)
+    # Phi-3-mini-128k (old name "su" for longrope) and Phi-3-mini-4k (no scaling, window 2047)
+    phi3 = phi4 | {"hidden_size": 3072, "num_attention_heads": 32, "num_key_value_heads": 32,
+                   "tie_word_embeddings": False, "sliding_window": 262144}
+    del phi3["partial_rotary_factor"]
+    c = ModelConfig.from_hf(phi3 | {"rope_scaling": {"type": "su", "long_factor": [2.0] * 48,
+                                                     "short_factor": [1.0] * 48}})
+    assert c.rope_scaling["rope_type"] == "longrope" and c.rotary_dim == c.head_dim == 96
+    c = ModelConfig.from_hf(phi3 | {"rope_scaling": None, "max_position_embeddings": 4096, "sliding_window": 2047})
+    assert c.rope_scaling is None and c.sliding_window == 2047 and not c.tie_word_embeddings
+    # Mistral keeps its old behaviour: its window is not read
+    assert ModelConfig.from_hf(phi3 | {"architectures": ["MistralForCausalLM"]}).sliding_window is None
+    # the registry's parameter counts (planner) are these configs' (Phi-3-mini: vocab 32064)
+    from localllm.registry import resolve_model
+
+    assert resolve_model("phi4-mini").spec.params == ModelConfig.from_hf(phi4).num_params
+    for alias in ("phi3-mini-4k", "phi3.5-mini"):
+        assert resolve_model(alias).spec.params == ModelConfig.from_hf(phi3 | {"vocab_size": 32064}).num_params
+
+
+# chat templates as published in tokenizer_config.json (Phi-3-mini-4k-instruct, Phi-4-mini-instruct)
+PHI3_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] "
+                 "+ '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+                 "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}"
+                 "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}"
+                 "{{ eos_token }}{% endif %}")
+PHI4_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and "
+                 "message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + "
+                 "message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + "
+                 "message['content'] + '<|end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}")
+
+
+def test_phi_chat_templates_render():
+    from localllm.chat import render_chat
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert render_chat(PHI3_TEMPLATE, msgs, eos_token="<|endoftext|>") == \
+        "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n"
+    assert render_chat(PHI4_TEMPLATE, msgs) == "<|system|>Be brief.<|end|><|user|>Hi<|end|><|assistant|>"
+
+
+def test_partial_rotary_triton_rope_equals_torch():
+    """The Triton path rotates the leading rotary_dim columns of each head in place (strided views
+    of the fused qkv output) and leaves the rest: the same as the torch path."""
+    from localllm.model.layers import RotaryEmbedding
+    from localllm.model.llama import rope_fused, rope_torch
+
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 64, "attention_factor": 1.2,
+               "short_factor": [1.0 + 0.1 * i for i in range(12)], "long_factor": [1.0 + i for i in range(12)]}
+    rope = RotaryEmbedding(32, 256, 10000.0, scaling, torch.float32, rotary_dim=24)
+    g = torch.Generator().manual_seed(0)
+    T, H, KVH, D = 5, 4, 2, 32
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g)
+    pos = torch.tensor([0, 3, 64, 100, 255])
+
+    def views(t):
+        return t[:, :H * D].view(T, H, D), t[:, H * D:(H + KVH) * D].view(T, KVH, D)
+
+    ref_q, ref_k = rope_torch(pos, *views(qkv), rope)
+    assert torch.equal(ref_q[..., 24:], views(qkv)[0][..., 24:])
+    fused = qkv.clone()
+    q, k = rope_fused(pos, *views(fused), rope)
+    torch.testing.assert_close(q, ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, ref_k, atol=1e-5, rtol=1e-5)
