@@ -425,3 +425,22 @@ def test_partial_rotary_triton_rope_equals_torch():
     q, k = rope_fused(pos, *views(fused), rope)
     torch.testing.assert_close(q, ref_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k, ref_k, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["phi4-mini", "phi3-mini"], indirect=True)
+def test_phi_gguf_exports_to_an_hf_checkpoint_transformers_runs(family, tmp_path):
+    """export_hf of a Phi GGUF: fused qkv_proj / gate_up_proj, partial rotary, LongRoPE and the
+    window carried into config.json; transformers on it gives the original model's logits."""
+    from localllm.model.export import export_hf
+
+    ref_model, _, gguf_file, _, fam = family
+    out = export_hf(gguf_file, tmp_path / "hf")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Phi3ForCausalLM"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = hf(torch.tensor([PROMPT])).logits[0]
+        ref = ref_model(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    ours = make_engine(load_model(out, "float32", **fam.load)).score(PROMPT)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
