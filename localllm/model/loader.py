@@ -90,8 +90,9 @@ class GGUFWeights:
                 qkv_bias="blk.0.attn_q.bias" in self.file.tensors,
                 qk_norm="blk.0.attn_q_norm.weight" in self.file.tensors,
                 partial_rotary_factor=m("rope.dimension_count", head_dim) / head_dim,
-                # llama.cpp writes 0 for "none" (and ignores Phi-3's window; we refuse to run past it)
-                sliding_window=m("attention.sliding_window") or None,
+                # Phi-3 only, as from_hf; llama.cpp writes 0 for "none" (and ignores Phi-3's window;
+                # we refuse to run past it)
+                sliding_window=(m("attention.sliding_window") or None) if arch == "phi3" else None,
                 rope_scaling=self._longrope(m),
                 architecture=_GGUF_ARCHS[arch],
                 model_type=arch,
