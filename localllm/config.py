@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
 @dataclass
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM)."""
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3/Phi-4-mini)."""
 
     vocab_size: int
     hidden_size: int
@@ -23,20 +24,30 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first 3/4 of each head only
+    sliding_window: int | None = None  # Phi-3: attention window (we run contexts up to it only)
     architecture: str = "LlamaForCausalLM"
     model_type: str = "llama"
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+        supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                     "Phi3ForCausalLM"}
         if arch not in supported:
             raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(supported))})")
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        # transformers 5 moves partial_rotary_factor into rope_parameters, older configs keep it on top
+        partial = (rope or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
         if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
             rope = None
+        if rope and arch == "Phi3ForCausalLM":
+            rope = _phi3_longrope(cfg, rope)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        # Phi-3 only: Mistral/Qwen2 configs carry windows their loaders have always ignored
+        window = cfg.get("sliding_window") if arch == "Phi3ForCausalLM" else None
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -44,7 +55,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(theta),
             rope_scaling=rope,
@@ -52,12 +63,35 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
+            partial_rotary_factor=float(partial),
+            sliding_window=int(window) if window else None,
             architecture=arch,
             model_type=cfg.get("model_type", "llama"),
         )
 
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each head that RoPE rotates (transformers' int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def fused_checkpoint(self) -> bool:
+        """Checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3)."""
+        return self.architecture == "Phi3ForCausalLM"
+
+    def checkpoint_linears(self) -> dict[str, tuple[str, ...]]:
+        """Each of our fused linears -> the checkpoint modules it holds, in row order."""
+        return checkpoint_linears(self.fused_checkpoint)
+
     def to_hf(self) -> dict:
-        return {
+        extra = {}
+        if self.partial_rotary_factor != 1.0:
+            extra["partial_rotary_factor"] = self.partial_rotary_factor
+        if self.sliding_window:
+            extra["sliding_window"] = self.sliding_window
+        if self.rope_scaling and "original_max_position_embeddings" in self.rope_scaling:
+            extra["original_max_position_embeddings"] = self.rope_scaling["original_max_position_embeddings"]
+        return extra | {
             "architectures": [self.architecture],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
@@ -87,6 +121,37 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def checkpoint_linears(fused: bool) -> dict[str, tuple[str, ...]]:
+    """Our fused linears (qkv, o, gate_up, down) -> the checkpoint modules each holds, in row
+    order: Llama's separate q/k/v and gate/up, or Phi-3's qkv_proj and gate_up_proj (q, k, v rows
+    and gate, up rows in the same order as ours)."""
+    if fused:
+        return {"qkv": ("self_attn.qkv_proj",), "o": ("self_attn.o_proj",),
+                "gate_up": ("mlp.gate_up_proj",), "down": ("mlp.down_proj",)}
+    return {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+            "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+
+
+def _phi3_longrope(cfg: dict, rope: dict) -> dict:
+    """Phi-3's LongRoPE parameters as transformers resolves them (Phi3Config and
+    _compute_longrope_parameters): "su" is the old name; the top-level
+    original_max_position_embeddings wins over the dict's; attention_factor, when not given, is
+    sqrt(1 + ln(s) / ln(original)) with s = factor, else max_position_embeddings / original."""
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind in ("su", "yarn"):  # transformers reads both as longrope for Phi-3
+        kind = "longrope"
+    if kind != "longrope":
+        raise ValueError(f"unsupported rope_scaling type {kind!r} for Phi-3 (supported: default, longrope)")
+    orig = int(cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") or 4096)
+    attn = rope.get("attention_factor")
+    if attn is None:
+        s = rope.get("factor") or cfg.get("max_position_embeddings", 4096) / orig
+        attn = 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(orig))
+    return {"rope_type": "longrope", "short_factor": [float(x) for x in rope["short_factor"]],
+            "long_factor": [float(x) for x in rope["long_factor"]], "original_max_position_embeddings": orig,
+            "attention_factor": float(attn)}
 
 
 @dataclass

@@ -3,6 +3,10 @@ checkpoint of each family written by transformers itself, loaded from the HF dir
 GGUF holding the same tensors under llama.cpp's names."""
 
 import copy
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,11 +45,17 @@ def write_hf(model, out: Path, tokenizer_from) -> Path:
     return out
 
 
-# HF tensor name -> llama.cpp's, for the families written here
+# HF tensor name -> llama.cpp's, for the families written here (Phi-3's fused qkv_proj and
+# gate_up_proj stay fused there: attn_qkv, and ffn_up holding gate then up)
 GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+
+
+def rope_params(cfg) -> dict:
+    return getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
 
 
 def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool = False) -> Path:
@@ -57,21 +67,34 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
     cfg = model.config
     src = gguf.GGUFReader(str(tokenizer_gguf))
     w = gguf.GGUFWriter(str(out), arch)
-    for key, field in src.fields.items():
+    for key, fld in src.fields.items():
         if key.startswith("tokenizer.") or key == "general.name":
-            vtype = field.types[0]
-            w.add_key_value(key, field.contents(), vtype,
-                            field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+            vtype = fld.types[0]
+            w.add_key_value(key, fld.contents(), vtype,
+                            fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
+    if getattr(cfg, "head_dim", None):  # llama.cpp's phi3 converter writes none (hidden / heads)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    rope = rope_params(cfg)
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads)
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        w.add_sliding_window(cfg.sliding_window or 0)
+        if rope.get("rope_type") == "longrope":
+            scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)))
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+        assert head_dim % 2 == 0
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -106,28 +129,56 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+# Phi: head_dim = hidden / heads (no head_dim key in Phi-3 configs)
+PHI = {k: v for k, v in TINY.items() if k != "head_dim"}
+# Phi-4-mini-like LongRoPE: trained at 128 positions (original_max_position_embeddings), scaled to
+# 1024, factor sets of rotary_dim / 2 = 12 (head_dim 32, partial_rotary_factor 0.75)
+PHI4_ORIG = 128
+PHI4_ROPE = {"rope_type": "longrope", "rope_theta": 250000.0, "partial_rotary_factor": 0.75,
+             "short_factor": [1.0 + 0.05 * i for i in range(12)], "long_factor": [1.0 + 1.5 * i for i in range(12)]}
+
+
+@dataclass
+class Family:
+    make: Callable  # () -> the transformers model
+    arch: str  # GGUF general.architecture
+    tied: bool
+    # what the shared tests pass to load_model: Phi-4-mini runs within its original length, where
+    # transformers uses the short factors (ours pick by the context, see RotaryEmbedding)
+    load: dict = field(default_factory=dict)
+
+
 FAMILIES = {
-    "qwen3": (lambda tied: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        **TINY, rope_theta=1e6, tie_word_embeddings=tied, attention_bias=False)), "qwen3"),
+    **{f"qwen3-{'tied' if tied else 'untied'}": Family(
+        lambda tied=tied: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **TINY, rope_theta=1e6, tie_word_embeddings=tied, attention_bias=False)), "qwen3", tied)
+       for tied in (True, False)},
+    # Phi-3-mini-4k-like: MHA, no rope scaling, untied, a sliding window below the context (2047 of 4096)
+    "phi3-mini": Family(lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **PHI, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=512, pad_token_id=0)), "phi3", False),
+    # Phi-4-mini-like: GQA, partial rotary 0.75, LongRoPE, tied embeddings
+    "phi4-mini": Family(lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        **(PHI | dict(num_attention_heads=2, num_key_value_heads=1)), rope_parameters=copy.deepcopy(PHI4_ROPE),
+        original_max_position_embeddings=PHI4_ORIG, tie_word_embeddings=True, pad_token_id=0)), "phi3", True,
+        {"max_model_len": PHI4_ORIG}),
 }
 
 
-@pytest.fixture(scope="module", params=[(f, tied) for f in FAMILIES for tied in (True, False)],
-                ids=lambda p: f"{p[0]}-{'tied' if p[1] else 'untied'}")
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory, fp32_model, gguf_path):
-    """(transformers model, HF directory, F32 GGUF, Q4_1 GGUF) of one tiny family checkpoint."""
-    name, tied = request.param
-    make, arch = FAMILIES[name]
+    """(transformers model, HF directory, F32 GGUF, Q4_1 GGUF, Family) of one tiny family checkpoint."""
+    name = request.param
+    fam = FAMILIES[name]
     torch.manual_seed(0)
-    model = make(tied).eval()
+    model = fam.make().eval()
     peaked(model, seed=1)
-    if tied:
+    if fam.tied:
         model.tie_weights()
     out = tmp_path_factory.mktemp(name)
     hf_dir = write_hf(model, out / "hf", fp32_model.tokenizer)
-    gguf_file = write_gguf(model, arch, out / f"{name}.gguf", gguf_path)
-    q4_file = write_gguf(model, arch, out / f"{name}.Q4_1.gguf", gguf_path, quantized=True)
-    return model, hf_dir, gguf_file, q4_file
+    gguf_file = write_gguf(model, fam.arch, out / f"{name}.gguf", gguf_path)
+    q4_file = write_gguf(model, fam.arch, out / f"{name}.Q4_1.gguf", gguf_path, quantized=True)
+    return model, hf_dir, gguf_file, q4_file, fam
 
 
 PROMPT = [1, 504, 3458, 282, 5248, 314, 17, 2, 9, 8822, 1137, 30, 42, 99, 1000, 20000]
@@ -135,8 +186,8 @@ PROMPT = [1, 504, 3458, 282, 5248, 314, 17, 2, 9, 8822, 1137, 30, 42, 99, 1000, 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_logits_match_transformers(family, source):
-    ref_model, hf_dir, gguf_file, _ = family
-    loaded = load_model(hf_dir if source == "hf" else gguf_file, "float32")
+    ref_model, hf_dir, gguf_file, _, fam = family
+    loaded = load_model(hf_dir if source == "hf" else gguf_file, "float32", **fam.load)
     eng = make_engine(loaded)
     ours = eng.score(PROMPT)
     with torch.no_grad():
@@ -147,8 +198,8 @@ def test_logits_match_transformers(family, source):
 
 def test_greedy_decode_equals_transformers(family):
     """Prefill then token-by-token decode over the paged cache, against transformers' generate."""
-    ref_model, hf_dir, _, _ = family
-    eng = make_engine(load_model(hf_dir, "float32"))
+    ref_model, hf_dir, _, _, fam = family
+    eng = make_engine(load_model(hf_dir, "float32", **fam.load))
     *_, last = eng.generate(list(PROMPT), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert last.token_ids == hf_greedy(ref_model, PROMPT, 32)
 
@@ -156,8 +207,8 @@ def test_greedy_decode_equals_transformers(family):
 def test_batched_with_prefix_hits_and_chunked_prefill(family):
     """Three requests in one batch: two share a 32-token prefix (the second one's prefix comes from
     the cache once the first is in), prompts prefilled in 8-token chunks across KV blocks."""
-    ref_model, hf_dir, _, _ = family
-    eng = make_engine(load_model(hf_dir, "float32"), max_num_batched_tokens=8, block_size=16)
+    ref_model, hf_dir, _, _, fam = family
+    eng = make_engine(load_model(hf_dir, "float32", **fam.load), max_num_batched_tokens=8, block_size=16)
     shared = PROMPT * 2
     prompts = [shared + [7, 8, 9], shared + [400, 500], list(reversed(PROMPT))]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -177,15 +228,15 @@ def test_batched_with_prefix_hits_and_chunked_prefill(family):
 def test_int4_gguf_follows_its_fp32_weights(family):
     """A Q4_1 GGUF run in int4 (the file's blocks repacked for our kernel, the Q8_0 embedding and
     head read in place, 16-bit matmul inputs) against the same file's weights in fp32."""
-    q4_file = family[3]
-    int4 = load_model(q4_file, "auto")
+    q4_file, fam = family[3], family[4]
+    int4 = load_model(q4_file, "auto", **fam.load)
     assert int4.precision.startswith("int4")
-    ref = make_engine(load_model(q4_file, "float32")).score(PROMPT)
+    ref = make_engine(load_model(q4_file, "float32", **fam.load)).score(PROMPT)
     got = make_engine(int4).score(PROMPT)
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()
     *_, a = make_engine(int4).generate(list(PROMPT), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    *_, b = make_engine(load_model(q4_file, "float32")).generate(
+    *_, b = make_engine(load_model(q4_file, "float32", **fam.load)).generate(
         list(PROMPT), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert sum(x == y for x, y in zip(a.token_ids, b.token_ids)) >= 14
 
@@ -193,17 +244,30 @@ def test_int4_gguf_follows_its_fp32_weights(family):
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_quantizer_writes_a_checkpoint_of_the_family(family, method, tmp_path):
     """`localllm quantize` on the family: a standard checkpoint whose int4 weights load back
-    exactly, with the family's extra tensors (q/k norms) carried over."""
+    exactly, with the family's extra tensors (q/k norms) and config (rope) carried over, and its
+    linears named as the family's checkpoints name them (Phi-3: fused qkv_proj / gate_up_proj,
+    as AutoAWQ and GPTQModel write them)."""
+    from safetensors import safe_open
+
     from localllm.model.loader import open_weights
     from localllm.quant.quantize import quantize_model
 
-    ref_model, hf_dir, _, _ = family
+    ref_model, hf_dir, _, _, fam = family
     r = quantize_model(hf_dir, tmp_path / method, method, num_samples=2, seq_len=64, keep_dequantized=True)
     w = open_weights(r.path)
-    assert w.config.qk_norm and w.config.architecture == "Qwen3ForCausalLM"
+    src = open_weights(hf_dir).config
+    assert w.config == src
+    with safe_open(str(r.path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    fused = isinstance(ref_model, transformers.Phi3ForCausalLM)
+    assert src.fused_checkpoint == fused
+    want_q = ["self_attn.qkv_proj", "mlp.gate_up_proj"] if fused else ["self_attn.q_proj", "mlp.gate_proj"]
+    absent = ["self_attn.q_proj", "mlp.gate_proj"] if fused else ["self_attn.qkv_proj", "mlp.gate_up_proj"]
+    assert all(f"model.layers.0.{m}.qweight" in names for m in want_q)
+    assert not any(f"model.layers.0.{m}" in n for m in absent for n in names)
     for name, want in r.dequantized.items():
         assert torch.equal(w.int4(name).dequantize_logical(), want), name
-    assert load_model(r.path, "auto").precision.startswith("int4")
+    assert load_model(r.path, "auto", **fam.load).precision.startswith("int4")
     # transformers on the checkpoint's weights (dequantized, q/k norms and AWQ-folded input norms
     # as written) == our fp32 run of the checkpoint
     state = {n: w.dense(n).float() for n in ref_model.state_dict() if w.has(n) or n in r.dequantized}
@@ -212,16 +276,14 @@ def test_quantizer_writes_a_checkpoint_of_the_family(family, method, tmp_path):
     assert missing in ([], ["lm_head.weight"])  # tied: the embedding
     with torch.no_grad():
         ref = ref_model(torch.tensor([PROMPT])).logits[0].float()
-    ours = make_engine(load_model(r.path, "float32")).score(PROMPT)
+    ours = make_engine(load_model(r.path, "float32", **fam.load)).score(PROMPT)
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
 
 
 def test_unknown_architecture_is_one_clear_line(tmp_path, family):
-    import json
-
     from localllm.model.errors import ModelLoadError
 
-    _, hf_dir, gguf_file, _ = family
+    _, hf_dir, gguf_file, _, fam = family
     bad = tmp_path / "bad"
     bad.mkdir()
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -231,10 +293,13 @@ def test_unknown_architecture_is_one_clear_line(tmp_path, family):
     with pytest.raises(ModelLoadError, match=r"unsupported architecture 'FooForCausalLM' \(supported: .*Qwen3"):
         load_model(bad)
     raw = bytearray(gguf_file.read_bytes())
-    at = raw.find(b"qwen3", 0, 4096)  # general.architecture's value (lengths stay: 'llama' would be read)
-    raw[at:at + 5] = b"fooba"
+    arch = fam.arch.encode()
+    at = raw.find(arch, 0, 4096)  # general.architecture's value (lengths stay: 'llama' would be read)
+    bad_arch = b"foobar"[:len(arch)]
+    raw[at:at + len(arch)] = bad_arch
     (tmp_path / "bad.gguf").write_bytes(raw)
-    with pytest.raises(ModelLoadError, match=r"architecture 'fooba' is not supported \(supported: llama, qwen2, qwen3"):
+    with pytest.raises(ModelLoadError, match=rf"architecture '{bad_arch.decode()}' is not supported "
+                                             r"\(supported: llama, qwen2, qwen3, mistral, phi3\)"):
         load_model(tmp_path / "bad.gguf")
 
 
@@ -255,3 +320,145 @@ def test_bench_generator_writes_qwen3_shapes(tmp_path, fp32_model):
     assert loaded.tokenizer.encode(text) == fp32_model.tokenizer.encode(text)
     *_, out = make_engine(loaded).generate(text, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out.token_ids) == 4 and max(out.token_ids) < 50000
+
+# ---- Phi-3 / Phi-4-mini specifics -------------------------------------------------------------
+@pytest.mark.parametrize("family", ["phi4-mini"], indirect=True)
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_longrope_long_factors_past_the_original_length(family, source):
+    """Run at the full 1024-token context, the long factors apply (ours: for every position, picked
+    once by the context); transformers takes them for a sequence longer than the original 128
+    positions, so a 150-token prompt scored at once gets the same logits."""
+    ref_model, hf_dir, gguf_file, _, _ = family
+    path = hf_dir if source == "hf" else gguf_file
+    long, short = load_model(path, "float32"), load_model(path, "float32", max_model_len=PHI4_ORIG)
+    assert long.extra["max_model_len"] == 1024
+    assert not torch.allclose(long.model.rope.cos[:PHI4_ORIG], short.model.rope.cos)  # the sets differ
+    prompt = (PROMPT * 10)[:150]
+    ours = make_engine(long).score(prompt)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["phi3-mini"], indirect=True)
+def test_sliding_window_bounds_the_context(family):
+    """Attention here is always full: a Phi-3 window (512 of 1024 here, 2047 of 4096 in
+    Phi-3-mini-4k) caps the default context, and a longer one asked for is refused in one line."""
+    from localllm.model.errors import ModelLoadError
+
+    _, hf_dir, gguf_file, _, _ = family
+    for path in (hf_dir, gguf_file):
+        assert load_model(path, "float32").extra["max_model_len"] == 512
+        assert load_model(path, "float32", max_model_len=256).extra["max_model_len"] == 256
+        with pytest.raises(ModelLoadError, match=r"sliding window of 512 tokens.*--ctx 512 or less"):
+            load_model(path, "float32", max_model_len=1024)
+
+
+def test_phi_configs_as_published():
+    """config.json of the published models (shapes as on the hub, factor lists shortened to their
+    real lengths with made-up values) -> our config, as transformers resolves it."""
+    from localllm.config import ModelConfig
+
+    phi4 = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 200064, "hidden_size": 3072,
+            "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 24,
+            "num_key_value_heads": 8, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+            "partial_rotary_factor": 0.75, "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "sliding_window": 262144,
+            "tie_word_embeddings": True, "hidden_act": "silu", "pad_token_id": 199999,
+            "rope_scaling": {"type": "longrope", "long_factor": [2.0] * 48, "short_factor": [1.0] * 48}}
+    c = ModelConfig.from_hf(phi4)
+    assert (c.head_dim, c.rotary_dim, c.num_kv_heads, c.tie_word_embeddings) == (128, 96, 8, True)
+    assert c.fused_checkpoint and c.sliding_window == 262144
+    assert c.rope_scaling["original_max_position_embeddings"] == 4096
+    assert c.rope_scaling["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    ref = transformers.Phi3Config(**phi4)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, attn = ROPE_INIT_FUNCTIONS["longrope"](ref, None)
+    assert attn == pytest.approx(c.rope_scaling["attention_factor"])
+    from localllm.model.layers import rope_inv_freq
+
+    ours, ours_attn = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling, 4096)
+    assert torch.equal(ours, inv) and ours_attn == pytest.approx(attn)
+    # Phi-3-mini-128k (old name "su" for longrope) and Phi-3-mini-4k (no scaling, window 2047)
+    phi3 = phi4 | {"hidden_size": 3072, "num_attention_heads": 32, "num_key_value_heads": 32,
+                   "tie_word_embeddings": False, "sliding_window": 262144}
+    del phi3["partial_rotary_factor"]
+    c = ModelConfig.from_hf(phi3 | {"rope_scaling": {"type": "su", "long_factor": [2.0] * 48,
+                                                     "short_factor": [1.0] * 48}})
+    assert c.rope_scaling["rope_type"] == "longrope" and c.rotary_dim == c.head_dim == 96
+    c = ModelConfig.from_hf(phi3 | {"rope_scaling": None, "max_position_embeddings": 4096, "sliding_window": 2047})
+    assert c.rope_scaling is None and c.sliding_window == 2047 and not c.tie_word_embeddings
+    # Mistral keeps its old behaviour: its window is not read
+    assert ModelConfig.from_hf(phi3 | {"architectures": ["MistralForCausalLM"]}).sliding_window is None
+    # the registry's parameter counts (planner) are these configs' (Phi-3-mini: vocab 32064)
+    from localllm.registry import resolve_model
+
+    assert resolve_model("phi4-mini").spec.params == ModelConfig.from_hf(phi4).num_params
+    for alias in ("phi3-mini-4k", "phi3.5-mini"):
+        assert resolve_model(alias).spec.params == ModelConfig.from_hf(phi3 | {"vocab_size": 32064}).num_params
+
+
+# chat templates as published in tokenizer_config.json (Phi-3-mini-4k-instruct, Phi-4-mini-instruct)
+PHI3_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] "
+                 "+ '<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+                 "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}"
+                 "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}"
+                 "{{ eos_token }}{% endif %}")
+PHI4_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'system' and 'tools' in message and "
+                 "message['tools'] is not none %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + "
+                 "message['tools'] + '<|/tool|>' + '<|end|>' }}{% else %}{{ '<|' + message['role'] + '|>' + "
+                 "message['content'] + '<|end|>' }}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}")
+
+
+def test_phi_chat_templates_render():
+    from localllm.chat import render_chat
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert render_chat(PHI3_TEMPLATE, msgs, eos_token="<|endoftext|>") == \
+        "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n"
+    assert render_chat(PHI4_TEMPLATE, msgs) == "<|system|>Be brief.<|end|><|user|>Hi<|end|><|assistant|>"
+
+
+def test_partial_rotary_triton_rope_equals_torch():
+    """The Triton path rotates the leading rotary_dim columns of each head in place (strided views
+    of the fused qkv output) and leaves the rest: the same as the torch path."""
+    from localllm.model.layers import RotaryEmbedding
+    from localllm.model.llama import rope_fused, rope_torch
+
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 64, "attention_factor": 1.2,
+               "short_factor": [1.0 + 0.1 * i for i in range(12)], "long_factor": [1.0 + i for i in range(12)]}
+    rope = RotaryEmbedding(32, 256, 10000.0, scaling, torch.float32, rotary_dim=24)
+    g = torch.Generator().manual_seed(0)
+    T, H, KVH, D = 5, 4, 2, 32
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g)
+    pos = torch.tensor([0, 3, 64, 100, 255])
+
+    def views(t):
+        return t[:, :H * D].view(T, H, D), t[:, H * D:(H + KVH) * D].view(T, KVH, D)
+
+    ref_q, ref_k = rope_torch(pos, *views(qkv), rope)
+    assert torch.equal(ref_q[..., 24:], views(qkv)[0][..., 24:])
+    fused = qkv.clone()
+    q, k = rope_fused(pos, *views(fused), rope)
+    torch.testing.assert_close(q, ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, ref_k, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["phi4-mini", "phi3-mini"], indirect=True)
+def test_phi_gguf_exports_to_an_hf_checkpoint_transformers_runs(family, tmp_path):
+    """export_hf of a Phi GGUF: fused qkv_proj / gate_up_proj, partial rotary, LongRoPE and the
+    window carried into config.json; transformers on it gives the original model's logits."""
+    from localllm.model.export import export_hf
+
+    ref_model, _, gguf_file, _, fam = family
+    out = export_hf(gguf_file, tmp_path / "hf")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Phi3ForCausalLM"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = hf(torch.tensor([PROMPT])).logits[0]
+        ref = ref_model(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    ours = make_engine(load_model(out, "float32", **fam.load)).score(PROMPT)
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)

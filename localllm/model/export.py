@@ -10,18 +10,21 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..config import checkpoint_linears
 from .loader import open_weights
 
 
-def hf_tensor_names(num_layers: int, tied: bool, qkv_bias: bool, qk_norm: bool = False) -> list[str]:
+def hf_tensor_names(num_layers: int, tied: bool, qkv_bias: bool, qk_norm: bool = False,
+                    fused: bool = False) -> list[str]:
+    """fused: Phi-3's qkv_proj / gate_up_proj instead of separate q/k/v and gate/up."""
     names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
+    linears = checkpoint_linears(fused)
     for i in range(num_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [p + f"self_attn.{m}_proj.weight" for m in "qkvo"]
-        names += [p + f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")]
+        names += [p + m + ".weight" for ms in linears.values() for m in ms]
         if qkv_bias:
-            names += [p + f"self_attn.{m}_proj.bias" for m in "qkv"]
+            names += [p + m + ".bias" for m in linears["qkv"]]
         if qk_norm:
             names += [p + f"self_attn.{m}_norm.weight" for m in "qk"]
     return names
@@ -37,7 +40,8 @@ def export_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {n: w.dense(n).to(dtype).contiguous()
-               for n in hf_tensor_names(cfg.num_layers, cfg.tie_word_embeddings, cfg.qkv_bias, cfg.qk_norm)}
+               for n in hf_tensor_names(cfg.num_layers, cfg.tie_word_embeddings, cfg.qkv_bias, cfg.qk_norm,
+                                        cfg.fused_checkpoint)}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     tok = w.tokenizer()
     hf = cfg.to_hf()

@@ -181,11 +181,15 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None,
+                  max_positions: int) -> tuple[torch.Tensor, float]:
+    """-> (inverse frequencies [rotary_dim / 2], factor on cos/sin). max_positions is the context
+    the table serves: LongRoPE picks its factor set by it (see RotaryEmbedding)."""
     # fp32 exactly as transformers computes it, so long positions give the same angles
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv = 1.0 / (theta ** exponent)
     if not scaling:
-        return inv.float()
+        return inv.float(), 1.0
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "llama3":
         factor = scaling["factor"]
@@ -197,29 +201,52 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smooth = (old_ctx / wavelen - lo) / (hi - lo)
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= hi_wl) & (wavelen <= lo_wl)
-        return torch.where(is_mid, mid, scaled).float()
+        return torch.where(is_mid, mid, scaled).float(), 1.0
     if kind == "linear":
-        return (inv / scaling["factor"]).float()
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+        return (inv / scaling["factor"]).float(), 1.0
+    if kind == "longrope":
+        # transformers' _compute_longrope_parameters: 1 / (ext_factor * theta^(2i/d))
+        long = max_positions > scaling["original_max_position_embeddings"]
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        if ext.numel() != rotary_dim // 2:
+            raise ValueError(f"longrope factors have {ext.numel()} entries, expected rotary_dim / 2 = {rotary_dim // 2}")
+        return 1.0 / (ext * theta ** exponent), float(scaling.get("attention_factor", 1.0))
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope)")
 
 
 class RotaryEmbedding(nn.Module):
-    """HF rotate_half RoPE with a precomputed cos/sin table indexed by position."""
+    """HF rotate_half RoPE with a precomputed cos/sin table [max_positions, rotary_dim] indexed by
+    position; with rotary_dim < head_dim (partial rotary) the rest of each head passes through.
+
+    LongRoPE: transformers switches between the short and the long factors per forward by the
+    sequence's length (long once it exceeds original_max_position_embeddings, re-rotating nothing
+    already cached). Positions here live in a paged cache shared across steps and requests, so the
+    set is picked once by the context this table serves, as llama.cpp does by its n_ctx: short
+    factors when max_positions <= original (then identical to transformers), long ones otherwise
+    (then sequences shorter than the original length differ from transformers, which would use the
+    short factors for them)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, rotary_dim: int | None = None):
         super().__init__()
-        inv = rope_inv_freq(head_dim, theta, scaling)
+        self.rotary_dim = rotary_dim or head_dim
+        inv, attn_factor = rope_inv_freq(self.rotary_dim, theta, scaling, max_positions)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
-        self.half = head_dim // 2
+        # transformers scales cos and sin in fp32, then casts
+        self.register_buffer("cos", (emb.cos() * attn_factor).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * attn_factor).to(dtype), persistent=False)
+        self.half = self.rotary_dim // 2
+        self.partial = self.rotary_dim < head_dim
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim]
         sin = self.sin[positions].unsqueeze(1)
+        if self.partial:
+            r = self.rotary_dim
+            return (torch.cat([_rotate(q[..., :r], cos, sin, self.half), q[..., r:]], dim=-1),
+                    torch.cat([_rotate(k[..., :r], cos, sin, self.half), k[..., r:]], dim=-1))
         return _rotate(q, cos, sin, self.half), _rotate(k, cos, sin, self.half)
 
 

@@ -1,5 +1,6 @@
 """One config-driven Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms),
-SmolLM (tied head).
+SmolLM (tied head), Phi-3 / Phi-4-mini (partial rotary, LongRoPE; fused checkpoint linears are
+the loader's business).
 
 There is one layer loop (`LlamaModel.forward` over `DecoderLayer.forward`). What differs between
 CPU and GPU is chosen per op once at load (`Ops`): the attention backend and, on the Triton
@@ -54,6 +55,10 @@ def silu_mul_fused(gate_up: torch.Tensor) -> torch.Tensor:
 def rope_fused(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding):
     from localllm_kernels import apply_rope
 
+    if rope.partial:  # the kernel rotates the leading rotary_dim columns of each head in place
+        r = rope.rotary_dim
+        apply_rope(positions, q[..., :r], k[..., :r], rope.cos, rope.sin, inplace=True)
+        return q, k
     return apply_rope(positions, q, k, rope.cos, rope.sin, inplace=True)
 
 
@@ -113,7 +118,8 @@ class LlamaModel(nn.Module):
         self.embed = embed  # [V, H]; a tied head shares it
         self.layers = nn.ModuleList(layers)
         self.norm, self.head = norm, head
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype).to(device)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype,
+                                    cfg.rotary_dim).to(device)
         self.scale = cfg.head_dim ** -0.5
         self.use_attention(default_backend(device))
         self.fingerprint, self.origin = fingerprint, origin

@@ -8,6 +8,7 @@ for: GGUF Q4_0/Q4_1 stay int4 (a lossless repack), everything else is dequantize
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -29,15 +30,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 
 
+# HF module -> llama.cpp's tensor name. Phi-3's fused modules keep their fusion there: attn_qkv,
+# and ffn_up holding gate then up (llama.cpp's SWIGLU takes silu of the first half)
 _GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 # GGUF general.architecture -> the HF architecture it holds
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "mistral": "MistralForCausalLM"}
+               "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def _qk_row_perm(n_heads: int, head_dim: int) -> torch.Tensor:
@@ -72,18 +76,24 @@ class GGUFWeights:
         try:
             heads = m("attention.head_count")
             hidden = m("embedding_length")
+            head_dim = m("attention.key_length") or hidden // heads
             self.config = ModelConfig(
                 vocab_size=m("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
                 hidden_size=hidden, intermediate_size=m("feed_forward_length"),
                 num_layers=m("block_count"), num_heads=heads,
                 num_kv_heads=m("attention.head_count_kv") or heads,
-                head_dim=m("attention.key_length") or hidden // heads,
+                head_dim=head_dim,
                 rms_norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-5)),
                 rope_theta=float(m("rope.freq_base", 10000.0)),
                 max_position_embeddings=int(m("context_length", 4096)),
                 tie_word_embeddings="output.weight" not in self.file.tensors,
                 qkv_bias="blk.0.attn_q.bias" in self.file.tensors,
                 qk_norm="blk.0.attn_q_norm.weight" in self.file.tensors,
+                partial_rotary_factor=m("rope.dimension_count", head_dim) / head_dim,
+                # Phi-3 only, as from_hf; llama.cpp writes 0 for "none" (and ignores Phi-3's window;
+                # we refuse to run past it)
+                sliding_window=(m("attention.sliding_window") or None) if arch == "phi3" else None,
+                rope_scaling=self._longrope(m),
                 architecture=_GGUF_ARCHS[arch],
                 model_type=arch,
             )
@@ -97,6 +107,20 @@ class GGUFWeights:
         if arch == "llama":  # llama.cpp un-permutes q/k for llama only
             self.perms = {"q_proj": _qk_row_perm(c.num_heads, c.head_dim),
                           "k_proj": _qk_row_perm(c.num_kv_heads, c.head_dim)}
+
+    def _longrope(self, m) -> dict | None:
+        """LongRoPE as llama.cpp's converter stores it: the factor sets as F32 tensors, the
+        original context and the cos/sin factor as metadata."""
+        if "rope_factors_long.weight" not in self.file.tensors:
+            return None
+        long, short = (self.file.tensors[f"rope_factors_{k}.weight"] for k in ("long", "short"))
+        ctx, orig = int(m("context_length", 4096)), int(m("rope.scaling.original_context_length", 4096))
+        attn = m("rope.scaling.attn_factor")
+        if attn is None:  # the converter's (and transformers') default
+            attn = math.sqrt(1 + math.log(ctx / orig) / math.log(orig)) if ctx > orig else 1.0
+        return {"rope_type": "longrope", "original_max_position_embeddings": orig, "attention_factor": float(attn),
+                "long_factor": np.array(dequantize(long, self.file.read(long))).reshape(-1).tolist(),
+                "short_factor": np.array(dequantize(short, self.file.read(short))).reshape(-1).tolist()}
 
     def tokenizer(self) -> LLMTokenizer:
         try:
@@ -115,8 +139,7 @@ class GGUFWeights:
             return "output_norm.weight"
         _, _, i, rest = name.split(".", 3)  # model.layers.{i}.{module}.{weight|bias}
         module, kind = rest.rsplit(".", 1)
-        short = next(k for k, v in _GGUF_NAMES.items() if v == module)
-        return f"blk.{i}.{short}.{kind}"
+        return f"blk.{i}.{_GGUF_NAMES[module]}.{kind}"
 
     def _tensor(self, name: str):
         g = self._gguf_name(name)
@@ -177,7 +200,7 @@ class GGUFWeights:
     def has(self, name: str) -> bool:
         try:
             return self._gguf_name(name) in self.file.tensors
-        except StopIteration:
+        except (KeyError, ValueError):
             return False
 
     def extra_eos_ids(self) -> set[int]:
@@ -315,7 +338,8 @@ def _resolve_precision(precision: str, weights, device: str) -> tuple[str, torch
     requests are batched (bf16 attention flipped greedy tokens between batch shapes)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    native_int4 = isinstance(weights, GGUFWeights) and weights.int4("model.layers.0.mlp.gate_proj.weight") is not None
+    first = "model.layers.0." + weights.config.checkpoint_linears()["gate_up"][0] + ".weight"
+    native_int4 = isinstance(weights, GGUFWeights) and weights.int4(first) is not None
     quantized = isinstance(weights, HFWeights) and weights.quant is not None
     if precision == "auto":
         if native_int4 or quantized:
@@ -484,6 +508,21 @@ class ConvertCache:
             pass
 
 
+def _context_length(cfg: ModelConfig, max_model_len: int | None, path) -> int:
+    """The longest context we run. Attention here is always full, so a sliding window (Phi-3-mini:
+    2047 of 4096) bounds it: the default context stops at the window, where full and windowed
+    attention are the same; asking for more is refused rather than silently computing something
+    else than the model was trained with (vLLM's disable_sliding_window does the same cap)."""
+    n = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    w = cfg.sliding_window
+    if w is not None and n > w:
+        if max_model_len:
+            raise ModelLoadError(f"{path}: this model attends over a sliding window of {w} tokens, which is not "
+                                 f"supported; a context of {max_model_len} tokens needs it (use --ctx {w} or less)")
+        n = w
+    return n
+
+
 def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "cpu",
                max_model_len: int | None = None, fast_head: bool = True, cpu_kernels: bool = True) -> LoadedModel:
     """cpu_kernels=False: torch's own int4 kernel on CPU instead of ours (what a CPU without
@@ -502,17 +541,17 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
             return _linear(weights, names, mode, act_dtype, device, dense, cpu_kernels)
         return cache.linear(key, build) if cache else build()
 
+    max_len = _context_length(cfg, max_model_len, path)
+    modules = cfg.checkpoint_linears()  # separate q/k/v, gate/up or (Phi-3) already fused
     layers = []
     try:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            att, mlp = p + "self_attn.", p + "mlp."
+            att = p + "self_attn."
+            qkv, o, gate_up, down = (linear(f"{i}.{f}", [p + m + ".weight" for m in modules[f]])
+                                     for f in ("qkv", "o", "gate_up", "down"))
             layers.append(DecoderLayer(
-                cfg,
-                linear(f"{i}.qkv", [att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"]),
-                linear(f"{i}.o", [att + "o_proj.weight"]),
-                linear(f"{i}.gate_up", [mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
-                linear(f"{i}.down", [mlp + "down_proj.weight"]),
+                cfg, qkv, o, gate_up, down,
                 RMSNorm(weights.dense(p + "input_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
                 RMSNorm(weights.dense(p + "post_attention_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
                 *([RMSNorm(weights.dense(att + f"{n}_norm.weight").to(device, act_dtype), cfg.rms_norm_eps)
@@ -539,7 +578,6 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
         norm = RMSNorm(weights.dense("model.norm.weight").to(device, act_dtype), cfg.rms_norm_eps)
     except (GGUFError, KeyError) as e:
         raise ModelLoadError(f"{path}: {e}") from None
-    max_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     fast_greedy = fast_head and mode in ("int4", "int8") and device == "cpu"
     fast = None
     if fast_greedy and cache:

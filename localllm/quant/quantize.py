@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ModelConfig
 from ..model.attention import AttnMeta
 from ..model.llama import DecoderLayer, LlamaModel
 from ..model.loader import HFWeights, load_model, open_weights
@@ -45,8 +46,6 @@ from ..model.quant_formats import AWQ_ORDER
 from .calib_text import CALIBRATION
 
 METHODS = ("rtn", "gptq", "awq")
-_HF = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-       "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
 
 class QuantizeError(ValueError):
@@ -191,27 +190,32 @@ def gptq(w: torch.Tensor, H: torch.Tensor, group: int, sym: bool = True, act_ord
 
 
 # ---- calibration: the real model, one decoder layer at a time --------------------------------
-# The fused modules of a DecoderLayer and the checkpoint linears each one holds, in row order.
-FUSED = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+# The fused modules of a DecoderLayer; the checkpoint linears each one holds (in row order) are
+# the model's: separate q/k/v and gate/up, or Phi-3's qkv_proj and gate_up_proj as AutoAWQ and
+# GPTQModel write them for Phi-3 (ModelConfig.checkpoint_linears).
+FUSED = ("qkv", "o", "gate_up", "down")
 
 
-def _row_sizes(layer: DecoderLayer, fused: str) -> list[int]:
-    if fused == "qkv":
-        return list(layer.split)
+def _parts(layer: DecoderLayer, fused: str, modules: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(checkpoint module, rows) of each part of the fused linear `fused`."""
     n = getattr(layer, fused).out_features
-    return [n // 2, n // 2] if fused == "gate_up" else [n]
+    if len(modules) == 1:
+        return [(modules[0], n)]
+    sizes = list(layer.split) if fused == "qkv" else [n // 2, n // 2]
+    return list(zip(modules, sizes))
 
 
-def _split_rows(layer: DecoderLayer, fused: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A fused weight (or bias) [N, ...] -> its checkpoint parts by name (q/k/v, gate/up)."""
-    return dict(zip(FUSED[fused], t.split(_row_sizes(layer, fused))))
+def _split_rows(cfg: ModelConfig, layer: DecoderLayer, fused: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A fused weight (or bias) [N, ...] -> its checkpoint parts by module name."""
+    parts = _parts(layer, fused, cfg.checkpoint_linears()[fused])
+    return dict(zip([m for m, _ in parts], t.split([n for _, n in parts])))
 
 
-def _record(qlinears: dict, prefix: str, layer: DecoderLayer, fused: str, ql: QLinear) -> None:
+def _record(qlinears: dict, prefix: str, cfg: ModelConfig, layer: DecoderLayer, fused: str, ql: QLinear) -> None:
     """Split a QLinear of a fused module into its checkpoint linears (columns of q/z/s)."""
     n0 = 0
-    for m, n in zip(FUSED[fused], _row_sizes(layer, fused)):
-        qlinears[prefix + _HF[m]] = QLinear(ql.q[:, n0:n0 + n].contiguous(), ql.z[:, n0:n0 + n].contiguous(),
+    for m, n in _parts(layer, fused, cfg.checkpoint_linears()[fused]):
+        qlinears[prefix + m] = QLinear(ql.q[:, n0:n0 + n].contiguous(), ql.z[:, n0:n0 + n].contiguous(),
                                             ql.s[:, n0:n0 + n].contiguous(), ql.g_idx.clone())
         n0 += n
 
@@ -474,8 +478,8 @@ def quantize_model(src: str | Path, out: str | Path, method: str = "gptq", bits:
         if method == "rtn":
             for i, layer in enumerate(todo):
                 for fused in FUSED:
-                    for m, w in _split_rows(layer, fused, getattr(layer, fused).weight).items():
-                        qlinears[f"model.layers.{i}.{_HF[m]}"] = rtn(w, group_size, sym, zero_in_range=True,
+                    for m, w in _split_rows(cfg, layer, fused, getattr(layer, fused).weight).items():
+                        qlinears[f"model.layers.{i}.{m}"] = rtn(w, group_size, sym, zero_in_range=True,
                                                                       v1_zeros=not sym)
         else:
             ids = calibration_ids(tok, calib_texts, num_samples, seq_len)
@@ -492,8 +496,8 @@ def quantize_model(src: str | Path, out: str | Path, method: str = "gptq", bits:
                     # AutoAWQ feeds the next layer the unquantized (scaled, clipped) outputs
                     x, residual = calib.run(layer, x, residual)
                     for fused in FUSED:
-                        for m, w in _split_rows(layer, fused, getattr(layer, fused).weight).items():
-                            qlinears[p + _HF[m]] = rtn(w, group_size, sym=False, zero_in_range=False)
+                        for m, w in _split_rows(cfg, layer, fused, getattr(layer, fused).weight).items():
+                            qlinears[p + m] = rtn(w, group_size, sym=False, zero_in_range=False)
                 say(f"layer {i + 1}/{len(todo)} quantized")
     path = _write_checkpoint(weights, cfg, model, qlinears, Path(out), method, group_size, sym, act_order)
     deq = {k + ".weight": v.dequantize() for k, v in qlinears.items()} if keep_dequantized else {}
@@ -513,7 +517,7 @@ def _gptq_layer(calib: Calibration, layer: DecoderLayer, x: torch.Tensor, residu
             # treats rows independently, so the fused matrix goes through it at once (2-3x
             # faster than one by one, identical result)
             ql = gptq(mod.weight, _hessian(args[0]), group, sym, act_order, mse=mse)
-            _record(qlinears, p, layer, fused, ql)
+            _record(qlinears, p, calib.model.cfg, layer, fused, ql)
             mod.weight.copy_(ql.dequantize())
         return hook
 
@@ -553,8 +557,9 @@ def pack_rows(q: torch.Tensor) -> torch.Tensor:
 
 def _write_checkpoint(weights, cfg, model: LlamaModel, qlinears: dict[str, QLinear], out: Path, method: str,
                       group: int, sym: bool, act_order: bool) -> Path:
-    """The checkpoint: separate q/k/v/gate/up tensors (sliced from the model's fused ones), norms
-    as calibration left them (AWQ folds its scales into them)."""
+    """The checkpoint: the model's own linears (separate q/k/v/gate/up sliced from our fused ones,
+    or Phi-3's fused qkv_proj/gate_up_proj), norms as calibration left them (AWQ folds its
+    scales into them)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -567,8 +572,8 @@ def _write_checkpoint(weights, cfg, model: LlamaModel, qlinears: dict[str, QLine
             t[p + "self_attn.q_norm.weight"] = layer.q_norm.weight.half()
             t[p + "self_attn.k_norm.weight"] = layer.k_norm.weight.half()
         if layer.qkv.bias is not None:
-            for m, b in _split_rows(layer, "qkv", layer.qkv.bias).items():
-                t[p + _HF[m] + ".bias"] = b.half()
+            for m, b in _split_rows(cfg, layer, "qkv", layer.qkv.bias).items():
+                t[p + m + ".bias"] = b.half()
     t["model.norm.weight"] = weights.dense("model.norm.weight").half()
     if not cfg.tie_word_embeddings and weights.has("lm_head.weight"):
         t["lm_head.weight"] = weights.dense("lm_head.weight").half()
@@ -577,8 +582,8 @@ def _write_checkpoint(weights, cfg, model: LlamaModel, qlinears: dict[str, QLine
     for i, layer in enumerate(model.layers):
         if f"model.layers.{i}." in skipped:
             for fused in FUSED:
-                for m, w in _split_rows(layer, fused, getattr(layer, fused).weight).items():
-                    t[f"model.layers.{i}.{_HF[m]}.weight"] = w.half()
+                for m, w in _split_rows(cfg, layer, fused, getattr(layer, fused).weight).items():
+                    t[f"model.layers.{i}.{m}.weight"] = w.half()
     for name, ql in qlinears.items():
         if method == "awq":
             t[name + ".qweight"] = pack_awq(ql.q)
