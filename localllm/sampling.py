@@ -46,6 +46,7 @@ class SamplingParams:
     min_tokens: int = 0
     spec_tokens: int | None = None  # speculative tokens per step (None: the engine's; 0: off)
     constraint: Constraint | None = None  # output held to a JSON schema / regex / choice / grammar
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI: -100..100)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -85,6 +86,13 @@ class SamplingParams:
             raise SamplingError("spec_tokens", f"must be an integer in 0..16, got {self.spec_tokens!r}")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise SamplingError("constraint", "must be a Constraint (localllm.structured.Constraint.make)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise SamplingError("logit_bias", "must be a map of token id -> bias")
+            for tid, bias in self.logit_bias.items():
+                if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+                    raise SamplingError("logit_bias", f"token ids must be integers >= 0, got {tid!r}")
+                num("logit_bias", bias, -100, 100)
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise SamplingError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
 
@@ -94,9 +102,10 @@ class SamplingParams:
 
     @property
     def needs_logits(self) -> bool:
-        """False when the argmax of the raw logits is the answer (no penalties, logprobs or constraint)."""
+        """False when the argmax of the raw logits is the answer (no penalties, logprobs, constraint or bias)."""
         return not (self.greedy and self.repetition_penalty == 1.0 and self.presence_penalty == 0
-                    and self.frequency_penalty == 0 and self.logprobs is None and self.constraint is None)
+                    and self.frequency_penalty == 0 and self.logprobs is None and self.constraint is None
+                    and not self.logit_bias)
 
 
 def generator_seed(seed: int) -> int:
@@ -107,6 +116,17 @@ def generator_seed(seed: int) -> int:
         return seed
     digest = hashlib.blake2b(str(seed).encode(), digest_size=4, person=b"localllm-seed").digest()
     return int.from_bytes(digest, "little")
+
+
+def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The request's logit_bias added to a row (a new tensor; ids beyond the row are the engine's
+    to refuse, so they are skipped here rather than crash a shared batch)."""
+    if not params.logit_bias:
+        return logits
+    ids = [t for t in params.logit_bias if t < logits.shape[-1]]
+    out = logits.clone()
+    out[ids] += torch.tensor([params.logit_bias[t] for t in ids], dtype=out.dtype)
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],

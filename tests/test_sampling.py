@@ -9,6 +9,7 @@ from localllm.sampling import (
     MIN_TEMPERATURE,
     SamplingError,
     SamplingParams,
+    apply_logit_bias,
     draw,
     filter_probs,
     generator_seed,
@@ -154,3 +155,17 @@ def test_seeds_use_their_full_width():
             SamplingParams(seed=bad)
     with pytest.raises(SamplingError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=MIN_REPETITION_PENALTY / 2)
+
+
+@pytest.mark.parametrize("bias", [{1: 101}, {1: -100.5}, {-1: 1.0}, {True: 1.0}, {"1": 1.0}, {1: float("nan")}, [1]])
+def test_logit_bias_is_checked(bias):
+    with pytest.raises(SamplingError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_is_added_to_the_row():
+    row = torch.tensor([0.0, 1.0, 2.0])
+    p = SamplingParams(temperature=0, logit_bias={0: 100.0, 2: -5.0})
+    assert p.needs_logits and not SamplingParams(temperature=0, logit_bias={}).needs_logits
+    assert apply_logit_bias(row, p).tolist() == [100.0, 1.0, -3.0] and row.tolist() == [0.0, 1.0, 2.0]
+    assert sample_row(apply_logit_bias(row, p), p, None) == 0

@@ -152,3 +152,17 @@ def test_adaptive_k_turns_speculation_off_when_it_does_not_pay_and_probes_again(
     cheap.update("m", proposed=4, accepted=2)
     assert 1 <= cheap.choose("m", 1) <= 4 and cheap.choose("m", 32) == 0  # big batches never speculate
     assert AdaptiveK.expected_tokens(0.0, 4) == 1.0 and AdaptiveK.expected_tokens(1.0, 4) == 5.0
+
+
+def test_ngram_with_logit_bias_is_token_identical(tiny_model):
+    """A logit_bias shifts the target's logits in verification as in plain decoding: the greedy
+    tokens with speculation equal those without, and a banned token never comes out."""
+    reqs = repetitive_prompts(3)
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    banned = alone(tiny_model, reqs[:1], free)[0][0]
+    params = dataclasses.replace(free, logit_bias={banned: -100.0})
+    eng = make_engine(tiny_model, speculative="ngram", num_speculative_tokens=4)
+    out = run_all(eng, reqs, params)
+    assert out == alone(tiny_model, reqs, params)
+    assert out[0][0] != banned and all(banned not in o for o in out)
+    assert eng.cache_stats()["speculative"]["proposed"] > 0

@@ -13,7 +13,7 @@ from localllm_kernels import cpu_attention
 from ..model.attention import AttnMeta
 from ..model.compiled import CompiledStep
 from ..model.llama import LlamaModel
-from ..sampling import apply_penalties, filter_probs, sample_row, top_logprobs
+from ..sampling import apply_logit_bias, apply_penalties, filter_probs, sample_row, top_logprobs
 from ..structured import allowed
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
@@ -101,6 +101,7 @@ class ModelRunner:
             p = seq.params
             if seq.matcher is not None:  # before penalties and temperature: what may come next at all
                 row = row.masked_fill(~allowed(seq.matcher, row.shape[-1]), float("-inf"))
+            row = apply_logit_bias(row, p)
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 row = apply_penalties(row.clone(), p, seq.prompt_ids, seq.output_ids)
             if p.min_tokens and seq.num_output_tokens < p.min_tokens:
@@ -136,7 +137,11 @@ class ModelRunner:
 
     def _verify(self, rows: torch.Tensor, seq: Sequence, proposal) -> list[int]:
         head = self.model.head
-        if seq.params.greedy:
+        params = seq.params
+        if params.greedy and not params.logit_bias:
             return accept_greedy(proposal.tokens, head.greedy(rows).tolist())
-        p = torch.stack([filter_probs(r, seq.params) for r in head(rows).cpu()])
+        logits = torch.stack([apply_logit_bias(r, params) for r in head(rows).cpu()])  # a fixed shift: drafts stay valid
+        if params.greedy:
+            return accept_greedy(proposal.tokens, logits.argmax(-1).tolist())
+        p = torch.stack([filter_probs(r, params) for r in logits])
         return accept_sampling(proposal.tokens, p, proposal.q, seq.generator or self.default_generator)
