@@ -4,8 +4,10 @@ Front ends that speak only Ollama (VS Code's Ollama provider, Open WebUI, Contin
 clients) probe /api/version, /api/tags and /api/show, then chat through /api/chat or
 /api/generate. These routes run on the same engines as /v1 (server.Generation), so a prompt
 answers with the same tokens on either API. Streams are newline-delimited JSON, durations are in
-nanoseconds and errors are {"error": "..."}, as Ollama sends them. What we cannot honour yet
-(structured output, tools, thinking, images) is a 400 naming the field, never silently dropped;
+nanoseconds and errors are {"error": "..."}, as Ollama sends them. `format` (JSON mode or a
+schema) holds the output to it; `think` reaches the chat template (enable_thinking) and a
+reasoning model's <think> text comes back as `thinking`. What we cannot honour yet (tools,
+images) is a 400 naming the field, never silently dropped;
 routes we do not serve (create, push, copy, embeddings, blobs) are a 501.
 """
 
@@ -144,14 +146,10 @@ def _now_iso() -> str:
 
 
 def _refuse_unsupported(body: _GenBody, tools: Any = None, images: bool = False) -> None:
-    if body.format not in (None, ""):
-        raise APIError(400, "format (JSON mode or a JSON schema: structured output) is not supported by this "
-                            "server yet", param="format")
     if tools:
         raise APIError(400, "tools (function calling) are not supported by this server yet", param="tools")
-    if body.think not in (None, False):
-        raise APIError(400, "think (a separate reasoning trace) is not supported by this server yet; send "
-                            "think: false or leave it out", param="think")
+    if body.think is not None and not isinstance(body.think, bool):
+        raise APIError(400, f"think must be true or false, got {body.think!r}", param="think")
     if images:
         raise APIError(400, "images are not supported: the served models are text-only", param="images")
     o = body.options
@@ -163,7 +161,7 @@ def _refuse_unsupported(body: _GenBody, tools: Any = None, images: bool = False)
                 raise APIError(400, f"options.{name} is not supported by this server", param=f"options.{name}")
 
 
-def sampling_params(options: Options | None):
+def sampling_params(options: Options | None, constraint=None):
     """Ollama options -> SamplingParams, with Ollama's defaults (temperature 0.8, top_k 40,
     top_p 0.9). num_predict < 0 means no limit (up to the context), as in Ollama."""
     from .sampling import SamplingError, SamplingParams
@@ -178,7 +176,7 @@ def sampling_params(options: Options | None):
             max_tokens=num_predict, temperature=pick(o.temperature, 0.8), top_p=pick(o.top_p, 0.9),
             top_k=pick(o.top_k, 40), min_p=pick(o.min_p, 0.0), repetition_penalty=pick(o.repeat_penalty, 1.0),
             presence_penalty=pick(o.presence_penalty, 0.0), frequency_penalty=pick(o.frequency_penalty, 0.0),
-            seed=o.seed, stop=[o.stop] if isinstance(o.stop, str) else list(o.stop or []))
+            seed=o.seed, stop=[o.stop] if isinstance(o.stop, str) else list(o.stop or []), constraint=constraint)
     except SamplingError as e:
         name = "num_predict" if e.param == "max_tokens" else {"repetition_penalty": "repeat_penalty"}.get(
             e.param, e.param)
@@ -280,6 +278,7 @@ def mount(app: FastAPI, state) -> None:
     @app.post("/api/show")
     async def show(body: ModelRequest):
         from .models_cli import describe
+        from .reasoning import reasons
 
         state.require_ready()
         m = await _find(state, body.target())
@@ -297,7 +296,8 @@ def mount(app: FastAPI, state) -> None:
         return {"license": "", "modelfile": f"# served by localllm\nFROM {m.path}\n",
                 "parameters": "\n".join(f'stop "{s}"' for s in stops), "template": template,
                 "details": _details(m, info), "model_info": model_info,
-                "capabilities": ["completion"], "modified_at": iso(m.modified)}
+                "capabilities": ["completion", *(["thinking"] if reasons(template) else [])],
+                "modified_at": iso(m.modified)}
 
     @app.get("/api/ps")
     async def ps():
@@ -340,21 +340,43 @@ def mount(app: FastAPI, state) -> None:
         return body
 
     async def _run(name: str, prompt, options: Options | None, keep_alive: float | None, stream: bool,
-                   request: Request, chat: bool):
+                   request: Request, chat: bool, fmt: Any = None, think: bool | None = None):
+        from .output_format import ollama_format
+        from .reasoning import ThinkSplitter, reasons
+
+        constraint = ollama_format(fmt)
         timing = _Timing()
         target, release = await state.acquire(name, keep_alive)
         timing.loaded = time.perf_counter()
         try:
-            params = sampling_params(options)
+            if think and not reasons(target.engine.tokenizer.chat_template):
+                raise APIError(400, f"\"{name}\" does not support thinking (its chat template has no <think> tags)",
+                               param="think")
+            params = sampling_params(options, constraint)
             gen = Generation(state, [prompt], [params], 1, "num_predict", "messages" if chat else "prompt",
-                             target, release)
+                             target, release, {} if think is None else {"enable_thinking": think}, "format")
             await gen.start()
         except BaseException:
             release()
             raise
+        # as Ollama: with think unset the reply is passed through as the model wrote it
+        thinks, inside = gen.reasoning() if think is not None else (False, False)
+        splitter = ThinkSplitter(inside) if thinks else None
 
-        def piece(text: str) -> dict:
-            return {"message": {"role": "assistant", "content": text}} if chat else {"response": text}
+        def piece(text: str, thinking: str = "") -> dict:
+            extra = {"thinking": thinking} if thinking and think else {}
+            if chat:
+                return {"message": {"role": "assistant", "content": text, **extra}}
+            return {"response": text, **extra}
+
+        def split(text: str, final: bool) -> tuple[str, str]:
+            if splitter is None:
+                return "", text
+            r, a = splitter.feed(text)
+            if final:
+                fr, fa = splitter.flush()
+                r, a = r + fr, a + fa
+            return r, a
 
         if not stream:
             if not await gen.collect(request):
@@ -362,15 +384,17 @@ def mount(app: FastAPI, state) -> None:
             timing.end = time.perf_counter()
             timing.first = gen.first_token_at or timing.end
             out = gen.finals[0]
-            return {"model": name, "created_at": _now_iso(), **piece(out.text), **_final(out, timing)}
+            r, a = split(out.text, True)
+            return {"model": name, "created_at": _now_iso(), **piece(a, r), **_final(out, timing)}
 
         async def events() -> AsyncIterator[str]:
             try:
                 async for _, out in gen.outputs():
                     if timing.first is None and out.new_token_ids:
                         timing.first = time.perf_counter()
-                    if out.delta:
-                        yield _line({"model": name, "created_at": _now_iso(), **piece(out.delta), "done": False})
+                    r, a = split(out.delta, out.finished)
+                    if a or (r and think):
+                        yield _line({"model": name, "created_at": _now_iso(), **piece(a, r), "done": False})
                     if out.finished:
                         timing.end = time.perf_counter()
                         yield _line({"model": name, "created_at": _now_iso(), **piece(""), **_final(out, timing)})
@@ -393,7 +417,8 @@ def mount(app: FastAPI, state) -> None:
         if any(m.tool_calls for m in body.messages):
             raise APIError(400, "messages with tool_calls are not supported by this server yet", param="messages")
         messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
-        return await _run(body.model, messages, body.options, keep_alive, body.stream, request, True)
+        return await _run(body.model, messages, body.options, keep_alive, body.stream, request, True, body.format,
+                          body.think)
 
     @app.post("/api/generate")
     async def generate(body: GenerateRequest, request: Request):
@@ -412,7 +437,8 @@ def mount(app: FastAPI, state) -> None:
         else:
             prompt = ([{"role": "system", "content": body.system}] if body.system else []) + [
                 {"role": "user", "content": body.prompt}]
-        return await _run(body.model, prompt, body.options, keep_alive, body.stream, request, False)
+        return await _run(body.model, prompt, body.options, keep_alive, body.stream, request, False, body.format,
+                          body.think)
 
     @app.post("/api/pull")
     async def pull(body: PullRequest):

@@ -2,9 +2,9 @@
 
 Responses are plain dicts built here so their shape is exactly what OpenAI/vLLM send (which
 keys are present, which are null) and nothing depends on pydantic's serialisation options.
-Unknown request fields are ignored, as vLLM does; fields we cannot honour (tools, JSON mode,
-logit_bias, guided decoding, audio, echo, suffix, best_of) are refused with a 400 naming them
-rather than silently dropped. Types are strict where OpenAI's schema is (`max_tokens: true` or
+Unknown request fields are ignored, as vLLM does; fields we cannot honour (tools, audio, echo,
+suffix, best_of) are refused with a 400 naming them rather than silently dropped. Structured
+output (response_format, vLLM's guided_* and structured_outputs) is mapped in output_format. Types are strict where OpenAI's schema is (`max_tokens: true` or
 `logprobs: "yes"` are errors, not 1 and true), and no text with a lone UTF-16 surrogate (legal
 JSON, not encodable text) gets past the request models.
 """
@@ -106,23 +106,27 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # accepted by OpenAI or vLLM but not honoured here: refused with a 400 naming the field
-    logit_bias: Any = None
-    # other unknown fields are kept (not validated) so that guided_* (vLLM) can be refused by name
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in -100..100
+    response_format: Any = None  # checked in output_format (its errors name the field)
+    # other unknown fields are kept (not validated) so that guided_* (vLLM) are seen by name
     model_config = ConfigDict(extra="allow", strict=True)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first field this server would otherwise silently ignore."""
-        if self.logit_bias not in (None, {}):
-            return "logit_bias", "logit_bias is not supported by this server"
-        for name, value in (self.model_extra or {}).items():
-            if value is None:
-                continue
-            if name.startswith("guided_") or name == "structured_outputs":
-                return name, f"{name} (structured output) is not supported by this server"
-            if name == "response_format" and not (isinstance(value, dict) and value.get("type", "text") == "text"):
-                return name, "response_format other than 'text' is not supported"
         return None
+
+    def token_bias(self, vocab: int) -> dict[int, float] | None:
+        """logit_bias with integer token ids in 0..vocab-1 (APIError naming logit_bias otherwise)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            tid = int(key) if key.strip().isdigit() else -1
+            if not 0 <= tid < vocab:
+                raise APIError(400, f"logit_bias: keys must be token ids in 0..{vocab - 1}, got {key!r}",
+                               param="logit_bias")
+            out[tid] = bias
+        return out
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -131,8 +135,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM: extra variables for the chat template
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
@@ -147,8 +151,6 @@ class ChatCompletionRequest(_SamplingRequest):
             return name, f"{name} (function calling) is not supported by this server"
         if self.tool_choice not in (None, "none", "auto"):  # 'none'/'auto' without tools change nothing
             return "tool_choice", f"tool_choice {self.tool_choice!r} needs tools, which this server does not support"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "response_format other than 'text' is not supported"
         if self.modalities is not None and self.modalities != ["text"]:
             return "modalities", f"only text output is supported (modalities: [\"text\"]), got {self.modalities!r}"
         for name in ("audio", "prediction"):
@@ -218,9 +220,39 @@ def chat_response(rid: str, created: int, model: str, choices: list[dict], use: 
             "choices": choices, "usage": use, "system_fingerprint": None}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+                thinking: bool | None = None) -> dict:
+    """`thinking` not None: a reasoning model's reply (True: it starts inside <think>), split as
+    vLLM's reasoning parser does into reasoning_content and the answer in content."""
+    message: dict = {"role": "assistant", "content": text}
+    if thinking is not None:
+        from .reasoning import split
+
+        reasoning, answer = split(text, thinking)
+        message = {"role": "assistant", "content": answer, "reasoning_content": reasoning or None}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+class ReasoningDeltas:
+    """A reasoning model's stream of text deltas -> chat deltas ({"reasoning_content"} and/or
+    {"content"}), tags removed; what a split tag holds back comes out with the last delta."""
+
+    def __init__(self, thinking: bool):
+        from .reasoning import ThinkSplitter
+
+        self.splitter = ThinkSplitter(thinking)
+
+    def feed(self, text: str, final: bool) -> dict:
+        reasoning, answer = self.splitter.feed(text)
+        if final:
+            r, a = self.splitter.flush()
+            reasoning, answer = reasoning + r, answer + a
+        delta = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if answer:
+            delta["content"] = answer
+        return delta
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:

@@ -257,8 +257,12 @@ class Generation:
     """The engine requests behind one HTTP request (one per prompt x n) and their outputs."""
 
     def __init__(self, state: ServerState, prompts: list, params: list, n: int, max_tokens_param: str,
-                 prompt_param: str, target: Any = None, on_close: Callable[[], None] | None = None):
+                 prompt_param: str, target: Any = None, on_close: Callable[[], None] | None = None,
+                 template_kwargs: dict | None = None, constraint_param: str | None = None):
         self.state, self.n = state, n
+        self.template_kwargs = template_kwargs or {}  # extra chat template variables (enable_thinking)
+        self.constraint_param = constraint_param  # the request field a constraint came from
+        self.prompt_ids: list[list[int]] = []
         self.target = target if target is not None else state  # what has .engine/.loop/.token_bytes
         self.on_close = on_close  # called once when the request is over (the pool's release)
         self.prompts = prompts
@@ -292,6 +296,7 @@ class Generation:
         try:
             # off the event loop (and off the engine thread, which would stall every stream)
             ids = [await asyncio.to_thread(self._encode, p) for p in self.prompts]
+            self.prompt_ids = ids
         except BaseException as e:
             self.close()
             if isinstance(e, Exception):
@@ -326,7 +331,19 @@ class Generation:
                                     f"However, your {what} take {nbytes} bytes: at least {least} tokens. "
                                     f"Please reduce the length of the {what}.",
                                param=self.prompt_param, code="context_length_exceeded")
+        if self.template_kwargs and isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            return engine.encode_prompt(prompt, **self.template_kwargs)
         return engine.encode_prompt(prompt)
+
+    def reasoning(self) -> tuple[bool, bool]:
+        """(the model may think, its reply starts inside <think>) for the first prompt (chat)."""
+        from .reasoning import opened, reasons
+
+        engine = self.target.engine
+        if not reasons(engine.tokenizer.chat_template) or not self.prompt_ids:
+            return False, False
+        tail = engine.tokenizer.decode(self.prompt_ids[0][-16:], skip_special_tokens=False)
+        return True, opened(tail)
 
     def _sink(self, aloop: asyncio.AbstractEventLoop, i: int):
         def deliver(item):  # on the event loop; bookkeeping here, so it never depends on a reader
@@ -358,9 +375,13 @@ class Generation:
         from .chat import ChatTemplateError
         from .engine.engine import ContextLengthError
         from .sampling import SamplingError
+        from .structured import ConstraintError
 
         if isinstance(e, APIError):
             return e
+        if isinstance(e, ConstraintError):
+            param = self.constraint_param or "response_format"
+            return APIError(400, f"{param}: {e}", param=param)
         if isinstance(e, ContextLengthError):
             mt = self.jobs[0][1].max_tokens
             what = "messages" if self.prompt_param == "messages" else "prompt"
@@ -448,7 +469,7 @@ class Generation:
 
 # ---- request -> engine requests ------------------------------------------------------------------
 def _sampling(body: oai._SamplingRequest, max_tokens: int | None, max_tokens_param: str, logprobs: int | None,
-              seed_offset: int = 0):
+              seed_offset: int = 0, constraint=None, logit_bias: dict[int, float] | None = None):
     from .sampling import SamplingError, SamplingParams
 
     def pick(v, default):
@@ -463,10 +484,21 @@ def _sampling(body: oai._SamplingRequest, max_tokens: int | None, max_tokens_par
             seed=None if body.seed is None else body.seed + seed_offset,  # n>1: one per choice
             stop=[] if body.stop is None else body.stop, stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
-            logprobs=logprobs, min_tokens=body.min_tokens)
+            logprobs=logprobs, min_tokens=body.min_tokens, constraint=constraint, logit_bias=logit_bias)
     except SamplingError as e:
         param = max_tokens_param if e.param == "max_tokens" else e.param
         raise APIError(400, str(e).replace("max_tokens", param, 1), param=param) from None
+
+
+def _structured(body: oai._SamplingRequest) -> tuple[str, Any] | None:
+    """(field, Constraint) of the request's structured-output field, if it sets one."""
+    from . import output_format
+
+    rf = output_format.response_format(body.response_format)
+    vllm = output_format.vllm_fields(body.model_extra or {})
+    if rf is not None and vllm is not None:
+        raise APIError(400, f"send either response_format or {vllm[0]}, not both", param=vllm[0])
+    return ("response_format", rf) if rf is not None else vllm
 
 
 def _check_common(body: oai._SamplingRequest, max_tokens: int | None, max_tokens_param: str, vocab: int) -> None:
@@ -499,8 +531,22 @@ def max_token_bytes(tokenizer) -> int | None:
     return longest * (1 if tok.normalizer is None else 3) or None
 
 
-def _params_list(body, max_tokens, max_tokens_param, logprobs) -> list:
-    return [_sampling(body, max_tokens, max_tokens_param, logprobs, j) for j in range(body.n)]
+def _params_list(body, max_tokens, max_tokens_param, logprobs, vocab: int) -> tuple[list, str | None]:
+    """One SamplingParams per choice, and the field the constraint came from (None: no constraint)."""
+    found = _structured(body)
+    field_, constraint = found if found else (None, None)
+    bias = body.token_bias(vocab)
+    return [_sampling(body, max_tokens, max_tokens_param, logprobs, j, constraint, bias)
+            for j in range(body.n)], field_
+
+
+def _template_kwargs(kwargs: dict | None) -> dict:
+    """vLLM's chat_template_kwargs, less the variables the renderer sets itself."""
+    taken = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+    clash = sorted(taken & set(kwargs or {}))
+    if clash:
+        raise APIError(400, f"chat_template_kwargs: {clash[0]!r} is set by the server", param="chat_template_kwargs")
+    return dict(kwargs or {})
 
 
 def _sse(obj: dict | str) -> str:
@@ -718,19 +764,24 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _params_list(body, max_tokens, mt_param, logprobs)
+        vocab = target.engine.model_config.vocab_size
+        params, constraint_param = _params_list(body, max_tokens, mt_param, logprobs, vocab)
+        kwargs = _template_kwargs(body.chat_template_kwargs)
         gen = Generation(state, [oai.message_dicts(body.messages)], params, body.n, mt_param, "messages",
-                         target, release)
+                         target, release, kwargs, constraint_param)
         await gen.start()
         rid, created, name = oai.new_id("chatcmpl"), oai.now(), target.name
         token_text = _token_text(target.engine)
+        thinks, inside = gen.reasoning()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(gen, _chat_events(gen, rid, created, name, include_usage, body.logprobs, token_text))
+            return _stream(gen, _chat_events(gen, rid, created, name, include_usage, body.logprobs, token_text,
+                                             inside if thinks else None))
         if not await gen.collect(request):  # the client went away
             return Response(status_code=499)
         choices = [oai.chat_choice(i, o.text, o.finish_reason,
-                                   oai.chat_logprobs(o.logprobs, token_text) if body.logprobs else None)
+                                   oai.chat_logprobs(o.logprobs, token_text) if body.logprobs else None,
+                                   inside if thinks else None)
                    for i, o in sorted(gen.finals.items())]
         return oai.chat_response(rid, created, name, choices, gen.usage())
 
@@ -761,8 +812,10 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
         if len(prompts) * body.n > 16:
             raise APIError(400, f"at most 16 choices per request (prompts x n), got {len(prompts) * body.n}",
                            param="prompt")
-        params = _params_list(body, body.max_tokens, "max_tokens", body.logprobs)
-        gen = Generation(state, prompts, params, body.n, "max_tokens", "prompt", target, release)
+        vocab = target.engine.model_config.vocab_size
+        params, constraint_param = _params_list(body, body.max_tokens, "max_tokens", body.logprobs, vocab)
+        gen = Generation(state, prompts, params, body.n, "max_tokens", "prompt", target, release,
+                         constraint_param=constraint_param)
         await gen.start()
         rid, created, name = oai.new_id("cmpl"), oai.now(), target.name
         token_text = _token_text(target.engine)
@@ -823,9 +876,12 @@ def _stream(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
 
 
 async def _chat_events(gen: Generation, rid: str, created: int, name: str, include_usage: bool, want_lp: bool,
-                       token_text) -> AsyncIterator[str]:
-    """vLLM's sequence: a role chunk per choice, content deltas, a finish chunk, [usage], [DONE]."""
+                       token_text, thinking: bool | None = None) -> AsyncIterator[str]:
+    """vLLM's sequence: a role chunk per choice, content deltas, a finish chunk, [usage], [DONE].
+    `thinking` not None: a reasoning model (True: its reply starts inside <think>); its reasoning
+    goes out as reasoning_content deltas, the answer as content."""
     seen = [0] * len(gen.jobs)  # logprob entries already sent, per choice
+    splitters = [oai.ReasoningDeltas(thinking) for _ in gen.jobs] if thinking is not None else None
     try:
         for i in range(len(gen.jobs)):
             yield _sse(oai.chat_chunk(rid, created, name, i, {"role": "assistant", "content": ""}))
@@ -835,9 +891,12 @@ async def _chat_events(gen: Generation, rid: str, created: int, name: str, inclu
                 entries = out.logprobs[seen[i]:seen[i] + len(out.new_token_ids)]
                 seen[i] += len(entries)
                 lp = oai.chat_logprobs(entries, token_text) if entries else None
-            if not out.delta and not out.finished and lp is None:
-                continue  # text held back (partial UTF-8 or a possible stop string)
-            delta = {"content": out.delta} if out.delta else {}
+            if splitters is not None:
+                delta = splitters[i].feed(out.delta, out.finished)
+            else:
+                delta = {"content": out.delta} if out.delta else {}
+            if not delta and not out.finished and lp is None:
+                continue  # text held back (partial UTF-8, a possible stop string or reasoning tag)
             yield _sse(oai.chat_chunk(rid, created, name, i, delta, out.finish_reason if out.finished else None, lp))
         if include_usage:
             yield _sse(oai.usage_chunk(rid, created, name, "chat.completion.chunk", gen.usage()))

@@ -1,0 +1,145 @@
+"""Reasoning models on `localllm serve` (issue #17): vLLM's reasoning_content beside the answer in
+content (whole and streamed), chat_template_kwargs reaching the template, Ollama's think and
+message.thinking. A 2-layer model whose chat template is Qwen3's published one is served for real
+(it will not write <think> itself: what reaches the prompt is checked against the template rendered
+here); the split of a reply that does reason is checked on the server's own assembly code with a
+scripted stream, as tests/test_reasoning.py does for the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import ollama
+import openai
+import pytest
+from hub_mirror import tiny_checkpoint
+from server_proc import ServerProc
+
+from localllm import openai_schema as oai
+from localllm.chat import render_chat
+
+QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+ASK = [{"role": "user", "content": "Is 7 prime?"}]
+REPLY = "<think>\nSeven has no divisors but 1 and itself.\n</think>\n\nYes, 7 is prime."
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("qwen3-template") / "tiny-reasoner"
+    shutil.copytree(tiny_checkpoint(), d)
+    cfg_path = d / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    cfg["chat_template"] = QWEN3_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = ServerProc("--ctx", "512", "--kv-memory", "20MiB", "--threads", "1", "--enforce-eager",
+                   model=str(model_dir))
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def prompt_tokens(model_dir):
+    """What the prompt must count: Qwen3's template rendered here, tokenized by the model's tokenizer."""
+    from localllm.tokenizer import LLMTokenizer
+
+    tok = LLMTokenizer.from_dir(model_dir)
+
+    def count(messages, **kw) -> int:
+        return len(tok.encode(render_chat(QWEN3_TEMPLATE, messages, bos_token=tok.bos_token,
+                                          eos_token=tok.eos_token, **kw)))
+    return count
+
+
+def test_chat_template_kwargs_reach_the_template(server, model_dir, prompt_tokens):
+    c = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    default = c.chat.completions.create(model=str(model_dir), messages=ASK, max_tokens=3, temperature=0)
+    off = c.chat.completions.create(model=str(model_dir), messages=ASK, max_tokens=3, temperature=0,
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert default.usage.prompt_tokens == prompt_tokens(ASK)
+    assert off.usage.prompt_tokens == prompt_tokens(ASK, enable_thinking=False) > default.usage.prompt_tokens
+    msg = default.choices[0].message
+    assert msg.model_extra.get("reasoning_content", "absent") is None  # a reasoning model: the key is there
+    r = httpx.post(server.base + "/v1/chat/completions", timeout=30,
+                   json={"messages": ASK, "max_tokens": 2, "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_ollama_think_reaches_the_template(server, model_dir, prompt_tokens):
+    c = ollama.Client(host=server.base, timeout=60)
+    opts = {"temperature": 0, "num_predict": 3}
+    off = c.chat(model=str(model_dir), messages=ASK, think=False, options=opts)
+    on = c.chat(model=str(model_dir), messages=ASK, think=True, options=opts)
+    assert off.prompt_eval_count == prompt_tokens(ASK, enable_thinking=False)
+    assert on.prompt_eval_count == prompt_tokens(ASK, enable_thinking=True)
+    gen = c.generate(model=str(model_dir), prompt="Is 7 prime?", think=False, options=opts)
+    assert gen.prompt_eval_count == prompt_tokens(ASK, enable_thinking=False)
+    show = httpx.post(server.base + "/api/show", json={"model": str(model_dir)}, timeout=30)
+    assert "thinking" in show.json()["capabilities"]
+    r = httpx.post(server.base + "/api/chat", json={"model": str(model_dir), "messages": ASK, "think": "high"}, timeout=30)
+    assert r.status_code == 400 and "think" in r.json()["error"]
+
+
+# ---- the server's assembly of a reasoning reply, on a scripted stream -------------------------------
+def test_chat_choice_splits_reasoning_from_the_answer():
+    c = oai.chat_choice(0, REPLY, "stop", None, thinking=False)
+    assert c["message"] == {"role": "assistant", "content": "Yes, 7 is prime.",
+                            "reasoning_content": "\nSeven has no divisors but 1 and itself.\n"}
+    # the template opened <think> in the prompt: the reply starts inside it
+    opened = oai.chat_choice(0, REPLY.removeprefix("<think>"), "stop", None, thinking=True)
+    assert opened["message"]["content"] == "Yes, 7 is prime."
+    plain = oai.chat_choice(0, "Yes.", "stop", None, thinking=False)["message"]
+    assert plain == {"role": "assistant", "content": "Yes.", "reasoning_content": None}
+    assert oai.chat_choice(0, REPLY, "stop", None)["message"] == {"role": "assistant", "content": REPLY}
+
+
+class _ScriptedGen:
+    """What server._chat_events reads of a Generation, replaying fixed deltas for one choice."""
+
+    def __init__(self, deltas: list[str]):
+        self.deltas, self.jobs = deltas, [None]
+        self.state = SimpleNamespace(metrics=SimpleNamespace(errors={}))
+
+    async def outputs(self):
+        for k, d in enumerate(self.deltas):
+            last = k == len(self.deltas) - 1
+            yield 0, SimpleNamespace(delta=d, finished=last, finish_reason="stop" if last else None,
+                                     new_token_ids=[1], logprobs=[])
+
+    def usage(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, len(REPLY)])
+def test_streamed_deltas_carry_reasoning_content_then_content(size):
+    from localllm.server import _chat_events
+
+    deltas = [REPLY[i:i + size] for i in range(0, len(REPLY), size)]
+
+    async def run() -> list[dict]:
+        return [json.loads(e.removeprefix("data: ")) async for e in
+                _chat_events(_ScriptedGen(deltas), "id", 0, "m", False, False, str, False) if "[DONE]" not in e]
+    chunks = asyncio.run(run())
+    got = [c["choices"][0]["delta"] for c in chunks]
+    assert got[0] == {"role": "assistant", "content": ""}
+    reasoning = "".join(d.get("reasoning_content", "") for d in got)
+    answer = "".join(d.get("content", "") for d in got)
+    assert (reasoning, answer) == ("\nSeven has no divisors but 1 and itself.\n", "Yes, 7 is prime.")
+    assert "<think>" not in answer and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # no reasoning once the answer began: the deltas never interleave
+    kinds = [k for d in got[1:] for k in d]
+    assert kinds == sorted(kinds, key=lambda k: k == "content")
