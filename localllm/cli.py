@@ -139,6 +139,37 @@ def sampling_params(**kw):
         raise fail(f"invalid value for --{e.param.replace('_', '-')}: {e}", 2) from None
 
 
+def format_constraint(value: str | None):
+    """--format: 'json', an inline JSON schema, or a path to one -> a checked Constraint (exit 2
+    with llguidance's message when the schema does not compile)."""
+    import json
+    from pathlib import Path
+
+    from .structured import Constraint, ConstraintError
+
+    if value is None:
+        return None
+    try:
+        if value.strip() == "json":
+            return Constraint.make("json")
+        text = value
+        if not value.lstrip().startswith("{"):
+            path = Path(value).expanduser()
+            if not path.is_file():
+                raise fail(f"invalid value for --format: {value!r} is not 'json', an inline JSON schema or a "
+                           "schema file", 2)
+            text = path.read_text(encoding="utf-8")
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise fail(f"invalid value for --format: not JSON ({e})", 2) from None
+        return Constraint.make("json_schema", schema)
+    except ConstraintError as e:
+        raise fail(f"invalid value for --format: {e}", 2) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise fail(f"invalid value for --format: cannot read {value}: {e}", 2) from None
+
+
 def read_stdin() -> str:
     """Piped stdin as text; input that is not UTF-8 is refused with where it goes wrong (decoding
     it with replacements would send the model something the user never wrote)."""
@@ -174,6 +205,9 @@ def run(
     seed: Annotated[Optional[int], typer.Option(help="Same seed, same output.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    format: Annotated[Optional[str], typer.Option(
+        "--format", help="Hold the answer to JSON: 'json' (any JSON object), or a JSON schema given inline "
+                         "or as the path of a .json file.", show_default=False)] = None,
     think: Annotated[Optional[bool], typer.Option(
         "--think/--no-think", help="Reasoning models (Qwen3, ...): --think prints the reasoning before the answer; "
                                    "--no-think asks the model not to reason. Default: it reasons, only the answer "
@@ -215,8 +249,10 @@ def run(
     if not parts:
         raise fail("no prompt: pass it as arguments or pipe it on stdin (e.g. echo hi | localllm run)", 2)
     prompt = "\n\n".join(parts)
+    constraint = format_constraint(format)
     params = sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                             min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [])
+                             min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [],
+                             constraint=constraint)
     config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, device, parallel=1)
     engine = open_engine(model, quant, device, config, max_gib)
     if raw:

@@ -168,3 +168,36 @@ def test_gguf_type_table_matches_the_gguf_package(gguf_path):
     assert g.qtype(int(iq4)) == (int(iq4), "IQ4_NL", *GGML_QUANT_SIZES[iq4])
     kinds = {t.qtype.name for t in g.read_gguf(gguf_path).tensors.values()}
     assert {"Q4_1", "F32"} <= kinds
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_format_json_and_schema(tmp_path):
+    """--format json / an inline schema / a schema file, through the installed executable."""
+    import json
+
+    import jsonschema
+
+    exe = [str(Path(sys.executable).parent / "localllm"), "run"]
+
+    def answer(*args):
+        p = subprocess.run(exe + ["--temperature", "0", "--max-tokens", "80", *args], capture_output=True,
+                           text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        assert p.returncode == 0, p.stderr
+        return p.stdout
+    assert isinstance(json.loads(answer("--format", "json", "What is the capital of France? Answer in JSON.")),
+                      dict)
+    jsonschema.validate(json.loads(answer("--format", json.dumps(PERSON), "Describe a person.")), PERSON)
+    f = tmp_path / "person.json"
+    f.write_text(json.dumps(PERSON))
+    jsonschema.validate(json.loads(answer("--format", str(f), "Describe a person.")), PERSON)
+
+
+@pytest.mark.parametrize("value,says", [("yaml", "not 'json'"), ("{oops", "not JSON"),
+                                        ('{"type": "nonsense"}', "invalid json_schema")])
+def test_bad_format_exits_2_naming_it(value, says):
+    p = run(["run", "--format", value, "hi"])
+    assert p.returncode == 2 and "--format" in p.stderr and says in p.stderr, p.stderr
