@@ -2,8 +2,8 @@
 
 Responses are plain dicts built here so their shape is exactly what OpenAI/vLLM send (which
 keys are present, which are null) and nothing depends on pydantic's serialisation options.
-Unknown request fields are ignored, as vLLM does; fields we cannot honour (tools, audio, echo,
-suffix, best_of) are refused with a 400 naming them rather than silently dropped. Structured
+Unknown request fields are ignored, as vLLM does; fields we cannot honour (audio, echo, suffix,
+best_of) are refused with a 400 naming them rather than silently dropped. Structured
 output (response_format, vLLM's guided_* and structured_outputs) is mapped in output_format. Types are strict where OpenAI's schema is (`max_tokens: true` or
 `logprobs: "yes"` are errors, not 1 and true), and no text with a lone UTF-16 surrogate (legal
 JSON, not encodable text) gets past the request models.
@@ -83,6 +83,8 @@ class ChatMessage(_Model):
     # a string, or OpenAI content parts [{"type": "text", "text": ...}]; null for e.g. tool-call turns
     content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, carried back
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class _SamplingRequest(_Request):
@@ -144,13 +146,6 @@ class ChatCompletionRequest(_SamplingRequest):
     prediction: Any = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tools / function calling is not supported by this server"
-        if self.functions is not None or self.function_call is not None:
-            name = "functions" if self.functions is not None else "function_call"
-            return name, f"{name} (function calling) is not supported by this server"
-        if self.tool_choice not in (None, "none", "auto"):  # 'none'/'auto' without tools change nothing
-            return "tool_choice", f"tool_choice {self.tool_choice!r} needs tools, which this server does not support"
         if self.modalities is not None and self.modalities != ["text"]:
             return "modalities", f"only text output is supported (modalities: [\"text\"]), got {self.modalities!r}"
         for name in ("audio", "prediction"):
@@ -196,7 +191,11 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
                                    param=f"messages[{i}].content")
                 texts.append(part["text"])
             content = "".join(texts)
-        out.append({"role": m.role, "content": content or ""})
+        d = {"role": m.role, "content": content or ""}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(m, key) is not None:
+                d[key] = getattr(m, key)
+        out.append(d)
     return out
 
 
@@ -221,38 +220,71 @@ def chat_response(rid: str, created: int, model: str, choices: list[dict], use: 
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
-                thinking: bool | None = None) -> dict:
+                thinking: bool | None = None, tools: dict | None = None, legacy: bool = False) -> dict:
     """`thinking` not None: a reasoning model's reply (True: it starts inside <think>), split as
-    vLLM's reasoning parser does into reasoning_content and the answer in content."""
+    vLLM's reasoning parser does into reasoning_content and the answer in content. `tools` (name
+    -> schema): calls of them in the answer become tool_calls (`legacy`: one function_call)."""
     message: dict = {"role": "assistant", "content": text}
     if thinking is not None:
         from .reasoning import split
 
-        reasoning, answer = split(text, thinking)
-        message = {"role": "assistant", "content": answer, "reasoning_content": reasoning or None}
+        reasoning, text = split(text, thinking)
+        message = {"role": "assistant", "content": text, "reasoning_content": reasoning or None}
+    if tools is not None:
+        from .tool_calls import parse
+
+        content, calls = parse(text, tools)
+        if calls:
+            message["content"] = content or None
+            message.update(_calls_field(calls, legacy))
+            finish_reason = "function_call" if legacy else "tool_calls"
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-class ReasoningDeltas:
-    """A reasoning model's stream of text deltas -> chat deltas ({"reasoning_content"} and/or
-    {"content"}), tags removed; what a split tag holds back comes out with the last delta."""
+def _calls_field(calls: list, legacy: bool, stream: bool = False) -> dict:
+    if legacy:  # the deprecated functions API has one call per reply
+        return {"function_call": calls[0].openai()["function"]}
+    return {"tool_calls": [c.openai(k if stream else None) for k, c in enumerate(calls)]}
 
-    def __init__(self, thinking: bool):
+
+class ChatDeltas:
+    """A reply's text deltas -> chat deltas: a reasoning model's reasoning as reasoning_content
+    (tags removed), the answer as content, and with `tools` the calls it writes as tool_calls
+    (held back from content, sent whole with the last delta). `called`: calls were sent."""
+
+    def __init__(self, thinking: bool | None, tools: dict | None = None, legacy: bool = False):
         from .reasoning import ThinkSplitter
+        from .tool_calls import ToolCallStream
 
-        self.splitter = ThinkSplitter(thinking)
+        self.splitter = ThinkSplitter(thinking) if thinking is not None else None
+        self.calls = ToolCallStream(tools) if tools is not None else None
+        self.legacy, self.called = legacy, False
 
     def feed(self, text: str, final: bool) -> dict:
-        reasoning, answer = self.splitter.feed(text)
-        if final:
+        reasoning, answer = self.splitter.feed(text) if self.splitter else ("", text)
+        if final and self.splitter:
             r, a = self.splitter.flush()
             reasoning, answer = reasoning + r, answer + a
-        delta = {}
+        calls = []
+        if self.calls is not None:
+            answer = self.calls.feed(answer)
+            if final:
+                rest, calls = self.calls.finish()
+                answer += rest
+        delta: dict = {}
         if reasoning:
             delta["reasoning_content"] = reasoning
         if answer:
             delta["content"] = answer
+        if calls:
+            self.called = True
+            delta.update(_calls_field(calls, self.legacy, stream=True))
         return delta
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        if reason is None or not self.called:
+            return reason
+        return "function_call" if self.legacy else "tool_calls"
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:

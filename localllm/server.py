@@ -531,13 +531,54 @@ def max_token_bytes(tokenizer) -> int | None:
     return longest * (1 if tok.normalizer is None else 3) or None
 
 
-def _params_list(body, max_tokens, max_tokens_param, logprobs, vocab: int) -> tuple[list, str | None]:
-    """One SamplingParams per choice, and the field the constraint came from (None: no constraint)."""
+def _params_list(body, max_tokens, max_tokens_param, logprobs, vocab: int,
+                 forced: tuple[str, Any] | None = None) -> tuple[list, str | None]:
+    """One SamplingParams per choice, and the field the constraint came from (None: no constraint).
+    `forced`: (field, constraint) of a tool call the request demands."""
     found = _structured(body)
+    if forced is not None and found is not None:
+        raise APIError(400, f"{found[0]} cannot be combined with {forced[0]} forcing a tool call", param=found[0])
+    found = found or forced
     field_, constraint = found if found else (None, None)
     bias = body.token_bias(vocab)
     return [_sampling(body, max_tokens, max_tokens_param, logprobs, j, constraint, bias)
             for j in range(body.n)], field_
+
+
+def _tool_setup(body: oai.ChatCompletionRequest, template: str | None) -> tuple[dict | None, bool, list | None, Any]:
+    """(offered tools: name -> parameters, None when no call can come; whether the deprecated
+    functions API asked; the tools for the chat template; (field, constraint) forcing a call)."""
+    from . import output_format
+    from . import tool_calls as tc
+
+    legacy = body.functions is not None or body.function_call is not None
+    if legacy and (body.tools is not None or body.tool_choice is not None):
+        raise APIError(400, "send tools/tool_choice or the deprecated functions/function_call, not both",
+                       param="functions")
+    if legacy:
+        if not isinstance(body.functions or [], list):
+            raise APIError(400, "functions must be a list of function definitions", param="functions")
+        raw = [{"type": "function", "function": f} for f in body.functions or []]
+        fc = body.function_call
+        choice_in, p_tools, p_choice = ({"type": "function", "function": fc} if isinstance(fc, dict) else fc,
+                                        "functions", "function_call")
+    else:
+        raw, choice_in, p_tools, p_choice = body.tools or [], body.tool_choice, "tools", "tool_choice"
+    try:
+        tools = tc.check_tools(raw, p_tools)
+        choice = tc.choice_of(choice_in, tools, p_choice)
+    except tc.ToolError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    if choice == "none" or not tools:  # as vLLM: with 'none' the tools are not shown to the model
+        return None, legacy, None, None
+    if not template or "tools" not in template:
+        raise APIError(400, f"{p_tools}: this model's chat template does not take tools (it cannot be told "
+                            "about them)", param=p_tools)
+    forced = None
+    if choice != "auto":
+        grammar = tc.forcing_grammar(tools, choice, tc.style_of(template))
+        forced = (p_choice, output_format.make(p_tools, "grammar", grammar))
+    return tools, legacy, raw, forced
 
 
 def _template_kwargs(kwargs: dict | None) -> dict:
@@ -765,10 +806,15 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         vocab = target.engine.model_config.vocab_size
-        params, constraint_param = _params_list(body, max_tokens, mt_param, logprobs, vocab)
+        tools, legacy, template_tools, forced = _tool_setup(body, target.engine.tokenizer.chat_template)
+        params, constraint_param = _params_list(body, max_tokens, mt_param, logprobs, vocab, forced)
         kwargs = _template_kwargs(body.chat_template_kwargs)
-        gen = Generation(state, [oai.message_dicts(body.messages)], params, body.n, mt_param, "messages",
-                         target, release, kwargs, constraint_param)
+        if template_tools is not None:
+            kwargs["tools"] = template_tools
+        from .tool_calls import template_messages
+
+        gen = Generation(state, [template_messages(oai.message_dicts(body.messages))], params, body.n, mt_param,
+                         "messages", target, release, kwargs, constraint_param)
         await gen.start()
         rid, created, name = oai.new_id("chatcmpl"), oai.now(), target.name
         token_text = _token_text(target.engine)
@@ -776,12 +822,12 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _stream(gen, _chat_events(gen, rid, created, name, include_usage, body.logprobs, token_text,
-                                             inside if thinks else None))
+                                             inside if thinks else None, tools, legacy))
         if not await gen.collect(request):  # the client went away
             return Response(status_code=499)
         choices = [oai.chat_choice(i, o.text, o.finish_reason,
                                    oai.chat_logprobs(o.logprobs, token_text) if body.logprobs else None,
-                                   inside if thinks else None)
+                                   inside if thinks else None, tools, legacy)
                    for i, o in sorted(gen.finals.items())]
         return oai.chat_response(rid, created, name, choices, gen.usage())
 
@@ -876,12 +922,14 @@ def _stream(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
 
 
 async def _chat_events(gen: Generation, rid: str, created: int, name: str, include_usage: bool, want_lp: bool,
-                       token_text, thinking: bool | None = None) -> AsyncIterator[str]:
+                       token_text, thinking: bool | None = None, tools: dict | None = None,
+                       legacy: bool = False) -> AsyncIterator[str]:
     """vLLM's sequence: a role chunk per choice, content deltas, a finish chunk, [usage], [DONE].
     `thinking` not None: a reasoning model (True: its reply starts inside <think>); its reasoning
-    goes out as reasoning_content deltas, the answer as content."""
+    goes out as reasoning_content deltas, the answer as content; with `tools`, calls as tool_calls."""
     seen = [0] * len(gen.jobs)  # logprob entries already sent, per choice
-    splitters = [oai.ReasoningDeltas(thinking) for _ in gen.jobs] if thinking is not None else None
+    split = thinking is not None or tools is not None
+    splitters = [oai.ChatDeltas(thinking, tools, legacy) for _ in gen.jobs] if split else None
     try:
         for i in range(len(gen.jobs)):
             yield _sse(oai.chat_chunk(rid, created, name, i, {"role": "assistant", "content": ""}))
@@ -897,7 +945,10 @@ async def _chat_events(gen: Generation, rid: str, created: int, name: str, inclu
                 delta = {"content": out.delta} if out.delta else {}
             if not delta and not out.finished and lp is None:
                 continue  # text held back (partial UTF-8, a possible stop string or reasoning tag)
-            yield _sse(oai.chat_chunk(rid, created, name, i, delta, out.finish_reason if out.finished else None, lp))
+            reason = out.finish_reason if out.finished else None
+            if splitters is not None:
+                reason = splitters[i].finish_reason(reason)
+            yield _sse(oai.chat_chunk(rid, created, name, i, delta, reason, lp))
         if include_usage:
             yield _sse(oai.usage_chunk(rid, created, name, "chat.completion.chunk", gen.usage()))
     except APIError as e:  # after the headers: an error event, then [DONE]

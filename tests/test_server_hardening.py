@@ -169,7 +169,7 @@ def test_surrogate_pairs_are_text(server):
 # ---- item 8: what we do not honour is refused by name ------------------------------------------------
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
-    ("/v1/chat/completions", "function_call", "auto"),
+    ("/v1/chat/completions", "function_call", {"name": "f"}),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("/v1/chat/completions", "modalities", ["text", "audio"]),

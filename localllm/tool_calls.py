@@ -1,0 +1,212 @@
+"""Tool calling: the tools a request offers (checked), the calls a model wrote parsed out of its
+text, and the grammar that forces a call when the request says it must.
+
+Models write calls in their family's format: Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>`,
+Mistral `[TOOL_CALLS] [{"name", "arguments"}]`, Llama 3 a bare JSON object `{"name", "parameters"}`
+(after `<|python_tag|>` or not). All three are recognised whatever the template, but only calls of
+offered tools count: a JSON answer that happens to have a "name" is still an answer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+HERMES, MISTRAL, PYTHON_TAG = "<tool_call>", "[TOOL_CALLS]", "<|python_tag|>"
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+class ToolError(ValueError):
+    """A malformed tools / tool_choice field; `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def openai(self, index: int | None = None) -> dict:
+        d = {"id": self.id, "type": "function",
+             "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+        return d if index is None else {"index": index, **d}
+
+
+def check_tools(tools: list, param: str = "tools") -> dict[str, dict]:
+    """OpenAI/Ollama tools [{"type": "function", "function": {"name", "description", "parameters"}}]
+    -> {name: parameters schema}."""
+    out: dict[str, dict] = {}
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ToolError(param, f"{param}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}")
+        name, params = fn.get("name"), fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise ToolError(param, f"{param}[{i}].function.name must be 1-64 letters, digits, _ . or -, got {name!r}")
+        if not isinstance(params, dict):
+            raise ToolError(param, f"{param}[{i}].function.parameters must be a JSON schema object")
+        if name in out:
+            raise ToolError(param, f"{param}: two tools are named {name!r}")
+        out[name] = params
+    return out
+
+
+def choice_of(tool_choice, names: dict[str, dict], param: str = "tool_choice") -> str | None:
+    """tool_choice -> "none" | "auto" | "required" | a tool's name (a named call)."""
+    if tool_choice is None:
+        return "auto" if names else "none"
+    if tool_choice in ("none", "auto"):
+        return tool_choice
+    if tool_choice == "required":
+        if not names:
+            raise ToolError(param, "tool_choice 'required' needs tools")
+        return tool_choice
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise ToolError(param, f"{param} must be 'none', 'auto', 'required' or "
+                               "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if name not in names:
+        raise ToolError(param, f"{param} names {name!r}, which is not among the tools offered")
+    return name
+
+
+def style_of(template: str | None) -> str:
+    """The call format a chat template teaches its model: hermes, mistral or json (Llama 3)."""
+    if template and HERMES in template:
+        return "hermes"
+    if template and MISTRAL in template:
+        return "mistral"
+    return "json"
+
+
+def forcing_grammar(tools: dict[str, dict], choice: str, style: str) -> str:
+    """A Lark grammar (llguidance, with %json schemas) whose every sentence is one call of the named
+    tool or (required) of any offered tool, in the model's own format. One call, not "one or more":
+    a weak model repeats the call until max_tokens and the last one is cut."""
+    names = list(tools) if choice == "required" else [choice]
+    alts = [{"type": "object", "properties": {"name": {"const": n}, "arguments": tools[n]},
+             "required": ["name", "arguments"], "additionalProperties": False} for n in names]
+    # compact JSON as the templates write calls: free whitespace let weak models pad forever
+    compact = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    call = json.dumps({**compact, **(alts[0] if len(alts) == 1 else {"anyOf": alts})})
+    if style == "hermes":
+        return f'start: "<tool_call>\\n" %json {call} "\\n</tool_call>"'
+    return f"start: %json {call}"  # one JSON object: parsed as Llama 3's format
+
+
+def _call(obj, names) -> ToolCall | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as JSON text
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return ToolCall(obj["name"], args) if isinstance(args, dict) else None
+
+
+def _calls(text: str, names) -> list[ToolCall] | None:
+    """The calls in a JSON object or list of them, or None if `text` is not that."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    items = obj if isinstance(obj, list) else [obj]
+    calls = [_call(o, names) for o in items]
+    return calls if calls and all(calls) else None
+
+
+def parse(text: str, names) -> tuple[str, list[ToolCall]]:
+    """(content left, calls) of a reply; no calls: the text unchanged."""
+    if HERMES in text:
+        found = [_calls(m.group(1), names) for m in _HERMES_CALL.finditer(text)]
+        if found and all(found):
+            return _HERMES_CALL.sub("", text).strip(), [c for cs in found for c in cs]
+    if MISTRAL in text:
+        head, _, tail = text.partition(MISTRAL)
+        calls = _calls(tail.strip(), names)
+        if calls:
+            return head.strip(), calls
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    if body[:1] in ("{", "["):
+        calls = _calls(body, names)
+        if calls:
+            return "", calls
+    return text, []
+
+
+class ToolCallStream:
+    """A reply's text deltas -> the content to stream now; once a call may be starting, the rest is
+    held and parsed at the end (finish), so that no call markup ever reaches `content`."""
+
+    def __init__(self, names):
+        self.names = names
+        self._held = ""
+        self._calling = False
+        self._started = False  # content other than whitespace was emitted: a bare JSON call is off
+
+    def feed(self, text: str) -> str:
+        buf = self._held + text
+        self._held = ""
+        if self._calling:
+            self._held = buf
+            return ""
+        lead = buf.lstrip()
+        if not self._started:
+            if not lead or (len(lead) < len(PYTHON_TAG) and PYTHON_TAG.startswith(lead)):
+                self._held = buf
+                return ""
+            if lead[0] in "{[" or lead.startswith(PYTHON_TAG):
+                self._calling, self._held = True, buf
+                return ""
+        for marker in (HERMES, MISTRAL):
+            i = buf.find(marker)
+            if i >= 0:
+                self._calling, self._held = True, buf[i:]
+                self._started = self._started or bool(buf[:i].strip())
+                return buf[:i]
+        keep = max(_partial(buf, HERMES), _partial(buf, MISTRAL))
+        out, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]
+        self._started = self._started or bool(out.strip())
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content still to send, the calls) once the reply has ended."""
+        held, self._held = self._held, ""
+        return parse(held, self.names) if self._calling else (held, [])
+
+
+def _partial(text: str, tag: str) -> int:
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Assistant tool_calls as chat templates read them: arguments as an object (OpenAI sends
+    them as JSON text; transformers' templates write `arguments | tojson`)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            fixed = []
+            for c in calls:
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass  # kept as text: templates write a string as is
+                fixed.append({**c, "function": fn})
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
