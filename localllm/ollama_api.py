@@ -6,8 +6,9 @@ clients) probe /api/version, /api/tags and /api/show, then chat through /api/cha
 answers with the same tokens on either API. Streams are newline-delimited JSON, durations are in
 nanoseconds and errors are {"error": "..."}, as Ollama sends them. `format` (JSON mode or a
 schema) holds the output to it; `think` reaches the chat template (enable_thinking) and a
-reasoning model's <think> text comes back as `thinking`. What we cannot honour yet (tools,
-images) is a 400 naming the field, never silently dropped;
+reasoning model's <think> text comes back as `thinking`; `tools` reach the template and the calls
+the model writes come back as message.tool_calls. What we cannot honour (images) is a 400 naming
+the field, never silently dropped;
 routes we do not serve (create, push, copy, embeddings, blobs) are a 501.
 """
 
@@ -70,6 +71,7 @@ class Message(BaseModel):
     content: str | None = None
     images: list[Any] | None = None
     tool_calls: list[Any] | None = None
+    tool_name: str | None = None  # a tool turn: the tool that answered
 
 
 class _GenBody(_Body):
@@ -145,9 +147,7 @@ def _now_iso() -> str:
     return iso(time.time())
 
 
-def _refuse_unsupported(body: _GenBody, tools: Any = None, images: bool = False) -> None:
-    if tools:
-        raise APIError(400, "tools (function calling) are not supported by this server yet", param="tools")
+def _refuse_unsupported(body: _GenBody, images: bool = False) -> None:
     if body.think is not None and not isinstance(body.think, bool):
         raise APIError(400, f"think must be true or false, got {body.think!r}", param="think")
     if images:
@@ -296,7 +296,8 @@ def mount(app: FastAPI, state) -> None:
         return {"license": "", "modelfile": f"# served by localllm\nFROM {m.path}\n",
                 "parameters": "\n".join(f'stop "{s}"' for s in stops), "template": template,
                 "details": _details(m, info), "model_info": model_info,
-                "capabilities": ["completion", *(["thinking"] if reasons(template) else [])],
+                "capabilities": ["completion", *(["tools"] if "tools" in template else []),
+                                 *(["thinking"] if reasons(template) else [])],
                 "modified_at": iso(m.modified)}
 
     @app.get("/api/ps")
@@ -340,21 +341,31 @@ def mount(app: FastAPI, state) -> None:
         return body
 
     async def _run(name: str, prompt, options: Options | None, keep_alive: float | None, stream: bool,
-                   request: Request, chat: bool, fmt: Any = None, think: bool | None = None):
+                   request: Request, chat: bool, fmt: Any = None, think: bool | None = None,
+                   tools: tuple[dict, list] | None = None):
+        """`tools`: (name -> parameters, the tools as sent) of a chat that offers some."""
         from .output_format import ollama_format
         from .reasoning import ThinkSplitter, reasons
+        from .tool_calls import ToolCallStream
 
         constraint = ollama_format(fmt)
         timing = _Timing()
         target, release = await state.acquire(name, keep_alive)
         timing.loaded = time.perf_counter()
         try:
-            if think and not reasons(target.engine.tokenizer.chat_template):
+            template = target.engine.tokenizer.chat_template
+            if think and not reasons(template):
                 raise APIError(400, f"\"{name}\" does not support thinking (its chat template has no <think> tags)",
                                param="think")
+            if tools and (not template or "tools" not in template):
+                raise APIError(400, f"\"{name}\" does not support tools (its chat template does not take them)",
+                               param="tools")
             params = sampling_params(options, constraint)
+            kwargs = {} if think is None else {"enable_thinking": think}
+            if tools:
+                kwargs["tools"] = tools[1]
             gen = Generation(state, [prompt], [params], 1, "num_predict", "messages" if chat else "prompt",
-                             target, release, {} if think is None else {"enable_thinking": think}, "format")
+                             target, release, kwargs, "format")
             await gen.start()
         except BaseException:
             release()
@@ -362,21 +373,29 @@ def mount(app: FastAPI, state) -> None:
         # as Ollama: with think unset the reply is passed through as the model wrote it
         thinks, inside = gen.reasoning() if think is not None else (False, False)
         splitter = ThinkSplitter(inside) if thinks else None
+        calls = ToolCallStream(tools[0]) if tools else None
 
-        def piece(text: str, thinking: str = "") -> dict:
+        def piece(text: str, thinking: str = "", called: list | None = None) -> dict:
             extra = {"thinking": thinking} if thinking and think else {}
+            if called:  # Ollama's shape: arguments as an object, no ids
+                extra["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in called]
             if chat:
                 return {"message": {"role": "assistant", "content": text, **extra}}
             return {"response": text, **extra}
 
-        def split(text: str, final: bool) -> tuple[str, str]:
-            if splitter is None:
-                return "", text
-            r, a = splitter.feed(text)
-            if final:
+        def split(text: str, final: bool) -> tuple[str, str, list]:
+            """(reasoning, answer, tool calls) of a delta."""
+            r, a = splitter.feed(text) if splitter else ("", text)
+            if final and splitter:
                 fr, fa = splitter.flush()
                 r, a = r + fr, a + fa
-            return r, a
+            called: list = []
+            if calls is not None:
+                a = calls.feed(a)
+                if final:
+                    rest, called = calls.finish()
+                    a += rest
+            return r, a, called
 
         if not stream:
             if not await gen.collect(request):
@@ -384,17 +403,17 @@ def mount(app: FastAPI, state) -> None:
             timing.end = time.perf_counter()
             timing.first = gen.first_token_at or timing.end
             out = gen.finals[0]
-            r, a = split(out.text, True)
-            return {"model": name, "created_at": _now_iso(), **piece(a, r), **_final(out, timing)}
+            r, a, called = split(out.text, True)
+            return {"model": name, "created_at": _now_iso(), **piece(a, r, called), **_final(out, timing)}
 
         async def events() -> AsyncIterator[str]:
             try:
                 async for _, out in gen.outputs():
                     if timing.first is None and out.new_token_ids:
                         timing.first = time.perf_counter()
-                    r, a = split(out.delta, out.finished)
-                    if a or (r and think):
-                        yield _line({"model": name, "created_at": _now_iso(), **piece(a, r), "done": False})
+                    r, a, called = split(out.delta, out.finished)
+                    if a or (r and think) or called:
+                        yield _line({"model": name, "created_at": _now_iso(), **piece(a, r, called), "done": False})
                     if out.finished:
                         timing.end = time.perf_counter()
                         yield _line({"model": name, "created_at": _now_iso(), **piece(""), **_final(out, timing)})
@@ -408,22 +427,28 @@ def mount(app: FastAPI, state) -> None:
     @app.post("/api/chat")
     async def chat(body: ChatRequest, request: Request):
         state.metrics.http_requests += 1
-        _refuse_unsupported(body, body.tools, any(m.images for m in body.messages))
+        _refuse_unsupported(body, any(m.images for m in body.messages))
         keep_alive = parse_keep_alive(body.keep_alive)
         if not body.model:
             raise APIError(400, "model is required", param="model")
         if not body.messages:
             return await _load_only(body.model, keep_alive, True)
-        if any(m.tool_calls for m in body.messages):
-            raise APIError(400, "messages with tool_calls are not supported by this server yet", param="messages")
-        messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+        from .tool_calls import ToolError, check_tools, template_messages
+
+        try:
+            tools = check_tools(body.tools or [])
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        messages = template_messages([
+            {"role": m.role, "content": m.content or "", **({"tool_calls": m.tool_calls} if m.tool_calls else {}),
+             **({"name": m.tool_name} if m.tool_name else {})} for m in body.messages])
         return await _run(body.model, messages, body.options, keep_alive, body.stream, request, True, body.format,
-                          body.think)
+                          body.think, (tools, body.tools) if tools else None)
 
     @app.post("/api/generate")
     async def generate(body: GenerateRequest, request: Request):
         state.metrics.http_requests += 1
-        _refuse_unsupported(body, None, bool(body.images))
+        _refuse_unsupported(body, bool(body.images))
         for name in ("suffix", "template", "context"):
             if getattr(body, name):
                 raise APIError(400, f"{name} is not supported by this server", param=name)

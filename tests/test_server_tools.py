@@ -190,3 +190,39 @@ def test_tool_turns_are_carried_back(client, model_dir, prompt_tokens):
 def test_bad_tool_requests_are_400(server, body, param):
     r = httpx.post(server.base + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **body}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ---- Ollama's /api/chat ---------------------------------------------------------------------------------
+def test_ollama_tools(server, model_dir, prompt_tokens):
+    import ollama
+
+    c = ollama.Client(host=server.base, timeout=120)
+    opts = {"temperature": 0, "num_predict": 60}
+    # (the client rewrites tools through its own model, dropping keys it does not know: sent raw here)
+    r = httpx.post(server.base + "/api/chat", timeout=60, json={
+        "model": str(model_dir), "messages": ASK, "tools": TOOLS, "stream": False,
+        "options": {**opts, "num_predict": 2}}).json()
+    assert r["prompt_eval_count"] == prompt_tokens(ASK, tools=TOOLS)
+    # the reply held (by format) to Llama 3's call shape: it comes back as message.tool_calls
+    # (x-guidance, llguidance's schema extension: compact JSON; this 2-layer model pads with spaces forever)
+    shape = {"type": "object", "properties": {"name": {"const": "get_time"}, "parameters": TIME},
+             "required": ["name", "parameters"], "additionalProperties": False,
+             "x-guidance": {"whitespace_flexible": False}}
+    for stream in (False, True):
+        parts = c.chat(model=str(model_dir), messages=ASK, tools=TOOLS, format=shape, options=opts, stream=stream)
+        parts = list(parts) if stream else [parts]
+        called = [t for p in parts for t in p.message.tool_calls or []]
+        assert len(called) == 1 and called[0].function.name == "get_time", parts
+        jsonschema.validate(dict(called[0].function.arguments), TIME)
+        assert not "".join(p.message.content or "" for p in parts).strip()
+    # a call and the tool's answer carried back, as Ollama's clients send them
+    convo = ASK + [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]},
+        {"role": "tool", "content": "sunny, 24 C", "tool_name": "get_weather"}]
+    r = httpx.post(server.base + "/api/chat", timeout=60, json={
+        "model": str(model_dir), "messages": convo, "tools": TOOLS, "stream": False,
+        "options": {**opts, "num_predict": 2}}).json()
+    assert r["prompt_eval_count"] == prompt_tokens([{**m, "name": m["tool_name"]} if "tool_name" in m else m
+                                                 for m in convo], tools=TOOLS)
+    show = httpx.post(server.base + "/api/show", json={"model": str(model_dir)}, timeout=30).json()
+    assert {"tools", "thinking"} <= set(show["capabilities"])
