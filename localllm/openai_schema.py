@@ -123,7 +123,7 @@ class _SamplingRequest(_Request):
             return None
         out = {}
         for key, bias in self.logit_bias.items():
-            tid = int(key) if key.strip().isdigit() else -1
+            tid = int(key) if key.isascii() and key.strip().isdigit() else -1
             if not 0 <= tid < vocab:
                 raise APIError(400, f"logit_bias: keys must be token ids in 0..{vocab - 1}, got {key!r}",
                                param="logit_bias")

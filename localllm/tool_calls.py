@@ -13,6 +13,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 HERMES, MISTRAL, PYTHON_TAG = "<tool_call>", "[TOOL_CALLS]", "<|python_tag|>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
@@ -57,7 +58,7 @@ def check_tools(tools: list, param: str = "tools") -> dict[str, dict]:
     return out
 
 
-def choice_of(tool_choice, names: dict[str, dict], param: str = "tool_choice") -> str | None:
+def choice_of(tool_choice: Any, names: dict[str, dict], param: str = "tool_choice") -> str:
     """tool_choice -> "none" | "auto" | "required" | a tool's name (a named call)."""
     if tool_choice is None:
         return "auto" if names else "none"
