@@ -78,7 +78,7 @@ class PoolConfig:
 
 @dataclass
 class LoadedModel:
-    """One loaded engine and its loop thread; what server.Generation runs requests on."""
+    """One loaded engine and its loop thread; what serving.Generation runs requests on."""
 
     name: str
     need: int  # planned bytes (weights + KV + runtime)
@@ -203,7 +203,7 @@ class ModelPool:
 
     def _load_and_run(self, entry: LoadedModel, model: str, precision: str, config, aloop) -> None:
         from .llm import build_engine
-        from .server import EngineLoop, max_token_bytes
+        from .serving import EngineLoop, max_token_bytes
 
         t0 = time.perf_counter()
         try:

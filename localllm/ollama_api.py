@@ -2,7 +2,7 @@
 
 Front ends that speak only Ollama (VS Code's Ollama provider, Open WebUI, Continue, the `ollama`
 clients) probe /api/version, /api/tags and /api/show, then chat through /api/chat or
-/api/generate. These routes run on the same engines as /v1 (server.Generation), so a prompt
+/api/generate. These routes run on the same engines as /v1 (serving.Generation), so a prompt
 answers with the same tokens on either API. Streams are newline-delimited JSON, durations are in
 nanoseconds and errors are {"error": "..."}, as Ollama sends them. `format` (JSON mode or a
 schema) holds the output to it; `think` reaches the chat template (enable_thinking) and a
@@ -263,7 +263,7 @@ def _final(out, timing: _Timing) -> dict:
 # ---- the routes -------------------------------------------------------------------------------
 def mount(app: FastAPI, state) -> None:
     """Add Ollama's routes to `app` (a server.create_app app; `state` its ServerState)."""
-    from .server import Generation
+    from .serving import Generation
 
     @app.get("/api/version")
     async def version():
