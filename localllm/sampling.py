@@ -102,10 +102,10 @@ class SamplingParams:
 
     @property
     def needs_logits(self) -> bool:
-        """False when the argmax of the raw logits is the answer (no penalties, logprobs, constraint or bias)."""
+        """False when the argmax of the raw logits (among a constraint's allowed tokens) is the
+        answer: greedy, no penalties, logprobs or bias."""
         return not (self.greedy and self.repetition_penalty == 1.0 and self.presence_penalty == 0
-                    and self.frequency_penalty == 0 and self.logprobs is None and self.constraint is None
-                    and not self.logit_bias)
+                    and self.frequency_penalty == 0 and self.logprobs is None and not self.logit_bias)
 
 
 def generator_seed(seed: int) -> int:

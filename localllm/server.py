@@ -587,6 +587,14 @@ def _stream(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+def _usage_null(chunk: dict, include_usage: bool) -> dict:
+    """With stream_options.include_usage every chunk before the usage chunk carries "usage": null,
+    as OpenAI streams them (clients read the field on every chunk)."""
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
 async def _chat_events(gen: Generation, rid: str, created: int, name: str, include_usage: bool, want_lp: bool,
                        token_text, thinking: bool | None = None, tools: dict | None = None,
                        legacy: bool = False) -> AsyncIterator[str]:
@@ -598,7 +606,8 @@ async def _chat_events(gen: Generation, rid: str, created: int, name: str, inclu
     splitters = [oai.ChatDeltas(thinking, tools, legacy) for _ in gen.jobs] if split else None
     try:
         for i in range(len(gen.jobs)):
-            yield _sse(oai.chat_chunk(rid, created, name, i, {"role": "assistant", "content": ""}))
+            yield _sse(_usage_null(oai.chat_chunk(rid, created, name, i, {"role": "assistant", "content": ""}),
+                                   include_usage))
         async for i, out in gen.outputs():
             lp = None
             if want_lp:
@@ -614,7 +623,7 @@ async def _chat_events(gen: Generation, rid: str, created: int, name: str, inclu
             reason = out.finish_reason if out.finished else None
             if splitters is not None:
                 reason = splitters[i].finish_reason(reason)
-            yield _sse(oai.chat_chunk(rid, created, name, i, delta, reason, lp))
+            yield _sse(_usage_null(oai.chat_chunk(rid, created, name, i, delta, reason, lp), include_usage))
         if include_usage:
             yield _sse(oai.usage_chunk(rid, created, name, "chat.completion.chunk", gen.usage()))
     except APIError as e:  # after the headers: an error event, then [DONE]
@@ -640,8 +649,9 @@ async def _completion_events(gen: Generation, rid: str, created: int, name: str,
                     offsets[i] += sum(len(t) for t in lp["tokens"])
             if not out.delta and not out.finished and lp is None:
                 continue
-            yield _sse(oai.completion_chunk(rid, created, name, i, out.delta,
-                                            out.finish_reason if out.finished else None, lp))
+            yield _sse(_usage_null(oai.completion_chunk(rid, created, name, i, out.delta,
+                                                        out.finish_reason if out.finished else None, lp),
+                                   include_usage))
         if include_usage:
             yield _sse(oai.usage_chunk(rid, created, name, "text_completion", gen.usage()))
     except APIError as e:

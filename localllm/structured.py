@@ -65,10 +65,14 @@ class Constraint:
 def _grammar(kind: str, spec) -> str:
     from llguidance import LLMatcher
 
+    # JSON on one line (", " and ": " between items): with free whitespace a small model can pad
+    # an object with newlines until max_tokens (seen on the 135M model); a schema's own
+    # "x-guidance" options still win
+    one_line = {"whitespace_flexible": False}
     if kind == "json":
-        return LLMatcher.grammar_from_json_schema({"type": "object"})
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=one_line)
     if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(spec)
+        return LLMatcher.grammar_from_json_schema(spec, defaults=one_line)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(spec)
     if kind == "choice":  # Lark string literals take JSON's escapes

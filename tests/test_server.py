@@ -181,7 +181,7 @@ def test_chat_stream_wire_format_and_equals_non_stream(client, server):
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     usage_chunk, content_chunks = chunks[-1], chunks[1:-1]
-    assert usage_chunk["choices"] == []
+    assert usage_chunk["choices"] == [] and all(c["usage"] is None for c in chunks[:-1])
     finishes = [c["choices"][0]["finish_reason"] for c in content_chunks]
     assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in content_chunks)

@@ -87,3 +87,20 @@ def test_mask_allows_what_the_grammar_allows(engine):
 def test_bad_constraints_are_clear_errors(kind, spec, match):
     with pytest.raises(ConstraintError, match=match):
         Constraint.make(kind, spec)
+
+
+def test_greedy_under_a_mask_is_the_masked_exact_argmax(engine):
+    """Greedy constrained rows take the int4 ranking + exact rescoring among allowed tokens: the
+    same token as the exact head's masked argmax (always when fewer than k tokens are allowed)."""
+    import torch
+
+    head = engine.runner.model.head
+    assert head.fast is not None  # the int4 model: the fast path is what runs
+    V, H = head.exact.shape
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(6, H, generator=g) * 3
+    for density in (0.5, 0.01, 5 / V):
+        mask = torch.rand(6, V, generator=g) < density
+        mask[:, 0] = True  # never empty
+        want = head(h).masked_fill(~mask, float("-inf")).argmax(-1)
+        assert torch.equal(head.greedy(h, mask), want), density

@@ -342,14 +342,20 @@ class LMHead(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.exact.matmul(h)
 
-    def greedy(self, h: torch.Tensor) -> torch.Tensor:
-        """Argmax token per row, equal to forward(h).argmax(-1)."""
+    def greedy(self, h: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """Argmax token per row, equal to forward(h).argmax(-1); with `allowed` (bool [B, V]: a
+        constraint's mask) the argmax among the allowed tokens."""
         if self.fast is None:
-            return self.forward(h).argmax(-1)
+            logits = self.forward(h)
+            return (logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))).argmax(-1)
         approx = self.fast(h)
+        if allowed is not None:
+            approx = approx[:, :allowed.shape[1]].masked_fill(~allowed, float("-inf"))
         cand = top_indices(approx, self.rescore_k)  # [B, k]
         rows = self.exact.rows(cand)  # [B, k, H]
         exact = torch.einsum("bkh,bh->bk", rows, h.to(rows.dtype))
+        if allowed is not None:  # fewer allowed tokens than k: the rest stay out
+            exact = exact.masked_fill(~allowed.gather(1, cand), float("-inf"))
         return cand.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1)
 
 
