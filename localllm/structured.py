@@ -113,3 +113,24 @@ def allowed(matcher, vocab_size: int) -> torch.Tensor:
     """bool [vocab_size]: the tokens the matcher allows next (its bitmask, bit i of word i // 32)."""
     bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
     return torch.from_numpy(bits[:vocab_size].astype(bool))
+
+
+def draft_masks(matcher, drafts: list[int], vocab_size: int) -> torch.Tensor:
+    """bool [len(drafts) + 1, vocab_size]: what the matcher allows after the pending token and
+    after each prefix of a speculative proposal, for verifying it under the constraint. The
+    drafts are consumed only to compute the masks and rolled back: the engine consumes what it
+    accepts. Rows past a draft the grammar refuses, or past the grammar's end, allow everything
+    (acceptance stops before them; an all-refusing row would turn the probabilities to NaN)."""
+    every = torch.ones(vocab_size, dtype=torch.bool)
+    masks, consumed = [], 0
+    for d in drafts:
+        masks.append(allowed(matcher, vocab_size))
+        if matcher.is_stopped() or not masks[-1][d] or not matcher.consume_token(d):
+            break
+        consumed += 1
+    if len(masks) == consumed:  # every draft consumed: the bonus token's row
+        masks.append(every if matcher.is_stopped() else allowed(matcher, vocab_size))
+    masks += [every] * (len(drafts) + 1 - len(masks))
+    if consumed:
+        matcher.rollback(consumed)
+    return torch.stack([m if m.any() else every for m in masks])

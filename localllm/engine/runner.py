@@ -14,7 +14,7 @@ from ..model.attention import AttnMeta
 from ..model.compiled import CompiledStep
 from ..model.llama import LlamaModel
 from ..sampling import apply_logit_bias, apply_penalties, filter_probs, sample_row, top_logprobs
-from ..structured import allowed
+from ..structured import allowed, draft_masks
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
 from .speculative import accept_greedy, accept_sampling
@@ -145,9 +145,13 @@ class ModelRunner:
     def _verify(self, rows: torch.Tensor, seq: Sequence, proposal) -> list[int]:
         head = self.model.head
         params = seq.params
+        masks = None if seq.matcher is None else draft_masks(seq.matcher, proposal.tokens, head.exact.shape[0])
         if params.greedy and not params.logit_bias:
-            return accept_greedy(proposal.tokens, head.greedy(rows).tolist())
+            return accept_greedy(proposal.tokens,
+                                 head.greedy(rows, None if masks is None else masks.to(rows.device)).tolist())
         logits = torch.stack([apply_logit_bias(r, params) for r in head(rows).cpu()])  # a fixed shift: drafts stay valid
+        if masks is not None:
+            logits = logits.masked_fill(~masks, float("-inf"))
         if params.greedy:
             return accept_greedy(proposal.tokens, logits.argmax(-1).tolist())
         p = torch.stack([filter_probs(r, params) for r in logits])

@@ -237,7 +237,7 @@ class DraftProposer:
 
 
 def spec_eligible(params: SamplingParams) -> bool:
-    """Penalties change the target distribution token by token, and a constraint's mask depends on
-    every accepted token (llguidance would have to roll back rejected drafts): no speculation."""
-    return (params.constraint is None and params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty
+    """Penalties change the target distribution token by token: no speculation for them. (A
+    constraint's masks are computed per draft position and rolled back: structured.draft_masks.)"""
+    return (params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty
             and params.logprobs is None and not params.min_tokens and params.spec_tokens != 0)
