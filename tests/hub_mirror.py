@@ -283,3 +283,12 @@ def gguf_repo(root: Path) -> Path:
     return d
 
 
+def tiny_checkpoint_with_template(dest: Path, template: str) -> Path:
+    """A copy of the tiny checkpoint at `dest` whose tokenizer_config.json carries `template`
+    (e.g. Qwen3's: a model that reasons and takes tools, for the server's template paths)."""
+    shutil.copytree(tiny_checkpoint(), dest)
+    cfg_path = dest / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg))
+    return dest

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,7 +16,7 @@ import httpx
 import ollama
 import openai
 import pytest
-from hub_mirror import tiny_checkpoint
+from hub_mirror import tiny_checkpoint_with_template
 from server_proc import ServerProc
 
 from localllm import openai_schema as oai
@@ -30,13 +29,7 @@ REPLY = "<think>\nSeven has no divisors but 1 and itself.\n</think>\n\nYes, 7 is
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("qwen3-template") / "tiny-reasoner"
-    shutil.copytree(tiny_checkpoint(), d)
-    cfg_path = d / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    cfg["chat_template"] = QWEN3_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
-    return d
+    return tiny_checkpoint_with_template(tmp_path_factory.mktemp("qwen3-template") / "tiny-reasoner", QWEN3_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,13 @@ tool_calls and tool turns are carried back into the prompt as transformers rende
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from hub_mirror import tiny_checkpoint
+from hub_mirror import tiny_checkpoint_with_template
 from server_proc import ServerProc
 
 from localllm.chat import render_chat
@@ -85,13 +84,7 @@ def test_forcing_grammars_compile():
 # ---- a real server -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("qwen3-tools") / "tiny-tools"
-    shutil.copytree(tiny_checkpoint(), d)
-    cfg_path = d / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    cfg["chat_template"] = QWEN3_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
-    return d
+    return tiny_checkpoint_with_template(tmp_path_factory.mktemp("qwen3-tools") / "tiny-tools", QWEN3_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
