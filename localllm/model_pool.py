@@ -82,6 +82,7 @@ class LoadedModel:
 
     name: str
     need: int  # planned bytes (weights + KV + runtime)
+    ctx: int = 0  # the context it was loaded with
     engine: Any = None
     loop: Any = None
     token_bytes: int | None = None
@@ -120,16 +121,21 @@ class ModelPool:
         return m
 
     # ---- acquire / release -----------------------------------------------------------------------
-    async def acquire(self, name: str | None, keep_alive: float | None = None
+    async def acquire(self, name: str | None, keep_alive: float | None = None, num_ctx: int | None = None
                       ) -> tuple[LoadedModel, Callable[[], None]]:
-        """The loaded model `name` names (loading it first), counted as in use until release()."""
+        """The loaded model `name` names (loading it first), counted as in use until release().
+        `num_ctx` (Ollama's option): the context to load it with; a model loaded with another
+        one is reloaded when idle, as Ollama does (while requests run on it, they share it)."""
         if self.closing:
             raise APIError(503, "the server is shutting down", "service_unavailable", code="server_shutting_down")
         local = await self.find(name)
         async with self._lock:
             entry = self.loaded.get(local.name)
+            if entry is not None and num_ctx and entry.ctx != num_ctx and entry.active == 0 and entry.error is None:
+                await self._unload(entry, f"reloading with context {num_ctx}")
+                entry = None
             if entry is None:
-                entry = await self._start_load(local)
+                entry = await self._start_load(local, num_ctx)
             entry.active += 1
             entry.expires_at = None
             if keep_alive is not None:
@@ -161,15 +167,18 @@ class ModelPool:
                 entry.expires_at = None if entry.keep_alive < 0 else time.time() + entry.keep_alive
 
     # ---- loading ---------------------------------------------------------------------------------
-    def _plan(self, local: LocalModel, budget: int | None):
+    def _plan(self, local: LocalModel, budget: int | None, num_ctx: int | None = None):
         from .planner import DEFAULT_CTX, device_facts, facts_for, plan
 
         facts = facts_for(local.name)
         ec = self.cfg.engine_config
-        ctx = ec.max_model_len or min(DEFAULT_CTX, facts.max_context)  # a fixed context per model, not "all that fits"
+        # a fixed context per model (the request's num_ctx, --ctx, or the default), not "all that fits"
+        ctx = num_ctx or ec.max_model_len or min(DEFAULT_CTX, facts.max_context)
+        if num_ctx and num_ctx > facts.max_context:
+            raise ValueError(f"num_ctx {num_ctx} exceeds the model's context of {facts.max_context} tokens")
         return plan(facts, device_facts(self.cfg.device), self.cfg.quant, ctx, budget, ec.kv_memory_bytes)
 
-    async def _start_load(self, local: LocalModel) -> LoadedModel:
+    async def _start_load(self, local: LocalModel, num_ctx: int | None = None) -> LoadedModel:
         """Under self._lock: plan, unload LRU idle models until it fits, start the loader thread."""
         from .planner import PlanError
 
@@ -177,7 +186,7 @@ class ModelPool:
             used = sum(e.need for e in self.loaded.values())
             budget = None if self.cfg.max_memory is None else self.cfg.max_memory - used
             try:
-                p = await asyncio.to_thread(self._plan, local, budget)
+                p = await asyncio.to_thread(self._plan, local, budget, num_ctx)
             except (PlanError, ValueError, OSError) as e:
                 raise APIError(400, f"cannot load {local.name}: {e}", param="model") from None
             if p.fits:
@@ -191,7 +200,7 @@ class ModelPool:
                                     f"({', '.join(self.loaded)}): {p.reason}; retry when they are idle",
                                "service_unavailable", code="model_memory_busy", headers={"Retry-After": "1"})
             raise APIError(400, f"{local.name} cannot be loaded: {p.reason}", param="model", code="model_too_large")
-        entry = LoadedModel(local.name, p.needed_bytes, keep_alive=self.cfg.keep_alive)
+        entry = LoadedModel(local.name, p.needed_bytes, p.ctx, keep_alive=self.cfg.keep_alive)
         self.loaded[local.name] = entry
         aloop = asyncio.get_running_loop()
         config = dataclasses.replace(self.cfg.engine_config, max_model_len=p.ctx,

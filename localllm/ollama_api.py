@@ -154,6 +154,8 @@ def _refuse_unsupported(body: _GenBody, images: bool = False) -> None:
         raise APIError(400, "images are not supported: the served models are text-only", param="images")
     o = body.options
     if o is not None:
+        if o.num_ctx is not None and o.num_ctx < 1:
+            raise APIError(400, f"options.num_ctx must be >= 1, got {o.num_ctx}", param="options.num_ctx")
         if o.mirostat not in (None, 0):
             raise APIError(400, "options.mirostat is not supported by this server", param="options.mirostat")
         for name in ("typical_p", "tfs_z"):
@@ -350,7 +352,7 @@ def mount(app: FastAPI, state) -> None:
 
         constraint = ollama_format(fmt)
         timing = _Timing()
-        target, release = await state.acquire(name, keep_alive)
+        target, release = await state.acquire(name, keep_alive, options.num_ctx if options is not None else None)
         timing.loaded = time.perf_counter()
         try:
             template = target.engine.tokenizer.chat_template

@@ -130,12 +130,14 @@ class ServerState:
                            code="model_loading", headers={"Retry-After": "1"})
         return self.loop
 
-    async def acquire(self, name: str | None, keep_alive: float | None = None) -> tuple[Any, Callable[[], None]]:
-        """The model a request names, ready to run (loaded first in pool mode), and the callback
-        that ends its use. The pinned model is the ServerState itself (engine, loop, token_bytes)."""
+    async def acquire(self, name: str | None, keep_alive: float | None = None, num_ctx: int | None = None
+                      ) -> tuple[Any, Callable[[], None]]:
+        """The model a request names, ready to run (loaded first in pool mode, with `num_ctx` as its
+        context when given), and the callback that ends its use. The pinned model is the
+        ServerState itself (engine, loop, token_bytes), whose context is the server's --ctx."""
         self.require_ready()
         if self.pool is not None:
-            return await self.pool.acquire(name, keep_alive)
+            return await self.pool.acquire(name, keep_alive, num_ctx)
         self.check_model(name)
         return self, lambda: None
 

@@ -173,6 +173,18 @@ def test_keep_alive_load_and_unload(server, client):
     assert SMOL in ps(server)
 
 
+def test_num_ctx_loads_the_model_with_that_context(server, client):
+    """As Ollama: options.num_ctx is the context the model runs with; an idle model loaded with
+    another one is reloaded."""
+    client.generate(model=SMOL, prompt="hi", options=greedy(2, num_ctx=256))
+    assert ps(server)[SMOL]["context_length"] == 256
+    r = client.generate(model=SMOL, prompt="hi", options=greedy(2, num_ctx=384))
+    assert r.done and ps(server)[SMOL]["context_length"] == 384
+    bad = httpx.post(server.base + "/api/generate", timeout=30,
+                     json={"model": SMOL, "prompt": "hi", "stream": False, "options": {"num_ctx": 0}})
+    assert bad.status_code == 400 and "num_ctx" in bad.json()["error"]
+
+
 def test_delete(server, client):
     client.delete(TINY)
     assert TINY not in [m.model for m in client.list().models]
