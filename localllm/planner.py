@@ -50,6 +50,9 @@ KNOWN_SHAPES = {
     "qwen/qwen3-1.7b": (28, 2048, 6144, 16, 8, 128, 151936, True),
     "qwen/qwen3-4b": (36, 2560, 9728, 32, 8, 128, 151936, True),
     "qwen/qwen3-8b": (36, 4096, 12288, 32, 8, 128, 151936, False),
+    "microsoft/phi-3-mini-4k-instruct": (32, 3072, 8192, 32, 32, 96, 32064, False),
+    "microsoft/phi-3.5-mini-instruct": (32, 3072, 8192, 32, 32, 96, 32064, False),
+    "microsoft/phi-4-mini-instruct": (32, 3072, 8192, 24, 8, 128, 200064, True),
 }
 
 
