@@ -62,6 +62,17 @@ def test_top_p_equals_full_sort(temperature, top_p, kernel):
     torch.testing.assert_close(filter_probs(logits, params), ref, rtol=1e-5, atol=1e-7)
 
 
+def test_flat_rows_of_a_small_vocabulary_reach_the_last_tier(kernel):
+    """A vocabulary under 4096 tokens whose candidates fall short of top_p: the partition tier
+    ranks the whole row (its k must stay inside the row) and the nucleus is the definition's."""
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(7))
+    params = SamplingParams(temperature=8.0, top_p=0.999)
+    ref = reference(logits, params)
+    idx, probs = nucleus(logits, params)
+    assert set(idx.tolist()) == set(ref.nonzero().flatten().tolist())
+    torch.testing.assert_close(probs, ref[idx], rtol=1e-5, atol=1e-7)
+
+
 def test_top_p_small_vocabulary_and_boundary(kernel):
     logits = torch.tensor([0.0, float("-inf"), 0.0])  # probabilities 0.5, 0, 0.5: exact in binary
     idx, probs = nucleus(logits, SamplingParams(temperature=1.0, top_p=0.5))  # mass before the 2nd: 0.5
