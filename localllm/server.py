@@ -453,27 +453,32 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
         return {"id": cfg.model_id, "object": "model", "created": state.created, "owned_by": "localllm",
                 "max_model_len": state.engine.max_model_len}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: oai.ChatCompletionRequest, request: Request):
+    async def _on_model(handler, body, request: Request):
+        """Run a /v1 handler on the model the body names; the model stays in use (pool mode)
+        until the response ends, or is released here when the handler fails."""
         state.metrics.http_requests += 1
         target, release = await state.acquire(body.model)
         try:
-            return await _chat_completion(body, request, target, release)
+            return await handler(body, request, target, release)
         except BaseException:
             release()
             raise
 
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: oai.ChatCompletionRequest, request: Request):
+        return await _on_model(_chat_completion, body, request)
+
     async def _chat_completion(body: oai.ChatCompletionRequest, request: Request, target, release):
         mt_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        _check_common(body, max_tokens, mt_param, target.engine.model_config.vocab_size)
+        vocab = target.engine.model_config.vocab_size
+        _check_common(body, max_tokens, mt_param, vocab)
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be between 0 and 20, got {body.top_logprobs}",
                            param="top_logprobs")
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        vocab = target.engine.model_config.vocab_size
         tools, legacy, template_tools, forced = _tool_setup(body, target.engine.tokenizer.chat_template)
         params, constraint_param = _params_list(body, max_tokens, mt_param, logprobs, vocab, forced)
         kwargs = _template_kwargs(body.chat_template_kwargs)
@@ -501,13 +506,7 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
 
     @app.post("/v1/completions")
     async def completions(body: oai.CompletionRequest, request: Request):
-        state.metrics.http_requests += 1
-        target, release = await state.acquire(body.model)
-        try:
-            return await _completion(body, request, target, release)
-        except BaseException:
-            release()
-            raise
+        return await _on_model(_completion, body, request)
 
     async def _completion(body: oai.CompletionRequest, request: Request, target, release):
         _check_common(body, body.max_tokens, "max_tokens", target.engine.model_config.vocab_size)
