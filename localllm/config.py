@@ -26,6 +26,15 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first 3/4 of each head only
     sliding_window: int | None = None  # Phi-3: attention window (we run contexts up to it only)
+    hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (Gemma's GeGLU)
+    # Gemma 2/3
+    layer_windows: tuple[int | None, ...] | None = None  # per layer: its sliding window, None = full
+    rope_local_theta: float | None = None  # Gemma 3: the RoPE base of the sliding-window layers
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (default head_dim)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
+    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    sandwich_norms: bool = False  # Gemma 2/3: norms on the attention and MLP outputs too
     architecture: str = "LlamaForCausalLM"
     model_type: str = "llama"
 

@@ -44,8 +44,13 @@ class AttnMeta:
 
 
 def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D]. Returns [T, H*D]."""
+                    v_cache: torch.Tensor, meta: AttnMeta, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D]. Returns [T, H*D].
+    window: a query at position p sees positions > p - window only; softcap: scores become
+    softcap * tanh(scores / softcap) before the softmax (Gemma 2)."""
+    if window or softcap:
+        raise NotImplementedError("sliding-window and soft-capped attention")
     from localllm_kernels.cpu_attention import paged_attention
 
     T, H, D = q.shape
@@ -79,7 +84,10 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, meta: AttnMeta, scale: float) -> torch.Tensor:
+                     v_cache: torch.Tensor, meta: AttnMeta, scale: float, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    if window or softcap:
+        raise NotImplementedError("sliding-window and soft-capped attention")
     from localllm_kernels import flash_attn_varlen_paged, paged_decode_attention, store_kv
 
     T, H, D = q.shape

@@ -1,6 +1,7 @@
 """One config-driven Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norms),
 SmolLM (tied head), Phi-3 / Phi-4-mini (partial rotary, LongRoPE; fused checkpoint linears are
-the loader's business).
+the loader's business), Gemma 2/3 (sandwich norms, GeGLU, sliding-window layers with their own
+RoPE table, soft-capping, scaled embeddings).
 
 There is one layer loop (`LlamaModel.forward` over `DecoderLayer.forward`). What differs between
 CPU and GPU is chosen per op once at load (`Ops`): the attention backend and, on the Triton
@@ -32,6 +33,12 @@ def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> t
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     g, u = gate_up.chunk(2, dim=-1)
     return F.silu(g) * u
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's GeGLU (gelu_pytorch_tanh); no fused kernel, on every backend."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.gelu(g, approximate="tanh") * u
 
 
 def rope_torch(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding):
@@ -82,15 +89,24 @@ class Ops:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, qkv: nn.Module, o: nn.Module, gate_up: nn.Module, down: nn.Module,
-                 input_norm: RMSNorm, post_norm: RMSNorm, q_norm: RMSNorm | None = None,
-                 k_norm: RMSNorm | None = None):
+    def __init__(self, cfg: ModelConfig, qkv: nn.Module, o: nn.Module, gate_up: nn.Module | None,
+                 down: nn.Module | None, input_norm: RMSNorm, post_norm: RMSNorm, q_norm: RMSNorm | None = None,
+                 k_norm: RMSNorm | None = None, attn_out_norm: RMSNorm | None = None,
+                 mlp_out_norm: RMSNorm | None = None, moe: nn.Module | None = None, window: int | None = None):
+        """post_norm: the norm before the MLP. attn_out_norm / mlp_out_norm: Gemma's norms on the
+        attention and MLP outputs before they join the residual. moe: a mixture-of-experts block
+        in place of gate_up/down, called as moe(h, ops). window: this layer attends to the last
+        `window` positions only (sliding-window layers)."""
         super().__init__()
-        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.qkv, self.o, self.gate_up, self.down, self.moe = qkv, o, gate_up, down, moe
         self.input_norm, self.post_norm = input_norm, post_norm
-        self.q_norm, self.k_norm = q_norm, k_norm  # per head, before RoPE (Qwen3)
+        self.q_norm, self.k_norm = q_norm, k_norm  # per head, before RoPE (Qwen3, Gemma 3)
+        self.attn_out_norm, self.mlp_out_norm = attn_out_norm, mlp_out_norm
         self.H, self.KVH, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.split = [self.H * self.D, self.KVH * self.D, self.KVH * self.D]
+        self.window = window
+        self.softcap = cfg.attn_logit_softcap
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttnMeta,
                 kv: tuple[torch.Tensor, torch.Tensor], ops: Ops, rope: RotaryEmbedding, scale: float):
@@ -102,9 +118,18 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rope(positions, q, k, rope)
-        a = ops.attention(q, k, v.view(T, self.KVH, self.D), kv[0], kv[1], meta, scale)
-        h, residual = ops.add_norm(self.o(a), residual, self.post_norm)
-        return self.down(ops.act(self.gate_up(h))), residual
+        a = self.o(ops.attention(q, k, v.view(T, self.KVH, self.D), kv[0], kv[1], meta, scale,
+                                 self.window, self.softcap))
+        if self.attn_out_norm is not None:
+            a = self.attn_out_norm(a)
+        h, residual = ops.add_norm(a, residual, self.post_norm)
+        if self.moe is not None:
+            out = self.moe(h, ops)
+        else:
+            out = self.down((gelu_tanh_mul if self.gelu else ops.act)(self.gate_up(h)))
+        if self.mlp_out_norm is not None:
+            out = self.mlp_out_norm(out)
+        return out, residual
 
 
 class LlamaModel(nn.Module):
@@ -120,7 +145,13 @@ class LlamaModel(nn.Module):
         self.norm, self.head = norm, head
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype,
                                     cfg.rotary_dim).to(device)
-        self.scale = cfg.head_dim ** -0.5
+        # Gemma 3: sliding-window layers rotate with their own base (and no scaling)
+        self.rope_local = None if cfg.rope_local_theta is None else RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_local_theta, None, act_dtype, cfg.rotary_dim).to(device)
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        # Gemma: embeddings times sqrt(hidden), rounded to the activation dtype as transformers does
+        self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5, dtype=act_dtype).item()
+                            if cfg.scale_embeddings else None)
         self.use_attention(default_backend(device))
         self.fingerprint, self.origin = fingerprint, origin
 
@@ -141,10 +172,15 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] of a flattened batch of new tokens."""
         x = self.embed.rows(input_ids).to(self.act_dtype)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, meta, kv, self.ops, self.rope, self.scale)
+            x, residual = layer(x, residual, positions, meta, kv, self.ops, self.layer_rope(layer), self.scale)
         return self.ops.add_norm(x, residual, self.norm)[0]
+
+    def layer_rope(self, layer: DecoderLayer) -> RotaryEmbedding:
+        return self.rope_local if layer.window and self.rope_local is not None else self.rope
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)

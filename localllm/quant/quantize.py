@@ -251,7 +251,7 @@ class Calibration:
     def run(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None):
         """-> (x, residual) for the next layer, as LlamaModel.forward passes them on."""
         m = self.model
-        return layer(x, residual, self.positions, self.meta, self.kv, m.ops, m.rope, m.scale)
+        return layer(x, residual, self.positions, self.meta, self.kv, m.ops, m.layer_rope(layer), m.scale)
 
     def run_to(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, module: nn.Module,
                output: bool = False) -> torch.Tensor:
