@@ -3,7 +3,8 @@
 The C++ source is compiled once per machine with the system C++ compiler against torch's headers
 (~7 s) into a shared library cached under ~/.cache/localllm/kernels (LOCALLLM_KERNEL_CACHE),
 keyed by the source, torch and the flags (see cpu_build); it registers
-``torch.ops.localllm.int4_gemm``. A CPU without AVX-512 VNNI, a missing compiler or
+``torch.ops.localllm.int4_gemm`` (and ``moe_int4``, the mixture-of-experts MLP on stacked int4
+experts, ``pack_gguf_q4``). A CPU without AVX-512 VNNI, a missing compiler or
 leaves ``load()`` False and callers on torch's own int4 kernel.
 Imports only torch.
 """
@@ -57,6 +58,10 @@ def load() -> bool:
     def _(x, w, scales, group_size):  # shapes for torch.export
         return x.new_empty(x.shape[0], w.shape[0] * ROWS)
 
+    @torch.library.register_fake("localllm::moe_int4")
+    def _(x, ids, weights, w1, s1, w2, s2, group1, group2, inter):
+        return x.new_empty(x.shape)
+
     return True
 
 
@@ -104,3 +109,11 @@ def pack_gguf(raws: list[torch.Tensor], rows: torch.Tensor, k: int) -> tuple[tor
     if raws[0].shape[2] == 18 and not torch.isfinite(sc).all():
         return None
     return w, sc
+
+
+def moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
+             w2: torch.Tensor, s2: torch.Tensor, group1: int, group2: int, inter: int) -> torch.Tensor:
+    """fp32 x [T, H], expert ids int64 [T, k] and fp32 weights [T, k] -> fp32 [T, H]: the weighted
+    sum of the chosen experts' SiLU-gated MLPs. w1/s1: each expert's gate rows then up rows, as
+    `pack` lays them out, stacked [E, ...]; w2/s2: the down matrices (K = inter)."""
+    return torch.ops.localllm.moe_int4(x, ids, weights, w1, s1, w2, s2, group1, group2, inter)

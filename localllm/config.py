@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3/Phi-4-mini)."""
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM, Phi-3/Phi-4-mini,
+    and the mixture-of-experts Mixtral and Qwen3-MoE)."""
 
     vocab_size: int
     hidden_size: int
@@ -37,12 +38,18 @@ class ModelConfig:
     sandwich_norms: bool = False  # Gemma 2/3: norms on the attention and MLP outputs too
     architecture: str = "LlamaForCausalLM"
     model_type: str = "llama"
+    # mixture of experts (Mixtral, Qwen3-MoE); 0 experts: a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's MLP width (intermediate_size: the dense layers')
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    moe_layers: tuple[bool, ...] | None = None  # per layer: an MoE block (else a dense MLP)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                     "Phi3ForCausalLM"}
+                     "Phi3ForCausalLM", *MOE_ARCHS}
         if arch not in supported:
             raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(supported))})")
         heads = cfg["num_attention_heads"]
@@ -71,11 +78,12 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             partial_rotary_factor=float(partial),
             sliding_window=int(window) if window else None,
             architecture=arch,
             model_type=cfg.get("model_type", "llama"),
+            **_moe_fields(arch, cfg),
         )
 
     @property
@@ -92,8 +100,11 @@ class ModelConfig:
         """Each of our fused linears -> the checkpoint modules it holds, in row order."""
         return checkpoint_linears(self.fused_checkpoint)
 
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.moe_layers and self.moe_layers[i])
+
     def to_hf(self) -> dict:
-        extra = {}
+        extra = _moe_to_hf(self)
         if self.partial_rotary_factor != 1.0:
             extra["partial_rotary_factor"] = self.partial_rotary_factor
         if self.sliding_window:
@@ -122,14 +133,62 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
-        attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * h * i + 2 * h
+        h = self.hidden_size
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return L * per_layer + emb + h
+        return self.linear_params + self.num_layers * 2 * h + emb + h
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters of the decoder's linears: every expert resident, and the routers."""
+        return self._linear_params(self.num_experts)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token uses: k experts of each MoE layer."""
+        return self.num_params - self.linear_params + self._linear_params(self.num_experts_per_tok)
+
+    def _linear_params(self, experts: int) -> int:
+        h, L = self.hidden_size, self.num_layers
+        attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
+        moe = sum(self.moe_layers or ())
+        mlp = (L - moe) * 3 * h * self.intermediate_size
+        mlp += moe * (experts * 3 * h * self.moe_intermediate_size + self.num_experts * h)
+        return L * attn + mlp
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+MOE_ARCHS = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _moe_fields(arch: str, cfg: dict) -> dict:
+    """The MoE fields of an HF config. Mixtral: every layer sparse, intermediate_size is the
+    experts' width, top-k renormalised. Qwen3-MoE: layer i is sparse unless listed in
+    mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step; renormalised per
+    norm_topk_prob (transformers' default False). transformers 5 writes Qwen3-MoE's expert count
+    as num_local_experts, the hub configs as num_experts."""
+    if arch not in MOE_ARCHS:
+        return {}
+    L, k = cfg["num_hidden_layers"], cfg["num_experts_per_tok"]
+    if arch == "MixtralForCausalLM":
+        return {"num_experts": cfg["num_local_experts"], "num_experts_per_tok": k,
+                "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True, "moe_layers": (True,) * L}
+    n = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+    return {"num_experts": n, "num_experts_per_tok": k, "moe_intermediate_size": cfg["moe_intermediate_size"],
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "moe_layers": tuple(n > 0 and i not in dense and (i + 1) % step == 0 for i in range(L))}
+
+
+def _moe_to_hf(c: ModelConfig) -> dict:
+    if c.architecture == "MixtralForCausalLM":
+        return {"num_local_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok}
+    if c.architecture == "Qwen3MoeForCausalLM":
+        return {"num_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok,
+                "moe_intermediate_size": c.moe_intermediate_size, "norm_topk_prob": c.norm_topk_prob,
+                "decoder_sparse_step": 1, "mlp_only_layers": [i for i in range(c.num_layers) if not c.is_moe_layer(i)]}
+    return {}
 
 
 def checkpoint_linears(fused: bool) -> dict[str, tuple[str, ...]]:

@@ -30,6 +30,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -279,6 +280,84 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return y;
 }
 
+// One expert's GEMM on stacked weights (w [E, N/16, K/8, 64], sc [E, N/16, G, 2, 16], fp16 or fp32).
+void expert_gemm(const float* x, int64_t M, int64_t K, const at::Tensor& w, const at::Tensor& sc, int64_t e,
+                 int64_t gs, float* y) {
+  const uint8_t* we = w.data_ptr<uint8_t>() + e * w.stride(0);
+  if (sc.scalar_type() == at::kHalf)
+    gemm<at::Half>(x, M, K, we, sc.data_ptr<at::Half>() + e * sc.stride(0), w.size(1), gs, y);
+  else
+    gemm<float>(x, M, K, we, sc.data_ptr<float>() + e * sc.stride(0), w.size(1), gs, y);
+}
+
+// A mixture-of-experts MLP on int4 experts: y[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) *
+// up_e(x[t])) with e = ids[t, j]. The (token, slot) pairs are grouped by expert: each used expert
+// gathers its rows and runs one GEMM per matrix (the weight is read once for all of them, and the
+// experts no token chose are never read: at batch 1 that is k of E). Each GEMM splits its output
+// blocks over the threads as int4_gemm does. w1/s1: the experts' gate and up rows stacked (gate
+// rows 0..I-1, up rows I..2I-1), [E, ...] in int4_gemm's layout; w2/s2: down, K = inter.
+at::Tensor moe_int4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w1,
+                    const at::Tensor& s1, const at::Tensor& w2, const at::Tensor& s2, int64_t group1, int64_t group2,
+                    int64_t inter) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_int4: x must be fp32 [T, H]");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == at::kLong, "moe_int4: ids must be int64 [T, k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat,
+              "moe_int4: weights must be fp32 [T, k]");
+  TORCH_CHECK(w1.dim() == 4 && w2.dim() == 4 && w1.scalar_type() == at::kByte && w2.scalar_type() == at::kByte &&
+              w1.size(3) == 64 && w2.size(3) == 64 && w1.size(0) == w2.size(0) && w1.is_contiguous() &&
+              w2.is_contiguous(), "moe_int4: experts must be contiguous uint8 [E, N/16, K/8, 64]");
+  TORCH_CHECK(w1.size(2) * 8 == H && w2.size(2) * 8 == inter && w1.size(1) * kRows >= 2 * inter &&
+              w2.size(1) * kRows >= H, "moe_int4: expert shapes do not match H = ", H, ", I = ", inter);
+  TORCH_CHECK(group1 % 32 == 0 && H % group1 == 0 && group2 % 32 == 0 && inter % group2 == 0, "moe_int4: bad group size");
+  for (const at::Tensor* s : {&s1, &s2})
+    TORCH_CHECK(s->dim() == 5 && s->is_contiguous() &&
+                (s->scalar_type() == at::kHalf || s->scalar_type() == at::kFloat), "moe_int4: bad scales");
+  TORCH_CHECK(s1.size(0) == w1.size(0) && s1.size(1) == w1.size(1) && s1.size(2) == H / group1 &&
+              s2.size(0) == w2.size(0) && s2.size(1) == w2.size(1) && s2.size(2) == inter / group2,
+              "moe_int4: scales do not match the experts");
+  const int64_t k = ids.size(1), E = w1.size(0), N1 = w1.size(1) * kRows, N2 = w2.size(1) * kRows;
+  at::Tensor y = at::zeros({T, H}, x.options());
+  const at::Tensor xc = x.contiguous(), ic = ids.contiguous(), wc = weights.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // counting sort of the pairs t * k + j by expert (stable: rows of an expert in token order)
+  std::vector<int64_t> start(E + 1, 0), order(T * k);
+  for (int64_t p = 0; p < T * k; ++p) {
+    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "moe_int4: expert id ", ip[p], " out of range");
+    ++start[ip[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t p = 0; p < T * k; ++p) order[fill[ip[p]]++] = p;
+  std::vector<float> xs, h1, act, h2;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n == 0) continue;
+    const int64_t* pairs = order.data() + start[e];
+    xs.resize(n * H);
+    h1.resize(n * N1);
+    act.resize(n * inter);
+    h2.resize(n * N2);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(&xs[i * H], xp + (pairs[i] / k) * H, H * sizeof(float));
+    expert_gemm(xs.data(), n, H, w1, s1, e, group1, h1.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const float* g = &h1[i * N1];
+      for (int64_t c = 0; c < inter; ++c) act[i * inter + c] = g[c] / (1.f + std::exp(-g[c])) * g[inter + c];
+    }
+    expert_gemm(act.data(), n, inter, w2, s2, e, group2, h2.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const float wt = wp[pairs[i]];
+      float* yr = yp + (pairs[i] / k) * H;
+      const float* hr = &h2[i * N2];
+      for (int64_t c = 0; c < H; ++c) yr[c] += wt * hr[c];
+    }
+  }
+  return y;
+}
+
 // GGUF Q4_0 / Q4_1 blocks straight into the layout above: a lossless shuffle of nibbles and
 // scales, with no pass through unpacked or fp32 weights (the first load of a 1 GB GGUF spent
 // ~20 s in those passes). raws: the parts of one layer (fused qkv / gate_up), each uint8
@@ -355,9 +434,12 @@ std::tuple<at::Tensor, at::Tensor> pack_gguf_q4(at::TensorList raws, const at::T
 TORCH_LIBRARY(localllm, m) {
   m.def("int4_gemm(Tensor x, Tensor w, Tensor scales, int group_size) -> Tensor");
   m.def("pack_gguf_q4(Tensor[] raws, Tensor rows, int K) -> (Tensor, Tensor)");
+  m.def("moe_int4(Tensor x, Tensor ids, Tensor weights, Tensor w1, Tensor s1, Tensor w2, Tensor s2, int group1, "
+        "int group2, int inter) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("int4_gemm", &int4_gemm);
   m.impl("pack_gguf_q4", &pack_gguf_q4);
+  m.impl("moe_int4", &moe_int4);
 }

@@ -13,6 +13,7 @@ from localllm_kernels import cpu_attention
 from ..model.attention import AttnMeta
 from ..model.compiled import CompiledStep
 from ..model.llama import LlamaModel
+from ..model.moe import compilable
 from ..sampling import apply_logit_bias, apply_penalties, filter_probs, sample_row, top_logprobs
 from ..structured import allowed, draft_masks
 from .cuda_graphs import DecodeGraphs
@@ -37,7 +38,9 @@ class ModelRunner:
             v[0].zero_()
         self.default_generator = torch.Generator().manual_seed(0)
         self.captured: DecodeGraphs | CompiledStep | None = None
-        if graph_batch and model.attention_backend == "triton":
+        if not compilable(model):  # MoE experts looped in Python (not int4 on our CPU kernel): eager
+            pass
+        elif graph_batch and model.attention_backend == "triton":
             self.captured = DecodeGraphs(model, self.kv_caches, graph_batch, max_blocks_per_seq,
                                          capture=str(self.device).startswith("cuda"))
         elif compiled and self.device == "cpu" and model.attention_backend == "torch" and cpu_attention.load():

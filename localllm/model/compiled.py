@@ -72,7 +72,7 @@ def _code_digest() -> str:
     Read once: the code this process runs, not what an editor saved since."""
     here = Path(__file__).parent
     h = hashlib.sha256()
-    for name in ("compiled.py", "llama.py", "layers.py", "attention.py"):
+    for name in ("compiled.py", "llama.py", "layers.py", "attention.py", "moe.py"):
         h.update((here / name).read_bytes())
     return h.hexdigest()[:16]
 

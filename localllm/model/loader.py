@@ -7,9 +7,11 @@ for: GGUF Q4_0/Q4_1 stay int4 (a lossless repack), everything else is dequantize
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +27,7 @@ from .gguf import GGUFError, GGUFFile, dequantize, read_gguf
 from .int4 import Int4Weight, quantize_rtn
 from .layers import ConcatLinear, DenseLinear, DenseMatrix, Int4Linear, Int8Linear, LMHead, Q8Matrix, RMSNorm
 from .llama import DecoderLayer, LlamaModel
+from .moe import MoE, expert_tensor_names, make_experts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
@@ -38,10 +41,14 @@ _GGUF_NAMES = {
     "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",  # MoE routers
 }
 # GGUF general.architecture -> the HF architecture it holds
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
+               "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# one expert's matrix of an MoE layer (HF names: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down_proj)
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
 def _qk_row_perm(n_heads: int, head_dim: int) -> torch.Tensor:
@@ -102,11 +109,30 @@ class GGUFWeights:
         if "rope_freqs.weight" in self.file.tensors:
             raise ModelLoadError(f"{path}: GGUF rope_freqs (Llama-3.1 rope scaling) is not supported yet; "
                                  "use the HF checkpoint of this model")
+        self.config = dataclasses.replace(self.config, **self._moe_fields(m))
         c = self.config
         self.perms = {}
         if arch == "llama":  # llama.cpp un-permutes q/k for llama only
             self.perms = {"q_proj": _qk_row_perm(c.num_heads, c.head_dim),
                           "k_proj": _qk_row_perm(c.num_kv_heads, c.head_dim)}
+
+    def _moe_fields(self, m) -> dict:
+        """llama.cpp's MoE metadata: Mixtral is arch 'llama' with experts (their width is
+        feed_forward_length); qwen3moe has expert_feed_forward_length. A layer is sparse where
+        it has a router (ffn_gate_inp); top-k weights renormalised unless expert_weights_norm
+        says otherwise (llama.cpp renormalises for both)."""
+        n = int(m("expert_count", 0) or 0)
+        if not n:
+            return {}
+        L = self.config.num_layers
+        inter = m("expert_feed_forward_length") or m("feed_forward_length")
+        fields = {"num_experts": n, "num_experts_per_tok": int(m("expert_used_count")),
+                  "moe_intermediate_size": int(inter), "norm_topk_prob": bool(m("expert_weights_norm", True)),
+                  "moe_layers": tuple(f"blk.{i}.ffn_gate_inp.weight" in self.file.tensors for i in range(L)),
+                  "intermediate_size": int(m("feed_forward_length") or inter)}
+        if self.arch == "llama":
+            fields |= {"architecture": "MixtralForCausalLM", "model_type": "mixtral"}
+        return fields
 
     def _longrope(self, m) -> dict | None:
         """LongRoPE as llama.cpp's converter stores it: the factor sets as F32 tensors, the
@@ -142,11 +168,26 @@ class GGUFWeights:
         return f"blk.{i}.{_GGUF_NAMES[module]}.{kind}"
 
     def _tensor(self, name: str):
+        ex = _EXPERT.fullmatch(name)
+        if ex:
+            return self._expert_tensor(int(ex[1]), int(ex[2]), _EXPERT_PART[ex[3]])
         g = self._gguf_name(name)
         t = self.file.tensors.get(g)
         if t is None:
             raise ModelLoadError(f"{self.path}: tensor {g} is missing")
         return t
+
+    def _expert_tensor(self, layer: int, e: int, part: str):
+        """Expert e's matrix of a 3-D ffn_{gate,up,down}_exps tensor [E, rows, cols], as a tensor
+        of its own (a slice of the mapped file)."""
+        g = f"blk.{layer}.ffn_{part}_exps.weight"
+        t = self.file.tensors.get(g)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: tensor {g} is missing")
+        n_exp, n = t.shape[0], t.shape[1]
+        size = t.nbytes // n_exp
+        return dataclasses.replace(t, name=f"{g}[{e}]", shape=t.shape[1:], offset=t.offset + e * size, nbytes=size,
+                                   data=t.data[e * n:(e + 1) * n])
 
     def _perm(self, name: str) -> torch.Tensor | None:
         return next((p for k, p in self.perms.items() if f".{k}." in name), None)
@@ -265,10 +306,35 @@ class HFWeights:
     def has(self, name: str) -> bool:
         return name in self.index
 
+    def _fused_expert(self, name: str) -> torch.Tensor | None:
+        """Expert layouts as transformers 5 holds them in memory (and writes them when its
+        conversion is off): the experts fused per layer under mlp.experts, gate_up_proj
+        [E, 2I, H] (gate rows, then up) and down_proj [E, H, I]; the router as mlp.gate."""
+        from safetensors import safe_open
+
+        ex = _EXPERT.fullmatch(name)
+        router = re.fullmatch(r"(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight", name)
+        if router:
+            return self.dense(f"{router[1]}.mlp.gate.weight") if self.has(f"{router[1]}.mlp.gate.weight") else None
+        if not ex:
+            return None
+        part = _EXPERT_PART[ex[3]]
+        fused = f"model.layers.{ex[1]}.mlp.experts.{'down_proj' if part == 'down' else 'gate_up_proj'}"
+        if fused not in self.index:
+            return None
+        with safe_open(str(self.index[fused]), framework="pt") as h:
+            w = h.get_slice(fused)[int(ex[2])]  # this expert's rows only
+        half = w.shape[0] // 2
+        return w if part == "down" else w[:half] if part == "gate" else w[half:]
+
     def dense(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
         f = self.index.get(name)
+        if f is None:
+            fused = self._fused_expert(name)
+            if fused is not None:
+                return fused
         if f is None and self.quant is not None and name.endswith(".weight") and \
                 self.has(name[: -len("weight")] + "qweight"):
             return quant_formats.load_dense(self, name)  # a packed int4 module, dequantized
@@ -338,7 +404,10 @@ def _resolve_precision(precision: str, weights, device: str) -> tuple[str, torch
     requests are batched (bf16 attention flipped greedy tokens between batch shapes)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    first = "model.layers.0." + weights.config.checkpoint_linears()["gate_up"][0] + ".weight"
+    cfg = weights.config
+    # the first layer's MLP (an MoE layer: its first expert's), as stored
+    first = ("model.layers.0." + cfg.checkpoint_linears()["gate_up"][0] + ".weight" if not cfg.is_moe_layer(0)
+             else expert_tensor_names(cfg, 0)[1][0][0])
     native_int4 = isinstance(weights, GGUFWeights) and weights.int4(first) is not None
     quantized = isinstance(weights, HFWeights) and weights.quant is not None
     if precision == "auto":
@@ -418,6 +487,18 @@ def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device
     if mode == "int8" and device == "cpu":
         return Int8Linear(w, act_dtype, bias)
     return DenseLinear(w.to(device, act_dtype), None if bias is None else bias.to(device, act_dtype))
+
+
+def _moe_block(weights, cfg: ModelConfig, layer: int, mode: str, act_dtype: torch.dtype, device: str,
+               cpu_kernel: bool) -> MoE:
+    """One MoE layer: the router exact in fp32, each expert's gate/up (one fused linear) and down
+    in the layer precision (GGUF Q4 experts repacked, HF weights RTN-quantized for int4), then
+    stacked for our int4 MoE op where the kernel takes them."""
+    router, experts = expert_tensor_names(cfg, layer)
+    gate_up = [_linear(weights, [g, u], mode, act_dtype, device, cpu_kernel=cpu_kernel) for g, u, _ in experts]
+    down = [_linear(weights, [d], mode, act_dtype, device, cpu_kernel=cpu_kernel) for _, _, d in experts]
+    return MoE(weights.dense(router).float().to(device), make_experts(gate_up, down, cfg.moe_intermediate_size),
+               cfg.num_experts_per_tok, cfg.norm_topk_prob)
 
 
 def weights_fingerprint(path: str | os.PathLike, *how) -> str:
@@ -548,7 +629,9 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             att = p + "self_attn."
-            qkv, o, gate_up, down = (linear(f"{i}.{f}", [p + m + ".weight" for m in modules[f]])
+            moe = _moe_block(weights, cfg, i, mode, act_dtype, device, cpu_kernels) if cfg.is_moe_layer(i) else None
+            qkv, o, gate_up, down = (None if moe and f in ("gate_up", "down") else
+                                     linear(f"{i}.{f}", [p + m + ".weight" for m in modules[f]])
                                      for f in ("qkv", "o", "gate_up", "down"))
             layers.append(DecoderLayer(
                 cfg, qkv, o, gate_up, down,
@@ -556,6 +639,7 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
                 RMSNorm(weights.dense(p + "post_attention_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
                 *([RMSNorm(weights.dense(att + f"{n}_norm.weight").to(device, act_dtype), cfg.rms_norm_eps)
                    for n in "qk"] if cfg.qk_norm else []),
+                moe=moe,
             ))
         # the embedding and head stay exact (fp32 on CPU, or the file's Q8_0 blocks read in place):
         # they are where rounding flips tokens

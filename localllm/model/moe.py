@@ -1,0 +1,116 @@
+"""Mixture-of-experts MLP blocks (Mixtral, Qwen3-MoE), in place of a layer's gate_up/down.
+
+A router (kept exact in fp32: it is E x hidden, tiny) scores the experts per token; softmax in
+fp32, the top k, optionally renormalised to sum to 1 (Mixtral always, Qwen3-MoE per
+norm_topk_prob); the output is the weighted sum of those k experts' SiLU-gated MLPs.
+
+Speed: a decode step must read only the chosen experts' weights (k of E). Both implementations
+group the (token, expert) pairs by expert and run one GEMM per used expert on its gathered rows:
+  Int4Experts: int4 experts stacked [E, ...] in our VNNI kernel's layout, the whole MLP in one C++
+    op (localllm::moe_int4): no data-dependent Python, so the compiled CPU step exports it;
+  LoopExperts: any other linears (fp32/bf16, int8, torch's int4, CUDA), a Python loop over the
+    used experts: eager only (`compilable` says so to the compiled step and the CUDA graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .layers import Int4Linear
+
+
+def expert_tensor_names(cfg: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str, str]]]:
+    """(router, [(gate, up, down) of each expert]): the checkpoint names of one MoE layer as the
+    hub checkpoints store them (one tensor per expert and matrix)."""
+    p = f"model.layers.{layer}."
+    if cfg.architecture == "MixtralForCausalLM":
+        p += "block_sparse_moe."
+        parts = ("w1", "w3", "w2")
+    else:
+        p += "mlp."
+        parts = ("gate_proj", "up_proj", "down_proj")
+    return p + "gate.weight", [tuple(f"{p}experts.{e}.{m}.weight" for m in parts) for e in range(cfg.num_experts)]
+
+
+class MoE(nn.Module):
+    def __init__(self, router: torch.Tensor, experts: nn.Module, top_k: int, renormalize: bool):
+        super().__init__()
+        self.router = nn.Parameter(router.float(), requires_grad=False)  # [E, hidden]
+        self.experts, self.top_k, self.renormalize = experts, top_k, renormalize
+
+    def forward(self, h: torch.Tensor, ops) -> torch.Tensor:
+        probs = torch.softmax(F.linear(h.float(), self.router), dim=-1)
+        w, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return self.experts(h, ids, w, ops.act)
+
+
+class LoopExperts(nn.Module):
+    """Experts as separate linears (gate_up fused per expert, down), looped over the used ones."""
+
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module]):
+        super().__init__()
+        self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act: Callable) -> torch.Tensor:
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # pairs t * k + j grouped by expert, tokens in order
+        counts = torch.bincount(flat, minlength=len(self.down)).tolist()
+        wflat = w.reshape(-1).to(x.dtype)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                pairs = order[start:start + n]
+                rows = pairs // k
+                y = self.down[e](act(self.gate_up[e](x[rows])))
+                out.index_add_(0, rows, y * wflat[pairs, None])
+            start += n
+        return out
+
+
+class Int4Experts(nn.Module):
+    """Int4 experts stacked for localllm::moe_int4 (kernels/cpu/int4_gemm.cpp)."""
+
+    def __init__(self, gate_up: list[Int4Linear], down: list[Int4Linear], inter: int):
+        super().__init__()
+        self.group1, self.group2, self.inter = gate_up[0].group_size, down[0].group_size, inter
+        for name, layers in (("1", gate_up), ("2", down)):
+            self.register_buffer(f"w{name}", torch.stack([m.qw for m in layers]))
+            scales = [m.qsc for m in layers]
+            if len({s.dtype for s in scales}) > 1:  # fp16 where exact per expert: one dtype for the stack
+                scales = [s.float() for s in scales]
+            self.register_buffer(f"s{name}", torch.stack(scales))
+
+    @staticmethod
+    def fits(gate_up: list[nn.Module], down: list[nn.Module]) -> bool:
+        """Every expert on our VNNI kernel, without bias or input permutation, one group size per matrix."""
+        layers = [*gate_up, *down]
+        if not all(isinstance(m, Int4Linear) and m.kind == "vnni" and m.bias is None and m.in_perm is None
+                   for m in layers):
+            return False
+        return len({m.group_size for m in gate_up}) == 1 and len({m.group_size for m in down}) == 1
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act: Callable) -> torch.Tensor:
+        y = torch.ops.localllm.moe_int4(x.float(), ids, w.float(), self.w1, self.s1, self.w2, self.s2,
+                                        self.group1, self.group2, self.inter)
+        return y.to(x.dtype)
+
+
+def make_experts(gate_up: list[nn.Module], down: list[nn.Module], inter: int) -> nn.Module:
+    """The fastest implementation the experts' linears allow (see the module docstring)."""
+    if Int4Experts.fits(gate_up, down):
+        return Int4Experts(gate_up, down, inter)
+    return LoopExperts(gate_up, down)
+
+
+def compilable(model: nn.Module) -> bool:
+    """No block of the model needs eager Python (the compiled CPU step and CUDA graphs can hold it)."""
+    return not any(isinstance(m, LoopExperts) for m in model.modules())
