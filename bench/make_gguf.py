@@ -4,6 +4,8 @@
     python bench/make_gguf.py smollm2-1.7b [--out DIR]   # SmolLM2-1.7B shape (24 x 2048, 32 KV heads)
     python bench/make_gguf.py qwen3-1.7b [--out DIR]     # Qwen3-1.7B shape (arch qwen3: q/k norms,
                                                          # head_dim 128, a 151,936-token vocabulary)
+    python bench/make_gguf.py moe-olmoe-shape [--out DIR]  # OLMoE-1B-7B's shape as arch qwen3moe:
+                                                         # 16 x 2048, 64 experts of 1024, top-8 (~4 GB)
 
 The metadata (tokenizer, chat template, special tokens) is copied from SmolLM2-135M's GGUF, the
 shape keys are replaced, and every tensor gets the type it has there (Q4_1 matrices, Q8_0
@@ -43,8 +45,19 @@ SHAPES = {
                  rope_freq_base=10000.0, context_length=1024),
     "tiny-qwen3": dict(block_count=2, embedding_length=64, feed_forward_length=128, head_count=4, head_count_kv=2,
                        rope_freq_base=1000000.0, context_length=1024, arch="qwen3", head_dim=32, vocab=50000),
+    # mixture of experts: OLMoE-1B-7B's dimensions (6.9B parameters, 1.3B active) in llama.cpp's
+    # qwen3moe architecture (OLMoE's own arch has no q/k head norms but a full-width q/k norm);
+    # OLMoE's 50304-token vocabulary (the tokenizer padded); experts Q4_1 like every matrix here
+    "moe-olmoe-shape": dict(block_count=16, embedding_length=2048, feed_forward_length=1024, head_count=16,
+                            head_count_kv=16, rope_freq_base=10000.0, context_length=4096, arch="qwen3moe",
+                            head_dim=128, vocab=50304, expert_count=64, expert_used_count=8,
+                            expert_feed_forward_length=1024),
+    "tiny-moe": dict(block_count=2, embedding_length=64, feed_forward_length=64, head_count=4, head_count_kv=2,
+                     rope_freq_base=1000000.0, context_length=1024, arch="qwen3moe", head_dim=32, vocab=50000,
+                     expert_count=8, expert_used_count=2, expert_feed_forward_length=64),
 }
-PEAKED = {"tiny", "tiny-qwen3"}
+PEAKED = {"tiny", "tiny-qwen3", "tiny-moe"}
+QK_NORM_ARCHS = ("qwen3", "qwen3moe")
 
 
 def source_gguf() -> str:
@@ -62,10 +75,15 @@ def tensor_shapes(s: dict, vocab: int) -> dict[str, tuple[int, ...]]:
     for i in range(s["block_count"]):
         out.update({f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.ffn_norm.weight": (h,),
                     f"blk.{i}.attn_q.weight": (q, h), f"blk.{i}.attn_k.weight": (kv, h),
-                    f"blk.{i}.attn_v.weight": (kv, h), f"blk.{i}.attn_output.weight": (h, q),
-                    f"blk.{i}.ffn_gate.weight": (f, h), f"blk.{i}.ffn_up.weight": (f, h),
-                    f"blk.{i}.ffn_down.weight": (h, f)})
-        if s.get("arch") == "qwen3":
+                    f"blk.{i}.attn_v.weight": (kv, h), f"blk.{i}.attn_output.weight": (h, q)})
+        n, fe = s.get("expert_count"), s.get("expert_feed_forward_length")
+        if n:  # the router and the experts as 3-D tensors [E, rows, cols]
+            out.update({f"blk.{i}.ffn_gate_inp.weight": (n, h), f"blk.{i}.ffn_gate_exps.weight": (n, fe, h),
+                        f"blk.{i}.ffn_up_exps.weight": (n, fe, h), f"blk.{i}.ffn_down_exps.weight": (n, h, fe)})
+        else:
+            out.update({f"blk.{i}.ffn_gate.weight": (f, h), f"blk.{i}.ffn_up.weight": (f, h),
+                        f"blk.{i}.ffn_down.weight": (h, f)})
+        if s.get("arch") in QK_NORM_ARCHS:
             out.update({f"blk.{i}.attn_q_norm.weight": (hd,), f"blk.{i}.attn_k_norm.weight": (hd,)})
     return out
 
@@ -81,6 +99,9 @@ def write(shape: str, out_path: str, seed: int = 0) -> str:
         role = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
         types[role] = t.tensor_type
     types["attn_q_norm.weight"] = types["attn_k_norm.weight"] = types["attn_norm.weight"]
+    for part in ("gate", "up", "down"):  # experts as the dense matrices; the router in F32 (as llama.cpp keeps it)
+        types[f"ffn_{part}_exps.weight"] = types[f"ffn_{part}.weight"]
+    types["ffn_gate_inp.weight"] = types["attn_norm.weight"]
     tmp = out_path + ".partial"
     w = gguf.GGUFWriter(tmp, arch)
     skip = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture"}
@@ -125,7 +146,10 @@ def write(shape: str, out_path: str, seed: int = 0) -> str:
         if shape not in PEAKED:
             data *= 0.02
         elif name != "token_embd.weight":
-            data *= 2 / shp[1] ** 0.5
+            data *= 2 / shp[-1] ** 0.5
+        if qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, data)
+            continue
         q = gguf.quants.quantize(data, qtype)
         w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
     w.write_header_to_file()

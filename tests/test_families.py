@@ -58,10 +58,33 @@ def rope_params(cfg) -> dict:
     return getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
 
 
-def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool = False) -> Path:
-    """The model's tensors under llama.cpp's names (q/k rows as stored: llama.cpp permutes them for
-    arch 'llama' only), with the embedded model's tokenizer metadata. F32, or with `quantized` the
-    way the default model is stored: Q4_1 matrices, a Q8_0 embedding (read in place), F32 norms."""
+def gguf_tensors(model, state: dict | None = None):
+    """(llama.cpp name, fp32 array) of each tensor of a dense family's model, or of `state` (some
+    of its tensors by name); q/k rows as stored: llama.cpp permutes them for arch 'llama' only."""
+    cfg = model.config
+    for name, t in (model.state_dict() if state is None else state).items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{i}.{GGUF_NAMES[module]}.{kind}"
+        yield gname, t.float().numpy().astype(np.float32)
+
+
+def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool = False, tensors=None,
+               extra_kv: dict | None = None) -> Path:
+    """The model's tensors under llama.cpp's names (`tensors`: (name, array) pairs instead of
+    gguf_tensors(model)), with the embedded model's tokenizer metadata and `extra_kv` (key ->
+    int, float or bool). F32, or with `quantized` the way the default model is stored: Q4_1
+    matrices (MoE experts too; routers stay F32 as llama.cpp keeps them), a Q8_0 embedding (read
+    in place), F32 norms."""
     import gguf
 
     cfg = model.config
@@ -95,21 +118,11 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
             w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
             w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
         assert head_dim % 2 == 0
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        elif name == "lm_head.weight":
-            gname = "output.weight"
-        else:
-            _, _, i, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{i}.{GGUF_NAMES[module]}.{kind}"
-        data = t.float().numpy().astype(np.float32)
-        if quantized and data.ndim == 2:
+    kv_types = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32}
+    for key, val in (extra_kv or {}).items():
+        w.add_key_value(key, val, kv_types[type(val)])
+    for gname, data in (gguf_tensors(model) if tensors is None else tensors):
+        if quantized and data.ndim >= 2 and "ffn_gate_inp" not in gname:
             qtype = gguf.GGMLQuantizationType.Q8_0 if gname == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_1
             q = gguf.quants.quantize(data, qtype)
             w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=qtype)

@@ -448,6 +448,9 @@ def quantize_model(src: str | Path, out: str | Path, method: str = "gptq", bits:
         raise QuantizeError(f"{src} is already quantized ({weights.quant['quant_method']}); "
                             "quantize the original float checkpoint")
     cfg = weights.config
+    if cfg.num_experts:
+        raise QuantizeError(f"{src}: mixture-of-experts models ({cfg.architecture}) cannot be quantized yet; "
+                            "run it with --quant int4 (quantized on load) instead")
     k_dims = [cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size]
     if group_size is None:
         group_size = default_group_size(k_dims)

@@ -1,0 +1,252 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE) against transformers (fp32) on tiny random
+checkpoints written by transformers itself, loaded from the HF directory and from GGUFs with
+llama.cpp's 3-D expert tensors; the int4 MoE op against the torch loop; the compiled CPU step on
+an MoE model. The shared family tests of tests/test_families.py run here on the MoE `family`."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_engine
+from test_families import (  # noqa: F401  (the imported tests run on this module's `family`)
+    PROMPT,
+    TINY,
+    Family,
+    gguf_tensors,
+    peaked,
+    test_batched_with_prefix_hits_and_chunked_prefill,
+    test_greedy_decode_equals_transformers,
+    test_int4_gguf_follows_its_fp32_weights,
+    test_logits_match_transformers,
+    write_gguf,
+    write_hf,
+)
+
+from localllm.config import ModelConfig
+from localllm.model.loader import load_model
+from localllm.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+MOE = {k: v for k, v in TINY.items() if k != "intermediate_size"} | dict(num_experts_per_tok=2)
+FAMILIES = {
+    # every layer sparse, top-2 of 8 renormalised
+    "mixtral": Family(lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **MOE, intermediate_size=64, num_local_experts=8, rope_theta=1e6)), "llama", False),
+    # layer 0 a dense MLP (mlp_only_layers), layer 1 top-2 of 8 not renormalised
+    "qwen3moe": Family(lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **MOE, intermediate_size=128, moe_intermediate_size=64, num_experts=8, mlp_only_layers=[0],
+        norm_topk_prob=False, rope_theta=1e6)), "qwen3moe", False),
+}
+
+
+def llama_qk_perm(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's permute for arch llama (our loader undoes it)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def moe_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool = False) -> Path:
+    """The model as llama.cpp's converter writes it: routers as ffn_gate_inp, the experts (held
+    fused by transformers: gate_up [E, 2I, H], down [E, H, I]) as ffn_{gate,up,down}_exps."""
+    cfg = model.config
+    state = model.state_dict()
+    moe = {n: state.pop(n) for n in list(state) if ".experts." in n or n.endswith("mlp.gate.weight")}
+
+    def tensors():
+        for name, a in gguf_tensors(model, state):
+            if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+                heads = cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads
+                a = llama_qk_perm(a, heads)
+            yield name, a
+        for name, t in moe.items():
+            i, a = name.split(".")[2], t.float().numpy()
+            if name.endswith("gate.weight"):
+                yield f"blk.{i}.ffn_gate_inp.weight", a
+            elif name.endswith("gate_up_proj"):
+                half = a.shape[1] // 2
+                yield f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(a[:, :half])
+                yield f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(a[:, half:])
+            else:
+                yield f"blk.{i}.ffn_down_exps.weight", a
+
+    n = cfg.num_local_experts if arch == "llama" else cfg.num_experts
+    kv = {f"{arch}.expert_count": n, f"{arch}.expert_used_count": cfg.num_experts_per_tok}
+    if arch == "qwen3moe":
+        kv |= {f"{arch}.expert_feed_forward_length": cfg.moe_intermediate_size,
+               f"{arch}.expert_weights_norm": bool(cfg.norm_topk_prob)}
+    return write_gguf(model, arch, out, tokenizer_gguf, quantized, tensors(), kv)
+
+
+def moe_peaked(model: torch.nn.Module, seed: int) -> None:
+    """peaked() with the 3-D expert stacks scaled by their own input width."""
+    peaked(model, seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 3:
+                p.mul_((p.shape[1] / p.shape[2]) ** 0.5)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory, fp32_model, gguf_path):
+    """(transformers model, HF directory, F32 GGUF, Q4_1 GGUF, Family) of one tiny MoE checkpoint."""
+    name = request.param
+    fam = FAMILIES[name]
+    torch.manual_seed(0)
+    model = fam.make().eval()
+    moe_peaked(model, seed=1)
+    out = tmp_path_factory.mktemp(name)
+    hf_dir = write_hf(model, out / "hf", fp32_model.tokenizer)
+    gguf_file = moe_gguf(model, fam.arch, out / f"{name}.gguf", gguf_path)
+    q4_file = moe_gguf(model, fam.arch, out / f"{name}.Q4_1.gguf", gguf_path, quantized=True)
+    return model, hf_dir, gguf_file, q4_file, fam
+
+
+def test_moe_config_and_parameter_counts(family):
+    from localllm.model.loader import open_weights
+
+    ref_model, hf_dir, gguf_file, _, _ = family
+    hf, gg = open_weights(hf_dir).config, open_weights(gguf_file).config
+    mixtral = isinstance(ref_model, transformers.MixtralForCausalLM)
+    assert hf.architecture == gg.architecture == ("MixtralForCausalLM" if mixtral else "Qwen3MoeForCausalLM")
+    assert hf.moe_layers == gg.moe_layers == ((True, True) if mixtral else (False, True))
+    for f in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "intermediate_size",
+              "qk_norm", "num_params"):
+        assert getattr(hf, f) == getattr(gg, f), f
+    assert hf.norm_topk_prob == mixtral and hf.num_experts == 8
+    assert ModelConfig.from_hf(hf.to_hf()) == hf  # the quantizer and exporters write configs from to_hf
+    qk_norms = sum(p.numel() for n, p in ref_model.named_parameters() if "_norm." in n and "self_attn" in n)
+    assert hf.num_params == sum(p.numel() for p in ref_model.parameters()) - qk_norms
+    assert hf.num_params - hf.active_params == 6 * 3 * 64 * 64 * sum(hf.moe_layers)  # 6 of 8 experts idle
+    # published configs: Qwen3-30B-A3B (num_experts, norm_topk_prob true) and Mixtral-8x7B
+    q3 = ModelConfig.from_hf({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+                              "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+                              "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                              "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                              "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False})
+    assert q3.norm_topk_prob and all(q3.moe_layers) and q3.qk_norm
+    assert round(q3.num_params / 1e9, 1) == 30.5 and round(q3.active_params / 1e9, 2) == 3.35
+    mx = ModelConfig.from_hf({"architectures": ["MixtralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+                              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                              "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2})
+    assert mx.num_params == 46_702_792_704 and round(mx.active_params / 1e9, 1) == 12.9
+
+
+def test_fused_expert_layout_loads_the_same(family, tmp_path):
+    """transformers 5's in-memory layout (experts fused per layer under mlp.experts, routers as
+    mlp.gate), which save_pretrained converts back to one tensor per expert: both load."""
+    from safetensors.torch import save_file
+
+    ref_model, hf_dir, *_ = family
+    for f in hf_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    save_file({n: t.contiguous() for n, t in ref_model.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    want = make_engine(load_model(hf_dir, "float32")).score(PROMPT)
+    assert torch.equal(make_engine(load_model(tmp_path, "float32")).score(PROMPT), want)
+
+
+def test_quantizer_refuses_moe_in_one_line(family, tmp_path):
+    from typer.testing import CliRunner
+
+    from localllm.cli import app
+
+    r = CliRunner().invoke(app, ["quantize", str(family[1]), "--output", str(tmp_path / "q"), "--method", "rtn"])
+    assert r.exit_code != 0 and "mixture-of-experts models" in r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
+
+
+def _int4_experts(E: int, H: int, inter: int, g: torch.Generator):
+    """(gate_up Int4Linears, down Int4Linears, their fp32 weights as pairs) of E random experts."""
+    from localllm.model.int4 import quantize_rtn
+    from localllm.model.layers import Int4Linear
+
+    def lin(n, k):
+        w = quantize_rtn(torch.randn(n, k, generator=g) / k ** 0.5, 32)
+        return Int4Linear(w, torch.float32), w.dequantize()
+    gate_up, down = [lin(2 * inter, H) for _ in range(E)], [lin(H, inter) for _ in range(E)]
+    return [m for m, _ in gate_up], [m for m, _ in down], [(a, b) for (_, a), (_, b) in zip(gate_up, down)]
+
+
+def test_moe_int4_op_matches_the_torch_loop():
+    """localllm::moe_int4 (experts stacked, rows grouped per expert in C++) against the torch loop
+    over the same int4 experts (one int4_gemm each) and the dequantized fp32 math, at batch 1 and
+    5 with several expert sets: tokens sharing experts, an expert used twice, every expert."""
+    from localllm_kernels import cpu_int4
+
+    from localllm.model.llama import silu_mul
+    from localllm.model.moe import Int4Experts, LoopExperts
+
+    if not cpu_int4.load():
+        pytest.skip("no AVX-512 VNNI kernel on this machine")
+    g = torch.Generator().manual_seed(0)
+    E, H, inter = 8, 128, 96
+    gate_up, down, dense = _int4_experts(E, H, inter, g)
+    fused, loop = Int4Experts(gate_up, down, inter), LoopExperts(gate_up, down)
+    sets = [[[3, 5]], [[0, 7]], [[2, 2]],
+            [[1, 4], [4, 1], [6, 0], [4, 6], [1, 4]], [[0, 1], [2, 3], [4, 5], [6, 7], [7, 0]]]
+    for ids in sets:
+        ids = torch.tensor(ids)
+        x = torch.randn(len(ids), H, generator=g)
+        w = torch.softmax(torch.randn(ids.shape, generator=g), -1)
+        got, want = fused(x, ids, w, silu_mul), loop(x, ids, w, silu_mul)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        ref = torch.zeros_like(x)
+        for t in range(len(ids)):
+            for j, e in enumerate(ids[t].tolist()):
+                h = silu_mul(x[t] @ dense[e][0].t())
+                ref[t] += w[t, j] * (h @ dense[e][1].t())
+        assert ((got - ref).norm() / ref.norm()) < 1e-2  # 16-bit activations inside the kernel
+
+
+def test_compiled_step_covers_int4_moe(family):
+    """An int4 MoE model (Q4_1 experts on the VNNI kernel) compiles: the d1 package (exported with
+    the MoE op, checked against the eager step when built) decodes the eager tokens. An fp32 MoE
+    model (experts looped in Python) runs eagerly."""
+    from localllm_kernels import cpu_int4
+
+    from localllm.model import compiled
+    from localllm.model.moe import Int4Experts
+
+    model, _, gguf_file, q4_file, _ = family
+    if not isinstance(model, transformers.MixtralForCausalLM):
+        pytest.skip("one family is enough (each package compiles for ~20 s)")
+    if not cpu_int4.load():
+        pytest.skip("no AVX-512 VNNI kernel on this machine")
+    assert make_engine(load_model(gguf_file, "float32"), compile=True).runner.captured is None
+    loaded = load_model(q4_file, "auto")
+    assert isinstance(loaded.model.layers[0].moe.experts, Int4Experts)
+    compiled.build_package(loaded.model, "d1", loaded.kv_dtype,
+                           compiled.package_path(loaded.model, "d1", loaded.kv_dtype))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    *_, eager = make_engine(loaded).generate(list(PROMPT), params)
+    eng = make_engine(loaded, compile=True)
+    *_, got = eng.generate(list(PROMPT), params)
+    assert eng.runner.captured.steps >= 15 and got.token_ids == eager.token_ids
+
+
+def test_bench_tiny_moe_gguf_runs_here_and_in_llama_cpp(tmp_path):
+    """bench/make_gguf.py's qwen3moe shapes (the tiny one here): our int4 and fp32 runs, and
+    llama.cpp's (it must accept our qwen3moe metadata), greedy from the same prompt."""
+    spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).parent.parent / "bench" / "make_gguf.py")
+    make_gguf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_gguf)
+    path = make_gguf.write("tiny-moe", str(tmp_path / "tiny-moe.Q4_1.gguf"))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = [1, 504, 3458, 282, 5248]
+    runs = {}
+    for precision in ("auto", "float32"):
+        loaded = load_model(path, precision)
+        assert loaded.config.num_experts == 8 and all(loaded.config.moe_layers)
+        *_, out = make_engine(loaded).generate(list(prompt), params)
+        runs[precision] = out.token_ids
+    assert runs["auto"] == runs["float32"]
+    llama_cpp = pytest.importorskip("llama_cpp")
+    m = llama_cpp.Llama(path, n_ctx=64, n_threads=2, verbose=False)
+    m.eval(prompt)
+    theirs = []
+    for _ in range(8):
+        theirs.append(m.sample(temp=0))
+        m.eval([theirs[-1]])
+    assert sum(a == b for a, b in zip(theirs, runs["float32"])) >= 6, (theirs, runs["float32"])
