@@ -53,7 +53,21 @@ KNOWN_SHAPES = {
     "microsoft/phi-3-mini-4k-instruct": (32, 3072, 8192, 32, 32, 96, 32064, False),
     "microsoft/phi-3.5-mini-instruct": (32, 3072, 8192, 32, 32, 96, 32064, False),
     "microsoft/phi-4-mini-instruct": (32, 3072, 8192, 24, 8, 128, 200064, True),
+    # mixture of experts: + (experts, experts per token, expert width), every layer sparse
+    "mistralai/mixtral-8x7b-instruct-v0.1": (32, 4096, 14336, 32, 8, 128, 32000, False, 8, 2, 14336),
+    "qwen/qwen3-30b-a3b": (48, 2048, 6144, 32, 4, 128, 151936, False, 128, 8, 768),
 }
+
+
+def shape_config(shape: tuple, context: int | None = None) -> ModelConfig:
+    """The config of a KNOWN_SHAPES entry (its MoE fields, when it has them)."""
+    L, h, inter, heads, kvh, hd, vocab, tied, *moe = shape
+    extra = {}
+    if moe:
+        n, k, width = moe
+        extra = dict(num_experts=n, num_experts_per_tok=k, moe_intermediate_size=width, moe_layers=(True,) * L)
+    return ModelConfig(vocab, h, inter, L, heads, kvh, hd, max_position_embeddings=context or 4096,
+                       tie_word_embeddings=tied, **extra)
 
 
 class PlanError(RuntimeError):
@@ -77,9 +91,8 @@ class ModelFacts:
 
     @classmethod
     def from_config(cls, name: str, cfg: ModelConfig, **kw) -> ModelFacts:
-        h, L = cfg.hidden_size, cfg.num_layers
-        attn = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-        return cls(name=name, params=cfg.num_params, linear_params=L * (attn + 3 * h * cfg.intermediate_size),
+        h = cfg.hidden_size
+        return cls(name=name, params=cfg.num_params, linear_params=cfg.linear_params,
                    kv_bytes_per_token=cfg.kv_bytes_per_token(2), max_context=cfg.max_position_embeddings,
                    hidden=h, intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, **kw)
 
@@ -339,10 +352,7 @@ def facts_for(model) -> ModelFacts:
     shape = KNOWN_SHAPES.get((ref.repo or "").lower())
     context = spec.context if spec else None
     if shape is not None:
-        L, h, inter, heads, kvh, hd, vocab, tied = shape
-        cfg = ModelConfig(vocab, h, inter, L, heads, kvh, hd, max_position_embeddings=context or 4096,
-                          tie_word_embeddings=tied)
-        f = ModelFacts.from_config(ref.name, cfg, variants=variants)
+        f = ModelFacts.from_config(ref.name, shape_config(shape, context), variants=variants)
         if spec is not None and spec.params:
             f.params = spec.params
         return f

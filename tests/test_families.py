@@ -3,6 +3,7 @@ checkpoint of each family written by transformers itself, loaded from the HF dir
 GGUF holding the same tensors under llama.cpp's names."""
 
 import copy
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -78,6 +79,17 @@ def gguf_tensors(model, state: dict | None = None):
         yield gname, t.float().numpy().astype(np.float32)
 
 
+@functools.cache
+def tokenizer_fields(path: Path) -> list[tuple]:
+    """(key, value, type, array item type) of a GGUF's tokenizer metadata, read once per file
+    (parsing the 49152-token arrays takes seconds)."""
+    import gguf
+
+    src = gguf.GGUFReader(str(path))
+    return [(key, fld.contents(), fld.types[0], fld.types[-1] if fld.types[0] == gguf.GGUFValueType.ARRAY else None)
+            for key, fld in src.fields.items() if key.startswith("tokenizer.") or key == "general.name"]
+
+
 def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool = False, tensors=None,
                extra_kv: dict | None = None) -> Path:
     """The model's tensors under llama.cpp's names (`tensors`: (name, array) pairs instead of
@@ -88,13 +100,9 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
     import gguf
 
     cfg = model.config
-    src = gguf.GGUFReader(str(tokenizer_gguf))
     w = gguf.GGUFWriter(str(out), arch)
-    for key, fld in src.fields.items():
-        if key.startswith("tokenizer.") or key == "general.name":
-            vtype = fld.types[0]
-            w.add_key_value(key, fld.contents(), vtype,
-                            fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for key, val, vtype, sub in tokenizer_fields(tokenizer_gguf):
+        w.add_key_value(key, val, vtype, sub)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)

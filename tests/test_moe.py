@@ -47,9 +47,11 @@ def llama_qk_perm(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def moe_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool = False) -> Path:
+def moe_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool = False,
+             split: bool = False) -> Path:
     """The model as llama.cpp's converter writes it: routers as ffn_gate_inp, the experts (held
-    fused by transformers: gate_up [E, 2I, H], down [E, H, I]) as ffn_{gate,up,down}_exps."""
+    fused by transformers: gate_up [E, 2I, H], down [E, H, I]) as ffn_{gate,up,down}_exps, or
+    with `split` one ffn_{gate,up,down}.{e} tensor each (the first Mixtral GGUFs)."""
     cfg = model.config
     state = model.state_dict()
     moe = {n: state.pop(n) for n in list(state) if ".experts." in n or n.endswith("mlp.gate.weight")}
@@ -71,12 +73,19 @@ def moe_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool 
             else:
                 yield f"blk.{i}.ffn_down_exps.weight", a
 
+    def split_experts(pairs):
+        for name, a in pairs:
+            if split and "_exps." in name:
+                yield from ((name.replace("_exps.", f".{e}."), np.ascontiguousarray(x)) for e, x in enumerate(a))
+            else:
+                yield name, a
+
     n = cfg.num_local_experts if arch == "llama" else cfg.num_experts
     kv = {f"{arch}.expert_count": n, f"{arch}.expert_used_count": cfg.num_experts_per_tok}
     if arch == "qwen3moe":
         kv |= {f"{arch}.expert_feed_forward_length": cfg.moe_intermediate_size,
                f"{arch}.expert_weights_norm": bool(cfg.norm_topk_prob)}
-    return write_gguf(model, arch, out, tokenizer_gguf, quantized, tensors(), kv)
+    return write_gguf(model, arch, out, tokenizer_gguf, quantized, split_experts(tensors()), kv)
 
 
 def moe_peaked(model: torch.nn.Module, seed: int) -> None:
@@ -88,8 +97,15 @@ def moe_peaked(model: torch.nn.Module, seed: int) -> None:
                 p.mul_((p.shape[1] / p.shape[2]) ** 0.5)
 
 
+@pytest.fixture(scope="module")
+def tokenizer(gguf_path):
+    from localllm.model.loader import open_weights
+
+    return open_weights(gguf_path).tokenizer()
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory, fp32_model, gguf_path):
+def family(request, tmp_path_factory, tokenizer, gguf_path):
     """(transformers model, HF directory, F32 GGUF, Q4_1 GGUF, Family) of one tiny MoE checkpoint."""
     name = request.param
     fam = FAMILIES[name]
@@ -97,7 +113,7 @@ def family(request, tmp_path_factory, fp32_model, gguf_path):
     model = fam.make().eval()
     moe_peaked(model, seed=1)
     out = tmp_path_factory.mktemp(name)
-    hf_dir = write_hf(model, out / "hf", fp32_model.tokenizer)
+    hf_dir = write_hf(model, out / "hf", tokenizer)
     gguf_file = moe_gguf(model, fam.arch, out / f"{name}.gguf", gguf_path)
     q4_file = moe_gguf(model, fam.arch, out / f"{name}.Q4_1.gguf", gguf_path, quantized=True)
     return model, hf_dir, gguf_file, q4_file, fam
@@ -131,11 +147,17 @@ def test_moe_config_and_parameter_counts(family):
                               "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
                               "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2})
     assert mx.num_params == 46_702_792_704 and round(mx.active_params / 1e9, 1) == 12.9
+    # the planner sizes the registry's MoE models with every expert resident
+    from localllm.planner import plan_for
+
+    p = plan_for("qwen3-30b-a3b", max_memory=64, device="cpu")
+    assert p.precision == "bfloat16" and p.weights_bytes >= 2 * q3.num_params
 
 
-def test_fused_expert_layout_loads_the_same(family, tmp_path):
+def test_other_expert_layouts_load_the_same(family, tmp_path, gguf_path):
     """transformers 5's in-memory layout (experts fused per layer under mlp.experts, routers as
-    mlp.gate), which save_pretrained converts back to one tensor per expert: both load."""
+    mlp.gate), which save_pretrained converts back to one tensor per expert: both load. So do
+    Mixtral GGUFs with one tensor per expert."""
     from safetensors.torch import save_file
 
     ref_model, hf_dir, *_ = family
@@ -145,6 +167,9 @@ def test_fused_expert_layout_loads_the_same(family, tmp_path):
     save_file({n: t.contiguous() for n, t in ref_model.state_dict().items()}, str(tmp_path / "model.safetensors"))
     want = make_engine(load_model(hf_dir, "float32")).score(PROMPT)
     assert torch.equal(make_engine(load_model(tmp_path, "float32")).score(PROMPT), want)
+    if isinstance(ref_model, transformers.MixtralForCausalLM):  # the first Mixtral GGUFs: experts one by one
+        split = moe_gguf(ref_model, "llama", tmp_path / "split.gguf", gguf_path, split=True)
+        torch.testing.assert_close(make_engine(load_model(split, "float32")).score(PROMPT), want, atol=2e-4, rtol=1e-4)
 
 
 def test_quantizer_refuses_moe_in_one_line(family, tmp_path):

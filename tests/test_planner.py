@@ -4,7 +4,6 @@ the CLI's --dry-run (no model is loaded)."""
 import pytest
 from typer.testing import CliRunner
 
-from localllm.config import ModelConfig
 from localllm.planner import (
     DEFAULT_CTX,
     KNOWN_SHAPES,
@@ -17,14 +16,13 @@ from localllm.planner import (
     overhead_bytes,
     plan,
     plan_for,
+    shape_config,
     weight_bytes,
 )
 
 
 def facts(repo: str, variants: dict | None = None, context: int = 32768, **kw) -> ModelFacts:
-    L, h, inter, heads, kvh, hd, vocab, tied = KNOWN_SHAPES[repo]
-    cfg = ModelConfig(vocab, h, inter, L, heads, kvh, hd, max_position_embeddings=context, tie_word_embeddings=tied)
-    return ModelFacts.from_config(repo, cfg, variants=variants or {}, **kw)
+    return ModelFacts.from_config(repo, shape_config(KNOWN_SHAPES[repo], context), variants=variants or {}, **kw)
 
 
 LLAMA8B = "meta-llama/llama-3.1-8b-instruct"

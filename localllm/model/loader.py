@@ -179,10 +179,14 @@ class GGUFWeights:
 
     def _expert_tensor(self, layer: int, e: int, part: str):
         """Expert e's matrix of a 3-D ffn_{gate,up,down}_exps tensor [E, rows, cols], as a tensor
-        of its own (a slice of the mapped file)."""
+        of its own (a slice of the mapped file); files from before llama.cpp fused the experts
+        (the first Mixtral GGUFs) hold one ffn_{part}.{e} tensor each."""
         g = f"blk.{layer}.ffn_{part}_exps.weight"
         t = self.file.tensors.get(g)
         if t is None:
+            t = self.file.tensors.get(f"blk.{layer}.ffn_{part}.{e}.weight")
+            if t is not None:
+                return t
             raise ModelLoadError(f"{self.path}: tensor {g} is missing")
         n_exp, n = t.shape[0], t.shape[1]
         size = t.nbytes // n_exp
