@@ -172,6 +172,20 @@ def test_other_expert_layouts_load_the_same(family, tmp_path, gguf_path):
         torch.testing.assert_close(make_engine(load_model(split, "float32")).score(PROMPT), want, atol=2e-4, rtol=1e-4)
 
 
+def test_gguf_exports_to_an_hf_checkpoint_transformers_runs(family, tmp_path):
+    """export_hf of an MoE GGUF: one tensor per expert as the hub checkpoints store them, the
+    config from to_hf; transformers on it gives the original model's logits."""
+    from localllm.model.export import export_hf
+
+    ref_model, _, gguf_file, _, _ = family
+    out = export_hf(gguf_file, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf) is type(ref_model)
+    with torch.no_grad():
+        got, ref = hf(torch.tensor([PROMPT])).logits[0], ref_model(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+
+
 def test_quantizer_refuses_moe_in_one_line(family, tmp_path):
     from typer.testing import CliRunner
 

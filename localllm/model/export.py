@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 
 from ..config import checkpoint_linears
 from .loader import open_weights
+from .moe import expert_tensor_names
 
 
 def hf_tensor_names(num_layers: int, tied: bool, qkv_bias: bool, qk_norm: bool = False,
@@ -39,9 +40,13 @@ def export_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype
         cfg.num_layers = num_layers
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: w.dense(n).to(dtype).contiguous()
-               for n in hf_tensor_names(cfg.num_layers, cfg.tie_word_embeddings, cfg.qkv_bias, cfg.qk_norm,
-                                        cfg.fused_checkpoint)}
+    names = hf_tensor_names(cfg.num_layers, cfg.tie_word_embeddings, cfg.qkv_bias, cfg.qk_norm, cfg.fused_checkpoint)
+    linears = checkpoint_linears(cfg.fused_checkpoint)
+    for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):  # router and experts instead of the MLP
+        mlp = {f"model.layers.{i}.{m}.weight" for m in (*linears["gate_up"], *linears["down"])}
+        router, experts = expert_tensor_names(cfg, i)
+        names = [n for n in names if n not in mlp] + [router, *(n for e in experts for n in e)]
+    tensors = {n: w.dense(n).to(dtype).contiguous() for n in names}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     tok = w.tokenizer()
     hf = cfg.to_hf()

@@ -130,8 +130,10 @@ class GGUFWeights:
                   "moe_intermediate_size": int(inter), "norm_topk_prob": bool(m("expert_weights_norm", True)),
                   "moe_layers": tuple(f"blk.{i}.ffn_gate_inp.weight" in self.file.tensors for i in range(L)),
                   "intermediate_size": int(m("feed_forward_length") or inter)}
+        # HF's names for the model type (to_hf writes it)
+        fields["model_type"] = "mixtral" if self.arch == "llama" else "qwen3_moe"
         if self.arch == "llama":
-            fields |= {"architecture": "MixtralForCausalLM", "model_type": "mixtral"}
+            fields["architecture"] = "MixtralForCausalLM"
         return fields
 
     def _longrope(self, m) -> dict | None:
