@@ -53,6 +53,13 @@ KNOWN_SHAPES = {
     "microsoft/phi-3-mini-4k-instruct": (32, 3072, 8192, 32, 32, 96, 32064, False),
     "microsoft/phi-3.5-mini-instruct": (32, 3072, 8192, 32, 32, 96, 32064, False),
     "microsoft/phi-4-mini-instruct": (32, 3072, 8192, 24, 8, 128, 200064, True),
+    "google/gemma-2-2b-it": (26, 2304, 9216, 8, 4, 256, 256000, True),
+    "google/gemma-2-9b-it": (42, 3584, 14336, 16, 8, 256, 256000, True),
+    "google/gemma-3-270m-it": (18, 640, 2048, 4, 1, 256, 262144, True),
+    "google/gemma-3-1b-it": (26, 1152, 6912, 4, 1, 256, 262144, True),
+    "google/gemma-3-4b-it": (34, 2560, 10240, 8, 4, 256, 262208, True),
+    "google/gemma-3-12b-it": (48, 3840, 15360, 16, 8, 256, 262208, True),
+    "google/gemma-3-27b-it": (62, 5376, 21504, 32, 16, 128, 262208, True),
 }
 
 

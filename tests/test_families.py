@@ -52,6 +52,9 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+# Gemma's four norms: post_attention_layernorm is on the attention output there
+GEMMA_GGUF_NAMES = GGUF_NAMES | {"post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ffn_norm",
+                                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def rope_params(cfg) -> dict:
@@ -82,6 +85,16 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     rope = rope_params(cfg)
+    gemma = arch.startswith("gemma")
+    if gemma:  # as convert_hf_to_gguf.py's Gemma2Model / Gemma3Model write them
+        rope = rope.get("full_attention", rope)
+        w.add_sliding_window(cfg.sliding_window)
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        if rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
@@ -107,8 +120,10 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
         else:
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{i}.{GGUF_NAMES[module]}.{kind}"
+            gname = f"blk.{i}.{(GEMMA_GGUF_NAMES if gemma else GGUF_NAMES)[module]}.{kind}"
         data = t.float().numpy().astype(np.float32)
+        if gemma and name.endswith("norm.weight"):  # the converter stores Gemma's (1 + w)
+            data = data + 1
         if quantized and data.ndim == 2:
             qtype = gguf.GGMLQuantizationType.Q8_0 if gname == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_1
             q = gguf.quants.quantize(data, qtype)
@@ -161,6 +176,21 @@ FAMILIES = {
         **(PHI | dict(num_attention_heads=2, num_key_value_heads=1)), rope_parameters=copy.deepcopy(PHI4_ROPE),
         original_max_position_embeddings=PHI4_ORIG, tie_word_embeddings=True, pad_token_id=0)), "phi3", True,
         {"max_model_len": PHI4_ORIG}),
+}
+
+
+# Gemma: windows of 12 positions (the 16-token prompt and 32 generated tokens cross them), a
+# soft-cap small enough to bite on these scores, Gemma 3 with its published layout of five
+# sliding layers to one global and the 4B+ RoPE (global base 1e6 scaled x8, local base 1e4)
+GEMMA = TINY | dict(sliding_window=12, query_pre_attn_scalar=32, hidden_activation="gelu_pytorch_tanh",
+                    pad_token_id=0)
+FAMILIES |= {
+    "gemma2": Family(lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=30.0, rope_theta=10000.0)), "gemma2", True),
+    "gemma3": Family(lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **(GEMMA | dict(num_hidden_layers=6)), rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})), "gemma3", True),
 }
 
 
@@ -299,7 +329,7 @@ def test_unknown_architecture_is_one_clear_line(tmp_path, family):
     raw[at:at + len(arch)] = bad_arch
     (tmp_path / "bad.gguf").write_bytes(raw)
     with pytest.raises(ModelLoadError, match=rf"architecture '{bad_arch.decode()}' is not supported "
-                                             r"\(supported: llama, qwen2, qwen3, mistral, phi3\)"):
+                                             r"\(supported: llama, qwen2, qwen3, mistral, phi3, .*gemma3"):
         load_model(tmp_path / "bad.gguf")
 
 
@@ -462,3 +492,116 @@ def test_phi_gguf_exports_to_an_hf_checkpoint_transformers_runs(family, tmp_path
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
     ours = make_engine(load_model(out, "float32", **fam.load)).score(PROMPT)
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+# ---- Gemma 2 / Gemma 3 specifics ----------------------------------------------------------------
+def test_gemma_configs_as_published():
+    """config.json of the published models (as on the hub: Gemma 3 4B+ nests a sparse text_config
+    in a multimodal config) -> our config, as transformers completes it."""
+    from localllm.config import ModelConfig
+
+    gemma2_27b = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 4608,
+                  "intermediate_size": 36864, "num_hidden_layers": 46, "num_attention_heads": 32,
+                  "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 144, "sliding_window": 4096,
+                  "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "vocab_size": 256000}
+    c = ModelConfig.from_hf(gemma2_27b)
+    ref = transformers.Gemma2Config(**gemma2_27b)
+    assert c.layer_windows == tuple(4096 if t == "sliding_attention" else None for t in ref.layer_types)
+    assert c.layer_windows[:2] == (4096, None)
+    assert (c.attn_logit_softcap, c.final_logit_softcap, c.query_pre_attn_scalar) == (50.0, 30.0, 144.0)
+    assert (c.rope_theta, c.rope_local_theta, c.rope_scaling, c.qk_norm) == (10000.0, None, None, False)
+    gemma3_4b = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                 "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                 "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                 "sliding_window": 1024}}
+    c = ModelConfig.from_hf(gemma3_4b)
+    ref = transformers.Gemma3TextConfig(**gemma3_4b["text_config"])
+    assert c.architecture == "Gemma3ForCausalLM" and c.qk_norm and c.tie_word_embeddings
+    assert c.layer_windows == tuple(1024 if t == "sliding_attention" else None for t in ref.layer_types)
+    assert c.layer_windows.count(None) == 5
+    assert (c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim) == (ref.vocab_size, 8, 4, 256)
+    assert c.rope_scaling == {"factor": 8.0, "rope_type": "linear"}
+    assert (c.rope_theta, c.rope_local_theta) == (ref.rope_parameters["full_attention"]["rope_theta"],
+                                                  ref.rope_parameters["sliding_attention"]["rope_theta"])
+    assert c.attn_logit_softcap is None and c.final_logit_softcap is None
+    # the registry's parameter counts (planner) are these shapes'
+    from localllm.registry import resolve_model
+
+    assert resolve_model("gemma3:4b").spec.params == c.num_params
+
+
+def test_gemma_gguf_attention_scale_follows_llama_cpp():
+    """A GGUF has no query_pre_attn_scalar: llama.cpp takes hidden / heads for the 27B models (144
+    and 168, known by their layer counts) and head_dim otherwise; so do we."""
+    from localllm.model.loader import GGUFWeights
+
+    meta = {"block_count": 46, "attention.sliding_window": 4096, "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0}
+    f = GGUFWeights._gemma(None, meta.get, "gemma2", 32, 4608, 128)
+    assert f["query_pre_attn_scalar"] == 144 and f["layer_windows"][:3] == (4096, None, 4096)
+    f = GGUFWeights._gemma(None, (meta | {"block_count": 26}).get, "gemma2", 8, 2304, 256)
+    assert f["query_pre_attn_scalar"] == 256
+    g3 = {"block_count": 62, "attention.sliding_window": 1024, "rope.scaling.type": "linear", "rope.scaling.factor": 8.0}
+    f = GGUFWeights._gemma(None, g3.get, "gemma3", 32, 5376, 128)
+    assert f["query_pre_attn_scalar"] == 168 and f["rope_local_theta"] == 10000.0
+    assert f["rope_scaling"] == {"rope_type": "linear", "factor": 8.0} and f["layer_windows"][5] is None
+
+
+@pytest.mark.parametrize("family", ["gemma3"], indirect=True)
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_gemma3_multimodal_checkpoint_loads_its_text_model(family, prefix, tmp_path):
+    """Gemma 3 4B+ ship as Gemma3ForConditionalGeneration: the text model's tensors under a prefix
+    (older transformers wrote language_model.model.*, newer model.language_model.*), a vision tower
+    beside them, the text config nested. The text model loads and equals the text-only checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    ref_model, hf_dir, _, _, _ = family
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tensors = {prefix + k[len("model."):]: v for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(8, 3, 2, 2)
+    out = tmp_path / "mm"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
+                                                 "model_type": "gemma3", "text_config": cfg}))
+    for f in hf_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    ours = make_engine(load_model(out, "float32")).score(PROMPT)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+# Gemma 3's chat template as published (tokenizer_config.json of google/gemma-3-1b-it, text parts)
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n")
+
+
+def test_gemma_chat_template_renders():
+    """The system prompt folds into the first user turn, the assistant is 'model', and a broken
+    alternation is the template's own error."""
+    from localllm.chat import render_chat
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    assert render_chat(GEMMA3_TEMPLATE, msgs, bos_token="<bos>") == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    with pytest.raises(Exception, match="must alternate"):
+        render_chat(GEMMA3_TEMPLATE, msgs[1:2] * 2)

@@ -39,9 +39,17 @@ _GGUF_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
+# Gemma's four norms per layer: HF's post_attention_layernorm is the norm on the attention output
+# there (attn_post_norm), pre_feedforward_layernorm the one before the MLP (ffn_norm)
+_GGUF_SANDWICH_NAMES = {"post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ffn_norm",
+                        "post_feedforward_layernorm": "post_ffw_norm"}
 # GGUF general.architecture -> the HF architecture it holds
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM"}
+               "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+               "gemma3": "Gemma3ForCausalLM"}
+# llama.cpp sizes Gemma's attention scale by the model: 1/sqrt(hidden / heads) for the 27B models
+# (query_pre_attn_scalar 144 / 168, known by their layer counts), 1/sqrt(head_dim) otherwise
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def _qk_row_perm(n_heads: int, head_dim: int) -> torch.Tensor:
@@ -77,7 +85,7 @@ class GGUFWeights:
             heads = m("attention.head_count")
             hidden = m("embedding_length")
             head_dim = m("attention.key_length") or hidden // heads
-            self.config = ModelConfig(
+            self.config = ModelConfig(**{**dict(
                 vocab_size=m("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
                 hidden_size=hidden, intermediate_size=m("feed_forward_length"),
                 num_layers=m("block_count"), num_heads=heads,
@@ -96,7 +104,7 @@ class GGUFWeights:
                 rope_scaling=self._longrope(m),
                 architecture=_GGUF_ARCHS[arch],
                 model_type=arch,
-            )
+            ), **(self._gemma(m, arch, heads, hidden, head_dim) if arch.startswith("gemma") else {})})
         except (KeyError, TypeError) as e:
             raise ModelLoadError(f"{path}: GGUF metadata is missing a required key ({e})") from None
         if "rope_freqs.weight" in self.file.tensors:
@@ -107,6 +115,23 @@ class GGUFWeights:
         if arch == "llama":  # llama.cpp un-permutes q/k for llama only
             self.perms = {"q_proj": _qk_row_perm(c.num_heads, c.head_dim),
                           "k_proj": _qk_row_perm(c.num_kv_heads, c.head_dim)}
+
+    def _gemma(self, m, arch: str, heads: int, hidden: int, head_dim: int) -> dict:
+        """Gemma 2/3 as llama.cpp reads them: the window and, fixed by architecture there, which
+        layers slide (every other for Gemma 2, five in six for Gemma 3) and the local RoPE base."""
+        n = m("block_count")
+        pattern = m("attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6)
+        window = int(m("attention.sliding_window"))
+        kind, factor = m("rope.scaling.type"), m("rope.scaling.factor")
+        return dict(
+            layer_windows=tuple(window if (i + 1) % pattern else None for i in range(n)),
+            rope_scaling={"rope_type": "linear", "factor": float(factor)} if kind == "linear" and factor else None,
+            rope_local_theta=10000.0 if arch == "gemma3" else None,
+            query_pre_attn_scalar=float(hidden // heads if n == _GEMMA_27B_LAYERS[arch] else head_dim),
+            attn_logit_softcap=m("attn_logit_softcapping") or None,
+            final_logit_softcap=m("final_logit_softcapping") or None,
+            hidden_act="gelu_tanh", scale_embeddings=True, sandwich_norms=True,
+        )
 
     def _longrope(self, m) -> dict | None:
         """LongRoPE as llama.cpp's converter stores it: the factor sets as F32 tensors, the
@@ -139,7 +164,8 @@ class GGUFWeights:
             return "output_norm.weight"
         _, _, i, rest = name.split(".", 3)  # model.layers.{i}.{module}.{weight|bias}
         module, kind = rest.rsplit(".", 1)
-        return f"blk.{i}.{_GGUF_NAMES[module]}.{kind}"
+        names = _GGUF_NAMES | _GGUF_SANDWICH_NAMES if self.config.sandwich_norms else _GGUF_NAMES
+        return f"blk.{i}.{names[module]}.{kind}"
 
     def _tensor(self, name: str):
         g = self._gguf_name(name)
@@ -260,6 +286,13 @@ class HFWeights:
                     index.update(dict.fromkeys(h.keys(), f))
             except Exception as e:
                 raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
+        # a multimodal checkpoint (Gemma 3 4B+) holds the text model under a prefix: older
+        # transformers wrote language_model.model.*, newer model.language_model.*
+        self.stored = {}
+        for prefix in ("model.language_model.", "language_model.model."):
+            if "model.embed_tokens.weight" not in index and prefix + "embed_tokens.weight" in index:
+                self.stored = {"model." + k[len(prefix):]: k for k in index if k.startswith(prefix)}
+                index.update({ours: index[k] for ours, k in self.stored.items()})
         return index
 
     def has(self, name: str) -> bool:
@@ -275,7 +308,7 @@ class HFWeights:
         if f is None:
             raise ModelLoadError(f"{self.path}: tensor {name} is missing")
         with safe_open(str(f), framework="pt") as h:
-            return h.get_tensor(name)
+            return h.get_tensor(self.stored.get(name, name))
 
     def int4(self, name: str) -> Int4Weight | None:
         if self.quant is None:
@@ -541,6 +574,12 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
             return _linear(weights, names, mode, act_dtype, device, dense, cpu_kernels)
         return cache.linear(key, build) if cache else build()
 
+    def norm(name: str) -> RMSNorm:
+        w = weights.dense(name + ".weight")
+        if cfg.norm_weight_offset:  # Gemma: (1 + w), the 1 added once here (in fp32, as transformers)
+            w = w.float() + cfg.norm_weight_offset
+        return RMSNorm(w.to(device, act_dtype), cfg.rms_norm_eps)
+
     max_len = _context_length(cfg, max_model_len, path)
     modules = cfg.checkpoint_linears()  # separate q/k/v, gate/up or (Phi-3) already fused
     layers = []
@@ -550,12 +589,14 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
             att = p + "self_attn."
             qkv, o, gate_up, down = (linear(f"{i}.{f}", [p + m + ".weight" for m in modules[f]])
                                      for f in ("qkv", "o", "gate_up", "down"))
+            sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm is on the attention output
             layers.append(DecoderLayer(
-                cfg, qkv, o, gate_up, down,
-                RMSNorm(weights.dense(p + "input_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
-                RMSNorm(weights.dense(p + "post_attention_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
-                *([RMSNorm(weights.dense(att + f"{n}_norm.weight").to(device, act_dtype), cfg.rms_norm_eps)
-                   for n in "qk"] if cfg.qk_norm else []),
+                cfg, qkv, o, gate_up, down, norm(p + "input_layernorm"),
+                norm(p + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")),
+                *((norm(att + "q_norm"), norm(att + "k_norm")) if cfg.qk_norm else (None, None)),
+                *((norm(p + "post_attention_layernorm"), norm(p + "post_feedforward_layernorm"))
+                  if sandwich else (None, None)),
+                window=cfg.layer_windows[i] if cfg.layer_windows else None,
             ))
         # the embedding and head stay exact (fp32 on CPU, or the file's Q8_0 blocks read in place):
         # they are where rounding flips tokens
@@ -575,14 +616,15 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
 
         embed = exact("model.embed_tokens.weight")
         head_w = embed if cfg.tie_word_embeddings or not weights.has("lm_head.weight") else exact("lm_head.weight")
-        norm = RMSNorm(weights.dense("model.norm.weight").to(device, act_dtype), cfg.rms_norm_eps)
+        final_norm = norm("model.norm")
     except (GGUFError, KeyError) as e:
         raise ModelLoadError(f"{path}: {e}") from None
     fast_greedy = fast_head and mode in ("int4", "int8") and device == "cpu"
     fast = None
     if fast_greedy and cache:
         fast = cache.linear("head_int4", lambda: LMHead(head_w, True, device=device, cpu_kernel=cpu_kernels).fast)
-    head = LMHead(head_w, fast_greedy=fast_greedy, device=device, fast=fast, cpu_kernel=cpu_kernels)
+    head = LMHead(head_w, fast_greedy=fast_greedy, device=device, fast=fast, cpu_kernel=cpu_kernels,
+                  softcap=cfg.final_logit_softcap)
     if cache:
         cache.save()
     # which int4 kernel(s) the layers call (also inside ConcatLinear): a compiled graph bakes it in
@@ -590,7 +632,7 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     kernel = "+".join(sorted(kinds)) or None
     fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device, kernel,
                                       type(head_w).__name__)
-    model = LlamaModel(cfg, embed, layers, norm, head, act_dtype, max_len, device, fingerprint, origin)
+    model = LlamaModel(cfg, embed, layers, final_norm, head, act_dtype, max_len, device, fingerprint, origin)
     eos = set(tokenizer.eos_ids) | weights.extra_eos_ids()
     desc = mode
     if mode == "int4" and device == "cpu":
