@@ -605,3 +605,12 @@ def test_gemma_chat_template_renders():
         "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
     with pytest.raises(Exception, match="must alternate"):
         render_chat(GEMMA3_TEMPLATE, msgs[1:2] * 2)
+
+
+@pytest.mark.parametrize("family", ["gemma2"], indirect=True)
+def test_gemma_export_is_refused_not_written_wrong(family, tmp_path):
+    from localllm.model.export import export_hf
+
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM model as a Hugging Face checkpoint is not supported"):
+        export_hf(family[2], tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
