@@ -65,7 +65,7 @@ def vocab(seed: int, score_order: bool) -> tuple[list[str], list[float], list[in
 
 
 def write_vocab_gguf(path: Path, arch: str, prefix: bool, seed: int = 0, score_order: bool = False,
-                     eot: int | None = None) -> Path:
+                     eot: int | None = None, tensors: dict | None = None) -> Path:
     tokens, scores, types = vocab(seed, score_order)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("spm-test")
@@ -83,6 +83,17 @@ def write_vocab_gguf(path: Path, arch: str, prefix: bool, seed: int = 0, score_o
     w.add_chat_template(GEMMA_TEMPLATE)
     if eot is not None:
         w.add_eot_token_id(eot)
+    if tensors:  # a 1-layer model: 2 heads of 16, one KV head
+        w.add_block_count(1)
+        w.add_context_length(128)
+        w.add_embedding_length(tensors["token_embd.weight"].shape[1])
+        w.add_feed_forward_length(tensors["blk.0.ffn_up.weight"].shape[0])
+        w.add_head_count(2)
+        w.add_head_count_kv(1)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(1e-5)
+        for name, t in tensors.items():
+            w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -235,19 +246,30 @@ def test_unsupported_tokenizer_kind_is_one_clear_line(tmp_path):
 
 
 def test_model_gguf_with_a_sentencepiece_vocab_loads(tmp_path):
-    """A tiny Llama GGUF carrying this vocabulary, through localllm's model loader."""
-    transformers = pytest.importorskip("transformers")
-    from test_families import peaked, write_gguf
-
+    """A tiny Llama GGUF (random F32 tensors) carrying this vocabulary, through localllm's model loader."""
     from localllm.model.loader import load_model
 
-    vocab_path = write_vocab_gguf(tmp_path / "vocab.gguf", "llama", True)
     tokens, scores, types = vocab(0, False)
-    cfg = transformers.LlamaConfig(vocab_size=len(tokens), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    peaked(model, 0)
-    loaded = load_model(write_gguf(model, "llama", tmp_path / "m.gguf", vocab_path), "float32")
+    path = write_vocab_gguf(tmp_path / "m.gguf", "llama", True, tensors=_tiny_llama_tensors(len(tokens)))
+    loaded = load_model(path, "float32")
     text = "<start_of_turn>user\nhello world 你好<end_of_turn>\n"
-    assert loaded.tokenizer.encode(text) == spm_encode(text, tokens, scores, types, True)
+    ids = loaded.tokenizer.encode(text)
+    assert ids == spm_encode(text, tokens, scores, types, True)
     assert tokens.index("<end_of_turn>") in loaded.eos_ids and 2 in loaded.eos_ids
+    assert loaded.config.vocab_size == loaded.tokenizer.vocab_size == len(tokens)
+
+
+def _tiny_llama_tensors(vocab_size: int, hidden: int = 32, inter: int = 64, kv: int = 16) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def r(*shape):
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    return {"token_embd.weight": r(vocab_size, hidden), "output_norm.weight": np.ones(hidden, np.float32),
+            "blk.0.attn_norm.weight": np.ones(hidden, np.float32), "blk.0.ffn_norm.weight": np.ones(hidden, np.float32),
+            "blk.0.attn_q.weight": r(hidden, hidden), "blk.0.attn_k.weight": r(kv, hidden),
+            "blk.0.attn_v.weight": r(kv, hidden), "blk.0.attn_output.weight": r(hidden, hidden),
+            "blk.0.ffn_gate.weight": r(inter, hidden), "blk.0.ffn_up.weight": r(inter, hidden),
+            "blk.0.ffn_down.weight": r(hidden, inter)}
