@@ -176,14 +176,10 @@ def _spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> lis
     for i, (t, ty) in enumerate(zip(tokens, types)):
         if ty == _NORMAL:
             ids.setdefault(t, i)
-    ranked = []
-    for piece, i in ids.items():
-        for k in range(1, len(piece)):
-            left, right = piece[:k], piece[k:]
-            if left in ids and right in ids:
-                ranked.append((-scores[i], i, k, left, right))
+    ranked = [(-scores[i], i, piece, k) for piece, i in ids.items() if len(piece) > 1
+              for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
     ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
+    return [(piece[:k], piece[k:]) for _, _, piece, k in ranked]
 
 
 def _gguf_sentencepiece(meta: dict) -> TokenizerInfo:
@@ -198,6 +194,7 @@ def _gguf_sentencepiece(meta: dict) -> TokenizerInfo:
     unk = _gguf_token_name(meta, tokens, "tokenizer.ggml.unknown_token_id")
     if unk is None and "<unk>" in vocab:
         unk = "<unk>"
+    # merges some converters also write are not read: llama.cpp ranks by score here too
     tok = Tokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, types, scores), unk_token=unk,
                                fuse_unk=True, byte_fallback=True))
     # llama.cpp's default is True; Gemma files say False

@@ -211,6 +211,16 @@ def test_decode_round_trips_and_matches_transformers(case):
     assert all("\ufffd" not in p for p in parts)
 
 
+def test_hf_export_reloads_the_same_tokenizer(case, tmp_path):
+    _, _, tok, _ = case
+    tok.save_hf(tmp_path)
+    again = LLMTokenizer.from_dir(tmp_path)
+    assert (again.bos_id, again.eos_id, again.add_bos) == (tok.bos_id, tok.eos_id, tok.add_bos)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert again.encode(text) == ids and again.decode(ids, False) == tok.decode(ids, False), text
+
+
 def test_special_tokens_and_chat(case):
     path, prefix, tok, (tokens, scores, types) = case
     sot, eot = tokens.index("<start_of_turn>"), tokens.index("<end_of_turn>")
