@@ -25,7 +25,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first 3/4 of each head only
-    sliding_window: int | None = None  # Phi-3: attention window (we run contexts up to it only)
+    sliding_window: int | None = None  # Phi-3, Mistral v0.1: every layer's attention window
     hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (Gemma's GeGLU)
     # Gemma 2/3
     layer_windows: tuple[int | None, ...] | None = None  # per layer: its sliding window, None = full
@@ -63,8 +63,9 @@ class ModelConfig:
         if rope and arch == "Phi3ForCausalLM":
             rope = _phi3_longrope(cfg, rope)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        # Phi-3 only: Mistral/Qwen2 configs carry windows their loaders have always ignored
-        window = cfg.get("sliding_window") if arch == "Phi3ForCausalLM" else None
+        # transformers applies Phi-3's and Mistral's windows (Qwen2's only with use_sliding_window,
+        # which no released model sets)
+        window = cfg.get("sliding_window") if arch in ("Phi3ForCausalLM", "MistralForCausalLM") else None
         fields = _gemma_fields(arch, cfg) if gemma else {}
         return cls(**{**dict(
             vocab_size=cfg["vocab_size"],
@@ -86,6 +87,12 @@ class ModelConfig:
             architecture=arch,
             model_type=cfg.get("model_type", "llama"),
         ), **fields})
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (None: full causal attention; Phi-4-mini's window
+        of 262144 beyond its context is none)."""
+        w = self.layer_windows[layer] if self.layer_windows else self.sliding_window
+        return w if w and w < self.max_position_embeddings else None
 
     @property
     def rotary_dim(self) -> int:

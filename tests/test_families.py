@@ -371,17 +371,21 @@ def test_longrope_long_factors_past_the_original_length(family, source):
 
 
 @pytest.mark.parametrize("family", ["phi3-mini"], indirect=True)
-def test_sliding_window_bounds_the_context(family):
-    """Attention here is always full: a Phi-3 window (512 of 1024 here, 2047 of 4096 in
-    Phi-3-mini-4k) caps the default context, and a longer one asked for is refused in one line."""
-    from localllm.model.errors import ModelLoadError
-
-    _, hf_dir, gguf_file, _, _ = family
+def test_phi3_sliding_window_past_the_window(family):
+    """Phi-3's window (512 of 1024 here, 2047 of 4096 in Phi-3-mini-4k) applies to every layer, as
+    transformers applies it: a 600-token prompt scored at once, and decoding past the window
+    after a prefill chunked across it."""
+    ref_model, hf_dir, gguf_file, _, _ = family
+    prompt = (PROMPT * 40)[:600]
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([prompt])).logits[0].float()
     for path in (hf_dir, gguf_file):
-        assert load_model(path, "float32").extra["max_model_len"] == 512
-        assert load_model(path, "float32", max_model_len=256).extra["max_model_len"] == 256
-        with pytest.raises(ModelLoadError, match=r"sliding window of 512 tokens.*--ctx 512 or less"):
-            load_model(path, "float32", max_model_len=1024)
+        loaded = load_model(path, "float32")
+        assert loaded.extra["max_model_len"] == 1024 and loaded.model.layers[0].window == 512
+        torch.testing.assert_close(make_engine(loaded).score(prompt), ref, atol=2e-4, rtol=1e-4)
+    eng = make_engine(load_model(hf_dir, "float32"), max_num_batched_tokens=128)
+    *_, out = eng.generate(prompt[:500], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert out.token_ids == hf_greedy(ref_model, prompt[:500], 24)
 
 
 def test_phi_configs_as_published():
@@ -418,8 +422,9 @@ def test_phi_configs_as_published():
     assert c.rope_scaling["rope_type"] == "longrope" and c.rotary_dim == c.head_dim == 96
     c = ModelConfig.from_hf(phi3 | {"rope_scaling": None, "max_position_embeddings": 4096, "sliding_window": 2047})
     assert c.rope_scaling is None and c.sliding_window == 2047 and not c.tie_word_embeddings
-    # Mistral keeps its old behaviour: its window is not read
-    assert ModelConfig.from_hf(phi3 | {"architectures": ["MistralForCausalLM"]}).sliding_window is None
+    # Mistral v0.1's window applies as transformers applies it; Qwen2's is not read
+    assert ModelConfig.from_hf(phi3 | {"architectures": ["MistralForCausalLM"], "sliding_window": 4096}).window(0) == 4096
+    assert ModelConfig.from_hf(phi3 | {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}).window(0) is None
     # the registry's parameter counts (planner) are these configs' (Phi-3-mini: vocab 32064)
     from localllm.registry import resolve_model
 

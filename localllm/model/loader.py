@@ -98,8 +98,7 @@ class GGUFWeights:
                 qkv_bias="blk.0.attn_q.bias" in self.file.tensors,
                 qk_norm="blk.0.attn_q_norm.weight" in self.file.tensors,
                 partial_rotary_factor=m("rope.dimension_count", head_dim) / head_dim,
-                # Phi-3 only, as from_hf; llama.cpp writes 0 for "none" (and ignores Phi-3's window;
-                # we refuse to run past it)
+                # Phi-3 only, as from_hf (llama.cpp writes 0 for "none")
                 sliding_window=(m("attention.sliding_window") or None) if arch == "phi3" else None,
                 rope_scaling=self._longrope(m),
                 architecture=_GGUF_ARCHS[arch],
@@ -541,19 +540,8 @@ class ConvertCache:
             pass
 
 
-def _context_length(cfg: ModelConfig, max_model_len: int | None, path) -> int:
-    """The longest context we run. Attention here is always full, so a sliding window (Phi-3-mini:
-    2047 of 4096) bounds it: the default context stops at the window, where full and windowed
-    attention are the same; asking for more is refused rather than silently computing something
-    else than the model was trained with (vLLM's disable_sliding_window does the same cap)."""
-    n = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    w = cfg.sliding_window
-    if w is not None and n > w:
-        if max_model_len:
-            raise ModelLoadError(f"{path}: this model attends over a sliding window of {w} tokens, which is not "
-                                 f"supported; a context of {max_model_len} tokens needs it (use --ctx {w} or less)")
-        n = w
-    return n
+def _context_length(cfg: ModelConfig, max_model_len: int | None) -> int:
+    return min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
 
 def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "cpu",
@@ -580,7 +568,7 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
             w = w.float() + cfg.norm_weight_offset
         return RMSNorm(w.to(device, act_dtype), cfg.rms_norm_eps)
 
-    max_len = _context_length(cfg, max_model_len, path)
+    max_len = _context_length(cfg, max_model_len)
     modules = cfg.checkpoint_linears()  # separate q/k/v, gate/up or (Phi-3) already fused
     layers = []
     try:
@@ -596,7 +584,7 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
                 *((norm(att + "q_norm"), norm(att + "k_norm")) if cfg.qk_norm else (None, None)),
                 *((norm(p + "post_attention_layernorm"), norm(p + "post_feedforward_layernorm"))
                   if sandwich else (None, None)),
-                window=cfg.layer_windows[i] if cfg.layer_windows else None,
+                window=cfg.window(i),
             ))
         # the embedding and head stay exact (fp32 on CPU, or the file's Q8_0 blocks read in place):
         # they are where rounding flips tokens
