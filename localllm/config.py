@@ -26,7 +26,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first 3/4 of each head only
-    sliding_window: int | None = None  # Phi-3: attention window (we run contexts up to it only)
+    sliding_window: int | None = None  # Phi-3, Mistral v0.1: every layer's attention window
     hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (Gemma's GeGLU)
     # Gemma 2/3
     layer_windows: tuple[int | None, ...] | None = None  # per layer: its sliding window, None = full
@@ -36,6 +36,9 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
     scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
     sandwich_norms: bool = False  # Gemma 2/3: norms on the attention and MLP outputs too
+    # Gemma's checkpoints store RMSNorm weights w for a scale of (1 + w); llama.cpp's converter
+    # adds the 1, so a GGUF's config says 0
+    norm_weight_offset: float = 0.0
     architecture: str = "LlamaForCausalLM"
     model_type: str = "llama"
     # mixture of experts (Mixtral, Qwen3-MoE); 0 experts: a dense model
@@ -49,9 +52,14 @@ class ModelConfig:
     def from_hf(cls, cfg: dict) -> ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                     "Phi3ForCausalLM", *MOE_ARCHS}
+                     "Phi3ForCausalLM", *GEMMA_DEFAULTS, "Gemma3ForConditionalGeneration", *MOE_ARCHS}
         if arch not in supported:
             raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(supported))})")
+        if arch == "Gemma3ForConditionalGeneration":  # the text model of Gemma 3 4B/12B/27B (vision tower unused)
+            arch, cfg = "Gemma3ForCausalLM", {**cfg.get("text_config", {}), "architectures": ["Gemma3ForCausalLM"]}
+        gemma = arch in GEMMA_DEFAULTS
+        if gemma:  # hub configs omit fields at their defaults
+            cfg = {**GEMMA_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None or "softcap" in k}}
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
@@ -62,9 +70,12 @@ class ModelConfig:
         if rope and arch == "Phi3ForCausalLM":
             rope = _phi3_longrope(cfg, rope)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        # Phi-3 only: Mistral/Qwen2 configs carry windows their loaders have always ignored
-        window = cfg.get("sliding_window") if arch == "Phi3ForCausalLM" else None
-        return cls(
+        # transformers applies Phi-3's, Mistral's and Mixtral's windows (Qwen2's only with use_sliding_window,
+        # which no released model sets)
+        window = (cfg.get("sliding_window") if arch in ("Phi3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+                  else None)
+        fields = (_gemma_fields(arch, cfg) if gemma else {}) | _moe_fields(arch, cfg)
+        return cls(**{**dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -83,8 +94,13 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             architecture=arch,
             model_type=cfg.get("model_type", "llama"),
-            **_moe_fields(arch, cfg),
-        )
+        ), **fields})
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (None: full causal attention; Phi-4-mini's window
+        of 262144 beyond its context is none)."""
+        w = self.layer_windows[layer] if self.layer_windows else self.sliding_window
+        return w if w and w < self.max_position_embeddings else None
 
     @property
     def rotary_dim(self) -> int:
@@ -200,6 +216,56 @@ def checkpoint_linears(fused: bool) -> dict[str, tuple[str, ...]]:
                 "gate_up": ("mlp.gate_up_proj",), "down": ("mlp.down_proj",)}
     return {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
             "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+
+
+# Gemma configs as transformers completes them (Gemma2Config / Gemma3TextConfig defaults): hub
+# configs, Gemma 3's nested text_config especially, leave these out
+GEMMA_DEFAULTS = {
+    "Gemma2ForCausalLM": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                              num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                              max_position_embeddings=8192, rope_theta=10000.0, query_pre_attn_scalar=256,
+                              sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              tie_word_embeddings=True, model_type="gemma2"),
+    "Gemma3ForCausalLM": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                              num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                              max_position_embeddings=131072, rope_theta=1_000_000.0, rope_local_base_freq=10000.0,
+                              query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
+                              tie_word_embeddings=True, model_type="gemma3_text"),
+}
+
+
+def _gemma_fields(arch: str, cfg: dict) -> dict:
+    """Gemma 2/3's fields: which layers slide (layer_types, else the pattern transformers derives:
+    every other layer for Gemma 2, five in six for Gemma 3), the RoPE of the global layers (Gemma 3
+    4B+: linear x8) and of the local ones, soft-caps, the attention scale."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if not types:
+        pattern = 2 if arch == "Gemma2ForCausalLM" else \
+            cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    window = int(cfg["sliding_window"])
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: one RoPE dict per layer type
+        glob, local = params["full_attention"], params.get("sliding_attention") or {}
+    else:
+        glob = {**(cfg.get("rope_scaling") or {}), **params}
+        local = {"rope_theta": cfg.get("rope_local_base_freq")}
+    scaling = None if glob.get("rope_type", glob.get("type", "default")) == "default" else \
+        {k: v for k, v in glob.items() if k != "rope_theta"}
+    theta = glob.get("rope_theta") or cfg.get("rope_theta") or 10000.0
+    gemma3 = arch == "Gemma3ForCausalLM"
+    return dict(
+        rope_theta=float(theta), rope_scaling=scaling,
+        rope_local_theta=float(local.get("rope_theta") or 10000.0) if gemma3 else None,
+        layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+        hidden_act="gelu_tanh", query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
+        attn_logit_softcap=cfg.get("attn_logit_softcapping") or None,
+        final_logit_softcap=cfg.get("final_logit_softcapping") or None,
+        scale_embeddings=True, sandwich_norms=True, qk_norm=gemma3, norm_weight_offset=1.0,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), qkv_bias=bool(cfg.get("attention_bias")),
+        partial_rotary_factor=1.0,
+    )
 
 
 def _phi3_longrope(cfg: dict, rope: dict) -> dict:

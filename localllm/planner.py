@@ -56,6 +56,13 @@ KNOWN_SHAPES = {
     # mixture of experts: + (experts, experts per token, expert width), every layer sparse
     "mistralai/mixtral-8x7b-instruct-v0.1": (32, 4096, 14336, 32, 8, 128, 32000, False, 8, 2, 14336),
     "qwen/qwen3-30b-a3b": (48, 2048, 6144, 32, 4, 128, 151936, False, 128, 8, 768),
+    "google/gemma-2-2b-it": (26, 2304, 9216, 8, 4, 256, 256000, True),
+    "google/gemma-2-9b-it": (42, 3584, 14336, 16, 8, 256, 256000, True),
+    "google/gemma-3-270m-it": (18, 640, 2048, 4, 1, 256, 262144, True),
+    "google/gemma-3-1b-it": (26, 1152, 6912, 4, 1, 256, 262144, True),
+    "google/gemma-3-4b-it": (34, 2560, 10240, 8, 4, 256, 262208, True),
+    "google/gemma-3-12b-it": (48, 3840, 15360, 16, 8, 256, 262208, True),
+    "google/gemma-3-27b-it": (62, 5376, 21504, 32, 16, 128, 262208, True),
 }
 
 

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 # Pre-tokenizer regexes of the byte-level BPE families llama.cpp knows by `tokenizer.ggml.pre`.
 _LLAMA3_REGEX = (
@@ -102,43 +102,12 @@ class LLMTokenizer:
     @classmethod
     def from_gguf(cls, meta: dict, source: str = "GGUF file") -> LLMTokenizer:
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"{source}: tokenizer model {kind!r} is not supported (supported: 'gpt2' byte-level BPE)")
-        tokens = meta["tokenizer.ggml.tokens"]
-        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                                   fuse_unk=False, byte_fallback=False))
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-        if pre in ("llama-bpe", "llama3", "smaug-bpe"):
-            split = pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated")
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        elif pre == "qwen2":
-            split = pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated")
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        elif pre in ("smollm", "starcoder", "refact"):  # these split every digit
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level])
-        else:
-            tok.pre_tokenizer = byte_level
-        tok.decoder = decoders.ByteLevel()
-        # control (3) and user-defined (4) tokens are matched whole, before BPE
-        specials = [AddedToken(tokens[i], special=(ty == 3), normalized=False)
-                    for i, ty in enumerate(types) if ty in (3, 4)]
-        tok.add_tokens(specials)
-
-        def name(key):
-            i = meta.get(key)
-            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-        return cls(TokenizerInfo(
-            tok, name("tokenizer.ggml.bos_token_id"), name("tokenizer.ggml.eos_token_id"),
-            bool(meta.get("tokenizer.ggml.add_bos_token", False)), meta.get("tokenizer.chat_template"),
-            {int(meta["tokenizer.ggml.eot_token_id"])} if "tokenizer.ggml.eot_token_id" in meta else set(),
-        ))
+        if kind == "gpt2":
+            return cls(_gguf_byte_level(meta))
+        if kind == "llama":
+            return cls(_gguf_sentencepiece(meta))
+        raise ValueError(f"{source}: tokenizer model {kind!r} is not supported "
+                         "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
 
     def save_hf(self, out: Path) -> None:
         """Write tokenizer.json + tokenizer_config.json (HF layout)."""
@@ -149,6 +118,108 @@ class LLMTokenizer:
             "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
         }
         (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+
+
+# GGUF token types (llama.cpp's llama_token_type)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+# end-of-turn markers llama.cpp also recognises by name when a file has no eot_token_id
+_EOT_NAMES = ("<end_of_turn>", "<|im_end|>", "<|end|>", "<|eot_id|>")
+
+
+def _gguf_token_name(meta: dict, tokens: list[str], key: str) -> str | None:
+    i = meta.get(key)
+    return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+
+def _gguf_add_special_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control (3) and user-defined (4) tokens are matched whole in the raw text, before the model."""
+    tok.add_tokens([AddedToken(tokens[i], special=(ty == _CONTROL), normalized=False)
+                    for i, ty in enumerate(types) if ty in (_CONTROL, _USER_DEFINED)])
+
+
+def _gguf_byte_level(meta: dict) -> TokenizerInfo:
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                               fuse_unk=False, byte_fallback=False))
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        split = pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated")
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre == "qwen2":
+        split = pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated")
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre in ("smollm", "starcoder", "refact"):  # these split every digit
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    _gguf_add_special_tokens(tok, tokens, types)
+    return TokenizerInfo(
+        tok, _gguf_token_name(meta, tokens, "tokenizer.ggml.bos_token_id"),
+        _gguf_token_name(meta, tokens, "tokenizer.ggml.eos_token_id"),
+        bool(meta.get("tokenizer.ggml.add_bos_token", False)), meta.get("tokenizer.chat_template"),
+        {int(meta["tokenizer.ggml.eot_token_id"])} if "tokenizer.ggml.eot_token_id" in meta else set(),
+    )
+
+
+def _spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's BPE encoding, which repeatedly joins the adjacent
+    pair whose concatenation is the highest-scoring piece: every split of a normal piece into two
+    normal pieces, ranked by the joined piece's score (ties: lower id first)."""
+    ids = {}
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty == _NORMAL:
+            ids.setdefault(t, i)
+    ranked = [(-scores[i], i, piece, k) for piece, i in ids.items() if len(piece) > 1
+              for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
+    ranked.sort()
+    return [(piece[:k], piece[k:]) for _, _, piece, k in ranked]
+
+
+def _gguf_sentencepiece(meta: dict) -> TokenizerInfo:
+    """llama.cpp's "llama" vocabulary: SentencePiece BPE with byte fallback, as a `tokenizers` BPE."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    # no scores: assume the file lists pieces best-first, as SentencePiece BPE models do
+    scores = meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    unk = _gguf_token_name(meta, tokens, "tokenizer.ggml.unknown_token_id")
+    if unk is None and "<unk>" in vocab:
+        unk = "<unk>"
+    # merges some converters also write are not read: llama.cpp ranks by score here too
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_spm_merges(tokens, types, scores), unk_token=unk,
+                               fuse_unk=True, byte_fallback=True))
+    # llama.cpp's default is True; Gemma files say False
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    # A normalizer, not Metaspace: like llama.cpp, "▁" goes before every text fragment (also after
+    # a special token) even when it already starts with a space
+    norm = [normalizers.Replace(" ", "\u2581")]
+    if prefix:
+        norm.append(normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(norm)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:  # drop the space the prefix put at the start
+        steps.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(steps)
+    _gguf_add_special_tokens(tok, tokens, types)
+    if "tokenizer.ggml.eot_token_id" in meta:
+        eot = {int(meta["tokenizer.ggml.eot_token_id"])}
+    else:  # older converters mark no end-of-turn token: Gemma's <end_of_turn> ends a chat turn too
+        eot = {i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _EOT_NAMES}
+    return TokenizerInfo(
+        tok, _gguf_token_name(meta, tokens, "tokenizer.ggml.bos_token_id"),
+        _gguf_token_name(meta, tokens, "tokenizer.ggml.eos_token_id"),
+        # llama.cpp adds BOS to a SentencePiece vocab that does not say otherwise
+        bool(meta.get("tokenizer.ggml.add_bos_token", True)), meta.get("tokenizer.chat_template"), eot,
+    )
 
 
 class IncrementalDetokenizer:

@@ -53,13 +53,16 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+# Gemma's four norms: post_attention_layernorm is on the attention output there
+GEMMA_GGUF_NAMES = GGUF_NAMES | {"post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ffn_norm",
+                                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def rope_params(cfg) -> dict:
     return getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
 
 
-def gguf_tensors(model, state: dict | None = None):
+def gguf_tensors(model, state: dict | None = None, gemma: bool = False):
     """(llama.cpp name, fp32 array) of each tensor of a dense family's model, or of `state` (some
     of its tensors by name); q/k rows as stored: llama.cpp permutes them for arch 'llama' only."""
     cfg = model.config
@@ -75,8 +78,11 @@ def gguf_tensors(model, state: dict | None = None):
         else:
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{i}.{GGUF_NAMES[module]}.{kind}"
-        yield gname, t.float().numpy().astype(np.float32)
+            gname = f"blk.{i}.{(GEMMA_GGUF_NAMES if gemma else GGUF_NAMES)[module]}.{kind}"
+        data = t.float().numpy().astype(np.float32)
+        if gemma and name.endswith("norm.weight"):  # the converter stores Gemma's (1 + w)
+            data = data + 1
+        yield gname, data
 
 
 @functools.cache
@@ -113,6 +119,16 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     rope = rope_params(cfg)
+    gemma = arch.startswith("gemma")
+    if gemma:  # as convert_hf_to_gguf.py's Gemma2Model / Gemma3Model write them
+        rope = rope.get("full_attention", rope)
+        w.add_sliding_window(cfg.sliding_window)
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        if rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
@@ -129,7 +145,7 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
     kv_types = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32}
     for key, val in (extra_kv or {}).items():
         w.add_key_value(key, val, kv_types[type(val)])
-    for gname, data in (gguf_tensors(model) if tensors is None else tensors):
+    for gname, data in (gguf_tensors(model, gemma=gemma) if tensors is None else tensors):
         if quantized and data.ndim >= 2 and "ffn_gate_inp" not in gname:
             qtype = gguf.GGMLQuantizationType.Q8_0 if gname == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_1
             q = gguf.quants.quantize(data, qtype)
@@ -182,6 +198,21 @@ FAMILIES = {
         **(PHI | dict(num_attention_heads=2, num_key_value_heads=1)), rope_parameters=copy.deepcopy(PHI4_ROPE),
         original_max_position_embeddings=PHI4_ORIG, tie_word_embeddings=True, pad_token_id=0)), "phi3", True,
         {"max_model_len": PHI4_ORIG}),
+}
+
+
+# Gemma: windows of 12 positions (the 16-token prompt and 32 generated tokens cross them), a
+# soft-cap small enough to bite on these scores, Gemma 3 with its published layout of five
+# sliding layers to one global and the 4B+ RoPE (global base 1e6 scaled x8, local base 1e4)
+GEMMA = TINY | dict(sliding_window=12, query_pre_attn_scalar=32, hidden_activation="gelu_pytorch_tanh",
+                    pad_token_id=0)
+FAMILIES |= {
+    "gemma2": Family(lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=30.0, rope_theta=10000.0)), "gemma2", True),
+    "gemma3": Family(lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        **(GEMMA | dict(num_hidden_layers=6)), rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})), "gemma3", True),
 }
 
 
@@ -320,7 +351,7 @@ def test_unknown_architecture_is_one_clear_line(tmp_path, family):
     raw[at:at + len(arch)] = bad_arch
     (tmp_path / "bad.gguf").write_bytes(raw)
     with pytest.raises(ModelLoadError, match=rf"architecture '{bad_arch.decode()}' is not supported "
-                                             r"\(supported: llama, qwen2, qwen3, mistral, phi3, qwen3moe\)"):
+                                             r"\(supported: llama, qwen2, qwen3, mistral, phi3, .*gemma3, qwen3moe\)"):
         load_model(tmp_path / "bad.gguf")
 
 
@@ -362,17 +393,21 @@ def test_longrope_long_factors_past_the_original_length(family, source):
 
 
 @pytest.mark.parametrize("family", ["phi3-mini"], indirect=True)
-def test_sliding_window_bounds_the_context(family):
-    """Attention here is always full: a Phi-3 window (512 of 1024 here, 2047 of 4096 in
-    Phi-3-mini-4k) caps the default context, and a longer one asked for is refused in one line."""
-    from localllm.model.errors import ModelLoadError
-
-    _, hf_dir, gguf_file, _, _ = family
+def test_phi3_sliding_window_past_the_window(family):
+    """Phi-3's window (512 of 1024 here, 2047 of 4096 in Phi-3-mini-4k) applies to every layer, as
+    transformers applies it: a 600-token prompt scored at once, and decoding past the window
+    after a prefill chunked across it."""
+    ref_model, hf_dir, gguf_file, _, _ = family
+    prompt = (PROMPT * 40)[:600]
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([prompt])).logits[0].float()
     for path in (hf_dir, gguf_file):
-        assert load_model(path, "float32").extra["max_model_len"] == 512
-        assert load_model(path, "float32", max_model_len=256).extra["max_model_len"] == 256
-        with pytest.raises(ModelLoadError, match=r"sliding window of 512 tokens.*--ctx 512 or less"):
-            load_model(path, "float32", max_model_len=1024)
+        loaded = load_model(path, "float32")
+        assert loaded.extra["max_model_len"] == 1024 and loaded.model.layers[0].window == 512
+        torch.testing.assert_close(make_engine(loaded).score(prompt), ref, atol=2e-4, rtol=1e-4)
+    eng = make_engine(load_model(hf_dir, "float32"), max_num_batched_tokens=128)
+    *_, out = eng.generate(prompt[:500], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert out.token_ids == hf_greedy(ref_model, prompt[:500], 24)
 
 
 def test_phi_configs_as_published():
@@ -409,8 +444,9 @@ def test_phi_configs_as_published():
     assert c.rope_scaling["rope_type"] == "longrope" and c.rotary_dim == c.head_dim == 96
     c = ModelConfig.from_hf(phi3 | {"rope_scaling": None, "max_position_embeddings": 4096, "sliding_window": 2047})
     assert c.rope_scaling is None and c.sliding_window == 2047 and not c.tie_word_embeddings
-    # Mistral keeps its old behaviour: its window is not read
-    assert ModelConfig.from_hf(phi3 | {"architectures": ["MistralForCausalLM"]}).sliding_window is None
+    # Mistral v0.1's window applies as transformers applies it; Qwen2's is not read
+    assert ModelConfig.from_hf(phi3 | {"architectures": ["MistralForCausalLM"], "sliding_window": 4096}).window(0) == 4096
+    assert ModelConfig.from_hf(phi3 | {"architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}).window(0) is None
     # the registry's parameter counts (planner) are these configs' (Phi-3-mini: vocab 32064)
     from localllm.registry import resolve_model
 
@@ -483,3 +519,125 @@ def test_phi_gguf_exports_to_an_hf_checkpoint_transformers_runs(family, tmp_path
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
     ours = make_engine(load_model(out, "float32", **fam.load)).score(PROMPT)
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+# ---- Gemma 2 / Gemma 3 specifics ----------------------------------------------------------------
+def test_gemma_configs_as_published():
+    """config.json of the published models (as on the hub: Gemma 3 4B+ nests a sparse text_config
+    in a multimodal config) -> our config, as transformers completes it."""
+    from localllm.config import ModelConfig
+
+    gemma2_27b = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 4608,
+                  "intermediate_size": 36864, "num_hidden_layers": 46, "num_attention_heads": 32,
+                  "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 144, "sliding_window": 4096,
+                  "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "vocab_size": 256000}
+    c = ModelConfig.from_hf(gemma2_27b)
+    ref = transformers.Gemma2Config(**gemma2_27b)
+    assert c.layer_windows == tuple(4096 if t == "sliding_attention" else None for t in ref.layer_types)
+    assert c.layer_windows[:2] == (4096, None)
+    assert (c.attn_logit_softcap, c.final_logit_softcap, c.query_pre_attn_scalar) == (50.0, 30.0, 144.0)
+    assert (c.rope_theta, c.rope_local_theta, c.rope_scaling, c.qk_norm) == (10000.0, None, None, False)
+    gemma3_4b = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                 "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                 "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                 "sliding_window": 1024}}
+    c = ModelConfig.from_hf(gemma3_4b)
+    ref = transformers.Gemma3TextConfig(**gemma3_4b["text_config"])
+    assert c.architecture == "Gemma3ForCausalLM" and c.qk_norm and c.tie_word_embeddings
+    assert c.layer_windows == tuple(1024 if t == "sliding_attention" else None for t in ref.layer_types)
+    assert c.layer_windows.count(None) == 5
+    assert (c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim) == (ref.vocab_size, 8, 4, 256)
+    assert c.rope_scaling == {"factor": 8.0, "rope_type": "linear"}
+    assert (c.rope_theta, c.rope_local_theta) == (ref.rope_parameters["full_attention"]["rope_theta"],
+                                                  ref.rope_parameters["sliding_attention"]["rope_theta"])
+    assert c.attn_logit_softcap is None and c.final_logit_softcap is None
+    # the registry's parameter counts (planner) are these shapes'
+    from localllm.registry import resolve_model
+
+    assert resolve_model("gemma3:4b").spec.params == c.num_params
+
+
+def test_gemma_gguf_attention_scale_follows_llama_cpp():
+    """A GGUF has no query_pre_attn_scalar: llama.cpp takes hidden / heads for the 27B models (144
+    and 168, known by their layer counts) and head_dim otherwise; so do we."""
+    from localllm.model.loader import GGUFWeights
+
+    meta = {"block_count": 46, "attention.sliding_window": 4096, "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0}
+    f = GGUFWeights._gemma(None, meta.get, "gemma2", 32, 4608, 128)
+    assert f["query_pre_attn_scalar"] == 144 and f["layer_windows"][:3] == (4096, None, 4096)
+    f = GGUFWeights._gemma(None, (meta | {"block_count": 26}).get, "gemma2", 8, 2304, 256)
+    assert f["query_pre_attn_scalar"] == 256
+    g3 = {"block_count": 62, "attention.sliding_window": 1024, "rope.scaling.type": "linear", "rope.scaling.factor": 8.0}
+    f = GGUFWeights._gemma(None, g3.get, "gemma3", 32, 5376, 128)
+    assert f["query_pre_attn_scalar"] == 168 and f["rope_local_theta"] == 10000.0
+    assert f["rope_scaling"] == {"rope_type": "linear", "factor": 8.0} and f["layer_windows"][5] is None
+
+
+@pytest.mark.parametrize("family", ["gemma3"], indirect=True)
+@pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
+def test_gemma3_multimodal_checkpoint_loads_its_text_model(family, prefix, tmp_path):
+    """Gemma 3 4B+ ship as Gemma3ForConditionalGeneration: the text model's tensors under a prefix
+    (older transformers wrote language_model.model.*, newer model.language_model.*), a vision tower
+    beside them, the text config nested. The text model loads and equals the text-only checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    ref_model, hf_dir, _, _, _ = family
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tensors = {prefix + k[len("model."):]: v for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(8, 3, 2, 2)
+    out = tmp_path / "mm"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"],
+                                                 "model_type": "gemma3", "text_config": cfg}))
+    for f in hf_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    ours = make_engine(load_model(out, "float32")).score(PROMPT)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+# Gemma 3's chat template as published (tokenizer_config.json of google/gemma-3-1b-it, text parts)
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n")
+
+
+def test_gemma_chat_template_renders():
+    """The system prompt folds into the first user turn, the assistant is 'model', and a broken
+    alternation is the template's own error."""
+    from localllm.chat import render_chat
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi "},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    assert render_chat(GEMMA3_TEMPLATE, msgs, bos_token="<bos>") == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    with pytest.raises(Exception, match="must alternate"):
+        render_chat(GEMMA3_TEMPLATE, msgs[1:2] * 2)
+
+
+@pytest.mark.parametrize("family", ["gemma2"], indirect=True)
+def test_gemma_export_is_refused_not_written_wrong(family, tmp_path):
+    from localllm.model.export import export_hf
+
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM model as a Hugging Face checkpoint is not supported"):
+        export_hf(family[2], tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

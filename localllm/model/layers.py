@@ -321,9 +321,13 @@ class LMHead(nn.Module):
     the int4 top-k, at a fraction of the bandwidth."""
 
     def __init__(self, exact: DenseMatrix | Q8Matrix, fast_greedy: bool = False, rescore_k: int = 32,
-                 device: str = "cpu", fast: Int4Linear | None = None, cpu_kernel: bool = True):
+                 device: str = "cpu", fast: Int4Linear | None = None, cpu_kernel: bool = True,
+                 softcap: float | None = None):
+        """softcap: logits become softcap * tanh(logits / softcap) (Gemma 2); monotonic, so the
+        greedy path skips it."""
         super().__init__()
         self.exact = exact
+        self.softcap = softcap
         self.rescore_k = rescore_k
         self.fast = fast  # prebuilt int4 copy (conversion cache)
         if fast_greedy and fast is None:
@@ -340,7 +344,10 @@ class LMHead(nn.Module):
                                        cpu_kernel=cpu_kernel)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.exact.matmul(h)
+        logits = self.exact.matmul(h)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def greedy(self, h: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """Argmax token per row, equal to forward(h).argmax(-1); with `allowed` (bool [B, V]: a

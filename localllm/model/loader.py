@@ -43,9 +43,17 @@ _GGUF_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",  # MoE routers
 }
+# Gemma's four norms per layer: HF's post_attention_layernorm is the norm on the attention output
+# there (attn_post_norm), pre_feedforward_layernorm the one before the MLP (ffn_norm)
+_GGUF_SANDWICH_NAMES = {"post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ffn_norm",
+                        "post_feedforward_layernorm": "post_ffw_norm"}
 # GGUF general.architecture -> the HF architecture it holds
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+               "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+               "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# llama.cpp sizes Gemma's attention scale by the model: 1/sqrt(hidden / heads) for the 27B models
+# (query_pre_attn_scalar 144 / 168, known by their layer counts), 1/sqrt(head_dim) otherwise
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # one expert's matrix of an MoE layer (HF names: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down_proj)
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
@@ -84,7 +92,7 @@ class GGUFWeights:
             heads = m("attention.head_count")
             hidden = m("embedding_length")
             head_dim = m("attention.key_length") or hidden // heads
-            self.config = ModelConfig(
+            self.config = ModelConfig(**{**dict(
                 vocab_size=m("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
                 hidden_size=hidden, intermediate_size=m("feed_forward_length"),
                 num_layers=m("block_count"), num_heads=heads,
@@ -97,13 +105,12 @@ class GGUFWeights:
                 qkv_bias="blk.0.attn_q.bias" in self.file.tensors,
                 qk_norm="blk.0.attn_q_norm.weight" in self.file.tensors,
                 partial_rotary_factor=m("rope.dimension_count", head_dim) / head_dim,
-                # Phi-3 only, as from_hf; llama.cpp writes 0 for "none" (and ignores Phi-3's window;
-                # we refuse to run past it)
+                # Phi-3 only, as from_hf (llama.cpp writes 0 for "none")
                 sliding_window=(m("attention.sliding_window") or None) if arch == "phi3" else None,
                 rope_scaling=self._longrope(m),
                 architecture=_GGUF_ARCHS[arch],
                 model_type=arch,
-            )
+            ), **(self._gemma(m, arch, heads, hidden, head_dim) if arch.startswith("gemma") else {})})
         except (KeyError, TypeError) as e:
             raise ModelLoadError(f"{path}: GGUF metadata is missing a required key ({e})") from None
         if "rope_freqs.weight" in self.file.tensors:
@@ -136,6 +143,23 @@ class GGUFWeights:
             fields["architecture"] = "MixtralForCausalLM"
         return fields
 
+    def _gemma(self, m, arch: str, heads: int, hidden: int, head_dim: int) -> dict:
+        """Gemma 2/3 as llama.cpp reads them: the window and, fixed by architecture there, which
+        layers slide (every other for Gemma 2, five in six for Gemma 3) and the local RoPE base."""
+        n = m("block_count")
+        pattern = m("attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6)
+        window = int(m("attention.sliding_window"))
+        kind, factor = m("rope.scaling.type"), m("rope.scaling.factor")
+        return dict(
+            layer_windows=tuple(window if (i + 1) % pattern else None for i in range(n)),
+            rope_scaling={"rope_type": "linear", "factor": float(factor)} if kind == "linear" and factor else None,
+            rope_local_theta=10000.0 if arch == "gemma3" else None,
+            query_pre_attn_scalar=float(hidden // heads if n == _GEMMA_27B_LAYERS[arch] else head_dim),
+            attn_logit_softcap=m("attn_logit_softcapping") or None,
+            final_logit_softcap=m("final_logit_softcapping") or None,
+            hidden_act="gelu_tanh", scale_embeddings=True, sandwich_norms=True,
+        )
+
     def _longrope(self, m) -> dict | None:
         """LongRoPE as llama.cpp's converter stores it: the factor sets as F32 tensors, the
         original context and the cos/sin factor as metadata."""
@@ -167,7 +191,8 @@ class GGUFWeights:
             return "output_norm.weight"
         _, _, i, rest = name.split(".", 3)  # model.layers.{i}.{module}.{weight|bias}
         module, kind = rest.rsplit(".", 1)
-        return f"blk.{i}.{_GGUF_NAMES[module]}.{kind}"
+        names = _GGUF_NAMES | _GGUF_SANDWICH_NAMES if self.config.sandwich_norms else _GGUF_NAMES
+        return f"blk.{i}.{names[module]}.{kind}"
 
     def _tensor(self, name: str):
         ex = _EXPERT.fullmatch(name)
@@ -307,6 +332,13 @@ class HFWeights:
                     index.update(dict.fromkeys(h.keys(), f))
             except Exception as e:
                 raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
+        # a multimodal checkpoint (Gemma 3 4B+) holds the text model under a prefix: older
+        # transformers wrote language_model.model.*, newer model.language_model.*
+        self.stored = {}
+        for prefix in ("model.language_model.", "language_model.model."):
+            if "model.embed_tokens.weight" not in index and prefix + "embed_tokens.weight" in index:
+                self.stored = {"model." + k[len(prefix):]: k for k in index if k.startswith(prefix)}
+                index.update({ours: index[k] for ours, k in self.stored.items()})
         return index
 
     def has(self, name: str) -> bool:
@@ -347,7 +379,7 @@ class HFWeights:
         if f is None:
             raise ModelLoadError(f"{self.path}: tensor {name} is missing")
         with safe_open(str(f), framework="pt") as h:
-            return h.get_tensor(name)
+            return h.get_tensor(self.stored.get(name, name))
 
     def int4(self, name: str) -> Int4Weight | None:
         if self.quant is None:
@@ -595,19 +627,8 @@ class ConvertCache:
             pass
 
 
-def _context_length(cfg: ModelConfig, max_model_len: int | None, path) -> int:
-    """The longest context we run. Attention here is always full, so a sliding window (Phi-3-mini:
-    2047 of 4096) bounds it: the default context stops at the window, where full and windowed
-    attention are the same; asking for more is refused rather than silently computing something
-    else than the model was trained with (vLLM's disable_sliding_window does the same cap)."""
-    n = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    w = cfg.sliding_window
-    if w is not None and n > w:
-        if max_model_len:
-            raise ModelLoadError(f"{path}: this model attends over a sliding window of {w} tokens, which is not "
-                                 f"supported; a context of {max_model_len} tokens needs it (use --ctx {w} or less)")
-        n = w
-    return n
+def _context_length(cfg: ModelConfig, max_model_len: int | None) -> int:
+    return min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
 
 def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "cpu",
@@ -628,7 +649,13 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
             return _linear(weights, names, mode, act_dtype, device, dense, cpu_kernels)
         return cache.linear(key, build) if cache else build()
 
-    max_len = _context_length(cfg, max_model_len, path)
+    def norm(name: str) -> RMSNorm:
+        w = weights.dense(name + ".weight")
+        if cfg.norm_weight_offset:  # Gemma: (1 + w), the 1 added once here (in fp32, as transformers)
+            w = w.float() + cfg.norm_weight_offset
+        return RMSNorm(w.to(device, act_dtype), cfg.rms_norm_eps)
+
+    max_len = _context_length(cfg, max_model_len)
     modules = cfg.checkpoint_linears()  # separate q/k/v, gate/up or (Phi-3) already fused
     layers = []
     try:
@@ -639,13 +666,14 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
             qkv, o, gate_up, down = (None if moe and f in ("gate_up", "down") else
                                      linear(f"{i}.{f}", [p + m + ".weight" for m in modules[f]])
                                      for f in ("qkv", "o", "gate_up", "down"))
+            sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm is on the attention output
             layers.append(DecoderLayer(
-                cfg, qkv, o, gate_up, down,
-                RMSNorm(weights.dense(p + "input_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
-                RMSNorm(weights.dense(p + "post_attention_layernorm.weight").to(device, act_dtype), cfg.rms_norm_eps),
-                *([RMSNorm(weights.dense(att + f"{n}_norm.weight").to(device, act_dtype), cfg.rms_norm_eps)
-                   for n in "qk"] if cfg.qk_norm else []),
-                moe=moe,
+                cfg, qkv, o, gate_up, down, norm(p + "input_layernorm"),
+                norm(p + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")),
+                *((norm(att + "q_norm"), norm(att + "k_norm")) if cfg.qk_norm else (None, None)),
+                *((norm(p + "post_attention_layernorm"), norm(p + "post_feedforward_layernorm"))
+                  if sandwich else (None, None)),
+                moe=moe, window=cfg.window(i),
             ))
         # the embedding and head stay exact (fp32 on CPU, or the file's Q8_0 blocks read in place):
         # they are where rounding flips tokens
@@ -665,14 +693,15 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
 
         embed = exact("model.embed_tokens.weight")
         head_w = embed if cfg.tie_word_embeddings or not weights.has("lm_head.weight") else exact("lm_head.weight")
-        norm = RMSNorm(weights.dense("model.norm.weight").to(device, act_dtype), cfg.rms_norm_eps)
+        final_norm = norm("model.norm")
     except (GGUFError, KeyError) as e:
         raise ModelLoadError(f"{path}: {e}") from None
     fast_greedy = fast_head and mode in ("int4", "int8") and device == "cpu"
     fast = None
     if fast_greedy and cache:
         fast = cache.linear("head_int4", lambda: LMHead(head_w, True, device=device, cpu_kernel=cpu_kernels).fast)
-    head = LMHead(head_w, fast_greedy=fast_greedy, device=device, fast=fast, cpu_kernel=cpu_kernels)
+    head = LMHead(head_w, fast_greedy=fast_greedy, device=device, fast=fast, cpu_kernel=cpu_kernels,
+                  softcap=cfg.final_logit_softcap)
     if cache:
         cache.save()
     # which int4 kernel(s) the layers call (also inside ConcatLinear): a compiled graph bakes it in
@@ -680,7 +709,7 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     kernel = "+".join(sorted(kinds)) or None
     fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device, kernel,
                                       type(head_w).__name__)
-    model = LlamaModel(cfg, embed, layers, norm, head, act_dtype, max_len, device, fingerprint, origin)
+    model = LlamaModel(cfg, embed, layers, final_norm, head, act_dtype, max_len, device, fingerprint, origin)
     eos = set(tokenizer.eos_ids) | weights.extra_eos_ids()
     desc = mode
     if mode == "int4" and device == "cpu":

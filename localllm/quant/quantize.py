@@ -451,6 +451,9 @@ def quantize_model(src: str | Path, out: str | Path, method: str = "gptq", bits:
     if cfg.num_experts:
         raise QuantizeError(f"{src}: mixture-of-experts models ({cfg.architecture}) cannot be quantized yet; "
                             "run it with --quant int4 (quantized on load) instead")
+    if cfg.sandwich_norms and not isinstance(weights, HFWeights):
+        raise QuantizeError(f"{src}: a Gemma GGUF is not written back as a checkpoint; quantize its Hugging Face "
+                            "checkpoint")
     k_dims = [cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size]
     if group_size is None:
         group_size = default_group_size(k_dims)
@@ -569,11 +572,16 @@ def _write_checkpoint(weights, cfg, model: LlamaModel, qlinears: dict[str, QLine
     t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed.dense().half()}
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = layer.input_norm.weight.half()
-        t[p + "post_attention_layernorm.weight"] = layer.post_norm.weight.half()
-        if layer.q_norm is not None:
-            t[p + "self_attn.q_norm.weight"] = layer.q_norm.weight.half()
-            t[p + "self_attn.k_norm.weight"] = layer.k_norm.weight.half()
+        # Gemma's post_attention_layernorm is the norm on the attention output; its checkpoints
+        # store w for a scale of (1 + w)
+        norms = {"input_layernorm": layer.input_norm, "self_attn.q_norm": layer.q_norm,
+                 "self_attn.k_norm": layer.k_norm, "post_attention_layernorm": layer.post_norm}
+        if cfg.sandwich_norms:
+            norms |= {"pre_feedforward_layernorm": layer.post_norm, "post_attention_layernorm": layer.attn_out_norm,
+                      "post_feedforward_layernorm": layer.mlp_out_norm}
+        for m, norm in norms.items():
+            if norm is not None:
+                t[p + m + ".weight"] = (norm.weight.float() - cfg.norm_weight_offset).half()
         if layer.qkv.bias is not None:
             for m, b in _split_rows(cfg, layer, "qkv", layer.qkv.bias).items():
                 t[p + m + ".bias"] = b.half()
