@@ -88,10 +88,12 @@ def tensor_shapes(s: dict, vocab: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def write(shape: str, out_path: str, seed: int = 0) -> str:
+def write(shape: str, out_path: str, seed: int = 0, src=None) -> str:
+    """src: a gguf.GGUFReader of the embedded model's file, when the caller has one (parsing it
+    takes seconds)."""
     import gguf
 
-    src = gguf.GGUFReader(source_gguf())
+    src = src or gguf.GGUFReader(source_gguf())
     s = dict(SHAPES[shape])
     arch, head_dim, vocab = s.pop("arch", "llama"), s.pop("head_dim", None), s.pop("vocab", None)
     types = {}

@@ -86,12 +86,19 @@ def gguf_tensors(model, state: dict | None = None, gemma: bool = False):
 
 
 @functools.cache
-def tokenizer_fields(path: Path) -> list[tuple]:
-    """(key, value, type, array item type) of a GGUF's tokenizer metadata, read once per file
-    (parsing the 49152-token arrays takes seconds)."""
+def gguf_reader(path: Path):
+    """A gguf.GGUFReader of `path`, parsed once (the 49152-token arrays take seconds)."""
     import gguf
 
-    src = gguf.GGUFReader(str(path))
+    return gguf.GGUFReader(str(path))
+
+
+@functools.cache
+def tokenizer_fields(path: Path) -> list[tuple]:
+    """(key, value, type, array item type) of a GGUF's tokenizer metadata."""
+    import gguf
+
+    src = gguf_reader(path)
     return [(key, fld.contents(), fld.types[0], fld.types[-1] if fld.types[0] == gguf.GGUFValueType.ARRAY else None)
             for key, fld in src.fields.items() if key.startswith("tokenizer.") or key == "general.name"]
 

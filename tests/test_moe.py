@@ -14,6 +14,7 @@ from test_families import (  # noqa: F401  (the imported tests run on this modul
     PROMPT,
     TINY,
     Family,
+    gguf_reader,
     gguf_tensors,
     peaked,
     test_batched_with_prefix_hits_and_chunked_prefill,
@@ -265,13 +266,14 @@ def test_compiled_step_covers_int4_moe(family):
     assert eng.runner.captured.steps >= 15 and got.token_ids == eager.token_ids
 
 
-def test_bench_tiny_moe_gguf_runs_here_and_in_llama_cpp(tmp_path):
+def test_bench_tiny_moe_gguf_runs_here_and_in_llama_cpp(tmp_path, gguf_path):
     """bench/make_gguf.py's qwen3moe shapes (the tiny one here): our int4 and fp32 runs, and
     llama.cpp's (it must accept our qwen3moe metadata), greedy from the same prompt."""
     spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).parent.parent / "bench" / "make_gguf.py")
     make_gguf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_gguf)
-    path = make_gguf.write("tiny-moe", str(tmp_path / "tiny-moe.Q4_1.gguf"))
+    assert Path(make_gguf.source_gguf()) == gguf_path
+    path = make_gguf.write("tiny-moe", str(tmp_path / "tiny-moe.Q4_1.gguf"), src=gguf_reader(gguf_path))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompt = [1, 504, 3458, 282, 5248]
     runs = {}
