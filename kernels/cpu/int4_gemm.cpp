@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cstring>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -231,31 +232,46 @@ void run_block(int mc, int64_t gs, const uint8_t* w, const S* sc, int64_t K, con
   }
 }
 
+// Activations of M rows quantized for the kernel, with their storage.
+struct TiledBuf {
+  std::vector<int8_t> px;
+  std::vector<BlockMeta> meta;
+  std::vector<float> s;
+  Tiled q;
+  TiledBuf(int64_t M, int64_t K, int64_t gs) : px(M * kParts * K), meta(M * (K / 32)), s(M * (K / gs)) {
+    q = Tiled{M, K, K / 32, K / gs, px.data(), meta.data(), s.data()};
+  }
+};
+
+// Output blocks [b0, b1) of one weight against every tile of q: at large M, ~64 KB of weights
+// meets every tile before the next (the tiles' activations stream from L2 once per chunk).
+template <typename S>
+void gemm_blocks(const Tiled& q, int64_t gs, const uint8_t* w, const S* sc, int64_t b0, int64_t b1, float* y,
+                 int64_t N) {
+  const int64_t K = q.K, wstride = (K / 8) * 64, sstride = (K / gs) * 2 * kRows, ntiles = (q.M + kMc - 1) / kMc;
+  const int64_t wchunk = std::max<int64_t>(1, kWeightChunk / wstride);
+  for (int64_t c0 = b0; c0 < b1; c0 += wchunk) {
+    const int64_t c1 = std::min(b1, c0 + wchunk);
+    for (int64_t t = 0; t < ntiles; ++t) {
+      for (int64_t nbk = c0; nbk < c1; ++nbk) {
+        run_block<S>(q.mt(t), gs, w + nbk * wstride, sc + nbk * sstride, K, q.tparts(t), q.tmeta(t), q.ts(t),
+                     y + t * kMc * N + nbk * kRows, N);
+      }
+    }
+  }
+}
+
 template <typename S>
 void gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const S* sc, int64_t nblocks, int64_t gs,
           float* y) {
-  const int64_t nb = K / 32, ng = K / gs, N = nblocks * kRows;
-  std::vector<int8_t> px(M * kParts * K);
-  std::vector<BlockMeta> meta(M * nb);
-  std::vector<float> s(M * ng);
-  const Tiled q{M, K, nb, ng, px.data(), meta.data(), s.data()};
+  TiledBuf a(M, K, gs);
   // rows are independent: split them over the threads once there are enough to pay for a fork
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
-    quantize_rows(x, q, gs, m0, m1);
+    quantize_rows(x, a.q, gs, m0, m1);
   });
-  const int64_t wstride = (K / 8) * 64, sstride = ng * 2 * kRows, ntiles = (M + kMc - 1) / kMc;
   // ~8 blocks per task: enough to split the smallest layers over the threads, few enough forks
-  const int64_t wchunk = std::max<int64_t>(1, kWeightChunk / wstride);
   at::parallel_for(0, nblocks, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t c0 = begin; c0 < end; c0 += wchunk) {
-      const int64_t c1 = std::min(end, c0 + wchunk);
-      for (int64_t t = 0; t < ntiles; ++t) {
-        for (int64_t nbk = c0; nbk < c1; ++nbk) {
-          run_block<S>(q.mt(t), gs, w + nbk * wstride, sc + nbk * sstride, K, q.tparts(t), q.tmeta(t), q.ts(t),
-                       y + t * kMc * N + nbk * kRows, N);
-        }
-      }
-    }
+    gemm_blocks<S>(a.q, gs, w, sc, begin, end, y, nblocks * kRows);
   });
 }
 
@@ -280,22 +296,48 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return y;
 }
 
-// One expert's GEMM on stacked weights (w [E, N/16, K/8, 64], sc [E, N/16, G, 2, 16], fp16 or fp32).
-void expert_gemm(const float* x, int64_t M, int64_t K, const at::Tensor& w, const at::Tensor& sc, int64_t e,
-                 int64_t gs, float* y) {
+// Blocks [b0, b1) of expert e's matrix in a stack (w [E, N/16, K/8, 64], sc [E, N/16, G, 2, 16]).
+void expert_blocks(const Tiled& q, int64_t gs, const at::Tensor& w, const at::Tensor& sc, int64_t e, int64_t b0,
+                   int64_t b1, float* y, int64_t N) {
   const uint8_t* we = w.data_ptr<uint8_t>() + e * w.stride(0);
   if (sc.scalar_type() == at::kHalf)
-    gemm<at::Half>(x, M, K, we, sc.data_ptr<at::Half>() + e * sc.stride(0), w.size(1), gs, y);
+    gemm_blocks<at::Half>(q, gs, we, sc.data_ptr<at::Half>() + e * sc.stride(0), b0, b1, y, N);
   else
-    gemm<float>(x, M, K, we, sc.data_ptr<float>() + e * sc.stride(0), w.size(1), gs, y);
+    gemm_blocks<float>(q, gs, we, sc.data_ptr<float>() + e * sc.stride(0), b0, b1, y, N);
+}
+
+// One expert's share of a call: its (token, slot) pairs, its activations and outputs.
+struct ExpertRows {
+  int64_t e, n;
+  const int64_t* pairs;
+  std::vector<float> x, h1, act, h2;
+  TiledBuf a1, a2;
+  ExpertRows(int64_t e, int64_t n, const int64_t* pairs, int64_t H, int64_t I, int64_t N1, int64_t N2, int64_t g1,
+             int64_t g2)
+      : e(e), n(n), pairs(pairs), x(n * H), h1(n * N1), act(n * I), h2(n * N2), a1(n, H, g1), a2(n, I, g2) {}
+};
+
+// Every used expert's blocks of one matrix in a single parallel pass (a fork per matrix, not per
+// expert: on 2 busy cores each fork/join waited for a descheduled thread, 32 of them per layer).
+void experts_pass(std::vector<ExpertRows>& rows, const at::Tensor& w, const at::Tensor& sc, int64_t gs, bool first) {
+  const int64_t nb = w.size(1), N = nb * kRows;
+  at::parallel_for(0, static_cast<int64_t>(rows.size()) * nb, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end;) {
+      ExpertRows& r = rows[b / nb];
+      const int64_t b1 = std::min(end, (b / nb + 1) * nb);
+      expert_blocks(first ? r.a1.q : r.a2.q, gs, w, sc, r.e, b % nb, b1 - (b / nb) * nb,
+                    first ? r.h1.data() : r.h2.data(), N);
+      b = b1;
+    }
+  });
 }
 
 // A mixture-of-experts MLP on int4 experts: y[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) *
 // up_e(x[t])) with e = ids[t, j]. The (token, slot) pairs are grouped by expert: each used expert
-// gathers its rows and runs one GEMM per matrix (the weight is read once for all of them, and the
-// experts no token chose are never read: at batch 1 that is k of E). Each GEMM splits its output
-// blocks over the threads as int4_gemm does. w1/s1: the experts' gate and up rows stacked (gate
-// rows 0..I-1, up rows I..2I-1), [E, ...] in int4_gemm's layout; w2/s2: down, K = inter.
+// gathers its rows and multiplies them by each of its matrices once (the weights are read once
+// for all of them, and the experts no token chose are never read: at batch 1 that is k of E).
+// w1/s1: the experts' gate and up rows stacked (gate rows 0..I-1, up rows I..2I-1), [E, ...] in
+// int4_gemm's layout; w2/s2: down, K = inter.
 at::Tensor moe_int4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w1,
                     const at::Tensor& s1, const at::Tensor& w2, const at::Tensor& s2, int64_t group1, int64_t group2,
                     int64_t inter) {
@@ -332,26 +374,41 @@ at::Tensor moe_int4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t p = 0; p < T * k; ++p) order[fill[ip[p]]++] = p;
-  std::vector<float> xs, h1, act, h2;
+  std::vector<ExpertRows> rows;
+  rows.reserve(E);
+  std::vector<std::pair<int64_t, int64_t>> where;  // pair (in expert order) -> (expert's rows, row)
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = start[e + 1] - start[e];
     if (n == 0) continue;
-    const int64_t* pairs = order.data() + start[e];
-    xs.resize(n * H);
-    h1.resize(n * N1);
-    act.resize(n * inter);
-    h2.resize(n * N2);
-    for (int64_t i = 0; i < n; ++i) std::memcpy(&xs[i * H], xp + (pairs[i] / k) * H, H * sizeof(float));
-    expert_gemm(xs.data(), n, H, w1, s1, e, group1, h1.data());
-    for (int64_t i = 0; i < n; ++i) {
-      const float* g = &h1[i * N1];
-      for (int64_t c = 0; c < inter; ++c) act[i * inter + c] = g[c] / (1.f + std::exp(-g[c])) * g[inter + c];
+    rows.emplace_back(e, n, order.data() + start[e], H, inter, N1, N2, group1, group2);
+    for (int64_t i = 0; i < n; ++i) where.emplace_back(rows.size() - 1, i);
+  }
+  const int64_t P = T * k;
+  at::parallel_for(0, P, std::max<int64_t>(1, 16384 / H), [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      ExpertRows& r = rows[where[p].first];
+      const int64_t i = where[p].second;
+      std::memcpy(&r.x[i * H], xp + (r.pairs[i] / k) * H, H * sizeof(float));
+      quantize_rows(r.x.data(), r.a1.q, group1, i, i + 1);
     }
-    expert_gemm(act.data(), n, inter, w2, s2, e, group2, h2.data());
-    for (int64_t i = 0; i < n; ++i) {
-      const float wt = wp[pairs[i]];
-      float* yr = yp + (pairs[i] / k) * H;
-      const float* hr = &h2[i * N2];
+  });
+  experts_pass(rows, w1, s1, group1, true);
+  at::parallel_for(0, P, std::max<int64_t>(1, 16384 / inter), [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      ExpertRows& r = rows[where[p].first];
+      const int64_t i = where[p].second;
+      const float* g = &r.h1[i * N1];
+      float* a = &r.act[i * inter];
+      for (int64_t c = 0; c < inter; ++c) a[c] = g[c] / (1.f + std::exp(-g[c])) * g[inter + c];
+      quantize_rows(r.act.data(), r.a2.q, group2, i, i + 1);
+    }
+  });
+  experts_pass(rows, w2, s2, group2, false);
+  for (const ExpertRows& r : rows) {  // weighted into each token's row (pairs of a token: serial)
+    for (int64_t i = 0; i < r.n; ++i) {
+      const float wt = wp[r.pairs[i]];
+      float* yr = yp + (r.pairs[i] / k) * H;
+      const float* hr = &r.h2[i * N2];
       for (int64_t c = 0; c < H; ++c) yr[c] += wt * hr[c];
     }
   }
