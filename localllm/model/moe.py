@@ -71,7 +71,8 @@ class LoopExperts(nn.Module):
                 pairs = order[start:start + n]
                 rows = pairs // k
                 y = self.down[e](act(self.gate_up[e](x[rows])))
-                out.index_add_(0, rows, y * wflat[pairs, None])
+                # (index_add_ here took 34 ms a call for 8 rows on 2 busy cores: 4x the whole step)
+                out.index_put_((rows,), y * wflat[pairs, None], accumulate=True)
             start += n
         return out
 
