@@ -241,7 +241,9 @@ def test_bad_inputs_op_only(op):
 
 class Tiny(torch.nn.Module):
     def forward(self, q, k_cache, v_cache, block_tables, cu, ctx):
-        return torch.ops.localllm.paged_attention(q, k_cache, v_cache, block_tables, cu, ctx, 0.125) * 2 + 1
+        # the call without window and cap (Llama-style layers) and one with both (Gemma 2 style)
+        plain = torch.ops.localllm.paged_attention(q, k_cache, v_cache, block_tables, cu, ctx, 0.125)
+        return plain * 2 + torch.ops.localllm.paged_attention(q, k_cache, v_cache, block_tables, cu, ctx, 0.125, 5, 30.0)
 
 
 # contexts across several blocks of 16, windows starting mid-block; decode, verify/extend rows
