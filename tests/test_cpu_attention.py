@@ -293,6 +293,19 @@ def test_window_long_context_split(op, ctx, n, window):
         torch.set_num_threads(before)
 
 
+def test_window_skips_the_keys_below_it(op):
+    """The keys below the window are never read (that is where the time goes on long contexts):
+    with NaN there the output stays the same, bit for bit."""
+    window, specs = 37, [(1, 300), (1, 1000), (4, 500)]
+    q, k, v, tables, cu, ctx = args = make_batch(specs, 8, 2, 64, 16, torch.float16, seed=9)
+    want = op(*args, 0.125, window, 0.0)
+    kf, vf = k.view(-1, 2, 64), v.view(-1, 2, 64)
+    for b, (n, c) in enumerate(specs):
+        pos = torch.arange(c - n - window + 1)  # below what the first row sees
+        kf[tables[b, pos // 16] * 16 + pos % 16] = vf[tables[b, pos // 16] * 16 + pos % 16] = float("nan")
+    assert torch.equal(op(*args, 0.125, window, 0.0), want)
+
+
 @pytest.mark.parametrize("name", IMPLS)
 def test_bad_window_and_softcap_raise(name, request):
     fn = impl(name, request)

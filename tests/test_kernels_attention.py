@@ -251,18 +251,19 @@ def test_flash_attn_window_and_softcap(case):
     assert rel_err(torch.cat([ref_attention(*r) for r in rows]), ref) > 0.1  # the case tests the feature
 
 
-@pytest.mark.parametrize("window,softcap,splits", [(5, None, 2), (20, 5.0, 3), (None, 5.0, 1)])
-def test_paged_decode_window_and_softcap(window, softcap, splits):
+@pytest.mark.parametrize("window,softcap,splits,d", [(5, None, 2, 32), (20, 5.0, 3, 256), (None, 5.0, 1, 64)])
+def test_paged_decode_window_and_softcap(window, softcap, splits, d):
     """Decode with a window (the walk starts at its first tile; splits share what is left) and caps."""
     lens = [1, 17, 50, 0, 33]
     gen = torch.Generator().manual_seed(400 + splits)
-    k_cache, v_cache, block_tables, kvs = make_paged_cache(lens, 2, 64, 16, torch.float16, gen)
-    q = (torch.randn(len(lens), 4, 64, generator=gen) * 3).half().to(DEV)
+    k_cache, v_cache, block_tables, kvs = make_paged_cache(lens, 2, d, 16, torch.float16, gen)
+    q = (torch.randn(len(lens), 4, d, generator=gen) * 3).half().to(DEV)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    out = paged_decode_attention(q, k_cache, v_cache, ctx, block_tables, 0.125, splits, block_n=16,
+    scale = d ** -0.5
+    out = paged_decode_attention(q, k_cache, v_cache, ctx, block_tables, scale, splits, block_n=16,
                                  window=window, softcap=softcap)
     live = [b for b, n in enumerate(lens) if n]
-    rows = [(q[b:b + 1].cpu(), *kvs[b], lens[b] - 1, 0.125) for b in live]
+    rows = [(q[b:b + 1].cpu(), *kvs[b], lens[b] - 1, scale) for b in live]
     ref = torch.cat([ref_attention(*r, window, softcap) for r in rows])
     assert rel_err(out.cpu()[live], ref) < RTOL[torch.float16]
     assert (out[3] == 0).all()
