@@ -1,8 +1,8 @@
 """Paged attention on CPU (`kernels/cpu/paged_attention.cpp`): build, load, and a torch reference.
 
-``paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window, softcap)``: the
-queries of a flattened batch (q [T, H, D] fp32; rows cu_seqlens_q[b]:cu_seqlens_q[b+1] belong to
-sequence b) against the paged KV cache ([num_blocks, block_size, KVH, D], fp32/fp16/bf16, the new
+``paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window,
+softcap)``: the queries of a flattened batch (q [T, H, D] fp32; rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+belong to sequence b) against the paged KV cache ([num_blocks, block_size, KVH, D], fp32/fp16/bf16, the new
 tokens already written), read in place through block_tables [B, max_blocks]. Row i of a sequence
 with n rows and context_lens ctx (new tokens included) sits at position ctx - n + i and attends to
 positions 0 ..= ctx - n + i; query head h uses KV head h // (H // KVH). Returns [T, H, D] fp32,

@@ -81,7 +81,8 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             out[rows] = o.transpose(0, 1)
         else:
             out[rows] = paged_attention(q[rows].float(), k_cache, v_cache, meta.block_tables[i:i + 1],
-                                        meta.cu_seqlens_q.new_tensor([0, n]), meta.context_lens[i:i + 1], scale)
+                                        meta.cu_seqlens_q.new_tensor([0, n]), meta.context_lens[i:i + 1], scale,
+                                        window, softcap)
         start += n
     return out.reshape(T, H * D)
 
