@@ -1,12 +1,15 @@
 """Paged attention on CPU (`kernels/cpu/paged_attention.cpp`): build, load, and a torch reference.
 
-``paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)``: the
-queries of a flattened batch (q [T, H, D] fp32; rows cu_seqlens_q[b]:cu_seqlens_q[b+1] belong to
-sequence b) against the paged KV cache ([num_blocks, block_size, KVH, D], fp32/fp16/bf16, the new
+``paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window,
+softcap)``: the queries of a flattened batch (q [T, H, D] fp32; rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+belong to sequence b) against the paged KV cache ([num_blocks, block_size, KVH, D], fp32/fp16/bf16, the new
 tokens already written), read in place through block_tables [B, max_blocks]. Row i of a sequence
 with n rows and context_lens ctx (new tokens included) sits at position ctx - n + i and attends to
 positions 0 ..= ctx - n + i; query head h uses KV head h // (H // KVH). Returns [T, H, D] fp32,
-accumulated in fp32. D must be a multiple of 16.
+accumulated in fp32. D must be a multiple of 16. A window w > 0 (sliding-window layers: Gemma 2/3,
+Mistral) limits a query at position p to positions > p - w (the kernel skips the tiles below it);
+a softcap c > 0 (Gemma 2) turns each score s = scale * q.k into c * tanh(s / c) before the softmax.
+0 (or None) means off for both.
 
 The C++ source is compiled with -march=native once per machine (see cpu_build: the cached library
 is keyed by the source, torch, the flags and this CPU's feature flags) and registers
@@ -55,7 +58,8 @@ def load() -> bool:
         _fake_registered = True
 
         @torch.library.register_fake("localllm::paged_attention")
-        def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):  # for torch.export
+        def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=0,
+              softcap=0.0):  # for torch.export
             return q.new_empty(q.shape, dtype=torch.float32)
 
     return True
@@ -67,12 +71,13 @@ def isa() -> str | None:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """See the module docstring. Our kernel on CPU tensors when it loads, else `reference`."""
     if q.device.type == "cpu" and load():
         return torch.ops.localllm.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                                  float(scale))
-    return reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+                                                  float(scale), int(window or 0), float(softcap or 0.0))
+    return reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window, softcap)
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -81,9 +86,11 @@ def _check(ok: bool, msg: str) -> None:
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-              cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+              cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     """The same attention in plain torch: each sequence's K/V gathered through its block table,
-    converted to fp32, and SDPA with the causal mask of its new rows."""
+    converted to fp32, and SDPA with the causal (and window) mask of its new rows; with a softcap
+    an explicit masked softmax (SDPA cannot cap the scores)."""
     _check(q.dim() == 3 and q.dtype == torch.float32, f"q must be float32 [T, H, D], got {q.dtype} {list(q.shape)}")
     _check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
            "k_cache and v_cache must both be [num_blocks, block_size, KVH, D]")
@@ -94,6 +101,8 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
     _check(k_cache.shape[3] == D, "head dim of the cache != q's")
     _check(D > 0 and D % 16 == 0, f"head dim must be a multiple of 16, got {D}")
     _check(kvh > 0 and H % kvh == 0, f"query heads ({H}) must be a multiple of KV heads ({kvh})")
+    _check((window or 0) >= 0, f"window must be >= 0 (0: none), got {window}")
+    _check((softcap or 0) >= 0, f"softcap must be >= 0 (0: none), got {softcap}")
     _check(all(t.dtype == torch.int64 for t in (block_tables, cu_seqlens_q, context_lens)),
            "block_tables, cu_seqlens_q and context_lens must be int64")
     B = cu_seqlens_q.shape[0] - 1
@@ -111,8 +120,23 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
         slots = block_tables[b, pos // bs] * bs + pos % bs
         kk = kc[slots].float().transpose(0, 1)[None]  # [1, KVH, L, D]
         vv = vc[slots].float().transpose(0, 1)[None]
-        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril_(diagonal=L - n)
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], kk, vv, attn_mask=mask, scale=scale,
-                                           enable_gqa=kvh != H)
+        mask = visible_mask(n, L, window, q.device)
+        qq = q[start:end].transpose(0, 1)[None]  # [1, H, n, D]
+        if softcap:
+            g = H // kvh
+            s = torch.einsum("bhgnd,bhld->bhgnl", qq.unflatten(1, (kvh, g)), kk).flatten(1, 2) * scale
+            s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask, float("-inf"))
+            o = torch.einsum("bhgnl,bhld->bhgnd", s.softmax(-1).unflatten(1, (kvh, g)), vv).flatten(1, 2)
+        else:
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=kvh != H)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def visible_mask(n: int, L: int, window: int | None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[n, L] bool: which of L positions each of the last n rows (row i at position L - n + i) sees:
+    the causal ones, and with a window w > 0 only those > its position - w."""
+    mask = torch.ones(n, L, dtype=torch.bool, device=device).tril_(diagonal=L - n)
+    if window:
+        mask.triu_(diagonal=L - n - window + 1)
+    return mask

@@ -9,6 +9,9 @@ GQA: the query heads sharing one KV head are packed into the M dimension of the 
 (row = token * G_PAD + head-in-group), so each K/V tile is loaded once per group.
 The grid is sized from host-known shapes only (no device sync, CUDA-graph friendly): program
 ``pid`` finds its sequence by binary search over ``cu_seqlens_q // BLOCK_Q + i``.
+Sliding window (``window``: a query at position p sees keys > p - window) and score soft-capping
+(``softcap``: s -> softcap * tanh(s / softcap)) are constexpr-gated, so kernels without them
+compile as before; with a window a tile starts at the first K/V tile any of its rows sees.
 """
 
 import os
@@ -38,10 +41,28 @@ def _load_tile(ptrs, row_mask, d_mask, MASK_ROWS: tl.constexpr, EVEN_D: tl.const
 
 
 @triton.jit
-def _softmax_step(acc, m_i, l_i, q, k, v, mask, qk_scale, USE_MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+def _window_mask(mask, kpos, qpos, window, WINDOW: tl.constexpr):
+    # mask, and (with a window) keys at positions kpos [N] that queries at qpos ([M, 1] or a scalar) see
+    if WINDOW:
+        mask = mask & (kpos[None, :] > qpos - window)
+    return mask
+
+
+@triton.jit
+def _tanh(x):
+    # through exp2 (no tanh in every Triton backend); exp2 -> inf / 0 gives +-1 exactly
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, q, k, v, mask, qk_scale, softcap, USE_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
     # One online-softmax step. m_i starts at a finite -1e30, so a row whose keys are all masked
-    # keeps alpha = 1 and p = exp2(-inf) = 0: no inf - inf, no NaN.
+    # keeps alpha = 1 and p = exp2(-inf) = 0: no inf - inf, no NaN. With SOFTCAP, qk_scale is
+    # scale / cap and softcap is cap * log2(e) (see _score_args).
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if SOFTCAP:
+        qk = _tanh(qk) * softcap
     if USE_MASK:
         qk = tl.where(mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -56,11 +77,12 @@ def _softmax_step(acc, m_i, l_i, q, k, v, mask, qk_scale, USE_MASK: tl.constexpr
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr,
     cu_q_ptr, cached_ptr, bt_ptr,
-    qk_scale, num_seqs,
+    qk_scale, softcap, window, num_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_bt,
     GQA: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD  # query tokens per tile
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
@@ -101,19 +123,25 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
 
-    # 1) cached prefix through the block table: every new token sees all of it.
+    # 1) cached prefix through the block table: every new token sees all of it (with a window: from
+    #    the tile of the first position the tile's first row sees, masked).
     bt_row = bt_ptr + seq * stride_bt
     kc_head = kc_ptr + kvh * stride_kch
     vc_head = vc_ptr + kvh * stride_vch
+    qpos = (cached_len + tok)[:, None]
     full_end = (cached_len // BLOCK_N) * BLOCK_N
-    for start in range(0, full_end, BLOCK_N):
+    first = 0
+    if WINDOW:
+        first = (tl.maximum(cached_len + q0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for start in range(first, full_end, BLOCK_N):
         j = start + offs_n
         blk = tl.load(bt_row + j // BLOCK_SIZE).to(tl.int64)
         kk = _load_tile(kc_head + (blk * stride_kcb + (j % BLOCK_SIZE) * stride_kcs)[:, None] + offs_d[None, :],
                         j, d_mask, False, EVEN_D)
         vv = _load_tile(vc_head + (blk * stride_vcb + (j % BLOCK_SIZE) * stride_vcs)[:, None] + offs_d[None, :],
                         j, d_mask, False, EVEN_D)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, j, qk_scale, False, DOT_PREC)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, _window_mask(j[None, :] >= 0, j, qpos, window, WINDOW),
+                                      qk_scale, softcap, WINDOW, SOFTCAP, DOT_PREC)
     if full_end < cached_len:  # ragged last tile of the prefix
         j = full_end + offs_n
         j_mask = j < cached_len
@@ -122,18 +150,26 @@ def _prefill_kernel(
                         j_mask, d_mask, True, EVEN_D)
         vv = _load_tile(vc_head + (blk * stride_vcb + (j % BLOCK_SIZE) * stride_vcs)[:, None] + offs_d[None, :],
                         j_mask, d_mask, True, EVEN_D)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, j_mask[None, :], qk_scale, True, DOT_PREC)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, _window_mask(j_mask[None, :], j, qpos, window, WINDOW),
+                                      qk_scale, softcap, True, SOFTCAP, DOT_PREC)
 
     # 2) new tokens, contiguous in k/v. Tiles left of q0 are below the diagonal for every row
-    #    (no mask); the band [diag, min(q0 + BLOCK_Q, q_len)) is masked; tiles past it are skipped.
+    #    (no mask but the window's); the band [diag, min(q0 + BLOCK_Q, q_len)) is masked; tiles past
+    #    it are skipped. Positions here count from the first new token.
     k_head = k_ptr + kvh * stride_kh
     v_head = v_ptr + kvh * stride_vh
     diag = (q0 // BLOCK_N) * BLOCK_N
-    for start in range(0, diag, BLOCK_N):
-        rows = (q_start + start + offs_n).to(tl.int64)
+    first = 0
+    if WINDOW:
+        first = (tl.maximum(q0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+    for start in range(first, diag, BLOCK_N):
+        j = start + offs_n
+        rows = (q_start + j).to(tl.int64)
         kk = _load_tile(k_head + rows[:, None] * stride_kt + offs_d[None, :], rows, d_mask, False, EVEN_D)
         vv = _load_tile(v_head + rows[:, None] * stride_vt + offs_d[None, :], rows, d_mask, False, EVEN_D)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, rows, qk_scale, False, DOT_PREC)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv,
+                                      _window_mask(j[None, :] >= 0, j, tok[:, None], window, WINDOW),
+                                      qk_scale, softcap, WINDOW, SOFTCAP, DOT_PREC)
     band_end = tl.minimum(q0 + BLOCK_Q, q_len)
     for start in range(diag, band_end, BLOCK_N):
         j = start + offs_n
@@ -141,8 +177,8 @@ def _prefill_kernel(
         rows = (q_start + j).to(tl.int64)
         kk = _load_tile(k_head + rows[:, None] * stride_kt + offs_d[None, :], j_mask, d_mask, True, EVEN_D)
         vv = _load_tile(v_head + rows[:, None] * stride_vt + offs_d[None, :], j_mask, d_mask, True, EVEN_D)
-        causal = (j[None, :] <= tok[:, None]) & j_mask[None, :]
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, causal, qk_scale, True, DOT_PREC)
+        causal = _window_mask((j[None, :] <= tok[:, None]) & j_mask[None, :], j, tok[:, None], window, WINDOW)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, causal, qk_scale, softcap, True, SOFTCAP, DOT_PREC)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
@@ -163,6 +199,13 @@ def _prefill_config(head_dim_pad: int, g_pad: int, elem_size: int) -> tuple[int,
     return block_m, block_n, num_warps, 2
 
 
+def _score_args(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(qk_scale, softcap) for _softmax_step: scores in the exp2 domain, the cap folded in."""
+    if softcap:
+        return scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 0.0
+
+
 def flash_attn_varlen_paged(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -177,6 +220,8 @@ def flash_attn_varlen_paged(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over (cached prefix + themselves).
 
@@ -185,6 +230,8 @@ def flash_attn_varlen_paged(
     [num_seqs] (tokens already in the cache before the new ones); block_tables int32
     [num_seqs, max_blocks]. New token j of sequence i sits at position cached_lens[i] + j.
     Returns [total_q, H, D] in q's dtype. block_m / block_n override the tile sizes (tests).
+    window > 0: a token at position p sees positions > p - window only; softcap > 0: scores s
+    become softcap * tanh(s / softcap) before the softmax. None or 0: off.
     """
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -208,13 +255,13 @@ def flash_attn_varlen_paged(
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, out,
         cu_seqlens_q, cached_lens, block_tables,
-        scale * LOG2E, num_seqs,
+        *_score_args(scale, softcap), window or 0, num_seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GQA=gqa, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=bm, BLOCK_N=bn, DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        WINDOW=bool(window), SOFTCAP=bool(softcap), num_warps=num_warps, num_stages=num_stages,
     )
     return out

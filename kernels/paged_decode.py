@@ -7,6 +7,7 @@ its log-sum-exp (log2 domain). Stage 2, grid (batch, head), merges the splits by
 With one split stage 1 writes the final output directly and stage 2 is skipped.
 The grid depends only on host shapes (batch, heads, num_splits), never on context lengths, so a
 launch can be captured in a CUDA graph; splits past a sequence's end exit after writing -inf.
+With a sliding window the splits share out the context from the first BLOCK_N tile in the window.
 """
 
 import functools
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attention import LOG2E, _load_tile, _softmax_step
+from .flash_attention import _load_tile, _score_args, _softmax_step, _window_mask
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -24,21 +25,26 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, ctx_ptr, bt_ptr, o_ptr, mid_o_ptr, mid_lse_ptr,
-    qk_scale,
+    qk_scale, softcap, window,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_bt,
     NUM_HEADS: tl.constexpr, GQA: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
+    # The query sits at ctx - 1; with a window it sees positions >= ctx - window only.
+    first = 0
+    if WINDOW:
+        first = (tl.maximum(ctx - window, 0) // BLOCK_N) * BLOCK_N
     # Split length rounded up to BLOCK_N so only the very last tile of a sequence is ragged.
-    chunk = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    chunk = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
     end = tl.maximum(tl.minimum(start + chunk, ctx), start)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -65,7 +71,8 @@ def _decode_split_kernel(
                         j, d_mask, False, EVEN_D)
         vv = _load_tile(vc_head + (blk * stride_vcb + (j % BLOCK_SIZE) * stride_vcs)[:, None] + offs_d[None, :],
                         j, d_mask, False, EVEN_D)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, j, qk_scale, False, DOT_PREC)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, _window_mask(j[None, :] >= 0, j, ctx - 1, window, WINDOW),
+                                      qk_scale, softcap, WINDOW, SOFTCAP, DOT_PREC)
     if full_end < end:
         j = full_end + offs_n
         j_mask = j < end
@@ -74,7 +81,8 @@ def _decode_split_kernel(
                         j_mask, d_mask, True, EVEN_D)
         vv = _load_tile(vc_head + (blk * stride_vcb + (j % BLOCK_SIZE) * stride_vcs)[:, None] + offs_d[None, :],
                         j_mask, d_mask, True, EVEN_D)
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, j_mask[None, :], qk_scale, True, DOT_PREC)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, _window_mask(j_mask[None, :], j, ctx - 1, window, WINDOW),
+                                      qk_scale, softcap, True, SOFTCAP, DOT_PREC)
 
     has = l_i > 0.0  # False for empty splits and for context_len 0 (padding rows)
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -145,13 +153,17 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     max_context_len: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [batch, H, D] (one token per sequence) over context_lens[b] cached tokens.
 
     k_cache, v_cache [num_blocks, block_size, KVH, D]; context_lens int32 [batch] (0 = padding
     row, output zeros); block_tables int32 [batch, max_blocks]. Returns [batch, H, D] in q's
     dtype. num_splits None picks from shapes (and max_context_len if given); fixed per shape,
-    so it is safe under CUDA-graph capture.
+    so it is safe under CUDA-graph capture. window > 0: the query (at position context_lens[b] - 1)
+    sees the last `window` positions only; softcap > 0: scores s become softcap * tanh(s / softcap).
+    None or 0: off.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -160,6 +172,8 @@ def paged_decode_attention(
     gqa = num_heads // num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if num_splits is None:
+        if window and max_context_len is not None:  # the keys a query sees
+            max_context_len = min(max_context_len, window + 64)
         num_splits = default_num_splits(batch, num_kv_heads, q.device, max_context_len)
     if block_n is None:
         block_n = 32 if _INTERPRET or q.element_size() > 2 or d_pad > 128 else 64
@@ -174,14 +188,14 @@ def paged_decode_attention(
         mid_o = mid_lse = out  # unused
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, context_lens, block_tables, out, mid_o, mid_lse,
-        scale * LOG2E,
+        *_score_args(scale, softcap), window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GQA=gqa, BLOCK_H=max(16, triton.next_power_of_2(gqa)),
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if q.element_size() > 2 else 4, num_stages=2,
+        WINDOW=bool(window), SOFTCAP=bool(softcap), num_warps=8 if q.element_size() > 2 else 4, num_stages=2,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](

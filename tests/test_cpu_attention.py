@@ -7,6 +7,7 @@ max |out - ref| <= 5e-6 (outputs are O(1); the largest error seen is ~2e-6).
 Unused cache rows (past each context, unused blocks) hold NaN: reading one shows in the output.
 """
 
+import functools
 import os
 import platform
 import shutil
@@ -51,7 +52,8 @@ def make_batch(specs, H, kvh, D, bs, dtype, seed=0):
     return q, k.to(dtype), v.to(dtype), tables, cu, ctx
 
 
-def fp64_attention(q, k_cache, v_cache, block_tables, cu, ctx, scale):
+def fp64_attention(q, k_cache, v_cache, block_tables, cu, ctx, scale, window=None, softcap=None):
+    """Dense attention in float64: explicit scores, cap, causal + window mask, softmax."""
     T, H, D = q.shape
     _, bs, kvh, _ = k_cache.shape
     kc, vc = k_cache.double().reshape(-1, kvh, D), v_cache.double().reshape(-1, kvh, D)
@@ -63,14 +65,17 @@ def fp64_attention(q, k_cache, v_cache, block_tables, cu, ctx, scale):
         kk = kc[slots].repeat_interleave(H // kvh, dim=1)  # [L, H, D]: head h uses KV head h // G
         vv = vc[slots].repeat_interleave(H // kvh, dim=1)
         scores = torch.einsum("nhd,lhd->hnl", q[s:e].double(), kk) * scale
-        visible = torch.ones(e - s, L, dtype=torch.bool).tril_(diagonal=L - (e - s))
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        qpos = torch.arange(L - (e - s), L)[:, None]  # row i sits at position L - n + i
+        visible = (pos[None, :] <= qpos) & (pos[None, :] > qpos - (window or L + 1))
         p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[s:e] = torch.einsum("hnl,lhd->nhd", p, vv)
     return out
 
 
-def check(out, args, scale, atol=ATOL):
-    ref = fp64_attention(*args, scale)
+def check(out, args, scale, atol=ATOL, window=None, softcap=None):
+    ref = fp64_attention(*args, scale, window, softcap)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     err = (out.double() - ref).abs().max().item()
     assert err <= atol, err
@@ -236,7 +241,109 @@ def test_bad_inputs_op_only(op):
 
 class Tiny(torch.nn.Module):
     def forward(self, q, k_cache, v_cache, block_tables, cu, ctx):
-        return torch.ops.localllm.paged_attention(q, k_cache, v_cache, block_tables, cu, ctx, 0.125) * 2 + 1
+        # the call without window and cap (Llama-style layers) and one with both (Gemma 2 style)
+        plain = torch.ops.localllm.paged_attention(q, k_cache, v_cache, block_tables, cu, ctx, 0.125)
+        return plain * 2 + torch.ops.localllm.paged_attention(q, k_cache, v_cache, block_tables, cu, ctx, 0.125, 5, 30.0)
+
+
+# contexts across several blocks of 16, windows starting mid-block; decode, verify/extend rows
+# after a cached prefix, and fresh rows over several query tiles (16 rows per tile at G = 4)
+WINDOW_SPECS = [(1, 1), (1, 17), (1, 100), (3, 50), (6, 70), (20, 85), (40, 40)]
+
+
+@functools.cache
+def window_case(D, dtype, window, softcap):
+    """(args, scale, fp64 result, fp64 result without window and cap), shared by the op's and the
+    reference's test of one case. The scale with a cap makes scores reach ~+-150 so that capping
+    them at 50 changes the output."""
+    args = make_batch(WINDOW_SPECS, 8, 2, D, 16, dtype, seed=D)
+    scale = 20 * D ** -0.5 if softcap else D ** -0.5
+    return args, scale, fp64_attention(*args, scale, window, softcap), fp64_attention(*args, scale)
+
+
+@pytest.mark.parametrize("name", IMPLS)
+@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("softcap", [None, 50.0])
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 37])
+def test_window_and_softcap(name, window, softcap, dtype, D, request):
+    """Sliding window (a row at position p sees p - window < k <= p) and score soft-capping against
+    dense fp64 attention, which each case also checks differs from plain attention (so the test
+    sees the feature). fp32 scores near +-50 carry ~1e-5 of rounding: a looser tolerance with the cap."""
+    fn = impl(name, request)
+    args, scale, ref, plain = window_case(D, dtype, window, softcap)
+    out = fn(*args, scale, window or 0, softcap or 0.0)  # the op takes 0 for off
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert (out.double() - ref).abs().max().item() <= (5e-5 if softcap else ATOL)
+    if window or softcap:
+        assert (ref - plain).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("ctx,n,window", [(3000, 1, 1000), (3000, 4, 37), (2500, 1, 2499)])
+def test_window_long_context_split(op, ctx, n, window):
+    """A long sequence with a window on 1 and 2 threads (there its window is split into chunks from
+    its first visible block, merged afterwards): both match fp64."""
+    args = make_batch([(n, ctx)], 8, 2, 64, 16, torch.float16, seed=ctx + n)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            check(op(*args, 0.125, window, 30.0), args, 0.125, atol=2e-5, window=window, softcap=30.0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_window_skips_the_keys_below_it(op):
+    """The keys below the window are never read (that is where the time goes on long contexts):
+    with NaN there the output stays the same, bit for bit."""
+    window, specs = 37, [(1, 300), (1, 1000), (4, 500)]
+    q, k, v, tables, cu, ctx = args = make_batch(specs, 8, 2, 64, 16, torch.float16, seed=9)
+    want = op(*args, 0.125, window, 0.0)
+    kf, vf = k.view(-1, 2, 64), v.view(-1, 2, 64)
+    for b, (n, c) in enumerate(specs):
+        pos = torch.arange(c - n - window + 1)  # below what the first row sees
+        kf[tables[b, pos // 16] * 16 + pos % 16] = vf[tables[b, pos // 16] * 16 + pos % 16] = float("nan")
+    assert torch.equal(op(*args, 0.125, window, 0.0), want)
+
+
+@pytest.mark.parametrize("name", IMPLS)
+def test_bad_window_and_softcap_raise(name, request):
+    fn = impl(name, request)
+    args = make_batch([(1, 20)], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        fn(*args, 0.125, -1, 0.0)
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        fn(*args, 0.125, 0, -1.0)
+
+
+@pytest.mark.parametrize("window,softcap", [(37, None), (None, 50.0), (37, 50.0), (None, None)])
+def test_torch_attention_fresh_prompt(window, softcap):
+    """localllm's CPU attention backend on a fresh 100-token prompt (the SDPA path's case without
+    window and cap) next to a 20-row extend after a cached prefix: dense fp64 attention over what it
+    wrote to the cache."""
+    from localllm.model.attention import SDPA_MIN_TOKENS, AttnMeta, torch_attention
+
+    g = torch.Generator().manual_seed(5)
+    H, kvh, D, bs, specs = 8, 2, 64, 16, [(100, 100), (20, 60)]
+    assert specs[0][0] >= SDPA_MIN_TOKENS
+    nblk = [-(-c // bs) for _, c in specs]
+    tables = torch.arange(sum(nblk)).flip(0).split(nblk)
+    tables = torch.stack([torch.cat([t, t.new_zeros(max(nblk) - len(t))]) for t in tables])
+    k_cache = torch.randn(sum(nblk), bs, kvh, D, generator=g).half()  # the extend's cached prefix
+    v_cache = torch.randn(sum(nblk), bs, kvh, D, generator=g).half()
+    T = sum(n for n, _ in specs)
+    q, k, v = (torch.randn(T, h, D, generator=g) * 2 for h in (H, kvh, kvh))
+    slots = torch.cat([tables[b, torch.arange(c - n, c) // bs] * bs + torch.arange(c - n, c) % bs
+                       for b, (n, c) in enumerate(specs)])
+    meta = AttnMeta(slots, tables, torch.tensor([0, 100, 120]), torch.tensor([100, 60]),
+                    q_lens=[n for n, _ in specs], ctx_lens=[c for _, c in specs])
+    scale = 4 * D ** -0.5 if softcap else D ** -0.5
+    out = torch_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+    args = (q, k_cache, v_cache, tables, meta.cu_seqlens_q, meta.context_lens)
+    ref = fp64_attention(*args, scale, window, softcap)
+    assert (out.view(T, H, D).double() - ref).abs().max() <= (5e-5 if softcap else 1e-5)
+    if window or softcap:
+        assert (ref - fp64_attention(*args, scale)).abs().max() > 0.1
 
 
 def test_torch_export(op):
@@ -338,6 +445,9 @@ def test_portable_builds(tmp_path):
                                          ([(1, 17), (6, 40), (1, 700)], 16, 2, 128)]:
                     args = make_batch(specs, H, kvh, D, 16, dtype)
                     check(torch.ops.localllm.paged_attention(*args, 0.1), args, 0.1)
+                    # window (from mid-block) and soft-cap: the masks and the vector tanh of this path
+                    check(torch.ops.localllm.paged_attention(*args, 0.1, 21, 5.0), args, 0.1, atol=2e-5,
+                          window=21, softcap=5.0)
             print("ok")
         """)
         env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}

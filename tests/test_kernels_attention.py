@@ -52,14 +52,19 @@ def make_paged_cache(lens: list[int], num_kv_heads: int, head_dim: int, block_si
     return k_cache.to(DEV), v_cache.to(DEV), block_tables.to(DEV), kvs
 
 
-def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int, scale: float) -> torch.Tensor:
-    """q [Lq, H, D] at positions q_pos0.., k/v [Lk, KVH, D] at positions 0..; causal; float64."""
+def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int, scale: float,
+                  window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """q [Lq, H, D] at positions q_pos0.., k/v [Lk, KVH, D] at positions 0..; causal (and a query at p
+    sees keys > p - window only); scores capped at +-softcap through tanh; float64."""
     g = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(g, dim=1)
     v = v.repeat_interleave(g, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     qpos = q_pos0 + torch.arange(q.shape[0])[:, None]
-    s = s.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
+    kpos = torch.arange(k.shape[0])[None, :]
+    s = s.masked_fill((kpos > qpos) | (kpos <= qpos - (window or q_pos0 + q.shape[0] + 1)), float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v.double())
 
 
@@ -212,3 +217,54 @@ def test_decode_matches_prefill_last_row():
     dec = paged_decode_attention(q[-1:], k_cache, v_cache, torch.tensor([n], dtype=torch.int64, device=DEV),
                                  table.long(), d ** -0.5, 2)
     assert rel_err(dec.cpu(), pre[-1:].cpu().double()) < 1e-4
+
+
+# ---------------------------------------------------------------- sliding window and soft-cap
+
+WINDOW_PREFILL_CASES = [
+    # (num_heads, num_kv_heads, head_dim, block_size, [(cached_len, new_len), ...], window, softcap)
+    (4, 2, 64, 16, [(0, 37), (19, 20), (45, 6)], 7, None),   # windows from mid-tile, in and past the prefix
+    (4, 2, 64, 16, [(0, 37), (19, 20), (45, 6)], 33, 5.0),    # window + cap
+    (2, 1, 256, 16, [(21, 11), (0, 9)], None, 5.0),            # cap alone, head_dim 256
+]
+
+
+@pytest.mark.parametrize("case", range(len(WINDOW_PREFILL_CASES)))
+def test_flash_attn_window_and_softcap(case):
+    """The prefill/extend kernel with a sliding window and soft-capped scores (fp16, 16 x 16 tiles:
+    the window starts mid-tile and, for later tiles, past whole tiles of the prefix and new tokens)."""
+    h, kvh, d, bs, seqs, window, softcap = WINDOW_PREFILL_CASES[case]
+    gen = torch.Generator().manual_seed(300 + case)
+    cached = [c for c, _ in seqs]
+    k_cache, v_cache, block_tables, kvs = make_paged_cache([c + n for c, n in seqs], kvh, d, bs, torch.float16, gen)
+    k_new = torch.cat([kk[c:] for (kk, _), c in zip(kvs, cached, strict=True)]).half().to(DEV)
+    v_new = torch.cat([vv[c:] for (_, vv), c in zip(kvs, cached, strict=True)]).half().to(DEV)
+    q = (torch.randn(sum(n for _, n in seqs), h, d, generator=gen) * 3).half().to(DEV)  # scores past the cap
+    cu = torch.tensor([0] + list(torch.tensor([n for _, n in seqs]).cumsum(0)), dtype=torch.int32, device=DEV)
+    scale = d ** -0.5
+    out = flash_attn_varlen_paged(q, k_new, v_new, k_cache, v_cache, cu, torch.tensor(cached, dtype=torch.int32,
+                                  device=DEV), block_tables, scale, block_m=16, block_n=16, window=window,
+                                  softcap=softcap)
+    rows = [(q[cu[i]:cu[i + 1]].cpu(), *kvs[i], cached[i], scale) for i in range(len(seqs))]
+    ref = torch.cat([ref_attention(*r, window, softcap) for r in rows])
+    assert rel_err(out.cpu(), ref) < RTOL[torch.float16]
+    assert rel_err(torch.cat([ref_attention(*r) for r in rows]), ref) > 0.1  # the case tests the feature
+
+
+@pytest.mark.parametrize("window,softcap,splits,d", [(5, None, 2, 32), (20, 5.0, 3, 256), (None, 5.0, 1, 64)])
+def test_paged_decode_window_and_softcap(window, softcap, splits, d):
+    """Decode with a window (the walk starts at its first tile; splits share what is left) and caps."""
+    lens = [1, 17, 50, 0, 33]
+    gen = torch.Generator().manual_seed(400 + splits)
+    k_cache, v_cache, block_tables, kvs = make_paged_cache(lens, 2, d, 16, torch.float16, gen)
+    q = (torch.randn(len(lens), 4, d, generator=gen) * 3).half().to(DEV)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    scale = d ** -0.5
+    out = paged_decode_attention(q, k_cache, v_cache, ctx, block_tables, scale, splits, block_n=16,
+                                 window=window, softcap=softcap)
+    live = [b for b, n in enumerate(lens) if n]
+    rows = [(q[b:b + 1].cpu(), *kvs[b], lens[b] - 1, scale) for b in live]
+    ref = torch.cat([ref_attention(*r, window, softcap) for r in rows])
+    assert rel_err(out.cpu()[live], ref) < RTOL[torch.float16]
+    assert (out[3] == 0).all()
+    assert rel_err(torch.cat([ref_attention(*r) for r in rows]), ref) > 0.1

@@ -128,3 +128,31 @@ def test_int4_linear_triton_path(rows):
     ref = x.double() @ w.dequantize_logical(torch.float64).T + bias.double()
     out = layer(x)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_triton_attention_window_and_softcap_equals_torch():
+    """The backends' attention entry points with a sliding window and soft-capped scores: a prefill
+    of two fresh prompts, then a decode step of each, the same on Triton (interpreted) and torch."""
+    from localllm.model.attention import AttnMeta, torch_attention, triton_attention
+
+    g = torch.Generator().manual_seed(0)
+    H, kvh, D, bs, window, cap = 4, 2, 64, 16, 9, 20.0
+    tables = torch.tensor([[3, 0, 5], [1, 4, 2]])
+    caches = {name: [torch.zeros(6, bs, kvh, D) for _ in range(2)] for name in ("torch", "triton")}
+
+    def step(n_new, ctx):
+        T = sum(n_new)
+        q, k, v = (torch.randn(T, h, D, generator=g) * 2 for h in (H, kvh, kvh))
+        pos = [torch.arange(c - n, c) for n, c in zip(n_new, ctx)]
+        slots = torch.cat([tables[b, p // bs] * bs + p % bs for b, p in enumerate(pos)])
+        cu = torch.tensor([0, *n_new]).cumsum(0)
+        ctx_t, decode = torch.tensor(ctx), all(n == 1 for n in n_new)
+        ref = torch_attention(q, k, v, *caches["torch"], AttnMeta(slots, tables, cu, ctx_t, decode, n_new, ctx),
+                              D ** -0.5, window, cap)
+        meta = AttnMeta(slots, tables.int(), cu.int(), ctx_t.int(), decode,
+                        cached_lens=(ctx_t - torch.tensor(n_new)).int())
+        out = triton_attention(q, k, v, *caches["triton"], meta, D ** -0.5, window, cap)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+    step([40, 25], [40, 25])
+    step([1, 1], [41, 26])

@@ -20,6 +20,9 @@
 // block_tables [B, max_blocks], cu_seqlens_q [B + 1], context_lens [B] int64. Row i of sequence b
 // (n_b = cu[b+1] - cu[b] rows) sits at position ctx_b - n_b + i and sees positions 0 ..= that.
 // Query head h uses KV head h / (H / KVH). Returns [T, H, D] fp32.
+// window > 0 (sliding-window layers): a row at position p sees positions > p - window only; a work
+// item starts at the first position any of its rows sees, so the cost follows the window, not the
+// context. softcap > 0 (Gemma 2): scores s become softcap * tanh(s / softcap) before the softmax.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -71,6 +74,9 @@ inline Vec16 zero() { return {_mm512_setzero_ps()}; }
 inline Vec16 fma(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline Vec16 mul(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Vec16 sub(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec16 div(Vec16 a, Vec16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline Vec16 vmin(Vec16 a, Vec16 b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline Vec16 vmax(Vec16 a, Vec16 b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline float hsum(Vec16 a) { return _mm512_reduce_add_ps(a.v); }
 inline float hmax(Vec16 a) { return _mm512_reduce_max_ps(a.v); }
 // e^x for x <= 0 (Cephes expf, ~1 ulp); below -87 (e^x < FLT_MIN, and -inf) gives 0
@@ -122,6 +128,9 @@ inline Vec16 fma(Vec16 a, Vec16 b, Vec16 c) {
 }
 inline Vec16 mul(Vec16 a, Vec16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline Vec16 sub(Vec16 a, Vec16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline Vec16 div(Vec16 a, Vec16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline Vec16 vmin(Vec16 a, Vec16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline Vec16 vmax(Vec16 a, Vec16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
 inline float hsum8(__m256 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -194,6 +203,18 @@ inline Vec16 sub(Vec16 a, Vec16 b) {
   for (int i = 0; i < 16; ++i) a.f[i] -= b.f[i];
   return a;
 }
+inline Vec16 div(Vec16 a, Vec16 b) {
+  for (int i = 0; i < 16; ++i) a.f[i] /= b.f[i];
+  return a;
+}
+inline Vec16 vmin(Vec16 a, Vec16 b) {
+  for (int i = 0; i < 16; ++i) a.f[i] = std::min(a.f[i], b.f[i]);
+  return a;
+}
+inline Vec16 vmax(Vec16 a, Vec16 b) {
+  for (int i = 0; i < 16; ++i) a.f[i] = std::max(a.f[i], b.f[i]);
+  return a;
+}
 inline float hsum(Vec16 a) {
   for (int w = 8; w > 0; w /= 2)
     for (int i = 0; i < w; ++i) a.f[i] += a.f[i + w];
@@ -210,6 +231,25 @@ inline Vec16 exp_nonpos(Vec16 a) {
 }
 #endif
 
+// tanh(x), a few ulp, as a rational function odd / even in x (Eigen's fast tanh: no cancellation
+// near 0, unlike forms built on e^2x); beyond |x| = 7.905 tanh rounds to +-1 in fp32
+inline Vec16 tanh16(Vec16 x) {
+  x = vmin(vmax(x, set1(-7.90531110763549805f)), set1(7.90531110763549805f));
+  const Vec16 x2 = mul(x, x);
+  Vec16 p = set1(-2.76076847742355e-16f);
+  p = fma(p, x2, set1(2.00018790482477e-13f));
+  p = fma(p, x2, set1(-8.60467152213735e-11f));
+  p = fma(p, x2, set1(5.12229709037114e-08f));
+  p = fma(p, x2, set1(1.48572235717979e-05f));
+  p = fma(p, x2, set1(6.37261928875436e-04f));
+  p = fma(p, x2, set1(4.89352455891786e-03f));
+  Vec16 q = set1(1.19825839466702e-06f);
+  q = fma(q, x2, set1(1.18534705686654e-04f));
+  q = fma(q, x2, set1(2.26843463243900e-03f));
+  q = fma(q, x2, set1(4.89352518554385e-03f));
+  return div(mul(x, p), q);
+}
+
 // ---- the attention ---------------------------------------------------------------------------
 
 struct Problem {
@@ -221,7 +261,9 @@ struct Problem {
   const int64_t* ctx;  // [B]
   int64_t H, KVH, G, D, BS, MB;
   float scale;
-  float* out;  // [T, H, D]
+  int64_t window;  // > 0: a query at position p sees positions > p - window only
+  float softcap;   // > 0: scores s become softcap * tanh(s / softcap)
+  float* out;      // [T, H, D]
 };
 
 // A sequence's query rows [r0, r1) with KV heads [h0, h1) over key positions [c0, c1).
@@ -233,12 +275,13 @@ struct Item {
 
 struct Scratch {
   // per head of the item: scaled queries [M, D], acc [M, D], running max and sum [M]; per tile:
-  // scores / probabilities [M, 16], rescale factors and keys visible [M], fp32 K/V rows [16, D]
+  // scores / probabilities [M, 16], rescale factors and the keys [vis0, vis) visible [M], fp32 K/V
+  // rows [16, D]
   std::vector<float> qs, acc, mx, sum, alpha, s, kbuf, vbuf, zeros;
-  std::vector<int> vis;
+  std::vector<int> vis0, vis;
   Scratch(int64_t heads_m, int64_t M, int64_t D)
       : qs(heads_m * D), acc(heads_m * D), mx(heads_m), sum(heads_m), alpha(M), s(M * kTile),
-        kbuf(kTile * D), vbuf(kTile * D), zeros(D), vis(M) {}
+        kbuf(kTile * D), vbuf(kTile * D), zeros(D), vis0(M), vis(M) {}
 };
 
 #if defined(__AVX512F__)
@@ -364,13 +407,18 @@ inline void head_tile(const Problem& P, Scratch& S, int64_t M, int64_t hh, int k
   float* sum = S.sum.data() + hh * M;
   float* s = S.s.data();
   scores(M, kt, qs, D, kr, s);
+  if (P.softcap > 0.f) {
+    const Vec16 inv = set1(1.f / P.softcap), cap = set1(P.softcap);
+    for (int64_t m = 0; m < M; ++m) store(s + m * kTile, mul(cap, tanh16(mul(load(s + m * kTile), inv))));
+  }
   for (int64_t m = 0; m < M; ++m) {
     float* sm = s + m * kTile;
-    if (S.vis[m] == 0) {  // nothing visible yet: leave this query as it is
+    if (S.vis0[m] >= S.vis[m]) {  // nothing visible here: leave this query as it is
       std::fill_n(sm, kTile, 0.f);
       S.alpha[m] = 1.f;
       continue;
     }
+    std::fill_n(sm, S.vis0[m], kNegInf);
     for (int j = S.vis[m]; j < kTile; ++j) sm[j] = kNegInf;
     const Vec16 sv = load(sm);
     const float nm = std::max(mx[m], hmax(sv));
@@ -421,11 +469,12 @@ void attend(const Problem& P, const Item& it, Scratch& S) {
       vp[j] = vc + row;
       if (++off == P.BS) off = 0, ++bi;
     }
-    // keys each query sees in this tile: all kt, except on the causal diagonal
-    const bool diagonal = pos0 + kt - 1 > cached + it.r0;
+    // keys [vis0, vis) of the tile each query sees: all kt, except on the causal diagonal and at
+    // the window's lower edge
     for (int64_t m = 0; m < M; ++m) {
-      const int64_t seen = cached + it.r0 + m / G - pos0 + 1;
-      S.vis[m] = diagonal ? static_cast<int>(std::clamp<int64_t>(seen, 0, kt)) : kt;
+      const int64_t p = cached + it.r0 + m / G - pos0;  // the query's position in the tile
+      S.vis[m] = static_cast<int>(std::clamp<int64_t>(p + 1, 0, kt));
+      S.vis0[m] = P.window > 0 ? static_cast<int>(std::clamp<int64_t>(p - P.window + 1, 0, kt)) : 0;
     }
     for (int64_t hh = 0; hh < nh; ++hh) {
       const int64_t hd = (it.h0 + hh) * D;
@@ -465,16 +514,19 @@ void run(const Problem& P, int64_t B) {
   const int64_t D = P.D, G = P.G, KVH = P.KVH;
   const int64_t qt = std::max<int64_t>(16, 64 / G);  // query rows per tile: up to 16 always in one
   // (sequence, query tile) units over all KV heads, the keys they need and what they cost
+  // (a window skips the keys [0, first) that none of the unit's rows sees)
   struct Unit {
-    int64_t b, r0, r1, keys, cost;
+    int64_t b, r0, r1, first, keys, cost;
   };
   std::vector<Unit> units;
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = P.cu[b + 1] - P.cu[b], cached = P.ctx[b] - n;
     for (int64_t r0 = 0; r0 < n; r0 += qt) {
-      const int64_t r1 = std::min(n, r0 + qt), keys = cached + r1, cost = keys * (r1 - r0) * KVH;
-      units.push_back({b, r0, r1, keys, cost});
+      const int64_t r1 = std::min(n, r0 + qt), keys = cached + r1;
+      const int64_t first = P.window > 0 ? std::max<int64_t>(0, cached + r0 - P.window + 1) : 0;
+      const int64_t cost = (keys - first) * (r1 - r0) * KVH;
+      units.push_back({b, r0, r1, first, keys, cost});
       total += cost;
     }
   }
@@ -489,11 +541,11 @@ void run(const Problem& P, int64_t B) {
   int64_t part_floats = 0, max_heads_m = 0, max_m = 0;
   for (const Unit& u : units) {
     const int64_t M = (u.r1 - u.r0) * G;
-    const int64_t parts = (u.cost + target - 1) / target;
-    int64_t chunks = std::clamp<int64_t>(parts, 1, (u.keys + kMinChunk - 1) / kMinChunk);
-    int64_t chunk = (u.keys + chunks - 1) / chunks;
+    const int64_t parts = (u.cost + target - 1) / target, span = u.keys - u.first;
+    int64_t chunks = std::clamp<int64_t>(parts, 1, (span + kMinChunk - 1) / kMinChunk);
+    int64_t chunk = (span + chunks - 1) / chunks;
     chunk = (chunk + kTile - 1) / kTile * kTile;
-    chunks = (u.keys + chunk - 1) / chunk;
+    chunks = (span + chunk - 1) / chunk;
     int64_t groups = std::clamp<int64_t>((parts + chunks - 1) / chunks, 1, KVH);
     groups = std::max(groups, (KVH * M * (2 * D + 2) + kScratch - 1) / kScratch);
     const int64_t gh = (KVH + std::min(groups, KVH) - 1) / std::min(groups, KVH);
@@ -503,7 +555,8 @@ void run(const Problem& P, int64_t B) {
     if (chunks > 1) splits.push_back({u.b, u.r0, u.r1, static_cast<int64_t>(items.size()), chunks, groups, gh});
     for (int64_t c = 0; c < chunks; ++c)
       for (int64_t g = 0; g < groups; ++g) {
-        Item it{u.b, u.r0, u.r1, g * gh, std::min(KVH, (g + 1) * gh), c * chunk, std::min(u.keys, (c + 1) * chunk), -1, 0};
+        Item it{u.b, u.r0, u.r1, g * gh, std::min(KVH, (g + 1) * gh), u.first + c * chunk,
+                std::min(u.keys, u.first + (c + 1) * chunk), -1, 0};
         it.cost = (it.c1 - it.c0) * (it.r1 - it.r0) * (it.h1 - it.h0);
         if (chunks > 1) {
           it.part = part_floats;
@@ -579,7 +632,7 @@ void run(const Problem& P, int64_t B) {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                           const at::Tensor& context_lens, double scale) {
+                           const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
   const char* me = "paged_attention: ";
   for (const at::Tensor* t : {&q, &k_cache, &v_cache, &block_tables, &cu_seqlens_q, &context_lens})
     TORCH_CHECK(t->device().is_cpu(), me, "all tensors must be on the CPU");
@@ -598,6 +651,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(D > 0 && D % 16 == 0, me, "head dim must be a multiple of 16, got ", D);
   TORCH_CHECK(KVH > 0 && H % KVH == 0, me, "query heads (", H, ") must be a multiple of KV heads (", KVH, ")");
   TORCH_CHECK(BS > 0, me, "block_size must be positive");
+  TORCH_CHECK(window >= 0, me, "window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, me, "softcap must be >= 0 (0: none), got ", softcap);
   for (const at::Tensor* t : {&block_tables, &cu_seqlens_q, &context_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong, me, "block_tables, cu_seqlens_q and context_lens must be int64, got ",
                 t->scalar_type());
@@ -627,7 +682,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   at::Tensor out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;
   const Problem P{qc.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), bt, cu, ctx, H, KVH, H / KVH,
-                  D, BS, MB, static_cast<float>(scale), out.data_ptr<float>()};
+                  D, BS, MB, static_cast<float>(scale), window, static_cast<float>(softcap),
+                  out.data_ptr<float>()};
   if (dt == at::kFloat) run<float>(P, B);
   else if (dt == at::kHalf) run<c10::Half>(P, B);
   else run<c10::BFloat16>(P, B);
@@ -640,7 +696,7 @@ std::string isa() { return PA_ISA; }
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.def("paged_attention_isa() -> str", &isa);
 }
 
