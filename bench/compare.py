@@ -50,15 +50,20 @@ class LocalWorker:
     def bytes_per_token(self) -> dict:
         """What one greedy decode step reads: every layer's weights, the head it ranks with (the
         int4 copy when it has one; the exact rows it rescores are few) and, per token of
-        context, K and V of every layer."""
-        model = self.loaded.model
+        context, K and V of every layer. MoE experts count for the k of E a token uses."""
+        from localllm.model.moe import MoE
+
+        model, cfg = self.loaded.model, self.loaded.config
+        experts = {t.data_ptr() for m in model.modules() if isinstance(m, MoE)
+                   for t in (*m.experts.parameters(), *m.experts.buffers())}
         seen, total = set(), 0
         for part in (*model.layers, model.norm, model.head.fast if model.head.fast is not None else model.head):
             for t in (*part.parameters(), *part.buffers()):
                 if t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
-                    total += t.numel() * t.element_size()
-        return {"weights": total, "kv_per_token": self.loaded.config.kv_bytes_per_token(self.loaded.kv_dtype.itemsize)}
+                    n = t.numel() * t.element_size()
+                    total += n * cfg.num_experts_per_tok // cfg.num_experts if t.data_ptr() in experts else n
+        return {"weights": total, "kv_per_token": cfg.kv_bytes_per_token(self.loaded.kv_dtype.itemsize)}
 
     def prefill(self, ids: list[int]) -> float:
         from localllm.sampling import SamplingParams
@@ -91,14 +96,16 @@ class LlamaCppWorker:
 
     def bytes_per_token(self) -> dict:
         """Every tensor of the file but the embedding (only its rows are read), unless the
-        embedding is also the output matrix; f16 K and V per token of context."""
+        embedding is also the output matrix (MoE expert stacks: the k of E a token uses); f16 K
+        and V per token of context."""
         from localllm.model.loader import open_weights
 
         weights = open_weights(self.path)
-        tensors = weights.file.tensors
+        cfg, tensors = weights.config, weights.file.tensors
         tied = "output.weight" not in tensors
-        total = sum(t.data.nbytes for n, t in tensors.items() if n != "token_embd.weight" or tied)
-        return {"weights": total, "kv_per_token": weights.config.kv_bytes_per_token(2)}
+        total = sum(t.data.nbytes * cfg.num_experts_per_tok // cfg.num_experts if "_exps." in n else t.data.nbytes
+                    for n, t in tensors.items() if n != "token_embd.weight" or tied)
+        return {"weights": total, "kv_per_token": cfg.kv_bytes_per_token(2)}
 
     def prefill(self, ids: list[int]) -> float:
         self.llm.reset()

@@ -240,6 +240,7 @@ def test_moe_int4_op_matches_the_torch_loop():
         assert ((got - ref).norm() / ref.norm()) < 1e-2  # 16-bit activations inside the kernel
 
 
+@pytest.mark.parametrize("family", ["mixtral"], indirect=True)  # one family: each package compiles ~20 s
 def test_compiled_step_covers_int4_moe(family):
     """An int4 MoE model (Q4_1 experts on the VNNI kernel) compiles: the d1 package (exported with
     the MoE op, checked against the eager step when built) decodes the eager tokens. An fp32 MoE
@@ -250,8 +251,6 @@ def test_compiled_step_covers_int4_moe(family):
     from localllm.model.moe import Int4Experts
 
     model, _, gguf_file, q4_file, _ = family
-    if not isinstance(model, transformers.MixtralForCausalLM):
-        pytest.skip("one family is enough (each package compiles for ~20 s)")
     if not cpu_int4.load():
         pytest.skip("no AVX-512 VNNI kernel on this machine")
     assert make_engine(load_model(gguf_file, "float32"), compile=True).runner.captured is None
@@ -266,9 +265,9 @@ def test_compiled_step_covers_int4_moe(family):
     assert eng.runner.captured.steps >= 15 and got.token_ids == eager.token_ids
 
 
-def test_bench_tiny_moe_gguf_runs_here_and_in_llama_cpp(tmp_path, gguf_path):
-    """bench/make_gguf.py's qwen3moe shapes (the tiny one here): our int4 and fp32 runs, and
-    llama.cpp's (it must accept our qwen3moe metadata), greedy from the same prompt."""
+def test_bench_tiny_moe_gguf_runs(tmp_path, gguf_path):
+    """bench/make_gguf.py's qwen3moe shapes (the tiny one here): our int4 and fp32 runs agree
+    (llama.cpp runs the same file side by side in bench/compare.py)."""
     spec = importlib.util.spec_from_file_location("make_gguf", Path(__file__).parent.parent / "bench" / "make_gguf.py")
     make_gguf = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_gguf)
@@ -283,11 +282,3 @@ def test_bench_tiny_moe_gguf_runs_here_and_in_llama_cpp(tmp_path, gguf_path):
         *_, out = make_engine(loaded).generate(list(prompt), params)
         runs[precision] = out.token_ids
     assert runs["auto"] == runs["float32"]
-    llama_cpp = pytest.importorskip("llama_cpp")
-    m = llama_cpp.Llama(path, n_ctx=64, n_threads=2, verbose=False)
-    m.eval(prompt)
-    theirs = []
-    for _ in range(8):
-        theirs.append(m.sample(temp=0))
-        m.eval([theirs[-1]])
-    assert sum(a == b for a, b in zip(theirs, runs["float32"])) >= 6, (theirs, runs["float32"])
