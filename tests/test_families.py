@@ -306,12 +306,12 @@ QUANT_METHODS = {"qwen3-tied": "awq", "qwen3-untied": "gptq", "phi3-mini": "gptq
                  "gemma2": "gptq", "gemma3": "awq"}
 
 
-@pytest.mark.parametrize(("family", "method"), list(QUANT_METHODS.items()), indirect=["family"])
-def test_quantizer_writes_a_checkpoint_of_the_family(family, method, tmp_path):
+def test_quantizer_writes_a_checkpoint_of_the_family(family, request, tmp_path):
     """`localllm quantize` on the family: a standard checkpoint whose int4 weights load back
     exactly, with the family's extra tensors (q/k norms) and config (rope) carried over, and its
     linears named as the family's checkpoints name them (Phi-3: fused qkv_proj / gate_up_proj,
     as AutoAWQ and GPTQModel write them)."""
+    method = QUANT_METHODS[request.node.callspec.params["family"]]  # (a parametrized method rebuilt the fixture)
     from safetensors import safe_open
 
     from localllm.model.loader import open_weights
