@@ -226,17 +226,24 @@ FAMILIES |= {
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory, fp32_model, gguf_path):
     """(transformers model, HF directory, F32 GGUF, Q4_1 GGUF, Family) of one tiny family checkpoint."""
-    name = request.param
-    fam = FAMILIES[name]
+    return build_family(request.param, FAMILIES, peaked, write_gguf, tmp_path_factory, fp32_model.tokenizer,
+                        gguf_path)
+
+
+def build_family(name: str, families: dict, peak: Callable, writer: Callable, tmp_path_factory, tokenizer,
+                 gguf_path: Path) -> tuple:
+    """A family's tiny transformers model with peaked random weights, written as an HF directory, an
+    F32 GGUF and a Q4_1 GGUF (`writer`: the GGUF writer for its tensor layout)."""
+    fam = families[name]
     torch.manual_seed(0)
     model = fam.make().eval()
-    peaked(model, seed=1)
+    peak(model, seed=1)
     if fam.tied:
         model.tie_weights()
     out = tmp_path_factory.mktemp(name)
-    hf_dir = write_hf(model, out / "hf", fp32_model.tokenizer)
-    gguf_file = write_gguf(model, fam.arch, out / f"{name}.gguf", gguf_path)
-    q4_file = write_gguf(model, fam.arch, out / f"{name}.Q4_1.gguf", gguf_path, quantized=True)
+    hf_dir = write_hf(model, out / "hf", tokenizer)
+    gguf_file = writer(model, fam.arch, out / f"{name}.gguf", gguf_path)
+    q4_file = writer(model, fam.arch, out / f"{name}.Q4_1.gguf", gguf_path, quantized=True)
     return model, hf_dir, gguf_file, q4_file, fam
 
 

@@ -14,6 +14,7 @@ from test_families import (  # noqa: F401  (the imported tests run on this modul
     PROMPT,
     TINY,
     Family,
+    build_family,
     gguf_reader,
     gguf_tensors,
     peaked,
@@ -108,16 +109,7 @@ def tokenizer(gguf_path):
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory, tokenizer, gguf_path):
     """(transformers model, HF directory, F32 GGUF, Q4_1 GGUF, Family) of one tiny MoE checkpoint."""
-    name = request.param
-    fam = FAMILIES[name]
-    torch.manual_seed(0)
-    model = fam.make().eval()
-    moe_peaked(model, seed=1)
-    out = tmp_path_factory.mktemp(name)
-    hf_dir = write_hf(model, out / "hf", tokenizer)
-    gguf_file = moe_gguf(model, fam.arch, out / f"{name}.gguf", gguf_path)
-    q4_file = moe_gguf(model, fam.arch, out / f"{name}.Q4_1.gguf", gguf_path, quantized=True)
-    return model, hf_dir, gguf_file, q4_file, fam
+    return build_family(request.param, FAMILIES, moe_peaked, moe_gguf, tmp_path_factory, tokenizer, gguf_path)
 
 
 def test_moe_config_and_parameter_counts(family):
