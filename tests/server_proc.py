@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 
@@ -80,3 +82,20 @@ class ServerProc:
         r = httpx.get(self.base + "/metrics", headers=headers, timeout=10)
         r.raise_for_status()
         return parse(r.text)
+
+
+@contextmanager
+def running(*args: str, **kw) -> Iterator[ServerProc]:
+    """A ready `ServerProc(*args, **kw)` for the length of the block (a module fixture's body)."""
+    s = ServerProc(*args, **kw)
+    try:
+        yield s.wait_ready()
+    finally:
+        s.stop()
+
+
+def openai_client(server: ServerProc, timeout: float = 120):
+    """The official client on the server; max_retries=0: a 5xx or 429 must surface as is, not be retried."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=timeout)

@@ -12,7 +12,7 @@ import ollama
 import openai
 import pytest
 from hub_mirror import HubMirror, make_repo, tiny_checkpoint
-from server_proc import ServerProc
+from server_proc import running
 
 SMOL, TINY = "smollm2-135m", "test-org/tiny"
 CTX, KV = 512, "20MiB"
@@ -44,12 +44,9 @@ def server(mirror, tmp_path_factory):
     budget = need(facts_for(SMOL), "auto") + smallest - (1 << 20)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
     env.update(HF_HOME=str(tmp_path_factory.mktemp("hf")), HF_ENDPOINT=mirror.url, HF_HUB_DISABLE_TELEMETRY="1")
-    s = ServerProc("--ctx", str(CTX), "--kv-memory", KV, "--threads", "1", "--enforce-eager",
-                   "--max-memory", f"{budget // 1024}KiB", model=None, env=env)
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with running("--ctx", str(CTX), "--kv-memory", KV, "--threads", "1", "--enforce-eager",
+                 "--max-memory", f"{budget // 1024}KiB", model=None, env=env) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -199,11 +196,8 @@ def test_delete(server, client):
 # ---- a pinned model with an API key -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pinned():
-    s = ServerProc("--ctx", str(CTX), "--kv-memory", KV, "--threads", "1", "--enforce-eager", "--api-key", KEY)
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with running("--ctx", str(CTX), "--kv-memory", KV, "--threads", "1", "--enforce-eager", "--api-key", KEY) as s:
+        yield s
 
 
 def test_pinned_model_with_api_key(pinned):

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from conftest import make_engine
-from server_proc import ServerProc
+from server_proc import openai_client, running
 
 MODEL = "smollm2-135m"
 CTX = 2048
@@ -19,17 +19,13 @@ CTX = 2048
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProc("--ctx", str(CTX), "--kv-memory", "0.1", "--threads", "1")
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with running("--ctx", str(CTX), "--kv-memory", "0.1", "--threads", "1") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    # max_retries=0: a 5xx or 429 must surface as is, not be retried
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server, timeout=60)
 
 
 @pytest.fixture(scope="module")

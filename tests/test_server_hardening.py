@@ -12,7 +12,7 @@ from collections import Counter
 
 import httpx
 import pytest
-from server_proc import ServerProc
+from server_proc import running
 
 MODEL = "smollm2-135m"
 CTX = 256
@@ -21,12 +21,9 @@ CAP = 1 << 20
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProc("--ctx", str(CTX), "--kv-memory", "0.03", "--threads", "1", "--max-body-mb", "1",
-                   "--enforce-eager")
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with running("--ctx", str(CTX), "--kv-memory", "0.03", "--threads", "1", "--max-body-mb", "1",
+                 "--enforce-eager") as s:
+        yield s
 
 
 def wait_for(pred, timeout=15.0) -> bool:

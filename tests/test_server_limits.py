@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_proc import ServerProc
+from server_proc import running
 
 KEY = "test-key-123"
 MODEL = "smollm2-135m"
@@ -19,12 +19,9 @@ ORIGIN = "http://localhost:5173"
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProc("--ctx", "1024", "--kv-memory", "0.05", "--threads", "1", "--api-key", KEY,
-                   "--max-num-seqs", "1", "--max-queue", "1", "--cors-origin", ORIGIN)
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with running("--ctx", "1024", "--kv-memory", "0.05", "--threads", "1", "--api-key", KEY,
+                 "--max-num-seqs", "1", "--max-queue", "1", "--cors-origin", ORIGIN) as s:
+        yield s
 
 
 def make_client(server, key=KEY):

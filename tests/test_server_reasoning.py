@@ -17,7 +17,7 @@ import ollama
 import openai
 import pytest
 from hub_mirror import tiny_checkpoint_with_template
-from server_proc import ServerProc
+from server_proc import running
 
 from localllm import openai_schema as oai
 from localllm.chat import render_chat
@@ -34,12 +34,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = ServerProc("--ctx", "512", "--kv-memory", "20MiB", "--threads", "1", "--enforce-eager",
-                   model=str(model_dir))
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with running("--ctx", "512", "--kv-memory", "20MiB", "--threads", "1", "--enforce-eager",
+                 model=str(model_dir)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,9 @@ import re
 import httpx
 import jsonschema
 import ollama
-import openai
 import pytest
 from pydantic import BaseModel
-from server_proc import ServerProc
+from server_proc import openai_client, running
 
 MODEL = "smollm2-135m"
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -26,16 +25,13 @@ ASK = [{"role": "user", "content": "Describe a person as JSON with a name and an
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProc("--ctx", "1024", "--kv-memory", "0.05", "--threads", "1", "--enforce-eager")
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with running("--ctx", "1024", "--kv-memory", "0.05", "--threads", "1", "--enforce-eager") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def post(server, path, body):

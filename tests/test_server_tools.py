@@ -12,10 +12,9 @@ from pathlib import Path
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from hub_mirror import tiny_checkpoint_with_template
-from server_proc import ServerProc
+from server_proc import openai_client, running
 
 from localllm.chat import render_chat
 from localllm.tool_calls import ToolCallStream, forcing_grammar, parse, template_messages
@@ -89,17 +88,14 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = ServerProc("--ctx", "1024", "--kv-memory", "20MiB", "--threads", "1", "--enforce-eager",
-                   model=str(model_dir))
-    try:
-        yield s.wait_ready()
-    finally:
-        s.stop()
+    with running("--ctx", "1024", "--kv-memory", "20MiB", "--threads", "1", "--enforce-eager",
+                 model=str(model_dir)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
