@@ -119,6 +119,18 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.moe_layers and self.moe_layers[i])
 
+    def checkpoint_norms(self) -> dict[str, str]:
+        """Each norm of our DecoderLayer -> the checkpoint module that holds it. Gemma's
+        post_attention_layernorm is the norm on the attention output; its pre-MLP norm is
+        pre_feedforward_layernorm."""
+        norms = {"input_norm": "input_layernorm", "post_norm": "post_attention_layernorm"}
+        if self.qk_norm:
+            norms |= {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+        if self.sandwich_norms:
+            norms |= {"post_norm": "pre_feedforward_layernorm", "attn_out_norm": "post_attention_layernorm",
+                      "mlp_out_norm": "post_feedforward_layernorm"}
+        return norms
+
     def to_hf(self) -> dict:
         extra = _moe_to_hf(self)
         if self.partial_rotary_factor != 1.0:

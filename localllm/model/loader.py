@@ -661,20 +661,12 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     try:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            att = p + "self_attn."
             moe = _moe_block(weights, cfg, i, mode, act_dtype, device, cpu_kernels) if cfg.is_moe_layer(i) else None
             qkv, o, gate_up, down = (None if moe and f in ("gate_up", "down") else
                                      linear(f"{i}.{f}", [p + m + ".weight" for m in modules[f]])
                                      for f in ("qkv", "o", "gate_up", "down"))
-            sandwich = cfg.sandwich_norms  # Gemma: post_attention_layernorm is on the attention output
-            layers.append(DecoderLayer(
-                cfg, qkv, o, gate_up, down, norm(p + "input_layernorm"),
-                norm(p + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")),
-                *((norm(att + "q_norm"), norm(att + "k_norm")) if cfg.qk_norm else (None, None)),
-                *((norm(p + "post_attention_layernorm"), norm(p + "post_feedforward_layernorm"))
-                  if sandwich else (None, None)),
-                moe=moe, window=cfg.window(i),
-            ))
+            layers.append(DecoderLayer(cfg, qkv, o, gate_up, down, moe=moe, window=cfg.window(i),
+                                       **{n: norm(p + m) for n, m in cfg.checkpoint_norms().items()}))
         # the embedding and head stay exact (fp32 on CPU, or the file's Q8_0 blocks read in place):
         # they are where rounding flips tokens
         head_dtype = torch.float32 if device == "cpu" else act_dtype

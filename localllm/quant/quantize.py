@@ -572,16 +572,8 @@ def _write_checkpoint(weights, cfg, model: LlamaModel, qlinears: dict[str, QLine
     t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed.dense().half()}
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        # Gemma's post_attention_layernorm is the norm on the attention output; its checkpoints
-        # store w for a scale of (1 + w)
-        norms = {"input_layernorm": layer.input_norm, "self_attn.q_norm": layer.q_norm,
-                 "self_attn.k_norm": layer.k_norm, "post_attention_layernorm": layer.post_norm}
-        if cfg.sandwich_norms:
-            norms |= {"pre_feedforward_layernorm": layer.post_norm, "post_attention_layernorm": layer.attn_out_norm,
-                      "post_feedforward_layernorm": layer.mlp_out_norm}
-        for m, norm in norms.items():
-            if norm is not None:
-                t[p + m + ".weight"] = (norm.weight.float() - cfg.norm_weight_offset).half()
+        for attr, m in cfg.checkpoint_norms().items():  # Gemma's checkpoints store w for a scale of (1 + w)
+            t[p + m + ".weight"] = (getattr(layer, attr).weight.float() - cfg.norm_weight_offset).half()
         if layer.qkv.bias is not None:
             for m, b in _split_rows(cfg, layer, "qkv", layer.qkv.bias).items():
                 t[p + m + ".bias"] = b.half()
