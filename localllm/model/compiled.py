@@ -378,6 +378,18 @@ class CompiledStep:
         self.steps = 0  # steps served by a package
         self.kinds_used: set[str] = set()
         self._builder_stopped = False
+        self._announced = False
+        d1 = package_path(model, "d1", self.kv_dtype)
+        if background and model.origin and d1 is not None and not d1.is_file() and builder_pid(model) is None:
+            # said now, before an answer streams: from the first decode step it lands mid-answer
+            self._announce()
+
+    def _announce(self) -> None:
+        if not self._announced:
+            self._announced = True
+            log.warning("building the compiled step for this model in the background (a few minutes of CPU "
+                        "while no answer is being generated, once per model; answers use the eager step "
+                        "until then) into %s", cache_dir())
 
     def _runner(self, kind: str) -> _Package | None:
         runner = self._runners.get(kind)
@@ -406,9 +418,7 @@ class CompiledStep:
             return
         if builder_pid(self.model) is None:
             log_path = cache_dir() / "build.log"
-            log.warning("building the compiled step for this model in the background (a few minutes of CPU "
-                        "while no answer is being generated, once per model; answers use the eager step "
-                        "until then) into %s", cache_dir())
+            self._announce()
             self.builder = spawn_builder(self.model.origin, self.kv_dtype, torch.get_num_threads(), log_path)
         else:
             self.builder = False  # someone else is building it: just look for the result
