@@ -25,9 +25,12 @@ import torch.nn.functional as F
 
 # ------------------------------------------------------------------ shapes
 
-# (name, num_heads, num_kv_heads, head_dim) -- Llama-3-8B-like and Qwen-like GQA
+# (name, num_heads, num_kv_heads, head_dim[, sliding window, score soft-cap]) -- Llama-3-8B-like and
+# Qwen-like GQA; Gemma's head_dim 256: Gemma 3 12B's local layers (window 1024) and Gemma 2 9B
+# (window 4096, soft-cap 50: the cap bites everywhere, the window only past 4096 tokens)
 FULL = dict(
-    attn=[("llama8b", 32, 8, 128), ("qwen-gqa7", 28, 4, 128)],
+    attn=[("llama8b", 32, 8, 128), ("qwen-gqa7", 28, 4, 128), ("gemma3-12b-local", 16, 8, 256, 1024, 0.0),
+          ("gemma2-9b", 16, 8, 256, 4096, 50.0)],
     prefill=[(4, 1024, 0), (2, 512, 1536)],       # (num_seqs, new tokens each, cached tokens each)
     decode=[(8, 4096), (64, 2048), (64, 8192)],   # (batch, context_len)
     int4=[(1, 4096, 4096), (1, 14336, 4096), (1, 4096, 14336), (16, 4096, 4096), (64, 14336, 4096),
@@ -36,7 +39,7 @@ FULL = dict(
     block_size=16, group_size=128,
 )
 TINY = dict(
-    attn=[("tiny-gqa2", 4, 2, 64)],
+    attn=[("tiny-gqa2", 4, 2, 64), ("tiny-window-cap", 4, 2, 64, 16, 5.0)],
     prefill=[(2, 24, 0), (2, 9, 19)],
     decode=[(3, 40)],
     int4=[(1, 64, 128), (70, 64, 128)],
@@ -84,6 +87,41 @@ def gather_kv(cache: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor
     return cache[tables.long()].reshape(b, -1, *cache.shape[2:])[:, :n]
 
 
+def attn_shape(attn: tuple) -> tuple[str, int, int, int, int, float]:
+    """(name, heads, kv heads, head_dim, window, softcap); 0 = no window / no cap."""
+    name, h, kvh, d, *rest = attn
+    window, softcap = (*rest, 0, 0.0)[:2]
+    return name, h, kvh, d, window, softcap
+
+
+def visible_mask(qpos: torch.Tensor, nkeys: int, window: int) -> torch.Tensor:
+    """[Q, nkeys] bool: causal, and with a window only the last `window` positions."""
+    kpos = torch.arange(nkeys, device=qpos.device)[None, :]
+    mask = kpos <= qpos[:, None]
+    return mask & (kpos > qpos[:, None] - window) if window else mask
+
+
+def ref_attention(q, k, v, scale: float, mask: torch.Tensor | None, softcap: float,
+                  causal: bool = False) -> torch.Tensor:
+    """[B, H, Q, D] torch baseline: SDPA, or (soft-cap: SDPA has no score hook) the explicit
+    softmax in fp32 with the K/V heads repeated for GQA. mask None: every key visible, or with
+    `causal` SDPA's own (top-left) causal mask."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=True)
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ v.float()).to(q.dtype)
+
+
+def attn_label(name: str, window: int, softcap: float) -> str:
+    return name + (f" w{window}" if window else "") + (f" cap{softcap:g}" if softcap else "")
+
+
 # ------------------------------------------------------------------ benchmarks
 
 def bench_prefill(K, cfg, dtype, dev, interpret, gen) -> list[dict]:
@@ -92,7 +130,7 @@ def bench_prefill(K, cfg, dtype, dev, interpret, gen) -> list[dict]:
 
 
 def prefill_case(K, cfg, attn, case, dtype, dev, interpret, gen) -> dict:
-    name, h, kvh, d = attn
+    name, h, kvh, d, window, softcap = attn_shape(attn)
     nseq, new, cached = case
     lens = [cached + new] * nseq
     k_cache, v_cache, tables = paged_setup(lens, kvh, d, cfg["block_size"], dtype, dev, gen)
@@ -106,28 +144,28 @@ def prefill_case(K, cfg, attn, case, dtype, dev, interpret, gen) -> dict:
     scale = d ** -0.5
 
     def ours():
-        return K.flash_attn_varlen_paged(q, k_new, v_new, k_cache, v_cache, cu, cl, tables, scale)
+        return K.flash_attn_varlen_paged(q, k_new, v_new, k_cache, v_cache, cu, cl, tables, scale,
+                                         window=window or None, softcap=softcap or None)
 
     qb = q.view(nseq, new, h, d).transpose(1, 2)
     kb = k_all.transpose(1, 2)
     vb = v_all.transpose(1, 2)
     # Causal aligned bottom-right (new tokens follow the cached prefix): an explicit mask when
-    # there is a prefix; with none, is_causal (top-left) is the same thing.
-    mask = None
-    if cached:
-        qpos = cached + torch.arange(new, device=dev)[:, None]
-        mask = torch.arange(cached + new, device=dev)[None, :] <= qpos
+    # there is a prefix or a window; with neither, is_causal (top-left) is the same thing.
+    qpos = cached + torch.arange(new, device=dev)
+    mask = visible_mask(qpos, cached + new, window) if cached or window or softcap else None
 
     def torch_ref():
-        return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None,
-                                              scale=scale, enable_gqa=True)
+        return ref_attention(qb, kb, vb, scale, mask, softcap, causal=mask is None)
 
     err = rel_err(ours().view(nseq, new, h, d), torch_ref().transpose(1, 2))
     t_ours, t_ref = timer(ours, interpret), timer(torch_ref, interpret)
-    visible = nseq * h * sum(cached + i + 1 for i in range(new))  # causal: only visible keys count
+    # only the keys a query sees count (causal, within the window)
+    visible = nseq * h * sum(min(cached + i + 1, window or cached + i + 1) for i in range(new))
     tflops = 4 * visible * d / (t_ours * 1e-3) / 1e12
-    return dict(kernel="prefill", shape=f"{name} {nseq}x(+{new} on {cached})", ours=t_ours, torch=t_ref,
-                err=err, rate=f"{tflops:.1f} TFLOP/s", baseline="SDPA")
+    return dict(kernel="prefill", shape=f"{attn_label(name, window, softcap)} {nseq}x(+{new} on {cached})",
+                ours=t_ours, torch=t_ref, err=err, rate=f"{tflops:.1f} TFLOP/s",
+                baseline="SDPA" if not softcap else "fp32 softmax")
 
 
 def bench_decode(K, cfg, dtype, dev, interpret, gen) -> list[dict]:
@@ -136,7 +174,7 @@ def bench_decode(K, cfg, dtype, dev, interpret, gen) -> list[dict]:
 
 
 def decode_case(K, cfg, attn, case, dtype, dev, interpret, gen) -> dict:
-    name, h, kvh, d = attn
+    name, h, kvh, d, window, softcap = attn_shape(attn)
     batch, ctx = case
     k_cache, v_cache, tables = paged_setup([ctx] * batch, kvh, d, cfg["block_size"], dtype, dev, gen)
     q = torch.randn(batch, h, d, generator=gen, device=dev).to(dtype)
@@ -144,18 +182,23 @@ def decode_case(K, cfg, attn, case, dtype, dev, interpret, gen) -> dict:
     scale = d ** -0.5
 
     def ours():
-        return K.paged_decode_attention(q, k_cache, v_cache, lens, tables, scale)
+        return K.paged_decode_attention(q, k_cache, v_cache, lens, tables, scale, window=window or None,
+                                        softcap=softcap or None)
 
-    def torch_ref():  # gather the pages into a dense copy, then SDPA
-        kb = gather_kv(k_cache, tables, ctx).transpose(1, 2)
-        vb = gather_kv(v_cache, tables, ctx).transpose(1, 2)
-        return F.scaled_dot_product_attention(q[:, :, None], kb, vb, scale=scale, enable_gqa=True)[:, :, 0]
+    # the baseline gathers the pages it needs (with a window: the window's) into a dense copy
+    first = max(ctx - window, 0) if window else 0
+
+    def torch_ref():
+        kb = gather_kv(k_cache, tables, ctx)[:, first:].transpose(1, 2)
+        vb = gather_kv(v_cache, tables, ctx)[:, first:].transpose(1, 2)
+        return ref_attention(q[:, :, None], kb, vb, scale, None, softcap)[:, :, 0]
 
     err = rel_err(ours(), torch_ref())
     t_ours, t_ref = timer(ours, interpret), timer(torch_ref, interpret)
-    nbytes = 2 * batch * ctx * kvh * d * k_cache.element_size() + 2 * q.numel() * q.element_size()
-    return dict(kernel="decode", shape=f"{name} b{batch} ctx{ctx}", ours=t_ours, torch=t_ref, err=err,
-                rate=f"{nbytes / (t_ours * 1e-3) / 1e9:.0f} GB/s", baseline="gather+SDPA")
+    nbytes = 2 * batch * (ctx - first) * kvh * d * k_cache.element_size() + 2 * q.numel() * q.element_size()
+    return dict(kernel="decode", shape=f"{attn_label(name, window, softcap)} b{batch} ctx{ctx}", ours=t_ours,
+                torch=t_ref, err=err, rate=f"{nbytes / (t_ours * 1e-3) / 1e9:.0f} GB/s",
+                baseline="gather+SDPA" if not softcap else "gather+fp32 softmax")
 
 
 def bench_int4(K, cfg, dtype, dev, interpret, gen) -> list[dict]:
@@ -237,7 +280,7 @@ def bench_store(K, cfg, dtype, dev, interpret, gen) -> list[dict]:
 
 
 def store_case(K, cfg, ntok, dtype, dev, interpret, gen) -> dict:
-    _, _, kvh, d = cfg["attn"][0]
+    _, _, kvh, d, _, _ = attn_shape(cfg["attn"][0])
     bs = cfg["block_size"]
     nblocks = -(-ntok // bs) + 4
     k = torch.randn(ntok, kvh, d, generator=gen, device=dev).to(dtype)
@@ -265,11 +308,11 @@ def store_case(K, cfg, ntok, dtype, dev, interpret, gen) -> dict:
 
 def print_table(rows: list[dict], title: str) -> None:
     print(f"\n## {title}\n")
-    print(f"| {'kernel':<17} | {'shape':<34} | {'triton ms':>9} | {'torch ms':>9} | {'speedup':>7} | "
+    print(f"| {'kernel':<17} | {'shape':<40} | {'triton ms':>9} | {'torch ms':>9} | {'speedup':>7} | "
           f"{'achieved':>14} | {'rel err':>8} | baseline |")
-    print(f"|{'-' * 19}|{'-' * 36}|{'-' * 11}|{'-' * 11}|{'-' * 9}|{'-' * 16}|{'-' * 10}|----------|")
+    print(f"|{'-' * 19}|{'-' * 42}|{'-' * 11}|{'-' * 11}|{'-' * 9}|{'-' * 16}|{'-' * 10}|----------|")
     for r in rows:
-        print(f"| {r['kernel']:<17} | {r['shape']:<34} | {r['ours']:>9.4f} | {r['torch']:>9.4f} | "
+        print(f"| {r['kernel']:<17} | {r['shape']:<40} | {r['ours']:>9.4f} | {r['torch']:>9.4f} | "
               f"{r['torch'] / r['ours']:>6.2f}x | {r['rate']:>14} | {r['err']:>8.1e} | {r['baseline']} |")
 
 
@@ -310,16 +353,18 @@ def compile_check(dtype, quick: bool = False) -> int:
     try:
         meta = "meta"
         attn = FULL["attn"][:1] if quick else FULL["attn"] + [("d64-mha", 16, 16, 64), ("d96-gqa8", 32, 4, 96)]
-        for _, h, kvh, d in attn:
+        for shape in attn:
+            _, h, kvh, d, window, softcap = attn_shape(shape)
+            extra = dict(window=window or None, softcap=softcap or None)
             q = torch.empty(512, h, d, dtype=dtype, device=meta)
             k = torch.empty(512, kvh, d, dtype=dtype, device=meta)
             kc = torch.empty(1000, 16, kvh, d, dtype=dtype, device=meta)
             i32 = dict(dtype=torch.int32, device=meta)
             fa.flash_attn_varlen_paged(q, k, k, kc, kc, torch.empty(3, **i32), torch.empty(2, **i32),
-                                       torch.empty(2, 64, **i32), 0.1)
+                                       torch.empty(2, 64, **i32), 0.1, **extra)
             for batch in (1, 64):
                 pd.paged_decode_attention(q[:batch], kc, kc, torch.empty(batch, **i32),
-                                          torch.empty(batch, 64, **i32), 0.1, None)
+                                          torch.empty(batch, 64, **i32), 0.1, None, **extra)
             kv.store_kv(k, k, kc, kc, torch.empty(512, dtype=torch.int64, device=meta))
             cs = torch.empty(4096, d, dtype=dtype, device=meta)
             rp.apply_rope(torch.empty(512, dtype=torch.int64, device=meta), q, k, cs, cs)

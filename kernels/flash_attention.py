@@ -195,7 +195,8 @@ def _prefill_config(head_dim_pad: int, g_pad: int, elem_size: int) -> tuple[int,
     block_m = 128 if head_dim_pad <= 128 and elem_size <= 2 else 64
     block_n = 64 if elem_size <= 2 and head_dim_pad <= 128 else 32
     block_m = max(block_m, g_pad)
-    num_warps = 8 if block_m >= 128 else 4  # 4 warps at 128 rows sit at the 255-register limit
+    # 4 warps at 128 rows, or at head_dim 256, sit at the 255-register limit (spill at 256)
+    num_warps = 8 if block_m >= 128 or head_dim_pad > 128 else 4
     return block_m, block_n, num_warps, 2
 
 

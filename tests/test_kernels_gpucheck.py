@@ -30,6 +30,8 @@ def test_gpu_kernels_dry_run(capsys):
     assert "## GPU kernels" in out
     for kernel in ("prefill", "decode", "int4 fused", "int4 dequant+mm", "store_kv"):
         assert f"| {kernel} " in out
+    assert "| prefill           | tiny-window-cap w16 cap5 " in out  # Gemma's window + soft-cap
+    assert "| decode            | tiny-window-cap w16 cap5 " in out
 
 
 def test_gpu_kernels_compile_for_hopper():
