@@ -543,6 +543,24 @@ def test_phi_gguf_exports_to_an_hf_checkpoint_transformers_runs(family, tmp_path
 
 
 # ---- Gemma 2 / Gemma 3 specifics ----------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemma_norm_rounds_as_transformers(dtype):
+    """Gemma's norms scale by (1 + w) in fp32 and cast last (Llama's cast, then scale): with
+    16-bit activations ours equal transformers' Gemma2RMSNorm bit for bit, and both weights."""
+    from localllm.model.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    w = 0.3 * torch.randn(256, generator=gen)
+    x = (torch.randn(7, 256, generator=gen) * 5).to(dtype)
+    ref = transformers.models.gemma2.modeling_gemma2.Gemma2RMSNorm(256, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+    ours = RMSNorm(w + 1.0, 1e-6, scale_in_fp32=True)
+    assert ours.weight.dtype == torch.float32
+    assert torch.equal(ours(x), ref(x))
+    assert torch.equal(ours(x.float()), ref(x.float()).float())
+
+
 def test_gemma_configs_as_published():
     """config.json of the published models (as on the hub: Gemma 3 4B+ nests a sparse text_config
     in a multimodal config) -> our config, as transformers completes it."""

@@ -9,10 +9,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
 
 
-def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: fp32 normalise, cast, scale."""
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float, scale_in_fp32: bool = False) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: fp32 normalise, cast, scale; Gemma's: fp32 scale, then cast."""
     xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * w.float()).to(x.dtype) if scale_in_fp32 else w * y.to(x.dtype)
 
 
 def rope_ref(positions, x, cos, sin):
@@ -24,19 +25,20 @@ def rope_ref(positions, x, cos, sin):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [64, 96])
-def test_rms_norm(n, dtype):
+@pytest.mark.parametrize("n,gemma", [(64, False), (96, False), (96, True)])
+def test_rms_norm(n, gemma, dtype):
     gen = torch.Generator().manual_seed(n)
     x = (torch.randn(2, 5, n, generator=gen) * 3).to(dtype)
     r = torch.randn(2, 5, n, generator=gen).to(dtype)
-    w = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, generator=gen))
+    w = w if gemma else w.to(dtype)  # Gemma's (1 + w) stays fp32
     # one ulp of slack: the kernel's rsqrt and reduction order differ from torch's
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    out = rms_norm(x.to(DEV), w.to(DEV), 1e-5)
-    torch.testing.assert_close(out.cpu(), rms_norm_ref(x, w, 1e-5), **tol)
-    out, h = rms_norm(x.to(DEV), w.to(DEV), 1e-5, residual=r.to(DEV))
+    out = rms_norm(x.to(DEV), w.to(DEV), 1e-5, scale_in_fp32=gemma)
+    torch.testing.assert_close(out.cpu(), rms_norm_ref(x, w, 1e-5, gemma), **tol)
+    out, h = rms_norm(x.to(DEV), w.to(DEV), 1e-5, residual=r.to(DEV), scale_in_fp32=gemma)
     assert torch.equal(h.cpu(), x + r)
-    torch.testing.assert_close(out.cpu(), rms_norm_ref(x + r, w, 1e-5), **tol)
+    torch.testing.assert_close(out.cpu(), rms_norm_ref(x + r, w, 1e-5, gemma), **tol)
 
 
 @pytest.mark.parametrize("inplace", [False, True])

@@ -256,17 +256,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) ->
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float):
+    """scale_in_fp32 (Gemma): the weight (1 + w) stays fp32 and scales before the cast to a 16-bit
+    activation dtype, as transformers' Gemma norms do (Llama's: cast, then scale in that dtype;
+    1 + w rounded to bf16 would be off by up to 0.4%)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, scale_in_fp32: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight = nn.Parameter(weight.float() if scale_in_fp32 else weight, requires_grad=False)
         self.eps = eps
+        self.scale_in_fp32 = scale_in_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # as transformers: normalize in fp32, cast, then scale
+        # as transformers: normalize in fp32, then cast and scale (Llama) or scale and cast (Gemma)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_fp32:
+            return (xf * self.weight).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 

@@ -49,8 +49,8 @@ def add_norm_fused(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     from localllm_kernels import rms_norm
 
     if residual is None:
-        return rms_norm(x, norm.weight, norm.eps), x
-    return rms_norm(x, norm.weight, norm.eps, residual)
+        return rms_norm(x, norm.weight, norm.eps, scale_in_fp32=norm.scale_in_fp32), x
+    return rms_norm(x, norm.weight, norm.eps, residual, scale_in_fp32=norm.scale_in_fp32)
 
 
 def silu_mul_fused(gate_up: torch.Tensor) -> torch.Tensor:

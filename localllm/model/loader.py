@@ -651,8 +651,8 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
 
     def norm(name: str) -> RMSNorm:
         w = weights.dense(name + ".weight")
-        if cfg.norm_weight_offset:  # Gemma: (1 + w), the 1 added once here (in fp32, as transformers)
-            w = w.float() + cfg.norm_weight_offset
+        if cfg.norm_weight_offset:  # Gemma: (1 + w), the 1 added once here, kept in fp32 (as transformers)
+            return RMSNorm(w.float().to(device) + cfg.norm_weight_offset, cfg.rms_norm_eps, scale_in_fp32=True)
         return RMSNorm(w.to(device, act_dtype), cfg.rms_norm_eps)
 
     max_len = _context_length(cfg, max_model_len)
