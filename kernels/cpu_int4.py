@@ -1,11 +1,12 @@
-"""The CPU int4 GEMM (`kernels/cpu/int4_gemm.cpp`, AVX-512 VNNI): build, load and weight packing.
+"""The CPU int4 GEMM (`kernels/cpu/int4_gemm.cpp`, AVX-512 VNNI or AVX2): build, load and weight packing.
 
 The C++ source is compiled once per machine with the system C++ compiler against torch's headers
 (~7 s) into a shared library cached under ~/.cache/localllm/kernels (LOCALLLM_KERNEL_CACHE),
 keyed by the source, torch and the flags (see cpu_build); it registers
 ``torch.ops.localllm.int4_gemm`` (and ``moe_int4``, the mixture-of-experts MLP on stacked int4
-experts, ``pack_gguf_q4``). A CPU without AVX-512 VNNI, a missing compiler or
-leaves ``load()`` False and callers on torch's own int4 kernel.
+experts, ``pack_gguf_q4``, ``int4_isa``). The kernel runs with AVX-512 VNNI where the CPU has it,
+else with AVX2 (same layouts, same results). A CPU without AVX2, FMA and F16C, or a missing
+compiler, leaves ``load()`` False and callers on torch's own int4 kernel.
 Imports only torch.
 """
 
@@ -23,19 +24,24 @@ from .cpu_build import cache_dir  # noqa: F401  (where the libraries live)
 
 SOURCE = Path(__file__).parent / "cpu" / "int4_gemm.cpp"
 ROWS = 16  # output rows per block: the kernel's N must be a multiple
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c")
+CPU_FLAGS = ("avx2", "fma", "f16c")  # the AVX2 kernel's; AVX-512 VNNI, where present, is chosen at run time
+VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 CXXFLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
 
 
-def supported() -> bool:
-    """This CPU can run the kernel and it is not switched off."""
+def _cpu_has(flags: tuple[str, ...]) -> bool:
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
     try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+        line = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     except OSError:
         return False
-    return set(CPU_FLAGS) <= set(flags.split())
+    return set(flags) <= set(line.split())
+
+
+def supported() -> bool:
+    """This CPU can run the kernel (AVX2 with FMA and F16C at least)."""
+    return _cpu_has(CPU_FLAGS)
 
 
 def library_path() -> Path:
@@ -45,6 +51,11 @@ def library_path() -> Path:
 def build(out: Path) -> None:
     """Compile the library into `out` (atomically: concurrent builders each write their own file)."""
     cpu_build.build(SOURCE, out, CXXFLAGS)
+
+
+def has_vnni() -> bool:
+    """The CPU has AVX-512 VNNI (the kernel's faster path; AVX2 otherwise)."""
+    return _cpu_has(CPU_FLAGS + VNNI_FLAGS)
 
 
 @functools.cache

@@ -1,5 +1,6 @@
-"""The CPU int4 kernels: ours (AVX-512 VNNI, localllm_kernels.cpu_int4) and torch's fallback, each
-against an fp64 reference; the int4 layer's dense prefill path; the LM head's candidate search."""
+"""The CPU int4 kernels: ours (AVX-512 VNNI or AVX2, localllm_kernels.cpu_int4) and torch's
+fallback, each against an fp64 reference; the int4 layer's dense prefill path; the LM head's
+candidate search."""
 
 import pytest
 import torch
@@ -9,7 +10,17 @@ from localllm.model import layers
 from localllm.model.int4 import Int4Weight, quantize_rtn
 from localllm.model.layers import Int4Linear, top_indices
 
-needs_vnni = pytest.mark.skipif(not cpu_int4.supported(), reason="this CPU has no AVX-512 VNNI")
+needs_vnni = pytest.mark.skipif(not cpu_int4.supported(), reason="this CPU has no AVX2 (with FMA and F16C)")
+
+
+@pytest.fixture(params=["auto", "avx2"])
+def isa(request):
+    """The instruction set the kernel picks for this CPU, and its AVX2 path forced (on a CPU with
+    AVX-512 VNNI the two differ; without, both are AVX2)."""
+    assert cpu_int4.load()
+    torch.ops.localllm.int4_isa(request.param == "avx2")
+    yield torch.ops.localllm.int4_isa()
+    torch.ops.localllm.int4_isa(False)
 
 
 def rand_weight(n: int, k: int, group: int, fp16_scales: bool, seed: int = 0) -> Int4Weight:
@@ -34,9 +45,8 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("n,k,group", [(16, 64, 32), (40, 256, 64), (96, 256, 128), (33, 128, 128)])
 @pytest.mark.parametrize("m", [1, 3, 5, 17])
 @pytest.mark.parametrize("fp16_scales", [True, False])
-def test_vnni_kernel_matches_fp64(n, k, group, m, fp16_scales):
+def test_vnni_kernel_matches_fp64(n, k, group, m, fp16_scales, isa):
     """16-bit activations (two int8 parts): ~50x closer than torch's bf16 path; N is padded to 16 rows."""
-    assert cpu_int4.load()
     w = rand_weight(n, k, group, fp16_scales, seed=n + k + m)
     qw, qsc = cpu_int4.pack(w.q, w.scales, w.zeros)
     assert qsc.dtype == (torch.float16 if fp16_scales else torch.float32)
@@ -47,6 +57,31 @@ def test_vnni_kernel_matches_fp64(n, k, group, m, fp16_scales):
     assert y.shape == (m, qw.shape[0] * 16)
     assert rel_err(y[:, :n], reference(x, w)) < 2e-4
     assert torch.equal(y[:, n:], torch.zeros_like(y[:, n:]))  # padding rows
+
+
+@needs_vnni
+def test_avx2_path_equals_the_vnni_path_bit_for_bit():
+    """Both paths compute the same exact int32 block sums and the same fp32 steps per output lane
+    (the activations' group sums in _mm512_reduce_add_ps's order): equal outputs, for every tile
+    edge (VNNI tiles of 6 rows, AVX2 of 3) and both group-size paths. On a CPU without VNNI both
+    runs take the AVX2 path."""
+    outs = {}
+    for avx2 in (False, True):
+        torch.ops.localllm.int4_isa(avx2)
+        try:
+            res = []
+            for group, m in [(32, 1), (32, 2), (32, 7), (128, 3), (128, 13), (64, 6)]:
+                w = rand_weight(48, 256, group, True, seed=group + m)
+                qw, qsc = cpu_int4.pack(w.q, w.scales, w.zeros)
+                x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)) * 2
+                res.append(cpu_int4.int4_gemm(x, qw, qsc, group))
+            outs[torch.ops.localllm.int4_isa()] = res
+        finally:
+            torch.ops.localllm.int4_isa(False)
+    assert len(outs) == (2 if cpu_int4.has_vnni() else 1)
+    first, *rest = outs.values()
+    for other in rest:
+        assert all(torch.equal(a, b) for a, b in zip(first, other))
 
 
 @needs_vnni

@@ -211,7 +211,7 @@ def test_moe_int4_op_matches_the_torch_loop():
     from localllm.model.moe import Int4Experts, LoopExperts
 
     if not cpu_int4.load():
-        pytest.skip("no AVX-512 VNNI kernel on this machine")
+        pytest.skip("no int4 CPU kernel on this machine (it needs AVX2)")
     g = torch.Generator().manual_seed(0)
     E, H, inter = 8, 128, 96
     gate_up, down, dense = _int4_experts(E, H, inter, g)
@@ -234,7 +234,7 @@ def test_moe_int4_op_matches_the_torch_loop():
 
 @pytest.mark.parametrize("family", ["mixtral"], indirect=True)  # one family: each package compiles ~20 s
 def test_compiled_step_covers_int4_moe(family):
-    """An int4 MoE model (Q4_1 experts on the VNNI kernel) compiles: the d1 package (exported with
+    """An int4 MoE model (Q4_1 experts on our int4 kernel) compiles: the d1 package (exported with
     the MoE op, checked against the eager step when built) decodes the eager tokens. An fp32 MoE
     model (experts looped in Python) runs eagerly."""
     from localllm_kernels import cpu_int4
@@ -244,7 +244,7 @@ def test_compiled_step_covers_int4_moe(family):
 
     model, _, gguf_file, q4_file, _ = family
     if not cpu_int4.load():
-        pytest.skip("no AVX-512 VNNI kernel on this machine")
+        pytest.skip("no int4 CPU kernel on this machine (it needs AVX2)")
     assert make_engine(load_model(gguf_file, "float32"), compile=True).runner.captured is None
     loaded = load_model(q4_file, "auto")
     assert isinstance(loaded.model.layers[0].moe.experts, Int4Experts)

@@ -1,4 +1,5 @@
-// Int4 weight x fp32 activation GEMM for x86 CPUs with AVX-512 VNNI, for decode-sized batches.
+// Int4 weight x fp32 activation GEMM for x86 CPUs with AVX-512 VNNI, for decode-sized batches;
+// CPUs without VNNI (AVX2 only: AMD before Zen 4, most desktop Intel) take block_rows_avx2 below.
 //
 // Why: torch's CPU int4 kernel dequantizes every weight to fp32 and needs two FMAs per weight,
 // so at batch 1 it streams weights at ~20 GB/s, and its cost grows linearly with the rows. Here
@@ -37,7 +38,10 @@
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -72,23 +76,45 @@ struct BlockMeta {
 // (group sums). One pointer walks a tile's whole working set in order.
 struct Tiled {
   int64_t M, K, nb, ng;
+  int64_t tile;  // rows per tile: kMc with AVX-512 VNNI, kMcAvx2 without
   int8_t* parts;
   BlockMeta* meta;
   float* s;
-  int mt(int64_t t) const { return static_cast<int>(std::min<int64_t>(kMc, M - t * kMc)); }
-  int8_t* tparts(int64_t t) const { return parts + t * kMc * kParts * K; }
-  BlockMeta* tmeta(int64_t t) const { return meta + t * kMc * nb; }
-  float* ts(int64_t t) const { return s + t * kMc * ng; }
+  int mt(int64_t t) const { return static_cast<int>(std::min<int64_t>(tile, M - t * tile)); }
+  int8_t* tparts(int64_t t) const { return parts + t * tile * kParts * K; }
+  BlockMeta* tmeta(int64_t t) const { return meta + t * tile * nb; }
+  float* ts(int64_t t) const { return s + t * tile * ng; }
 };
 
+// AVX2 has 16 vector registers (AVX-512: 32): tiles of 3 rows (thread CPU time on a 2-core EPYC,
+// 1B shapes at M = 16-64: 3 ~ 4 rows, 2 rows 1.1-1.5x slower)
+constexpr int kMcAvx2 = 3;
+
+// The AVX-512 VNNI kernel where the CPU has it, else the AVX2 one (same layouts, same arithmetic:
+// exact int32 block sums, then the same fp32 operations per output lane).
+bool cpu_has_vnni() {
+  static const bool v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return v;
+}
+std::atomic<bool> g_avx2_only{false};  // tests: the AVX2 path on a CPU that has VNNI
+bool has_vnni() { return cpu_has_vnni() && !g_avx2_only.load(std::memory_order_relaxed); }
+
+// -> the instruction set the kernels use: "avx512_vnni" or "avx2"; avx2_only=true makes them
+// take the AVX2 path even where VNNI is there (tests compare the two), false restores the choice.
+std::string int4_isa(std::optional<bool> avx2_only) {
+  if (avx2_only) g_avx2_only.store(*avx2_only);
+  return has_vnni() ? "avx512_vnni" : "avx2";
+}
+
 // x [M, K] -> the tiled activations above. Each part is int8; x = e * (p0 + p1/254) per block.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_rows(const float* x, const Tiled& q,
-                                                                        int64_t gs, int64_t m0, int64_t m1) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_rows_512(const float* x, const Tiled& q,
+                                                                            int64_t gs, int64_t m0, int64_t m1) {
   const int64_t K = q.K, nb = q.nb, ng = q.ng, bpg = gs / 32;
   const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f), base = _mm512_set1_ps(kBase);
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t m = m0; m < m1; ++m) {
-    const int64_t t = m / kMc, i = m % kMc;
+    const int64_t t = m / q.tile, i = m % q.tile;
     const int mt = q.mt(t);
     int8_t* tp = q.tparts(t);
     BlockMeta* tm = q.tmeta(t);
@@ -123,6 +149,77 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_rows(const fl
       }
     }
   }
+}
+
+// The same with AVX2. The fp32 group sums are added in _mm512_reduce_add_ps's order (halves of
+// 256, 128, 64 bits, then the last two), so the parts, scales and sums equal the AVX-512 ones.
+__attribute__((target("avx2,fma"))) inline float hsum_as_512(__m256 a, __m256 b) {
+  const __m256 t3 = _mm256_add_ps(b, a);  // lanes i and i + 8 of the 16-lane vector (a, b)
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
+}
+
+__attribute__((target("avx2,fma"))) void quantize_rows_avx2(const float* x, const Tiled& q, int64_t gs, int64_t m0,
+                                                           int64_t m1) {
+  const int64_t K = q.K, nb = q.nb, bpg = gs / 32;
+  const __m256 lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f), base = _mm256_set1_ps(kBase);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t m = m0; m < m1; ++m) {
+    const int64_t t = m / q.tile, i = m % q.tile;
+    const int mt = q.mt(t);
+    int8_t* tp = q.tparts(t);
+    BlockMeta* tm = q.tmeta(t);
+    float* ts = q.ts(t);
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const float* xb = x + m * K + blk * 32;
+      __m256 v[4];
+      for (int h = 0; h < 4; ++h) v[h] = _mm256_loadu_ps(xb + 8 * h);
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_shuffle_ps(m4, m4, 1)));
+      const bool live = amax > 1e-30f;
+      const __m256 inv = _mm256_set1_ps(live ? 127.f / amax : 0.f);
+      BlockMeta& bm = tm[blk * mt + i];
+      bm.e = live ? amax / 127.f : 0.f;
+      float& sg = ts[(blk / bpg) * mt + i];
+      if (blk % bpg == 0) sg = 0.f;
+      // the 512-bit version's v[0] + v[1]: lanes 0-7 and 8-15 of x[0:16] + x[16:32]
+      sg += hsum_as_512(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
+      int8_t* dst = tp + (blk * mt + i) * kParts * 32;
+      __m256 r[4];
+      for (int h = 0; h < 4; ++h) r[h] = _mm256_mul_ps(v[h], inv);
+      for (int p = 0; p < kParts; ++p) {
+        __m256i qi[4];
+        __m256i qs = _mm256_setzero_si256();
+        for (int h = 0; h < 4; ++h) {
+          __m256 qf = _mm256_round_ps(r[h], kRound);
+          if (p == kParts - 1) qf = _mm256_min_ps(lim, _mm256_max_ps(nlim, qf));
+          qi[h] = _mm256_cvtps_epi32(qf);
+          qs = _mm256_add_epi32(qs, qi[h]);
+          r[h] = _mm256_mul_ps(_mm256_sub_ps(r[h], qf), base);
+        }
+        // int32 -> int8 (saturating, the values fit), back in order after the per-lane packs
+        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + p * 32), _mm256_permutevar8x32_epi32(b, order));
+        __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(qs, 1), _mm256_castsi256_si128(qs));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+        bm.ps[p] = 8 * _mm_cvtsi128_si32(s4);
+      }
+    }
+  }
+}
+
+void quantize_rows(const float* x, const Tiled& q, int64_t gs, int64_t m0, int64_t m1) {
+  if (has_vnni())
+    quantize_rows_512(x, q, gs, m0, m1);
+  else
+    quantize_rows_avx2(x, q, gs, m0, m1);
 }
 
 __attribute__((target("avx512f,avx512bw,f16c"))) inline __m512 load16(const float* p) {
@@ -206,6 +303,86 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows(
   for (int m = 0; m < MC; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
 }
 
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// block_rows with AVX2, one 8-row half of the 16-row block at a time (a 64-byte chunk's first
+// 32 bytes are rows 0-7). No VPDPBUSD: VPMADDUBSW multiplies the u8 weights by the int8 parts
+// into int16 pairs (at most 2 * 15 * 127 = 3810 each, so the 8 of a 32-block add up in int16
+// without saturating: 30480) and one VPMADDWD per block widens them to int32. The sums are the
+// VNNI kernel's exact integers, and the fp32 steps after them are its steps, lane by lane.
+template <int MC, bool BPG1, typename S>
+__attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, const S* sc, int64_t K, int64_t gs,
+                                                               const int8_t* px, const BlockMeta* meta, const float* s,
+                                                               float* out, int64_t ldo) {
+  const int64_t ng = K / gs, bpg = BPG1 ? 1 : gs / 32;
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256 inv_base = _mm256_set1_ps(1.f / kBase);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[MC];
+    for (int m = 0; m < MC; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      __m256 gacc[MC];
+      for (int m = 0; m < MC; ++m) gacc[m] = _mm256_setzero_ps();
+      for (int64_t bb = 0; bb < bpg; ++bb) {
+        const int64_t blk = g * bpg + bb;
+        const int8_t* xb = px + blk * MC * kParts * 32;
+        const BlockMeta* bm = meta + blk * MC;
+        __m256i ip[MC][kParts];
+        for (int m = 0; m < MC; ++m)
+          for (int p = 0; p < kParts; ++p) ip[m][p] = _mm256_setzero_si256();
+        const uint8_t* wb = w + blk * 4 * 64 + half * 32;
+        for (int c = 0; c < 4; ++c) {
+          if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64));
+          const __m256i lo = _mm256_and_si256(raw, mask);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+          for (int m = 0; m < MC; ++m) {
+            for (int p = 0; p < kParts; ++p) {
+              const int8_t* xp = xb + (m * kParts + p) * 32 + c * 8;
+              int32_t xl, xh;
+              std::memcpy(&xl, xp, 4);
+              std::memcpy(&xh, xp + 4, 4);
+              const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+              ip[m][p] = _mm256_add_epi16(ip[m][p], d);
+            }
+          }
+        }
+        for (int m = 0; m < MC; ++m) {
+          __m256i c[kParts];
+          for (int p = 0; p < kParts; ++p)
+            c[p] = _mm256_sub_epi32(_mm256_madd_epi16(ip[m][p], ones), _mm256_set1_epi32(bm[m].ps[p]));
+          __m256 t = _mm256_cvtepi32_ps(c[kParts - 1]);
+          for (int p = kParts - 2; p >= 0; --p) t = _mm256_fmadd_ps(t, inv_base, _mm256_cvtepi32_ps(c[p]));
+          if (BPG1)
+            gacc[m] = _mm256_mul_ps(t, _mm256_set1_ps(bm[m].e));
+          else
+            gacc[m] = _mm256_fmadd_ps(t, _mm256_set1_ps(bm[m].e), gacc[m]);
+        }
+      }
+      const __m256 d = load8(sc + g * 2 * kRows + half * 8);
+      const __m256 off = _mm256_fmadd_ps(_mm256_set1_ps(8.f), d, load8(sc + (g * 2 + 1) * kRows + half * 8));
+      for (int m = 0; m < MC; ++m) {
+        acc[m] = _mm256_fmadd_ps(gacc[m], d, acc[m]);
+        acc[m] = _mm256_fmadd_ps(off, _mm256_set1_ps(s[g * MC + m]), acc[m]);
+      }
+    }
+    for (int m = 0; m < MC; ++m) _mm256_storeu_ps(out + m * ldo + half * 8, acc[m]);
+  }
+}
+
+template <int MC, typename S>
+void run_mc_avx2(int64_t gs, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const BlockMeta* meta,
+                 const float* s, float* out, int64_t ldo) {
+  if (gs == 32)
+    block_rows_avx2<MC, true, S>(w, sc, K, gs, px, meta, s, out, ldo);
+  else
+    block_rows_avx2<MC, false, S>(w, sc, K, gs, px, meta, s, out, ldo);
+}
+
 template <int MC, typename S>
 void run_mc(int64_t gs, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const BlockMeta* meta,
             const float* s, float* out, int64_t ldo) {
@@ -220,6 +397,15 @@ template <typename S>
 void run_block(int mc, int64_t gs, const uint8_t* w, const S* sc, int64_t K, const int8_t* px,
                const BlockMeta* meta, const float* s, float* out, int64_t ldo) {
   static_assert(kMc >= 4 && kMc <= 8, "one case per tile height below");
+  static_assert(kMcAvx2 >= 2 && kMcAvx2 <= 4, "one case per AVX2 tile height below");
+  if (!has_vnni()) {
+    switch (mc) {
+      case 1: return run_mc_avx2<1, S>(gs, w, sc, K, px, meta, s, out, ldo);
+      case 2: return run_mc_avx2<2, S>(gs, w, sc, K, px, meta, s, out, ldo);
+      case 3: return run_mc_avx2<std::min(3, kMcAvx2), S>(gs, w, sc, K, px, meta, s, out, ldo);
+      default: return run_mc_avx2<kMcAvx2, S>(gs, w, sc, K, px, meta, s, out, ldo);
+    }
+  }
   switch (mc) {
     case 1: return run_mc<1, S>(gs, w, sc, K, px, meta, s, out, ldo);
     case 2: return run_mc<2, S>(gs, w, sc, K, px, meta, s, out, ldo);
@@ -239,7 +425,7 @@ struct TiledBuf {
   std::vector<float> s;
   Tiled q;
   TiledBuf(int64_t M, int64_t K, int64_t gs) : px(M * kParts * K), meta(M * (K / 32)), s(M * (K / gs)) {
-    q = Tiled{M, K, K / 32, K / gs, px.data(), meta.data(), s.data()};
+    q = Tiled{M, K, K / 32, K / gs, has_vnni() ? kMc : kMcAvx2, px.data(), meta.data(), s.data()};
   }
 };
 
@@ -248,14 +434,14 @@ struct TiledBuf {
 template <typename S>
 void gemm_blocks(const Tiled& q, int64_t gs, const uint8_t* w, const S* sc, int64_t b0, int64_t b1, float* y,
                  int64_t N) {
-  const int64_t K = q.K, wstride = (K / 8) * 64, sstride = (K / gs) * 2 * kRows, ntiles = (q.M + kMc - 1) / kMc;
+  const int64_t K = q.K, wstride = (K / 8) * 64, sstride = (K / gs) * 2 * kRows, ntiles = (q.M + q.tile - 1) / q.tile;
   const int64_t wchunk = std::max<int64_t>(1, kWeightChunk / wstride);
   for (int64_t c0 = b0; c0 < b1; c0 += wchunk) {
     const int64_t c1 = std::min(b1, c0 + wchunk);
     for (int64_t t = 0; t < ntiles; ++t) {
       for (int64_t nbk = c0; nbk < c1; ++nbk) {
         run_block<S>(q.mt(t), gs, w + nbk * wstride, sc + nbk * sstride, K, q.tparts(t), q.tmeta(t), q.ts(t),
-                     y + t * kMc * N + nbk * kRows, N);
+                     y + t * q.tile * N + nbk * kRows, N);
       }
     }
   }
@@ -490,6 +676,7 @@ std::tuple<at::Tensor, at::Tensor> pack_gguf_q4(at::TensorList raws, const at::T
 
 TORCH_LIBRARY(localllm, m) {
   m.def("int4_gemm(Tensor x, Tensor w, Tensor scales, int group_size) -> Tensor");
+  m.def("int4_isa(bool? avx2_only=None) -> str", &int4_isa);  // no tensors: one kernel for every key
   m.def("pack_gguf_q4(Tensor[] raws, Tensor rows, int K) -> (Tensor, Tensor)");
   m.def("moe_int4(Tensor x, Tensor ids, Tensor weights, Tensor w1, Tensor s1, Tensor w2, Tensor s2, int group1, "
         "int group2, int inter) -> Tensor");

@@ -49,7 +49,7 @@ def _vnni_kernel(n: int, k: int, group_size: int) -> bool:
 class Int4Linear(nn.Module):
     """Weight-only int4.
 
-    On CPU, `kind` is "vnni" where our AVX-512 VNNI kernel runs (localllm_kernels.cpu_int4: fp32
+    On CPU, `kind` is "vnni" where our kernel runs (localllm_kernels.cpu_int4, AVX-512 VNNI or AVX2: fp32
     in and out, activations rounded to 16 bits inside, scales exact), else "aten": torch's int4pack
     kernel, fed bf16 (with fp32 activations it takes a path 5-30x slower) with bf16 scales. With
     `dense`, calls of `dense_min_rows` rows or more run an fp32 GEMM on a dequantized copy instead:
@@ -59,7 +59,7 @@ class Int4Linear(nn.Module):
     def __init__(self, w: Int4Weight, act_dtype: torch.dtype, bias: torch.Tensor | None = None,
                  device: str = "cpu", dense: bool = False, triton: bool | None = None, cpu_kernel: bool = True):
         """triton: use our Triton kernel (default: on CUDA; tests run it on CPU, interpreted).
-        cpu_kernel: on CPU, our VNNI kernel where this machine has it (False: torch's)."""
+        cpu_kernel: on CPU, our kernel where this machine has it (False: torch's)."""
         super().__init__()
         self.cuda_path = device.startswith("cuda") if triton is None else triton
         n, k = w.shape
@@ -345,7 +345,7 @@ class LMHead(nn.Module):
                 # at 2.7 GB on the first load of a 1B model with a 49k vocabulary
                 w = Int4Weight.cat([quantize_rtn(exact.rows(torch.arange(r, min(r + 4096, v))).float(), group)
                                     for r in range(0, v, 4096)])
-                # fp16 scales and offsets: fewer bytes for the VNNI kernel; this copy only ranks
+                # fp16 scales and offsets: fewer bytes for our int4 kernel; this copy only ranks
                 d, m = w.scales.half().float(), (w.zeros - 8 * w.scales).half().float()
                 self.fast = Int4Linear(Int4Weight(w.q, d, m + 8 * d, group), torch.bfloat16, device=device,
                                        cpu_kernel=cpu_kernel)

@@ -460,7 +460,7 @@ def _resolve_precision(precision: str, weights, device: str) -> tuple[str, torch
 def _keep_dense(cfg: ModelConfig, mode: str, device: str, cpu_kernel: bool) -> bool:
     """Keep fp32 copies of int4 weights for prefill GEMMs (Int4Linear.dense) only where they pay:
     with torch's int4 kernel (2.3x faster at 512 rows) on a small model (8x the int4 bytes of RAM).
-    Our VNNI kernel prefills as fast without them (SmolLM2-135M, 2 threads, 160-1000 tokens:
+    Our kernel prefills as fast without them (SmolLM2-135M, 2 threads, 160-1000 tokens:
     502-656 tok/s either way, measured 2026-12-01) and they cost 425 MB there."""
     if mode != "int4" or device != "cpu":
         return False
@@ -475,7 +475,7 @@ def _keep_dense(cfg: ModelConfig, mode: str, device: str, cpu_kernel: bool) -> b
 
 
 def _gguf_q4_linear(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None) -> Int4Linear | None:
-    """GGUF Q4_0 / Q4_1 parts straight into our VNNI kernel's layout by one C++ shuffle (no
+    """GGUF Q4_0 / Q4_1 parts straight into our int4 kernel's layout by one C++ shuffle (no
     unpacked or fp32 copy of the weights on the way: first loads ~7x faster); None when the
     parts or this CPU do not allow it."""
     from localllm_kernels import cpu_int4
@@ -705,7 +705,8 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     eos = set(tokenizer.eos_ids) | weights.extra_eos_ids()
     desc = mode
     if mode == "int4" and device == "cpu":
-        desc = {"vnni": "int4 weights (VNNI kernel, 16-bit matmul inputs), fp32 activations",
+        isa = torch.ops.localllm.int4_isa().replace("avx512_vnni", "AVX-512 VNNI").upper() if kernel == "vnni" else ""
+        desc = {"vnni": f"int4 weights (our kernel, {isa}, 16-bit matmul inputs), fp32 activations",
                 "aten": "int4 weights, bf16 matmul inputs, fp32 activations"}.get(kernel, mode)
     # CPU, int4/int8 weights: a 16-bit KV cache reads half the bytes per decode step; measured on
     # the real model against the fp32 cache (bench/check_kv.py): perplexity +0.001%, greedy tokens

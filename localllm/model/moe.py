@@ -6,7 +6,7 @@ norm_topk_prob); the output is the weighted sum of those k experts' SiLU-gated M
 
 Speed: a decode step must read only the chosen experts' weights (k of E). Both implementations
 group the (token, expert) pairs by expert and run one GEMM per used expert on its gathered rows:
-  Int4Experts: int4 experts stacked [E, ...] in our VNNI kernel's layout, the whole MLP in one C++
+  Int4Experts: int4 experts stacked [E, ...] in our int4 kernel's layout, the whole MLP in one C++
     op (localllm::moe_int4): no data-dependent Python, so the compiled CPU step exports it;
   LoopExperts: any other linears (fp32/bf16, int8, torch's int4, CUDA), a Python loop over the
     used experts: eager only (`compilable` says so to the compiled step and the CUDA graphs).
