@@ -215,7 +215,7 @@ def test_moe_int4_op_matches_the_torch_loop():
     g = torch.Generator().manual_seed(0)
     E, H, inter = 8, 128, 96
     gate_up, down, dense = _int4_experts(E, H, inter, g)
-    fused, loop = Int4Experts(gate_up, down, inter), LoopExperts(gate_up, down)
+    fused, loop = Int4Experts.stacked(zip(gate_up, down), E, inter), LoopExperts(gate_up, down)
     sets = [[[3, 5]], [[0, 7]], [[2, 2]],
             [[1, 4], [4, 1], [6, 0], [4, 6], [1, 4]], [[0, 1], [2, 3], [4, 5], [6, 7], [7, 0]]]
     for ids in sets:
@@ -255,6 +255,42 @@ def test_compiled_step_covers_int4_moe(family):
     eng = make_engine(loaded, compile=True)
     *_, got = eng.generate(list(PROMPT), params)
     assert eng.runner.captured.steps >= 15 and got.token_ids == eager.token_ids
+
+
+@pytest.mark.parametrize("family", ["qwen3moe"], indirect=True)  # a dense layer and an MoE layer
+def test_moe_layers_load_from_the_conversion_cache(family, tmp_path, monkeypatch):
+    """A Q4_1 MoE GGUF's second load takes its experts (Int4Experts' stacks, or each looped
+    expert on CPUs without VNNI) and routers from the conversion cache: nothing is repacked or read
+    from the GGUF's expert tensors, the buffers are the first load's, and so are the logits and
+    greedy tokens."""
+    from localllm.model import loader
+
+    q4_file = family[3]
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))  # a cache of this test's own
+    caches = []
+    open_cache = loader.ConvertCache.open
+    monkeypatch.setattr(loader.ConvertCache, "open", staticmethod(lambda *a: caches.append(open_cache(*a)) or caches[-1]))
+    cold = load_model(q4_file, "auto")
+    assert not caches[0].hit and any(".experts." in k for k in caches[0].tensors)
+
+    def fail(*a, **kw):
+        raise AssertionError("a cache hit built a layer")
+    for name in ("make_experts", "_linear"):
+        monkeypatch.setattr(loader, name, fail)
+    monkeypatch.setattr(loader.GGUFWeights, "_expert_tensor", fail)
+    dense = loader.GGUFWeights.dense  # norms are read again; routers are not
+    monkeypatch.setattr(loader.GGUFWeights, "dense", lambda w, name: fail() if ".mlp.gate." in name else dense(w, name))
+    warm = load_model(q4_file, "auto")
+    assert caches[1].hit
+    moe_cold, moe_warm = cold.model.layers[1].moe, warm.model.layers[1].moe
+    assert type(moe_warm.experts) is type(moe_cold.experts)
+    want, got = cold.model.state_dict(), warm.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert torch.equal(make_engine(warm).score(PROMPT), make_engine(cold).score(PROMPT))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    *_, a = make_engine(cold).generate(list(PROMPT), params)
+    *_, b = make_engine(warm).generate(list(PROMPT), params)
+    assert a.token_ids == b.token_ids
 
 
 def test_bench_tiny_moe_gguf_runs(tmp_path, gguf_path):
