@@ -21,12 +21,16 @@ import pytest  # noqa: E402
 # compiled packages, conversion caches and chat history of the test run stay out of ~/.cache:
 # every test (and every CLI/server process a test starts) uses this home unless it sets its own
 os.environ["LOCALLLM_HOME"] = tempfile.mkdtemp(prefix="localllm-test-home-")
-_TEST_HOMES = (os.environ["LOCALLLM_HOME"], tempfile.gettempdir())
 
 
 def pytest_sessionfinish(session, exitstatus):
     """Default engines start background builders of the compiled step (detached, idle priority);
-    end the ones this test run started instead of leaving them to finish."""
+    end the ones this test run started instead of leaving them to finish (only this run's: its
+    home or its tmp_path folders, not another test run's on the same machine)."""
+    homes = [os.environ["LOCALLLM_HOME"]]
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is not None:
+        homes.append(str(factory.getbasetemp()))
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -34,7 +38,7 @@ def pytest_sessionfinish(session, exitstatus):
         except OSError:
             continue
         home = next((e[len(b"LOCALLLM_HOME="):].decode() for e in env if e.startswith(b"LOCALLLM_HOME=")), "")
-        if any(b"localllm.model.compiled" in c for c in cmd) and home.startswith(_TEST_HOMES):
+        if any(b"localllm.model.compiled" in c for c in cmd) and home.startswith(tuple(homes)):
             try:
                 os.killpg(int(pid), signal.SIGKILL)  # the builder and the compilers it started
             except OSError:

@@ -238,7 +238,7 @@ class GGUFWeights:
             return None
         n, k = t.shape
         bsz = 18 if kind == "Q4_0" else 20
-        raw = torch.from_numpy(np.array(t.data)).view(n, k // 32, bsz)
+        raw = torch.from_numpy(self.file.read(t)).view(n, k // 32, bsz)
         d = raw[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
         qs = raw[..., bsz - 16:]
         q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
@@ -252,14 +252,16 @@ class GGUFWeights:
         return w.permute_rows(perm) if perm is not None else w
 
     def q4_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The file's own Q4_0 / Q4_1 blocks of `name`, uint8 [N, K/32, 18 | 20] (a view of the
-        mapped file), with the row order `int4` applies (q/k into rotate_half order; None: as
+        """The file's own Q4_0 / Q4_1 blocks of `name`, uint8 [N, K/32, 18 | 20] (read, not viewed
+        through the map: they are repacked, and mapped pages would stay in our RSS, a whole MoE
+        file's), with the row order `int4` applies (q/k into rotate_half order; None: as
         stored); None for other types."""
         t = self._tensor(name)
         if t.qtype.name not in ("Q4_0", "Q4_1"):
             return None
         n, k = t.shape
-        return _mapped(t).view(n, k // 32, 18 if t.qtype.name == "Q4_0" else 20), self._perm(name)
+        blocks = torch.from_numpy(self.file.read(t)).view(n, k // 32, 18 if t.qtype.name == "Q4_0" else 20)
+        return blocks, self._perm(name)
 
     def q8_blocks(self, name: str) -> torch.Tensor | None:
         """The file's own Q8_0 blocks of `name`, uint8 [N, K/32, 34] (a view of the mapped file);
