@@ -257,6 +257,38 @@ def test_compiled_step_covers_int4_moe(family):
     assert eng.runner.captured.steps >= 15 and got.token_ids == eager.token_ids
 
 
+def test_experts_stack_one_at_a_time():
+    """make_experts stacks experts as they are built (buffers allocated once): fp16 and fp32 scales
+    stack as fp32, exactly; a layer that leaves the kernel's terms mid-way (another group size) is
+    built again as LoopExperts. Kernel buffers made up: no VNNI needed, nothing runs."""
+    from localllm.model.layers import Int4Linear
+    from localllm.model.moe import Int4Experts, LoopExperts, make_experts
+
+    g = torch.Generator().manual_seed(0)
+
+    def lin(n, k, group, dtype=torch.float16):
+        qw = torch.randint(0, 256, (n // 16, k // 8, 64), dtype=torch.uint8, generator=g)
+        qsc = torch.randn(n // 16, k // group, 2, 16, generator=g).to(dtype)
+        return Int4Linear.from_kernel_tensors({"qw": qw, "qsc": qsc}, n, group)
+    experts = [(lin(64, 32, 32), lin(32, 32, 32, torch.float32 if e == 2 else torch.float16)) for e in range(4)]
+    calls = []
+
+    def expert(e):
+        calls.append(e)
+        return experts[e]
+    got = make_experts(expert, 4, 32)
+    assert isinstance(got, Int4Experts) and calls == [0, 1, 2, 3]
+    assert got.s1.dtype == torch.float16 and got.s2.dtype == torch.float32
+    for e, (gate_up, down) in enumerate(experts):
+        assert torch.equal(got.w1[e], gate_up.qw) and torch.equal(got.s1[e], gate_up.qsc)
+        assert torch.equal(got.w2[e], down.qw) and torch.equal(got.s2[e], down.qsc.float())
+    experts[3] = (lin(64, 32, 32), lin(32, 64, 64))
+    calls.clear()
+    got = make_experts(expert, 4, 32)
+    assert isinstance(got, LoopExperts) and calls == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [m for pair in zip(got.gate_up, got.down) for m in pair] == [m for pair in experts for m in pair]
+
+
 @pytest.mark.parametrize("family", ["qwen3moe"], indirect=True)  # a dense layer and an MoE layer
 def test_moe_layers_load_from_the_conversion_cache(family, tmp_path, monkeypatch):
     """A Q4_1 MoE GGUF's second load takes its experts (Int4Experts' stacks, or each looped

@@ -96,8 +96,8 @@ class Int4Experts(nn.Module):
     def stacked(cls, experts: Iterable[tuple[Int4Linear, Int4Linear]], n: int, inter: int) -> Int4Experts | None:
         """The n (gate_up, down) pairs copied into buffers allocated once, as each comes: the caller
         builds one expert at a time and drops it, so a layer is never held twice (per expert, then
-        stacked). None when an expert does not fit the kernel or the first one's shapes."""
-        bufs, groups = None, None
+        stacked). None when an expert does not fit the kernel or the first one's shapes, or n do not come."""
+        bufs, groups, count = None, None, 0
         for e, (gate_up, down) in enumerate(experts):
             if not cls.fits([gate_up], [down]):
                 return None
@@ -112,7 +112,8 @@ class Int4Experts(nn.Module):
                     bufs[i] = bufs[i].float()  # fp16 where exact per expert: one dtype (fp32) for the stack
                 bufs[i][e].copy_(p)
             del gate_up, down, parts  # before the next expert is built
-        return cls(*bufs, *groups, inter)
+            count += 1
+        return cls(*bufs, *groups, inter) if count == n else None
 
     @staticmethod
     def fits(gate_up: list[nn.Module], down: list[nn.Module]) -> bool:
