@@ -7,6 +7,7 @@ for: GGUF Q4_0/Q4_1 stay int4 (a lossless repack), everything else is dequantize
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import math
@@ -530,6 +531,16 @@ def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device
     return DenseLinear(w.to(device, act_dtype), None if bias is None else bias.to(device, act_dtype))
 
 
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the OS. glibc keeps them: repacking an MoE layer's
+    experts one by one on torch's int4 path (each a few short-lived copies) left ~2.5x the
+    experts' size in RSS, 18.7 GB of peak for a 4.3 GB OLMoE-shaped GGUF."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _moe_block(weights, cfg: ModelConfig, layer: int, mode: str, act_dtype: torch.dtype, device: str,
                cpu_kernel: bool, cache: ConvertCache | None) -> MoE:
     """One MoE layer: the router exact in fp32, each expert's gate/up (one fused linear) and down
@@ -543,7 +554,9 @@ def _moe_block(weights, cfg: ModelConfig, layer: int, mode: str, act_dtype: torc
                 _linear(weights, [d], mode, act_dtype, device, cpu_kernel=cpu_kernel))
 
     def build_experts():
-        return make_experts(expert, cfg.num_experts, cfg.moe_intermediate_size)
+        experts = make_experts(expert, cfg.num_experts, cfg.moe_intermediate_size)
+        _trim_heap()
+        return experts
 
     def build_router():
         return weights.dense(router).float().to(device)
