@@ -585,8 +585,8 @@ def weights_fingerprint(path: str | os.PathLike, *how) -> str:
 
 
 class ConvertCache:
-    """What loading a GGUF on CPU computes (int4pack repacks, the fp32 embedding, the int4 copy of
-    the head) saved once per file as safetensors under ~/.cache/localllm/converted, keyed by the
+    """What loading a GGUF on CPU computes (int4pack repacks, MoE layers' stacked experts, the fp32
+    embedding, the int4 copy of the head) saved once per file as safetensors under ~/.cache/localllm/converted, keyed by the
     file's path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md)."""
 
     VERSION = 5  # 5: MoE experts (Int4Experts' stacks or each looped expert) and routers
