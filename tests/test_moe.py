@@ -215,7 +215,7 @@ def test_moe_int4_op_matches_the_torch_loop():
     g = torch.Generator().manual_seed(0)
     E, H, inter = 8, 128, 96
     gate_up, down, dense = _int4_experts(E, H, inter, g)
-    fused, loop = Int4Experts(gate_up, down, inter), LoopExperts(gate_up, down)
+    fused, loop = Int4Experts.stacked(zip(gate_up, down), E, inter), LoopExperts(gate_up, down)
     sets = [[[3, 5]], [[0, 7]], [[2, 2]],
             [[1, 4], [4, 1], [6, 0], [4, 6], [1, 4]], [[0, 1], [2, 3], [4, 5], [6, 7], [7, 0]]]
     for ids in sets:
@@ -255,6 +255,74 @@ def test_compiled_step_covers_int4_moe(family):
     eng = make_engine(loaded, compile=True)
     *_, got = eng.generate(list(PROMPT), params)
     assert eng.runner.captured.steps >= 15 and got.token_ids == eager.token_ids
+
+
+def test_experts_stack_one_at_a_time():
+    """make_experts stacks experts as they are built (buffers allocated once): fp16 and fp32 scales
+    stack as fp32, exactly; a layer that leaves the kernel's terms mid-way (another group size) is
+    built again as LoopExperts. Kernel buffers made up: no VNNI needed, nothing runs."""
+    from localllm.model.layers import Int4Linear
+    from localllm.model.moe import Int4Experts, LoopExperts, make_experts
+
+    g = torch.Generator().manual_seed(0)
+
+    def lin(n, k, group, dtype=torch.float16):
+        qw = torch.randint(0, 256, (n // 16, k // 8, 64), dtype=torch.uint8, generator=g)
+        qsc = torch.randn(n // 16, k // group, 2, 16, generator=g).to(dtype)
+        return Int4Linear.from_kernel_tensors({"qw": qw, "qsc": qsc}, n, group)
+    experts = [(lin(64, 32, 32), lin(32, 32, 32, torch.float32 if e == 2 else torch.float16)) for e in range(4)]
+    calls = []
+
+    def expert(e):
+        calls.append(e)
+        return experts[e]
+    got = make_experts(expert, 4, 32)
+    assert isinstance(got, Int4Experts) and calls == [0, 1, 2, 3]
+    assert got.s1.dtype == torch.float16 and got.s2.dtype == torch.float32
+    for e, (gate_up, down) in enumerate(experts):
+        assert torch.equal(got.w1[e], gate_up.qw) and torch.equal(got.s1[e], gate_up.qsc)
+        assert torch.equal(got.w2[e], down.qw) and torch.equal(got.s2[e], down.qsc.float())
+    experts[3] = (lin(64, 32, 32), lin(32, 64, 64))
+    calls.clear()
+    got = make_experts(expert, 4, 32)
+    assert isinstance(got, LoopExperts) and calls == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [m for pair in zip(got.gate_up, got.down) for m in pair] == [m for pair in experts for m in pair]
+
+
+@pytest.mark.parametrize("family", ["qwen3moe"], indirect=True)  # a dense layer and an MoE layer
+def test_moe_layers_load_from_the_conversion_cache(family, tmp_path, monkeypatch):
+    """A Q4_1 MoE GGUF's second load takes its experts (Int4Experts' stacks, or each looped
+    expert on CPUs without VNNI) and routers from the conversion cache: nothing is repacked or read
+    from the GGUF's expert tensors, the buffers are the first load's, and so are the logits and
+    greedy tokens."""
+    from localllm.model import loader
+
+    q4_file = family[3]
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))  # a cache of this test's own
+    caches = []
+    open_cache = loader.ConvertCache.open
+    monkeypatch.setattr(loader.ConvertCache, "open", staticmethod(lambda *a: caches.append(open_cache(*a)) or caches[-1]))
+    cold = load_model(q4_file, "auto")
+    assert not caches[0].hit and any(".experts." in k for k in caches[0].tensors)
+
+    def fail(*a, **kw):
+        raise AssertionError("a cache hit built a layer")
+    for name in ("make_experts", "_linear"):
+        monkeypatch.setattr(loader, name, fail)
+    monkeypatch.setattr(loader.GGUFWeights, "_expert_tensor", fail)
+    dense = loader.GGUFWeights.dense  # norms are read again; routers are not
+    monkeypatch.setattr(loader.GGUFWeights, "dense", lambda w, name: fail() if ".mlp.gate." in name else dense(w, name))
+    warm = load_model(q4_file, "auto")
+    assert caches[1].hit
+    moe_cold, moe_warm = cold.model.layers[1].moe, warm.model.layers[1].moe
+    assert type(moe_warm.experts) is type(moe_cold.experts)
+    want, got = cold.model.state_dict(), warm.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert torch.equal(make_engine(warm).score(PROMPT), make_engine(cold).score(PROMPT))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    *_, a = make_engine(cold).generate(list(PROMPT), params)
+    *_, b = make_engine(warm).generate(list(PROMPT), params)
+    assert a.token_ids == b.token_ids
 
 
 def test_bench_tiny_moe_gguf_runs(tmp_path, gguf_path):

@@ -85,11 +85,15 @@ class GGUFFile:
         through the map: pages touched through the map count in this process's RSS, and each
         fault maps a large neighbourhood (reading the 61 small norms of the 135M model through
         it left 25 MB of unrelated layers mapped)."""
+        buf = np.empty(t.nbytes, dtype=np.uint8)  # writable, so torch.from_numpy takes it as is
+        view, done = memoryview(buf), 0
         with open(self.path, "rb") as f:
-            buf = os.pread(f.fileno(), t.nbytes, t.offset)
-        if len(buf) != t.nbytes:
-            raise GGUFError(f"{self.path}: truncated file while reading tensor {t.name}")
-        return np.frombuffer(buf, dtype=np.uint8).reshape(t.data.shape)
+            while done < t.nbytes:  # one read returns at most ~2 GiB
+                n = os.preadv(f.fileno(), [view[done:]], t.offset + done)
+                if n <= 0:
+                    raise GGUFError(f"{self.path}: truncated file while reading tensor {t.name}")
+                done += n
+        return buf.reshape(t.data.shape)
 
 
 class _Cursor:

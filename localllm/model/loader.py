@@ -7,6 +7,7 @@ for: GGUF Q4_0/Q4_1 stay int4 (a lossless repack), everything else is dequantize
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import math
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from ..config import ModelConfig
 from ..tokenizer import LLMTokenizer
@@ -27,7 +29,7 @@ from .gguf import GGUFError, GGUFFile, dequantize, read_gguf
 from .int4 import Int4Weight, quantize_rtn
 from .layers import ConcatLinear, DenseLinear, DenseMatrix, Int4Linear, Int8Linear, LMHead, Q8Matrix, RMSNorm
 from .llama import DecoderLayer, LlamaModel
-from .moe import MoE, expert_tensor_names, make_experts
+from .moe import Int4Experts, LoopExperts, MoE, expert_tensor_names, make_experts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
@@ -237,7 +239,7 @@ class GGUFWeights:
             return None
         n, k = t.shape
         bsz = 18 if kind == "Q4_0" else 20
-        raw = torch.from_numpy(np.array(t.data)).view(n, k // 32, bsz)
+        raw = torch.from_numpy(self.file.read(t)).view(n, k // 32, bsz)
         d = raw[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
         qs = raw[..., bsz - 16:]
         q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)
@@ -251,14 +253,16 @@ class GGUFWeights:
         return w.permute_rows(perm) if perm is not None else w
 
     def q4_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The file's own Q4_0 / Q4_1 blocks of `name`, uint8 [N, K/32, 18 | 20] (a view of the
-        mapped file), with the row order `int4` applies (q/k into rotate_half order; None: as
+        """The file's own Q4_0 / Q4_1 blocks of `name`, uint8 [N, K/32, 18 | 20] (read, not viewed
+        through the map: they are repacked, and mapped pages would stay in our RSS, a whole MoE
+        file's), with the row order `int4` applies (q/k into rotate_half order; None: as
         stored); None for other types."""
         t = self._tensor(name)
         if t.qtype.name not in ("Q4_0", "Q4_1"):
             return None
         n, k = t.shape
-        return _mapped(t).view(n, k // 32, 18 if t.qtype.name == "Q4_0" else 20), self._perm(name)
+        blocks = torch.from_numpy(self.file.read(t)).view(n, k // 32, 18 if t.qtype.name == "Q4_0" else 20)
+        return blocks, self._perm(name)
 
     def q8_blocks(self, name: str) -> torch.Tensor | None:
         """The file's own Q8_0 blocks of `name`, uint8 [N, K/32, 34] (a view of the mapped file);
@@ -527,16 +531,42 @@ def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device
     return DenseLinear(w.to(device, act_dtype), None if bias is None else bias.to(device, act_dtype))
 
 
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the OS. glibc keeps them: repacking an MoE layer's
+    experts one by one on torch's int4 path (each a few short-lived copies) left ~2.5x the
+    experts' size in RSS, 18.7 GB of peak for a 4.3 GB OLMoE-shaped GGUF."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _moe_block(weights, cfg: ModelConfig, layer: int, mode: str, act_dtype: torch.dtype, device: str,
-               cpu_kernel: bool) -> MoE:
+               cpu_kernel: bool, cache: ConvertCache | None) -> MoE:
     """One MoE layer: the router exact in fp32, each expert's gate/up (one fused linear) and down
-    in the layer precision (GGUF Q4 experts repacked, HF weights RTN-quantized for int4), then
-    stacked for our int4 MoE op where the kernel takes them."""
-    router, experts = expert_tensor_names(cfg, layer)
-    gate_up = [_linear(weights, [g, u], mode, act_dtype, device, cpu_kernel=cpu_kernel) for g, u, _ in experts]
-    down = [_linear(weights, [d], mode, act_dtype, device, cpu_kernel=cpu_kernel) for _, _, d in experts]
-    return MoE(weights.dense(router).float().to(device), make_experts(gate_up, down, cfg.moe_intermediate_size),
-               cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    in the layer precision (GGUF Q4 experts repacked, HF weights RTN-quantized for int4), stacked
+    for our int4 MoE op where the kernel takes them; from the conversion cache when it has them."""
+    router, names = expert_tensor_names(cfg, layer)
+
+    def expert(e: int) -> tuple:
+        g, u, d = names[e]
+        return (_linear(weights, [g, u], mode, act_dtype, device, cpu_kernel=cpu_kernel),
+                _linear(weights, [d], mode, act_dtype, device, cpu_kernel=cpu_kernel))
+
+    def build_experts():
+        experts = make_experts(expert, cfg.num_experts, cfg.moe_intermediate_size)
+        _trim_heap()
+        return experts
+
+    def build_router():
+        return weights.dense(router).float().to(device)
+
+    if cache:
+        experts = cache.experts(f"{layer}.experts", cfg.num_experts, cfg.moe_intermediate_size, build_experts)
+        router_w = cache.tensor(router, build_router)
+    else:
+        experts, router_w = build_experts(), build_router()
+    return MoE(router_w, experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
 
 
 def weights_fingerprint(path: str | os.PathLike, *how) -> str:
@@ -555,11 +585,11 @@ def weights_fingerprint(path: str | os.PathLike, *how) -> str:
 
 
 class ConvertCache:
-    """What loading a GGUF on CPU computes (int4pack repacks, the fp32 embedding, the int4 copy of
-    the head) saved once per file as safetensors under ~/.cache/localllm/converted, keyed by the
+    """What loading a GGUF on CPU computes (int4pack repacks, MoE layers' stacked experts, the fp32
+    embedding, the int4 copy of the head) saved once per file as safetensors under ~/.cache/localllm/converted, keyed by the
     file's path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md)."""
 
-    VERSION = 4  # 4: Q8_0 embeddings are read from the GGUF, not stored in fp32
+    VERSION = 5  # 5: MoE experts (Int4Experts' stacks or each looped expert) and routers
 
     def __init__(self, file: Path, dense: bool = False, cpu_kernel: bool = True):
         from localllm_kernels import cpu_int4
@@ -589,20 +619,55 @@ class ConvertCache:
 
     def linear(self, key: str, build):
         """The cached Int4Linear `key`, or build() (remembered when it is a plain Int4Linear)."""
-        t = self.tensors
-        if self.hit and f"{key}.group" in t:
-            names = ("qw", "qsc") if f"{key}.qw" in t else ("packed", "scales_zeros")
-            return Int4Linear.from_kernel_tensors({n: t[f"{key}.{n}"] for n in names}, int(t[f"{key}.n"]),
-                                                  int(t[f"{key}.group"]), t.get(f"{key}.bias"), t.get(f"{key}.dense"))
-        m = build()
-        if isinstance(m, Int4Linear) and m.in_perm is None and not m.cuda_path:
-            t.update({f"{key}.{n}": v for n, v in m.kernel_tensors().items()})
-            t.update({f"{key}.group": torch.tensor(m.group_size), f"{key}.n": torch.tensor(m.out_features)})
-            if m.bias is not None:
-                t[f"{key}.bias"] = m.bias.data
-            if m.dense is not None:
-                t[f"{key}.dense"] = m.dense
+        m = self._cached_linear(key)
+        if m is None:
+            m = build()
+            if self._keepable(m):
+                self._keep_linear(key, m)
         return m
+
+    def experts(self, key: str, n: int, inter: int, build) -> nn.Module:
+        """The cached experts `key` of an MoE layer (Int4Experts from its stacks, or LoopExperts from
+        each expert's Int4Linears), or build() (remembered when all of it is int4)."""
+        t = self.tensors
+        if self.hit and f"{key}.w1" in t:
+            return Int4Experts(*(t[f"{key}.{b}"] for b in ("w1", "s1", "w2", "s2")), int(t[f"{key}.group1"]),
+                               int(t[f"{key}.group2"]), inter)
+        keys = [f"{key}.{e}.{part}" for e in range(n) for part in ("gate_up", "down")]
+        if self.hit and all(f"{k}.group" in t for k in keys):
+            linears = [self._cached_linear(k) for k in keys]
+            return LoopExperts(linears[0::2], linears[1::2])
+        m = build()
+        if isinstance(m, Int4Experts):
+            t.update({f"{key}.{b}": getattr(m, b) for b in ("w1", "s1", "w2", "s2")})
+            t.update({f"{key}.group1": torch.tensor(m.group1), f"{key}.group2": torch.tensor(m.group2)})
+        elif isinstance(m, LoopExperts):
+            linears = [x for pair in zip(m.gate_up, m.down) for x in pair]
+            if all(self._keepable(x) for x in linears):
+                for k, x in zip(keys, linears):
+                    self._keep_linear(k, x)
+        return m
+
+    def _cached_linear(self, key: str) -> Int4Linear | None:
+        t = self.tensors
+        if not (self.hit and f"{key}.group" in t):
+            return None
+        names = ("qw", "qsc") if f"{key}.qw" in t else ("packed", "scales_zeros")
+        return Int4Linear.from_kernel_tensors({n: t[f"{key}.{n}"] for n in names}, int(t[f"{key}.n"]),
+                                              int(t[f"{key}.group"]), t.get(f"{key}.bias"), t.get(f"{key}.dense"))
+
+    @staticmethod
+    def _keepable(m) -> bool:
+        return isinstance(m, Int4Linear) and m.in_perm is None and not m.cuda_path
+
+    def _keep_linear(self, key: str, m: Int4Linear) -> None:
+        t = self.tensors
+        t.update({f"{key}.{n}": v for n, v in m.kernel_tensors().items()})
+        t.update({f"{key}.group": torch.tensor(m.group_size), f"{key}.n": torch.tensor(m.out_features)})
+        if m.bias is not None:
+            t[f"{key}.bias"] = m.bias.data
+        if m.dense is not None:
+            t[f"{key}.dense"] = m.dense
 
     def tensor(self, key: str, build) -> torch.Tensor:
         if self.hit and key in self.tensors:
@@ -661,7 +726,8 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     try:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            moe = _moe_block(weights, cfg, i, mode, act_dtype, device, cpu_kernels) if cfg.is_moe_layer(i) else None
+            moe = (_moe_block(weights, cfg, i, mode, act_dtype, device, cpu_kernels, cache) if cfg.is_moe_layer(i)
+                   else None)
             qkv, o, gate_up, down = (None if moe and f in ("gate_up", "down") else
                                      linear(f"{i}.{f}", [p + m + ".weight" for m in modules[f]])
                                      for f in ("qkv", "o", "gate_up", "down"))

@@ -14,7 +14,8 @@ group the (token, expert) pairs by expert and run one GEMM per used expert on it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -78,17 +79,41 @@ class LoopExperts(nn.Module):
 
 
 class Int4Experts(nn.Module):
-    """Int4 experts stacked for localllm::moe_int4 (kernels/cpu/int4_gemm.cpp)."""
+    """Int4 experts stacked for localllm::moe_int4 (kernels/cpu/int4_gemm.cpp): w1/s1 each expert's
+    gate_up, w2/s2 its down, [E, ...] in our VNNI kernel's layout (what the conversion cache stores)."""
 
-    def __init__(self, gate_up: list[Int4Linear], down: list[Int4Linear], inter: int):
+    def __init__(self, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, group1: int,
+                 group2: int, inter: int):
+        from localllm_kernels import cpu_int4
+
         super().__init__()
-        self.group1, self.group2, self.inter = gate_up[0].group_size, down[0].group_size, inter
-        for name, layers in (("1", gate_up), ("2", down)):
-            self.register_buffer(f"w{name}", torch.stack([m.qw for m in layers]))
-            scales = [m.qsc for m in layers]
-            if len({s.dtype for s in scales}) > 1:  # fp16 where exact per expert: one dtype for the stack
-                scales = [s.float() for s in scales]
-            self.register_buffer(f"s{name}", torch.stack(scales))
+        cpu_int4.load()  # registers the op (stacks from the conversion cache come without an Int4Linear)
+        self.group1, self.group2, self.inter = group1, group2, inter
+        for name, t in (("w1", w1), ("s1", s1), ("w2", w2), ("s2", s2)):
+            self.register_buffer(name, t)
+
+    @classmethod
+    def stacked(cls, experts: Iterable[tuple[Int4Linear, Int4Linear]], n: int, inter: int) -> Int4Experts | None:
+        """The n (gate_up, down) pairs copied into buffers allocated once, as each comes: the caller
+        builds one expert at a time and drops it, so a layer is never held twice (per expert, then
+        stacked). None when an expert does not fit the kernel or the first one's shapes, or n do not come."""
+        bufs, groups, count = None, None, 0
+        for e, (gate_up, down) in enumerate(experts):
+            if not cls.fits([gate_up], [down]):
+                return None
+            parts = (gate_up.qw, gate_up.qsc, down.qw, down.qsc)
+            if bufs is None:
+                bufs, groups = [p.new_empty(n, *p.shape) for p in parts], (gate_up.group_size, down.group_size)
+            if (gate_up.group_size, down.group_size) != groups or any(p.shape != b.shape[1:]
+                                                                       for p, b in zip(parts, bufs)):
+                return None
+            for i, p in enumerate(parts):
+                if p.dtype != bufs[i].dtype and bufs[i].dtype == torch.float16:
+                    bufs[i] = bufs[i].float()  # fp16 where exact per expert: one dtype (fp32) for the stack
+                bufs[i][e].copy_(p)
+            del gate_up, down, parts  # before the next expert is built
+            count += 1
+        return cls(*bufs, *groups, inter) if count == n else None
 
     @staticmethod
     def fits(gate_up: list[nn.Module], down: list[nn.Module]) -> bool:
@@ -105,11 +130,20 @@ class Int4Experts(nn.Module):
         return y.to(x.dtype)
 
 
-def make_experts(gate_up: list[nn.Module], down: list[nn.Module], inter: int) -> nn.Module:
-    """The fastest implementation the experts' linears allow (see the module docstring)."""
-    if Int4Experts.fits(gate_up, down):
-        return Int4Experts(gate_up, down, inter)
-    return LoopExperts(gate_up, down)
+def make_experts(expert: Callable[[int], tuple[nn.Module, nn.Module]], n: int, inter: int) -> nn.Module:
+    """The fastest implementation the experts' linears allow (see the module docstring), from
+    expert(e) -> (gate_up, down), called once per expert in order (twice in the rare layer whose
+    experts start on the kernel and then leave it: mixed group sizes)."""
+    first = expert(0)
+    if Int4Experts.fits([first[0]], [first[1]]):
+        pairs = itertools.chain([first], (expert(e) for e in range(1, n)))
+        del first  # the chain holds it only until it is copied
+        stacked = Int4Experts.stacked(pairs, n, inter)
+        if stacked is not None:
+            return stacked
+        first = expert(0)
+    pairs = [first, *(expert(e) for e in range(1, n))]
+    return LoopExperts([g for g, _ in pairs], [d for _, d in pairs])
 
 
 def compilable(model: nn.Module) -> bool:
