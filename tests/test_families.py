@@ -53,19 +53,22 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-# Gemma's four norms: post_attention_layernorm is on the attention output there
-GEMMA_GGUF_NAMES = GGUF_NAMES | {"post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ffn_norm",
-                                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def rope_params(cfg) -> dict:
     return getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
 
 
-def gguf_tensors(model, state: dict | None = None, gemma: bool = False):
+def gguf_tensors(model, state: dict | None = None, arch: str = "llama"):
     """(llama.cpp name, fp32 array) of each tensor of a dense family's model, or of `state` (some
-    of its tensors by name); q/k rows as stored: llama.cpp permutes them for arch 'llama' only."""
+    of its tensors by name); q/k rows as stored: llama.cpp permutes them for arch 'llama' only.
+    Gemma's layer tensors are named by gguf-py's own table (the converter's), not one of ours: a
+    name we got wrong on both sides would load here and nowhere else (post_attention_norm did)."""
+    import gguf
+
     cfg = model.config
+    gemma = arch.startswith("gemma")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers) if gemma else None
     for name, t in (model.state_dict() if state is None else state).items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -78,7 +81,7 @@ def gguf_tensors(model, state: dict | None = None, gemma: bool = False):
         else:
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{i}.{(GEMMA_GGUF_NAMES if gemma else GGUF_NAMES)[module]}.{kind}"
+            gname = (names.get_name(f"model.layers.{i}.{module}") if gemma else f"blk.{i}.{GGUF_NAMES[module]}") + f".{kind}"
         data = t.float().numpy().astype(np.float32)
         if gemma and name.endswith("norm.weight"):  # the converter stores Gemma's (1 + w)
             data = data + 1
@@ -152,7 +155,7 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
     kv_types = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32}
     for key, val in (extra_kv or {}).items():
         w.add_key_value(key, val, kv_types[type(val)])
-    for gname, data in (gguf_tensors(model, gemma=gemma) if tensors is None else tensors):
+    for gname, data in (gguf_tensors(model, arch=arch) if tensors is None else tensors):
         if quantized and data.ndim >= 2 and "ffn_gate_inp" not in gname:
             qtype = gguf.GGMLQuantizationType.Q8_0 if gname == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_1
             q = gguf.quants.quantize(data, qtype)

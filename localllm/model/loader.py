@@ -44,8 +44,8 @@ _GGUF_NAMES = {
     "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",  # MoE routers
 }
 # Gemma's four norms per layer: HF's post_attention_layernorm is the norm on the attention output
-# there (attn_post_norm), pre_feedforward_layernorm the one before the MLP (ffn_norm)
-_GGUF_SANDWICH_NAMES = {"post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ffn_norm",
+# there (llama.cpp's post_attention_norm), pre_feedforward_layernorm the one before the MLP (ffn_norm)
+_GGUF_SANDWICH_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                         "post_feedforward_layernorm": "post_ffw_norm"}
 # GGUF general.architecture -> the HF architecture it holds
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
