@@ -598,6 +598,29 @@ def test_gemma_gguf_attention_scale_follows_llama_cpp():
     assert f["rope_scaling"] == {"rope_type": "linear", "factor": 8.0} and f["layer_windows"][5] is None
 
 
+def test_gemma_gguf_keys_and_their_absence_read_as_llama_cpp():
+    """What llama.cpp 0.3.36 (src/models/gemma2.cpp, gemma3.cpp, llama-hparams.h) takes where a
+    Gemma GGUF lacks a key, and the keys newer converters write: Gemma 2 without keys slides every
+    other layer over 4096 with soft-caps 50 / 30; Gemma 3 without a window attends globally and has
+    no soft-caps; rope.freq_base_swa sets the local base (else Gemma 3's 10000, Gemma 2's global
+    one); attention.sliding_window_pattern may be one flag per layer."""
+    from localllm.model.loader import GGUFWeights
+
+    f = GGUFWeights._gemma(None, {"block_count": 4}.get, "gemma2", 8, 2304, 256)
+    assert f["layer_windows"] == (4096, None, 4096, None) and f["rope_local_theta"] is None
+    assert (f["attn_logit_softcap"], f["final_logit_softcap"]) == (50.0, 30.0)
+    f = GGUFWeights._gemma(None, {"block_count": 4, "rope.freq_base_swa": 20000.0}.get, "gemma2", 8, 2304, 256)
+    assert f["rope_local_theta"] == 20000.0
+    f = GGUFWeights._gemma(None, {"block_count": 6}.get, "gemma3", 4, 1152, 256)
+    assert f["layer_windows"] == (None,) * 6 and f["rope_local_theta"] == 10000.0
+    assert (f["attn_logit_softcap"], f["final_logit_softcap"]) == (None, None)
+    meta = {"block_count": 4, "attention.sliding_window": 512, "attention.sliding_window_pattern": [True, False, True, True],
+            "rope.freq_base_swa": 5000.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    f = GGUFWeights._gemma(None, meta.get, "gemma3", 4, 1152, 256)
+    assert f["layer_windows"] == (512, None, 512, 512) and f["rope_local_theta"] == 5000.0
+    assert (f["attn_logit_softcap"], f["final_logit_softcap"]) == (None, 30.0)
+
+
 @pytest.mark.parametrize("family", ["gemma3"], indirect=True)
 @pytest.mark.parametrize("prefix", ["model.language_model.", "language_model.model."])
 def test_gemma3_multimodal_checkpoint_loads_its_text_model(family, prefix, tmp_path):
