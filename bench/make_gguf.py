@@ -20,8 +20,10 @@ the embedding and head weigh what they do in the real model (Gemma's likewise).
 The Gemma shapes carry the keys and tensor names llama.cpp's converter writes for them, and
 weights meant for bench/check_llama_cpp.py rather than for timing alone: norms 1 + 0.2 N(0, 1)
 (a file holds Gemma's 1 + w: reading it as w + 1 again, or a norm in the wrong place, shows),
-matrices scaled as the tests' peaked shapes, and an embedding giving logits of std ~5 (peaked
-enough that greedy tokens are no near-ties, not so much that the 30 soft-cap saturates).
+matrices scaled as the tests' peaked shapes, an embedding giving logits of std ~4 (greedy tokens
+are no near-ties; the 30 soft-cap bends without saturating), and post-norms with a gain of
+sqrt(hidden) / 6, so the layers outweigh the embedding in the residual (else, tied, the logit of
+the input token itself dominates every row and each engine just repeats it).
 Used by bench/compare.py (--model) for the side-by-side tables at real sizes.
 """
 
@@ -116,6 +118,18 @@ def tensor_shapes(s: dict, vocab: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def scale(shape: str, name: str, cols: int) -> float:
+    """The std of a matrix's N(0, 1) draws."""
+    if shape in GEMMA:
+        if name == "token_embd.weight":  # logits = final-normed hidden (rms ~1) . rows: std ~4
+            return 4 / cols ** 0.5
+        # attention scores of std ~16 before Gemma 2's soft-cap of 50 (so it bends them)
+        return (4 if ".attn_q." in name or ".attn_k." in name else 2) / cols ** 0.5
+    if shape in PEAKED:
+        return 1.0 if name == "token_embd.weight" else 2 / cols ** 0.5
+    return 0.02
+
+
 def write(shape: str, out_path: str, seed: int = 0, src=None) -> str:
     """src: a gguf.GGUFReader of the embedded model's file, when the caller has one (parsing it
     takes seconds)."""
@@ -170,16 +184,14 @@ def write(shape: str, out_path: str, seed: int = 0, src=None) -> str:
         role = name.split(".", 2)[-1] if name.startswith("blk.") else name
         qtype = types[role]
         if len(shp) == 1:
-            norm = 1 + 0.2 * rng.standard_normal(shp, dtype=np.float32) if shape in GEMMA else np.ones(shp, np.float32)
-            w.add_tensor(name, norm)
+            if shape in GEMMA:
+                gain = shp[0] ** 0.5 / 6 if "post_" in name else 1.0
+                w.add_tensor(name, gain * (1 + 0.2 * rng.standard_normal(shp, dtype=np.float32)))
+            else:
+                w.add_tensor(name, np.ones(shp, np.float32))
             continue
         data = rng.standard_normal(shp, dtype=np.float32)
-        if shape not in PEAKED | GEMMA:
-            data *= 0.02
-        elif name != "token_embd.weight":
-            data *= 2 / shp[-1] ** 0.5
-        elif shape in GEMMA:  # logits = final-normed hidden (rms ~1) . embedding rows
-            data *= 5 / shp[-1] ** 0.5
+        data *= scale(shape, name, shp[-1])
         if qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, data)
             continue
