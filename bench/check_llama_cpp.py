@@ -99,7 +99,8 @@ def main(argv=None) -> dict:
     same = next((i for i, (a, b) in enumerate(zip(toks, ref_toks)) if a != b), len(toks))
     res = {"model": path, "precision": args.precision, "layer_kinds": "".join("L" if w else "G" for w in windows),
            "tokens": len(ids), "decode": args.decode, "greedy_same_prefix": same, "ours": toks, "llama.cpp": ref_toks}
-    print(f"{path}: {cfg.architecture}, {cfg.num_layers} layers ({res['layer_kinds']}: L = window {split}), "
+    kinds = f" ({res['layer_kinds']}: L = window {split})" if split else ""
+    print(f"{path}: {cfg.architecture}, {cfg.num_layers} layers{kinds}, "
           f"localllm {args.precision} vs llama.cpp, {len(ids)} prompt tokens + {args.decode} greedy")
     print(f"greedy tokens: {same}/{args.decode} equal before the first difference")
     print(f"{'path':8} {'positions':>11} {'rows':>5} {'max|d|/std med':>15} {'max':>7} {'top-1':>7} "
