@@ -6,13 +6,24 @@
                                                          # head_dim 128, a 151,936-token vocabulary)
     python bench/make_gguf.py moe-olmoe-shape [--out DIR]  # OLMoE-1B-7B's shape as arch qwen3moe:
                                                          # 16 x 2048, 64 experts of 1024, top-8 (~4 GB)
+    python bench/make_gguf.py gemma3-1b [--out DIR]      # Gemma 3 1B (arch gemma3: 5 local : 1 global,
+                                                         # window 512, q/k norms, 262,144-token vocab)
+    python bench/make_gguf.py gemma2-2b [--out DIR]      # Gemma 2 2B (arch gemma2: every other layer
+                                                         # local, window 4096, soft-caps 50 / 30)
 
 The metadata (tokenizer, chat template, special tokens) is copied from SmolLM2-135M's GGUF, the
 shape keys are replaced, and every tensor gets the type it has there (Q4_1 matrices, Q8_0
 embeddings, F32 norms), so llama.cpp and localllm read the same file the way they read a real
 one. Weights are N(0, 0.02) and norms 1: the numbers are meaningless, the bytes per token are not.
 Qwen3 shapes keep the tokenizer but pad its vocabulary with unused tokens to Qwen3's 151,936, so
-the embedding and head weigh what they do in the real model.
+the embedding and head weigh what they do in the real model (Gemma's likewise).
+The Gemma shapes carry the keys and tensor names llama.cpp's converter writes for them, and
+weights meant for bench/check_llama_cpp.py rather than for timing alone: norms 1 + 0.2 N(0, 1)
+(a file holds Gemma's 1 + w: reading it as w + 1 again, or a norm in the wrong place, shows),
+matrices scaled as the tests' peaked shapes, an embedding giving logits of std ~4 (greedy tokens
+are no near-ties; the 30 soft-cap bends without saturating), and post-norms with a gain of
+sqrt(hidden) / 6, so the layers outweigh the embedding in the residual (else, tied, the logit of
+the input token itself dominates every row and each engine just repeats it).
 Used by bench/compare.py (--model) for the side-by-side tables at real sizes.
 """
 
@@ -55,9 +66,26 @@ SHAPES = {
     "tiny-moe": dict(block_count=2, embedding_length=64, feed_forward_length=64, head_count=4, head_count_kv=2,
                      rope_freq_base=1000000.0, context_length=1024, arch="qwen3moe", head_dim=32, vocab=50000,
                      expert_count=8, expert_used_count=2, expert_feed_forward_length=64),
+    # Gemma 3 1B: llama.cpp fixes the layer pattern (5 local : 1 global) and the local RoPE base
+    # (10000) by arch; the file has the window and the global base (as convert_hf_to_gguf.py's
+    # Gemma3Model writes them)
+    "gemma3-1b": dict(block_count=26, embedding_length=1152, feed_forward_length=6912, head_count=4,
+                      head_count_kv=1, rope_freq_base=1000000.0, context_length=32768, sliding_window=512,
+                      layer_norm_rms_epsilon=1e-6, arch="gemma3", head_dim=256, vocab=262144),
+    # Gemma 2 2B: every other layer local (fixed by arch); Gemma2Model writes no RoPE base (10000)
+    "gemma2-2b": dict(block_count=26, embedding_length=2304, feed_forward_length=9216, head_count=8,
+                      head_count_kv=4, context_length=8192, sliding_window=4096, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0, layer_norm_rms_epsilon=1e-6, arch="gemma2", head_dim=256,
+                      vocab=256000),
 }
 PEAKED = {"tiny", "tiny-qwen3", "tiny-moe"}
-QK_NORM_ARCHS = ("qwen3", "qwen3moe")
+GEMMA = {"gemma3-1b", "gemma2-2b"}  # weighted for the llama.cpp check (see above)
+QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3")
+SANDWICH_ARCHS = ("gemma2", "gemma3")  # norms on the attention and MLP outputs too
+# shape key -> its GGUF key under the arch
+GGUF_KEYS = {"head_count": "attention.head_count", "head_count_kv": "attention.head_count_kv",
+             "rope_freq_base": "rope.freq_base", "sliding_window": "attention.sliding_window",
+             "layer_norm_rms_epsilon": "attention.layer_norm_rms_epsilon"}
 
 
 def source_gguf() -> str:
@@ -85,7 +113,22 @@ def tensor_shapes(s: dict, vocab: int) -> dict[str, tuple[int, ...]]:
                         f"blk.{i}.ffn_down.weight": (h, f)})
         if s.get("arch") in QK_NORM_ARCHS:
             out.update({f"blk.{i}.attn_q_norm.weight": (hd,), f"blk.{i}.attn_k_norm.weight": (hd,)})
+        if s.get("arch") in SANDWICH_ARCHS:
+            out.update({f"blk.{i}.post_attention_norm.weight": (h,), f"blk.{i}.post_ffw_norm.weight": (h,)})
     return out
+
+
+def scale(shape: str, name: str, cols: int) -> float:
+    """The std of a matrix's N(0, 1) draws."""
+    if shape in GEMMA:
+        if name == "token_embd.weight":  # logits = final-normed hidden (rms ~1) . rows: std ~4
+            return 4 / cols ** 0.5
+        # attention scores of std ~1: peaked ones (std 16, to bend Gemma 2's soft-cap of 50) made
+        # 26 layers chaotic, our own fp32 and bf16 runs 2 logit stds apart
+        return (1 if ".attn_q." in name or ".attn_k." in name else 2) / cols ** 0.5
+    if shape in PEAKED:
+        return 1.0 if name == "token_embd.weight" else 2 / cols ** 0.5
+    return 0.02
 
 
 def write(shape: str, out_path: str, seed: int = 0, src=None) -> str:
@@ -100,23 +143,23 @@ def write(shape: str, out_path: str, seed: int = 0, src=None) -> str:
     for t in src.tensors:  # the type each role has in the real file
         role = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
         types[role] = t.tensor_type
-    types["attn_q_norm.weight"] = types["attn_k_norm.weight"] = types["attn_norm.weight"]
+    for norm in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
+        types[f"{norm}.weight"] = types["attn_norm.weight"]
     for part in ("gate", "up", "down"):  # experts as the dense matrices; the router in F32 (as llama.cpp keeps it)
         types[f"ffn_{part}_exps.weight"] = types[f"ffn_{part}.weight"]
     types["ffn_gate_inp.weight"] = types["attn_norm.weight"]
     tmp = out_path + ".partial"
     w = gguf.GGUFWriter(tmp, arch)
     skip = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture"}
-    shape_keys = {f"{arch}.{k.replace('head_count', 'attention.head_count').replace('rope_freq_base', 'rope.freq_base')}": v
-                  for k, v in s.items()}
+    shape_keys = {f"{arch}.{GGUF_KEYS.get(k, k)}": v for k, v in s.items()}
     shape_keys[f"{arch}.rope.dimension_count"] = head_dim or s["embedding_length"] // s["head_count"]
     if head_dim:
         shape_keys[f"{arch}.attention.key_length"] = shape_keys[f"{arch}.attention.value_length"] = head_dim
     tokens = src.fields["tokenizer.ggml.tokens"].contents()
     pad = max(0, (vocab or len(tokens)) - len(tokens))
     shape_keys[f"{arch}.vocab_size"] = len(tokens) + pad
-    shape_keys[f"{arch}.attention.layer_norm_rms_epsilon"] = float(
-        src.fields["llama.attention.layer_norm_rms_epsilon"].contents())
+    shape_keys.setdefault(f"{arch}.attention.layer_norm_rms_epsilon", float(  # else the source's
+        src.fields["llama.attention.layer_norm_rms_epsilon"].contents()))
     extend = {"tokenizer.ggml.tokens": [f"<|unused_{i}|>" for i in range(pad)],
               "tokenizer.ggml.token_type": [gguf.TokenType.UNUSED] * pad,
               "tokenizer.ggml.scores": [0.0] * pad}
@@ -142,13 +185,14 @@ def write(shape: str, out_path: str, seed: int = 0, src=None) -> str:
         role = name.split(".", 2)[-1] if name.startswith("blk.") else name
         qtype = types[role]
         if len(shp) == 1:
-            w.add_tensor(name, np.ones(shp, np.float32))
+            if shape in GEMMA:
+                gain = shp[0] ** 0.5 / 6 if "post_" in name else 1.0
+                w.add_tensor(name, gain * (1 + 0.2 * rng.standard_normal(shp, dtype=np.float32)))
+            else:
+                w.add_tensor(name, np.ones(shp, np.float32))
             continue
         data = rng.standard_normal(shp, dtype=np.float32)
-        if shape not in PEAKED:
-            data *= 0.02
-        elif name != "token_embd.weight":
-            data *= 2 / shp[-1] ** 0.5
+        data *= scale(shape, name, shp[-1])
         if qtype == gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, data)
             continue

@@ -53,19 +53,22 @@ GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-# Gemma's four norms: post_attention_layernorm is on the attention output there
-GEMMA_GGUF_NAMES = GGUF_NAMES | {"post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ffn_norm",
-                                 "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def rope_params(cfg) -> dict:
     return getattr(cfg, "rope_parameters", None) or {"rope_theta": cfg.rope_theta}
 
 
-def gguf_tensors(model, state: dict | None = None, gemma: bool = False):
+def gguf_tensors(model, state: dict | None = None, arch: str = "llama"):
     """(llama.cpp name, fp32 array) of each tensor of a dense family's model, or of `state` (some
-    of its tensors by name); q/k rows as stored: llama.cpp permutes them for arch 'llama' only."""
+    of its tensors by name); q/k rows as stored: llama.cpp permutes them for arch 'llama' only.
+    Gemma's layer tensors are named by gguf-py's own table (the converter's), not one of ours: a
+    name we got wrong on both sides would load here and nowhere else (post_attention_norm did)."""
+    import gguf
+
     cfg = model.config
+    gemma = arch.startswith("gemma")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers) if gemma else None
     for name, t in (model.state_dict() if state is None else state).items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -78,7 +81,7 @@ def gguf_tensors(model, state: dict | None = None, gemma: bool = False):
         else:
             _, _, i, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{i}.{(GEMMA_GGUF_NAMES if gemma else GGUF_NAMES)[module]}.{kind}"
+            gname = (names.get_name(f"model.layers.{i}.{module}") if gemma else f"blk.{i}.{GGUF_NAMES[module]}") + f".{kind}"
         data = t.float().numpy().astype(np.float32)
         if gemma and name.endswith("norm.weight"):  # the converter stores Gemma's (1 + w)
             data = data + 1
@@ -152,7 +155,7 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
     kv_types = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32}
     for key, val in (extra_kv or {}).items():
         w.add_key_value(key, val, kv_types[type(val)])
-    for gname, data in (gguf_tensors(model, gemma=gemma) if tensors is None else tensors):
+    for gname, data in (gguf_tensors(model, arch=arch) if tensors is None else tensors):
         if quantized and data.ndim >= 2 and "ffn_gate_inp" not in gname:
             qtype = gguf.GGMLQuantizationType.Q8_0 if gname == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_1
             q = gguf.quants.quantize(data, qtype)
@@ -611,6 +614,29 @@ def test_gemma_gguf_attention_scale_follows_llama_cpp():
     f = GGUFWeights._gemma(None, g3.get, "gemma3", 32, 5376, 128)
     assert f["query_pre_attn_scalar"] == 168 and f["rope_local_theta"] == 10000.0
     assert f["rope_scaling"] == {"rope_type": "linear", "factor": 8.0} and f["layer_windows"][5] is None
+
+
+def test_gemma_gguf_keys_and_their_absence_read_as_llama_cpp():
+    """What llama.cpp 0.3.36 (src/models/gemma2.cpp, gemma3.cpp, llama-hparams.h) takes where a
+    Gemma GGUF lacks a key, and the keys newer converters write: Gemma 2 without keys slides every
+    other layer over 4096 with soft-caps 50 / 30; Gemma 3 without a window attends globally and has
+    no soft-caps; rope.freq_base_swa sets the local base (else Gemma 3's 10000, Gemma 2's global
+    one); attention.sliding_window_pattern may be one flag per layer."""
+    from localllm.model.loader import GGUFWeights
+
+    f = GGUFWeights._gemma(None, {"block_count": 4}.get, "gemma2", 8, 2304, 256)
+    assert f["layer_windows"] == (4096, None, 4096, None) and f["rope_local_theta"] is None
+    assert (f["attn_logit_softcap"], f["final_logit_softcap"]) == (50.0, 30.0)
+    f = GGUFWeights._gemma(None, {"block_count": 4, "rope.freq_base_swa": 20000.0}.get, "gemma2", 8, 2304, 256)
+    assert f["rope_local_theta"] == 20000.0
+    f = GGUFWeights._gemma(None, {"block_count": 6}.get, "gemma3", 4, 1152, 256)
+    assert f["layer_windows"] == (None,) * 6 and f["rope_local_theta"] == 10000.0
+    assert (f["attn_logit_softcap"], f["final_logit_softcap"]) == (None, None)
+    meta = {"block_count": 4, "attention.sliding_window": 512, "attention.sliding_window_pattern": [True, False, True, True],
+            "rope.freq_base_swa": 5000.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    f = GGUFWeights._gemma(None, meta.get, "gemma3", 4, 1152, 256)
+    assert f["layer_windows"] == (512, None, 512, 512) and f["rope_local_theta"] == 5000.0
+    assert (f["attn_logit_softcap"], f["final_logit_softcap"]) == (None, 30.0)
 
 
 @pytest.mark.parametrize("family", ["gemma3"], indirect=True)

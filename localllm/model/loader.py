@@ -46,8 +46,8 @@ _GGUF_NAMES = {
     "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",  # MoE routers
 }
 # Gemma's four norms per layer: HF's post_attention_layernorm is the norm on the attention output
-# there (attn_post_norm), pre_feedforward_layernorm the one before the MLP (ffn_norm)
-_GGUF_SANDWICH_NAMES = {"post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ffn_norm",
+# there (llama.cpp's post_attention_norm), pre_feedforward_layernorm the one before the MLP (ffn_norm)
+_GGUF_SANDWICH_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                         "post_feedforward_layernorm": "post_ffw_norm"}
 # GGUF general.architecture -> the HF architecture it holds
 _GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -146,19 +146,27 @@ class GGUFWeights:
         return fields
 
     def _gemma(self, m, arch: str, heads: int, hidden: int, head_dim: int) -> dict:
-        """Gemma 2/3 as llama.cpp reads them: the window and, fixed by architecture there, which
-        layers slide (every other for Gemma 2, five in six for Gemma 3) and the local RoPE base."""
+        """Gemma 2/3 as llama.cpp (0.3.36's) reads them, with its values for absent keys: the
+        window (Gemma 2: 4096; Gemma 3: none, every layer global); which layers slide (the file's
+        attention.sliding_window_pattern, a period or a flag per layer, else every other for
+        Gemma 2, five in six for Gemma 3); the local RoPE base (rope.freq_base_swa, else Gemma
+        2's global one, Gemma 3's 10000); soft-caps (Gemma 2: attention 50, final 30; Gemma 3
+        none on attention, a final one only when the file has it)."""
         n = m("block_count")
-        pattern = m("attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6)
-        window = int(m("attention.sliding_window"))
+        gemma2 = arch == "gemma2"
+        window = int(m("attention.sliding_window") or (4096 if gemma2 else 0)) or None
+        pattern = m("attention.sliding_window_pattern") or (2 if gemma2 else 6)
+        slides = pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(n)]
+        local_theta = m("rope.freq_base_swa") or (None if gemma2 else 10000.0)
         kind, factor = m("rope.scaling.type"), m("rope.scaling.factor")
         return dict(
-            layer_windows=tuple(window if (i + 1) % pattern else None for i in range(n)),
+            layer_windows=tuple(window if s else None for s in slides),
             rope_scaling={"rope_type": "linear", "factor": float(factor)} if kind == "linear" and factor else None,
-            rope_local_theta=10000.0 if arch == "gemma3" else None,
+            rope_local_theta=None if local_theta is None else float(local_theta),
             query_pre_attn_scalar=float(hidden // heads if n == _GEMMA_27B_LAYERS[arch] else head_dim),
-            attn_logit_softcap=m("attn_logit_softcapping") or None,
-            final_logit_softcap=m("final_logit_softcapping") or None,
+            attn_logit_softcap=float(m("attn_logit_softcapping", 50.0)) if gemma2 else None,
+            final_logit_softcap=float(m("final_logit_softcapping", 30.0) if gemma2 else m("final_logit_softcapping", 0))
+            or None,
             hidden_act="gelu_tanh", scale_embeddings=True, sandwich_norms=True,
         )
 
