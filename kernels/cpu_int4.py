@@ -58,6 +58,11 @@ def has_vnni() -> bool:
     return _cpu_has(CPU_FLAGS + VNNI_FLAGS)
 
 
+def isa_name() -> str:
+    """The instruction set the loaded kernel runs, as people write it ("AVX-512 VNNI" or "AVX2")."""
+    return {"avx512_vnni": "AVX-512 VNNI", "avx2": "AVX2"}[torch.ops.localllm.int4_isa()]
+
+
 @functools.cache
 def load() -> bool:
     """Make torch.ops.localllm.int4_gemm available (building it on first use); False when this

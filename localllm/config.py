@@ -246,6 +246,12 @@ GEMMA_DEFAULTS = {
 }
 
 
+def sliding_layers(n: int, period: int) -> list[bool]:
+    """Which of n layers slide when every period-th one is global (Gemma's layouts, as both
+    transformers and llama.cpp derive them)."""
+    return [(i + 1) % period != 0 for i in range(n)]
+
+
 def _gemma_fields(arch: str, cfg: dict) -> dict:
     """Gemma 2/3's fields: which layers slide (layer_types, else the pattern transformers derives:
     every other layer for Gemma 2, five in six for Gemma 3), the RoPE of the global layers (Gemma 3
@@ -255,7 +261,7 @@ def _gemma_fields(arch: str, cfg: dict) -> dict:
     if not types:
         pattern = 2 if arch == "Gemma2ForCausalLM" else \
             cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        types = ["sliding_attention" if s else "full_attention" for s in sliding_layers(n, pattern)]
     window = int(cfg["sliding_window"])
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params:  # transformers 5: one RoPE dict per layer type

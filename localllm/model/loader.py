@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import ModelConfig, sliding_layers
 from ..tokenizer import LLMTokenizer
 from . import quant_formats  # AWQ / GPTQ (also legacy quant_config.json / quantize_config.json)
 from .errors import ModelLoadError
@@ -156,7 +156,7 @@ class GGUFWeights:
         gemma2 = arch == "gemma2"
         window = int(m("attention.sliding_window") or (4096 if gemma2 else 0)) or None
         pattern = m("attention.sliding_window_pattern") or (2 if gemma2 else 6)
-        slides = pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(n)]
+        slides = pattern if isinstance(pattern, list) else sliding_layers(n, pattern)
         local_theta = m("rope.freq_base_swa") or (None if gemma2 else 10000.0)
         kind, factor = m("rope.scaling.type"), m("rope.scaling.factor")
         return dict(
@@ -165,8 +165,7 @@ class GGUFWeights:
             rope_local_theta=None if local_theta is None else float(local_theta),
             query_pre_attn_scalar=float(hidden // heads if n == _GEMMA_27B_LAYERS[arch] else head_dim),
             attn_logit_softcap=float(m("attn_logit_softcapping", 50.0)) if gemma2 else None,
-            final_logit_softcap=float(m("final_logit_softcapping", 30.0) if gemma2 else m("final_logit_softcapping", 0))
-            or None,
+            final_logit_softcap=float(m("final_logit_softcapping", 30.0 if gemma2 else 0.0)) or None,
             hidden_act="gelu_tanh", scale_embeddings=True, sandwich_norms=True,
         )
 
@@ -779,7 +778,9 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     eos = set(tokenizer.eos_ids) | weights.extra_eos_ids()
     desc = mode
     if mode == "int4" and device == "cpu":
-        isa = torch.ops.localllm.int4_isa().replace("avx512_vnni", "AVX-512 VNNI").upper() if kernel == "vnni" else ""
+        from localllm_kernels import cpu_int4
+
+        isa = cpu_int4.isa_name() if kernel == "vnni" else ""
         desc = {"vnni": f"int4 weights (our kernel, {isa}, 16-bit matmul inputs), fp32 activations",
                 "aten": "int4 weights, bf16 matmul inputs, fp32 activations"}.get(kernel, mode)
     # CPU, int4/int8 weights: a 16-bit KV cache reads half the bytes per decode step; measured on
