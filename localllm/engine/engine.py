@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..config import EngineConfig
+from ..config import EngineConfig, kv_blocks, kv_tokens
 from ..hardware import available_memory
 from ..model.loader import LoadedModel
 from ..sampling import SamplingParams
@@ -129,7 +129,6 @@ class LLMEngine:
         overrides the computation."""
         cfg, c = self.config, self.model_config
         per_block = c.kv_bytes_per_token(self.loaded.kv_dtype.itemsize) * cfg.block_size
-        per_context = -(-self.max_model_len // cfg.block_size)
         device = self.loaded.model.device
         if cfg.kv_memory_bytes:
             blocks = cfg.kv_memory_bytes // per_block
@@ -137,12 +136,14 @@ class LLMEngine:
             free = available_memory(device) - self._activation_peak()
             # CPU: RAM is shared with everything else the user runs, so take at most a quarter of it
             share = cfg.memory_utilization if device != "cpu" else 0.25
-            blocks = min(int(free * share) // per_block, max(1, cfg.parallel) * per_context + 1)
-        min_blocks = per_context + 1  # + the null block
+            blocks = min(int(free * share) // per_block,
+                         kv_blocks(self.max_model_len, cfg.block_size, max(1, cfg.parallel)))
+        min_blocks = kv_blocks(self.max_model_len, cfg.block_size)
         if blocks < min_blocks:
             if cfg.kv_memory_bytes:
-                raise ValueError(f"--kv-memory {cfg.kv_memory_bytes / 2**30:.2f} GiB holds {blocks * cfg.block_size} "
-                                 f"tokens, less than one {self.max_model_len}-token context; raise it or lower --ctx")
+                raise ValueError(f"--kv-memory {cfg.kv_memory_bytes / 2**30:.2f} GiB holds "
+                                 f"{kv_tokens(blocks, cfg.block_size)} tokens, less than one "
+                                 f"{self.max_model_len}-token context; raise it or lower --ctx")
             blocks = min_blocks  # one full-length sequence must always fit
         return int(blocks)
 
