@@ -214,8 +214,8 @@ class LLMEngine:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             text = render_chat(self.tokenizer.chat_template, prompt, bos_token=self.tokenizer.bos_token,
                                eos_token=self.tokenizer.eos_token, **template_kwargs)
-            return self.tokenizer.encode(text)
-        if isinstance(prompt, str):
+            return self.tokenizer.encode_chat(text)
+        if isinstance(prompt, str):  # raw text: the BOS / EOS the model asks for (add_bos / add_eos)
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be integers in 0..{self.model_config.vocab_size - 1}")
