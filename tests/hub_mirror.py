@@ -13,6 +13,11 @@ closes the connection; `stall_after[file] = n` makes every GET of that file (a c
 retries too) stop at byte n and hang until `release` is set, however long that takes: a test can
 take its time to interrupt the download, which cannot finish or time out meanwhile.
 Every request is recorded in `requests` as (method, path, headers).
+
+Hostile modes, for the tests that a mirror cannot write outside the cache: a repo's `hostile` maps
+a field to the value the mirror sends instead of the true one: "sha" (model info's commit), "etag"
+(the ETag header), "linked_etag" (X-Linked-Etag), "repo_commit" (X-Repo-Commit), "sibling" (one more
+file name in the listing, served with config.json's bytes), "location" (HEAD answers 302 to it).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import re
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -45,6 +50,7 @@ class MirrorRepo:
     files: dict[str, MirrorFile]
     commit: str
     gated: bool = False
+    hostile: dict[str, str] = field(default_factory=dict)
 
 
 def _file(path: Path) -> MirrorFile:
@@ -56,10 +62,12 @@ def _file(path: Path) -> MirrorFile:
     return MirrorFile(path, size, git_oid, False)
 
 
-def make_repo(folder: Path, gated: bool = False) -> MirrorRepo:
+def make_repo(folder: Path, gated: bool = False, hostile: dict[str, str] | None = None) -> MirrorRepo:
     files = {p.relative_to(folder).as_posix(): _file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
     commit = hashlib.sha1("".join(f.etag for f in files.values()).encode()).hexdigest()
-    return MirrorRepo(files, commit, gated)
+    if hostile and "sibling" in hostile:
+        files[hostile["sibling"]] = files["config.json"]
+    return MirrorRepo(files, commit, gated, dict(hostile or {}))
 
 
 class HubMirror:
@@ -141,14 +149,15 @@ class _Handler(BaseHTTPRequestHandler):
         return not repo.gated or (auth.startswith("Bearer ") and auth[7:] in self.mirror.tokens)
 
     def _route(self, head: bool) -> None:
-        path = unquote(urlparse(self.path).path)
+        raw = urlparse(self.path).path  # matched before unquoting: a revision may hold a quoted '/'
+        path = unquote(raw)
         self.mirror.record(self.command, path, {k.lower(): v for k, v in self.headers.items()})
-        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)(?:/.*)?", path)
+        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)(?:/.*)?", raw)
         if m:
-            return self._api(m.group(1), m.group(2), m.group(3))
-        m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+            return self._api(*map(unquote, m.groups()))
+        m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", raw)
         if m:
-            return self._resolve(m.group(1), m.group(2), m.group(3), head)
+            return self._resolve(*map(unquote, m.groups()), head)
         self._error(404, "EntryNotFound", f"no route {path}", head)
 
     def _repo(self, name: str, rev: str, head: bool = False) -> MirrorRepo | None:
@@ -156,7 +165,7 @@ class _Handler(BaseHTTPRequestHandler):
         if repo is None:
             self._error(404, "RepoNotFound", "Repository not found", head)
             return None
-        if rev not in ("main", repo.commit):
+        if rev not in ("main", repo.commit, repo.hostile.get("sha")):
             self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}", head)
             return None
         return repo
@@ -170,7 +179,7 @@ class _Handler(BaseHTTPRequestHandler):
             siblings = [{"rfilename": n, "size": f.size, "blobId": f.etag if not f.lfs else "0" * 40,
                          **({"lfs": {"sha256": f.etag, "size": f.size, "pointerSize": 134}} if f.lfs else {})}
                         for n, f in repo.files.items()]
-            return self._json({"id": name, "modelId": name, "sha": repo.commit, "private": False,
+            return self._json({"id": name, "modelId": name, "sha": repo.hostile.get("sha", repo.commit), "private": False,
                                "gated": "auto" if repo.gated else False, "disabled": False, "tags": [],
                                "downloads": 0, "likes": 0, "siblings": siblings})
         tree = [{"type": "file", "path": n, "size": f.size, "oid": f.etag if not f.lfs else "0" * 40,
@@ -187,8 +196,14 @@ class _Handler(BaseHTTPRequestHandler):
         f = repo.files.get(filename)
         if f is None:
             return self._error(404, "EntryNotFound", f"{filename} does not exist", head)
-        headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{f.etag}"', "Accept-Ranges": "bytes",
+        headers = {"X-Repo-Commit": repo.hostile.get("repo_commit", repo.commit),
+                   "ETag": f'"{repo.hostile.get("etag", f.etag)}"', "Accept-Ranges": "bytes",
                    "Content-Type": "application/octet-stream"}
+        if "linked_etag" in repo.hostile:
+            headers["X-Linked-Etag"] = f'"{repo.hostile["linked_etag"]}"'
+        if "location" in repo.hostile:
+            return self._send(302, b"", {**headers, "Location": repo.hostile["location"], "X-Linked-Size": f.size},
+                              head=head)
         start = 0
         rng = self.headers.get("Range")
         if rng and not head:
