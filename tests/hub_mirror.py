@@ -307,3 +307,33 @@ def tiny_checkpoint_with_template(dest: Path, template: str) -> Path:
     cfg["chat_template"] = template
     cfg_path.write_text(json.dumps(cfg))
     return dest
+
+
+def tiny_checkpoint_that_says(dest: Path, text: str) -> Path:
+    """A copy of the tiny checkpoint at `dest` whose every reply is `text` repeated, one token per
+    `text`, on any machine: the final norm's weight is zero, so every logit is exactly 0 and greedy
+    decoding picks token 0, whose content becomes `text` (a plain, non-special added token; the
+    end-of-text token it was is no stop token of this model, <|im_end|> is). For tests that need
+    a reply they choose, e.g. one full of terminal escape sequences."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoint()
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, dest / name)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.norm.weight"] = torch.zeros_like(tensors["model.norm.weight"])
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    tok = json.loads((src / "tokenizer.json").read_text())
+    first = tok["added_tokens"][0]
+    assert first["id"] == 0 and first["content"] == "<|endoftext|>", first
+    first.update(content=text, special=False)
+    tok["model"]["vocab"][text] = tok["model"]["vocab"].pop("<|endoftext|>")
+    (dest / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    cfg = json.loads((dest / "tokenizer_config.json").read_text())
+    for entry in (cfg.get("added_tokens_decoder") or {}).values():
+        if entry.get("content") == "<|endoftext|>":
+            entry.update(content=text, special=False)
+    (dest / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
+    return dest
