@@ -291,3 +291,18 @@ def test_api_pull_refuses_unsafe_names_from_the_hub(mirror, tmp_path):
         assert_nothing_written(before, tmp_path)
         assert httpx.get(server.base + "/health", timeout=5).status_code == 200
         assert "Traceback" not in server.output(), server.output()
+
+
+def test_an_index_cannot_name_a_shard_outside_the_snapshot(env, tmp_path):
+    """model.safetensors.index.json comes from the hub too: a shard '../x' is neither a complete
+    snapshot nor loaded (it was read from outside the folder)."""
+    from localllm.hub import snapshot_complete
+
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_bytes((tiny_checkpoint() / "config.json").read_bytes())
+    (tmp_path / "outside.safetensors").hardlink_to(tiny_checkpoint() / "model.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../outside.safetensors"}}))
+    assert not snapshot_complete(d)
+    r = localllm(env, "show", str(d))
+    assert_one_line_error(r, f"shard name '../outside.safetensors' is not a file name inside {d}")
