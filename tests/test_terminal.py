@@ -153,9 +153,15 @@ def test_chat_repl_after_load_and_retry_shows_escapes(model, env, tmp_path):
     assert json.loads(saved.read_text())["messages"][-1] == {"role": "assistant", "content": REPLY}
 
 
-def test_chat_piped_shows_escapes(model, env, tmp_path):
-    r = subprocess.run(cli("chat", str(model), *FLAGS), env=env, capture_output=True, timeout=120,
-                       input=f"/load {conversation(tmp_path)}\n/retry\n".encode())
+@pytest.mark.parametrize("raw", [False, True], ids=["default", "raw-output"])
+def test_chat_piped_shows_escapes_unless_raw_output(model, env, tmp_path, raw):
+    """Piped chat is a transcript: escaped like the REPL, with or without a terminal; --raw-output
+    writes the reply as the model wrote it."""
+    r = subprocess.run(cli("chat", str(model), *FLAGS, *(["--raw-output"] if raw else [])), env=env,
+                       capture_output=True, timeout=120, input=f"/load {conversation(tmp_path)}\n/retry\n".encode())
     assert r.returncode == 0, r.stderr
-    assert r.stdout.decode().splitlines() == [f"loaded 2 messages from {conversation(tmp_path)}", escape_controls(REPLY)]
-    assert b"\x1b" not in r.stdout + r.stderr and b"\x07" not in r.stdout + r.stderr
+    reply = REPLY if raw else escape_controls(REPLY)
+    assert r.stdout.decode().split("\n") == [f"loaded 2 messages from {conversation(tmp_path)}", reply, ""]
+    assert b"\x1b" not in r.stderr
+    if not raw:
+        assert b"\x1b" not in r.stdout and b"\x07" not in r.stdout
