@@ -205,6 +205,9 @@ def run(
     seed: Annotated[Optional[int], typer.Option(help="Same seed, same output.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    raw_output: Annotated[bool, typer.Option("--raw-output", help="Write the answer to a terminal as is: by default "
+                                             "control characters (escape sequences) are shown as ^[ and the like "
+                                             "there; piped output is always as is.")] = False,
     format: Annotated[Optional[str], typer.Option(
         "--format", help="Hold the answer to JSON: 'json' (any JSON object), or a JSON schema given inline "
                          "or as the path of a .json file.", show_default=False)] = None,
@@ -259,7 +262,7 @@ def run(
         request = prompt
     else:
         request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    _stream_answer(engine, request, params, verbose, think)
+    _stream_answer(engine, request, params, verbose, think, raw_output)
 
 
 def print_plan(model: str | None, quant: str, device: str, ctx: int | None, max_memory: float | None,
@@ -280,14 +283,18 @@ def print_plan(model: str | None, quant: str, device: str, ctx: int | None, max_
     typer.echo(plan.describe())
 
 
-def _stream_answer(engine, request, params, verbose: bool, think: bool | None = None) -> None:
+def _stream_answer(engine, request, params, verbose: bool, think: bool | None = None,
+                   raw_output: bool = False) -> None:
     """Stream the reply to stdout. A reasoning model's reasoning is left out of it unless `think`
-    (then it comes first, between "Thinking..." and "...done thinking." as Ollama prints it)."""
+    (then it comes first, between "Thinking..." and "...done thinking." as Ollama prints it). On a
+    terminal its control characters are shown, not obeyed, unless `raw_output` (terminal.py)."""
     from .chat import ChatTemplateError
     from .engine.engine import ContextLengthError
     from .reasoning import ThinkSplitter, chat_prompt, reasons
+    from .terminal import output_filter
 
     out = sys.stdout
+    shown_as = output_filter(out, raw_output)
     t0 = time.perf_counter()
     first = last = None
     splitter, shown = None, False
@@ -302,13 +309,13 @@ def _stream_answer(engine, request, params, verbose: bool, think: bool | None = 
         def write(reasoning: str, answer: str) -> None:
             nonlocal shown
             if reasoning and think:
-                out.write(reasoning if shown else "Thinking...\n" + reasoning.lstrip("\n"))
+                out.write(shown_as(reasoning if shown else "Thinking...\n" + reasoning.lstrip("\n")))
                 shown = True
             if answer:
                 if shown:
                     out.write("\n...done thinking.\n\n")
                     shown = False
-                out.write(answer)
+                out.write(shown_as(answer))
             out.flush()
 
         for o in engine.generate(request, params):
@@ -612,6 +619,8 @@ def chat(
         "--think/--no-think", help="Reasoning models: show the reasoning dimmed (--think, the default) or ask "
                                    "the model not to reason (--no-think); /set think on|hide|off in the chat.",
         show_default=False)] = None,
+    raw_output: Annotated[bool, typer.Option("--raw-output", help="Write replies as is: by default their control "
+                                             "characters (escape sequences) are shown as ^[ and the like.")] = False,
 ):
     """Interactive chat (/? for commands). With stdin not a terminal, reads one message per line."""
     from .repl import ChatSession, history_path, run_pipe, run_repl
@@ -627,7 +636,8 @@ def chat(
         (sys.stdout if interactive else sys.stderr).flush()
 
     session = ChatSession(engine, name, system, note=note, max_tokens=max_tokens, temperature=temperature,
-                          top_p=top_p, top_k=top_k, seed=seed, think="off" if think is False else "on")
+                          top_p=top_p, top_k=top_k, seed=seed, think="off" if think is False else "on",
+                          escape=not raw_output)
     try:
         if not interactive:
             # bytes: a line that is not UTF-8 costs that line only
