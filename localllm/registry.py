@@ -119,22 +119,63 @@ def looks_like_model(arg: str, registry: Registry) -> bool:
     return p.is_dir() and (p / "config.json").is_file()
 
 
+class InvalidModelName(ValueError):
+    """A name that is no model name (a path, say) where only names are taken (the HTTP API)."""
+
+
+def _spec_ref(spec: ModelSpec) -> ModelRef:
+    embedded = spec.embedded_path()
+    if embedded is not None:
+        return ModelRef(spec.name, local_path=embedded, repo=spec.repo, revision=spec.revision, spec=spec)
+    return ModelRef(spec.name, repo=spec.repo, revision=spec.revision, spec=spec)
+
+
+def _probe(p: Path) -> tuple[bool, bool, bool, bool]:
+    """(exists, is a file, is a dir, is a dir with config.json); a name the OS cannot even look
+    up (too long, a NUL byte) is no path (os.stat raises ENAMETOOLONG/ValueError there)."""
+    try:
+        if not p.exists():
+            return False, False, False, False
+        is_dir = p.is_dir()
+        return True, p.is_file(), is_dir, is_dir and (p / "config.json").is_file()
+    except (OSError, ValueError):
+        return False, False, False, False
+
+
 def resolve_model(name: str | None, registry: Registry | None = None) -> ModelRef:
     registry = registry or load_registry()
     name = name or registry.default
-    p = Path(name).expanduser()
-    if p.exists() and (p.is_file() or (p / "config.json").is_file()):
+    try:
+        p = Path(name).expanduser()
+    except RuntimeError:  # "~nosuchuser/x": no home to expand
+        p = Path(name)
+    exists, is_file, is_dir, is_model_dir = _probe(p)
+    if is_file or is_model_dir:
         return ModelRef(name, local_path=p.resolve())
     spec = registry.lookup(name)
     if spec is not None:
-        embedded = spec.embedded_path()
-        if embedded is not None:
-            return ModelRef(spec.name, local_path=embedded, repo=spec.repo, revision=spec.revision, spec=spec)
-        return ModelRef(spec.name, repo=spec.repo, revision=spec.revision, spec=spec)
-    if _REPO_ID.match(name) and not p.exists():
+        return _spec_ref(spec)
+    if _REPO_ID.match(name) and not exists:
         return ModelRef(name, repo=name)
-    if p.is_dir():
+    if is_dir:
         raise UnknownModelError(f"{name} (a directory without config.json)", [])
     if name.endswith(".gguf") or os.sep in name:
         raise UnknownModelError(f"{name} (no such file or directory)", [])
+    raise UnknownModelError(name, registry.suggest(name))
+
+
+def resolve_name(name: str, registry: Registry | None = None) -> ModelRef:
+    """A model *name* (registry name or alias, or a hub repo id org/name) -> ModelRef, without
+    looking at the disk: what a name sent over HTTP may be. A path there would let any client
+    learn which files exist on the server (its answer would differ), so it is an
+    InvalidModelName whether or not the file is there; other unknown names are UnknownModelError."""
+    registry = registry or load_registry()
+    spec = registry.lookup(name)
+    if spec is not None:
+        return _spec_ref(spec)
+    if _REPO_ID.match(name):
+        return ModelRef(name, repo=name)
+    if name.startswith(("/", ".", "~")) or any(c in name for c in "/\\\0") or name.endswith(".gguf"):
+        raise InvalidModelName(f"invalid model name {name!r}: a registry name (see `localllm list`) or a hub "
+                               "repo id 'org/name', never a path")
     raise UnknownModelError(name, registry.suggest(name))
