@@ -16,7 +16,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 REGISTRY_PATH = Path(__file__).resolve().parent.parent / "models.toml"
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# the hub caps a repo name at 96 characters (huggingface_hub's validate_repo_id); longer "ids" would
+# also make cache folder names the OS refuses (ENAMETOOLONG)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]{0,95}/[\w.\-]{1,96}$")
 
 
 class UnknownModelError(ValueError):
