@@ -139,6 +139,17 @@ def looks_like_model(arg: str, registry: Registry) -> bool:
     return p is not None and p.is_dir() and (p / "config.json").is_file()
 
 
+class InvalidModelName(ValueError):
+    """A name that is no model name (a path, say) where only names are taken (the HTTP API)."""
+
+
+def _spec_ref(spec: ModelSpec) -> ModelRef:
+    embedded = spec.embedded_path()
+    if embedded is not None:
+        return ModelRef(spec.name, local_path=embedded, repo=spec.repo, revision=spec.revision, spec=spec)
+    return ModelRef(spec.name, repo=spec.repo, revision=spec.revision, spec=spec)
+
+
 def resolve_model(name: str | None, registry: Registry | None = None) -> ModelRef:
     registry = registry or load_registry()
     name = name or registry.default
@@ -147,14 +158,28 @@ def resolve_model(name: str | None, registry: Registry | None = None) -> ModelRe
         return ModelRef(name, local_path=p.resolve())
     spec = registry.lookup(name)
     if spec is not None:
-        embedded = spec.embedded_path()
-        if embedded is not None:
-            return ModelRef(spec.name, local_path=embedded, repo=spec.repo, revision=spec.revision, spec=spec)
-        return ModelRef(spec.name, repo=spec.repo, revision=spec.revision, spec=spec)
+        return _spec_ref(spec)
     if is_repo_id(name) and p is None:
         return ModelRef(name, repo=name)
     if p is not None and p.is_dir():
         raise UnknownModelError(name, [], "a directory without config.json")
     if name.endswith(".gguf") or os.sep in name:
         raise UnknownModelError(name, [], "no such file or directory")
+    raise UnknownModelError(name, registry.suggest(name))
+
+
+def resolve_name(name: str, registry: Registry | None = None) -> ModelRef:
+    """A model *name* (registry name or alias, or a hub repo id org/name) -> ModelRef, without
+    looking at the disk: what a name sent over HTTP may be. A path there would let any client
+    learn which files exist on the server (its answer would differ), so it is an
+    InvalidModelName whether or not the file is there; other unknown names are UnknownModelError."""
+    registry = registry or load_registry()
+    spec = registry.lookup(name)
+    if spec is not None:
+        return _spec_ref(spec)
+    if is_repo_id(name):
+        return ModelRef(name, repo=name)
+    if name.startswith(("/", ".", "~")) or any(c in name for c in "/\\\0") or name.endswith(".gguf"):
+        raise InvalidModelName(f"invalid model name {_shown(name)}: a registry name (see `localllm list`) or a hub "
+                               "repo id 'org/name', never a path")
     raise UnknownModelError(name, registry.suggest(name))

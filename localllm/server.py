@@ -52,6 +52,8 @@ class ServerConfig:
     max_queue: int = 256  # requests beyond the engine's batch (max_num_seqs) that may wait
     max_num_seqs: int = 64
     max_body_bytes: int = 8 << 20  # larger request bodies get a 413
+    bind_host: str = "127.0.0.1"  # the --host it listens on (host_guard: loopback-bound servers check Host)
+    allowed_hosts: list[str] = field(default_factory=list)  # --allow-host: more Host names ('*': any)
 
 
 class ServerState:
@@ -191,7 +193,7 @@ def _check_common(body: oai._SamplingRequest, max_tokens: int | None, max_tokens
         raise APIError(400, f"n must be between 1 and 16, got {body.n}", param="n")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    if max_tokens is not None and body.min_tokens > max_tokens:
+    if max_tokens is not None and max_tokens >= 1 and body.min_tokens > max_tokens:  # < 1: SamplingParams names it
         raise APIError(400, f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
                        param="min_tokens")
     out = [t for t in body.stop_token_ids or [] if not 0 <= t < vocab]
@@ -388,6 +390,13 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
 
         app.add_middleware(CORSMiddleware, allow_origins=cfg.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
+    from .host_guard import HostGuardMiddleware, HostPolicy
+
+    def count_403() -> None:
+        state.metrics.errors[403] += 1
+    # added last: the outermost layer, so a foreign Host or Origin meets nothing else (not even CORS)
+    app.add_middleware(HostGuardMiddleware, policy=HostPolicy.make(cfg.bind_host, cfg.allowed_hosts, cfg.cors_origins),
+                       error_body=_error_body, on_reject=count_403)
 
     # ---- errors: OpenAI's shape, Ollama's ({"error": "..."}) on Ollama's /api/ routes ----
     def error_response(e: APIError, request: Request | None = None) -> JSONResponse:
@@ -407,9 +416,9 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
     def _validation_api_error(e: RequestValidationError) -> APIError:
         errs = e.errors()
         first = errs[0] if errs else {}
-        if first.get("type") == "invalid_text":
+        if first.get("type") in ("invalid_text", "body_too_deep"):
             return APIError(400, first.get("msg", "invalid text"), param=(first.get("ctx") or {}).get("where"),
-                            code="invalid_text")
+                            code=first["type"])
         if first.get("type") == "json_invalid":
             ctx = first.get("ctx") or {}
             return APIError(400, f"invalid JSON in the request body: {ctx.get('error', first.get('msg'))}")
@@ -423,6 +432,10 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
+        if isinstance(e.__cause__, RecursionError):  # FastAPI's "error parsing the body" from json.loads
+            return error_response(APIError(400, "the request body is nested too deeply to parse (arrays/objects "
+                                                f"more than {oai.MAX_BODY_DEPTH} levels inside each other)",
+                                           code="body_too_deep"), request)
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return error_response(APIError(e.status_code, str(e.detail), kind), request)
 
@@ -432,7 +445,7 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
         return error_response(APIError(500, f"internal error: {type(e).__name__}", "internal_error"), request)
 
     # ---- endpoints ----
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers and uptime probes use it
     async def health():
         if state.pool is not None:  # nothing to load up front: models load when asked for
             return JSONResponse({"status": "ok"} if not state.closing else {"status": "shutting down"},
