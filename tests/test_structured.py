@@ -77,16 +77,33 @@ def test_mask_allows_what_the_grammar_allows(engine):
 
 
 @pytest.mark.parametrize("kind,spec,match", [
-    ("json_schema", {"type": "object", "properties": {"a": {"type": "strin"}}}, "strin"),
     ("json_schema", "not a schema", "must be an object"),
-    ("regex", "[0-9", "invalid regex"),
+    ("json_schema", False, "accepts no value"),
     ("choice", [], "non-empty list"),
-    ("grammar", "start: undefined_rule", "invalid grammar"),
     ("xml", None, "unknown constraint kind"),
 ])
 def test_bad_constraints_are_clear_errors(kind, spec, match):
     with pytest.raises(ConstraintError, match=match):
         Constraint.make(kind, spec)
+
+
+@pytest.mark.parametrize("kind,spec,match", [
+    ("json_schema", {"type": "object", "properties": {"a": {"type": "strin"}}}, "invalid json_schema: .*strin"),
+    ("regex", "[0-9", "invalid regex"),
+    ("grammar", "start: undefined_rule", "invalid grammar"),
+    ("json_schema", {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "no output can satisfy it"),
+])
+def test_constraints_that_do_not_compile_are_clear_errors(engine, kind, spec, match):
+    """Compiled for the model's tokenizer (by the worker process, then here), once: the second
+    time the same error comes from the cache, and the engine refuses the request with it."""
+    c = Constraint.make(kind, spec)
+    starts = engine.grammars.checker.starts
+    for _ in range(2):
+        with pytest.raises(ConstraintError, match=match):
+            engine.grammars.prepare(c)
+    with pytest.raises(ConstraintError, match=match):
+        engine.add_request("Hi", SamplingParams(max_tokens=4, constraint=c))
+    assert engine.grammars.checker.starts <= max(starts, 1) and not engine.has_unfinished()
 
 
 def test_greedy_under_a_mask_is_the_masked_exact_argmax(engine):
