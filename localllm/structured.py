@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,12 +152,54 @@ class Grammars:
             raise ConstraintError(str(done))
         return done
 
-    def matcher(self, constraint: Constraint):
+    def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh matcher for one sequence."""
-        return self.prepare(constraint).deep_copy()
+        return Matcher(self.prepare(constraint).deep_copy())
 
     def close(self) -> None:
         self.checker.close()
+
+
+STEP_BUDGET_S = 0.5  # one mask or one token consumed; masks take microseconds to ~20 ms
+
+
+class Matcher:
+    """One sequence's llguidance matcher, timed: its masks are computed on the engine's thread,
+    between every other request's tokens, and an ambiguous grammar (`s: s s s | s s | "x"`) makes
+    each one slower than the last (0.5 s after 60 tokens) without reaching llguidance's limits.
+    A call over `budget_s` puts it in an error state of its own, which the engine ends the
+    sequence with, as with llguidance's errors (is_error / get_error)."""
+
+    def __init__(self, matcher, budget_s: float = STEP_BUDGET_S):
+        self._m, self.budget_s = matcher, budget_s
+        self._slow: str | None = None
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        result = fn(*args)
+        spent = time.perf_counter() - t0
+        if spent > self.budget_s and self._slow is None:
+            self._slow = (f"it took {spent:.2f} s to decode one token under it, more than the "
+                          f"{self.budget_s:g} s this server allows")
+        return result
+
+    def compute_bitmask(self) -> bytes:
+        return self._timed(self._m.compute_bitmask)
+
+    def consume_token(self, token: int) -> bool:
+        return self._timed(self._m.consume_token, token) and self._slow is None
+
+    def is_error(self) -> bool:
+        return self._slow is not None or self._m.is_error()
+
+    def get_error(self) -> str:
+        return self._slow or self._m.get_error()
+
+    def is_stopped(self) -> bool:
+        return self._m.is_stopped()
+
+    def rollback(self, n: int) -> bool:
+        return self._m.rollback(n)
 
 
 def _message(error: str) -> str:
