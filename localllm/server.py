@@ -180,7 +180,7 @@ def _structured(body: oai._SamplingRequest) -> tuple[str, Any] | None:
     vllm = output_format.vllm_fields(body.model_extra or {})
     if rf is not None and vllm is not None:
         raise APIError(400, f"send either response_format or {vllm[0]}, not both", param=vllm[0])
-    return ("response_format", rf) if rf is not None else vllm
+    return (output_format.response_format_field(body.response_format), rf) if rf is not None else vllm
 
 
 def _check_common(body: oai._SamplingRequest, max_tokens: int | None, max_tokens_param: str, vocab: int) -> None:

@@ -293,26 +293,27 @@ def test_hostile_constraints_are_quick_400s_and_the_server_keeps_answering(serve
     assert server.metrics().get('localllm_request_errors_total{code="500"}', 0) == 0
 
 
-SLOW = 'start: s\ns: s s s | s s | "x"'  # ambiguous: each token's mask slower than the last
+SLOW = 'start: s\ns: s s s s | s s s | s s | "x"'  # ambiguous: each token slower than the last
 
 
 def test_matcher_failing_mid_way_is_an_error_never_a_stop(server):
-    """A grammar that compiles but gets slower per token (0.5 s after ~60 tokens) ends as an error
-    carrying why: a 400 when not streamed, an error event (no "stop") when streamed; /health
-    answers within 1.5 s meanwhile and no KV block is held afterwards."""
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 300, "ignore_eos": True, "temperature": 0,
-            "guided_grammar": SLOW}
+    """A grammar that compiles but gets slower per token (past the server's 0.25 s per token after
+    ~100 tokens) ends as an error carrying why, streamed: an error event, never a "stop" (not
+    streamed, the same error is the 400 of Generation.outputs); /health answers within 2 s
+    meanwhile (the matcher holds the GIL while it consumes a token: up to the 0.25 s budget per
+    token, on a busy machine more) and no KV block is held afterwards."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+            "guided_grammar": SLOW, "stream": True}
     with HealthWatch(server) as health:
-        msg = error_of(post(server, "/v1/completions", body), "guided_grammar")
-        assert "could not be held to the constraint" in msg, msg
-        with httpx.stream("POST", server.base + "/v1/completions", json={**body, "stream": True},
-                          timeout=120) as r:
+        with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=120) as r:
             assert r.status_code == 200
             events = [json.loads(line[6:]) for line in r.iter_lines()
                       if line.startswith("data: ") and line != "data: [DONE]"]
     assert "could not be held to the constraint" in events[-1]["error"]["message"], events[-1]
     assert all(c["finish_reason"] != "stop" for e in events for c in e.get("choices", [])), events
-    assert health.worst < 1.5, health.times
+    text = "".join(c["text"] for e in events for c in e.get("choices", []))
+    assert re.fullmatch("x+", text), text
+    assert health.worst < 2.0, health.times
     assert wait_idle(server), server.metrics()
 
 
