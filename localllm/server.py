@@ -205,7 +205,7 @@ def _params_list(body, max_tokens, max_tokens_param, logprobs, vocab: int,
     `forced`: (field, constraint) of a tool call the request demands."""
     found = _structured(body)
     if forced is not None and found is not None:
-        raise APIError(400, f"{found[0]} cannot be combined with a tool call that {forced[0]} force", param=found[0])
+        raise APIError(400, f"{found[0]} cannot be combined with forcing a tool call ({forced[0]})", param=found[0])
     found = found or forced
     field_, constraint = found if found else (None, None)
     bias = body.token_bias(vocab)
