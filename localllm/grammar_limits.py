@@ -61,7 +61,10 @@ def check(kind: str, spec, limits: Limits = LIMITS) -> str | None:
 
 
 def _check_schema(schema, limits: Limits) -> str | None:
-    size = len(json.dumps(schema, separators=(",", ":")).encode("utf-8"))
+    try:
+        size = len(json.dumps(schema, separators=(",", ":")).encode("utf-8"))
+    except RecursionError:
+        return "the schema nests too deep"
     if size > limits.schema_bytes:
         return f"the schema is {size} bytes, more than the {limits.schema_bytes} this server compiles"
     objects, todo = 0, [schema]

@@ -107,7 +107,8 @@ class GrammarChecker:
                                 stdout=subprocess.PIPE, env=env, start_new_session=True)
         self._proc = proc
         self.starts += 1
-        header = {"vocab_size": self.vocab_size, "eos_ids": self.eos_ids, "memory_bytes": self.memory_bytes}
+        header = {"vocab_size": self.vocab_size, "eos_ids": self.eos_ids, "memory_bytes": self.memory_bytes,
+                  "timeout_s": self.timeout_s}
         try:
             _send(proc.stdin, json.dumps(header).encode())
             _send(proc.stdin, self._tokenizer_json().encode("utf-8"))
@@ -166,21 +167,10 @@ def _receive(f, deadline: float | None = None) -> bytes:
     return buf[8:]
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker when the server goes (a killed server cannot say so)."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def main() -> None:
     import resource
+    import signal
 
-    _die_with_parent()
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     header = json.loads(_receive(stdin))
     limit = header["memory_bytes"]
@@ -194,10 +184,14 @@ def main() -> None:
             grammar = _receive(stdin).decode("utf-8")
         except EOFError:  # the server closed the pipe: nothing more to do
             return
+        # the server stops waiting after timeout_s and kills this process; should it be gone
+        # itself, SIGALRM ends the compile (the pipe's end ends an idle worker)
+        signal.alarm(int(2 * header["timeout_s"]) + 1)
         try:
             error = compile_grammar(tokenizer, grammar).get_error()
         except Exception as e:  # noqa: BLE001 - a message for the request, not a dead worker
             error = f"{type(e).__name__}: {e}"
+        signal.alarm(0)
         _send(stdout, json.dumps({"error": error}).encode())
 
 
