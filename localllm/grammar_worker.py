@@ -10,8 +10,9 @@ own. A worker that crashes or overruns is killed and the request refused; the ne
 a fresh worker.
 
 The protocol on the worker's stdin/stdout: frames of an 8-byte big-endian length and UTF-8 text.
-First a JSON header {vocab_size, eos_ids, memory_bytes}, then the tokenizer JSON; then, per
-check, a grammar, answered with a JSON {"error": message or ""}.
+First a JSON header {vocab_size, eos_ids, memory_bytes, timeout_s}, then the tokenizer JSON,
+answered with {} once the worker is ready; then, per check, a grammar, answered with a JSON
+{"error": message or ""}.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from collections.abc import Callable
 
 STACK_BYTES = 64 << 20  # the compile thread's stack, in the worker and in the server alike
 TIMEOUT_S = 5.0  # one compile and first mask in the worker
+START_TIMEOUT_S = 60.0  # the worker's start (Python, llguidance, its tokenizer: ~1 s)
 MEMORY_BYTES = 4 << 30  # the worker's address space (RLIMIT_AS)
 _stack_lock = threading.Lock()
 
@@ -112,9 +114,10 @@ class GrammarChecker:
         try:
             _send(proc.stdin, json.dumps(header).encode())
             _send(proc.stdin, self._tokenizer_json().encode("utf-8"))
-        except OSError as e:
+            _receive(proc.stdout, time.monotonic() + START_TIMEOUT_S)  # its tokenizer is built: ready
+        except (OSError, EOFError, TimeoutError) as e:
             self._kill()
-            raise WorkerError(f"the grammar worker could not be started: {e}") from None
+            raise WorkerError(f"the grammar worker could not be started ({type(e).__name__})") from None
         return proc
 
     def _kill(self) -> int | None:
@@ -179,6 +182,7 @@ def main() -> None:
 
     tokenizer = LLTokenizer(_receive(stdin).decode("utf-8"), n_vocab=header["vocab_size"],
                             eos_token=header["eos_ids"])
+    _send(stdout, b"{}")  # ready: the time limit counts compiles only
     while True:
         try:
             grammar = _receive(stdin).decode("utf-8")

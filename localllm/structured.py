@@ -136,18 +136,21 @@ class Grammars:
                 self._ready.move_to_end(constraint)
         if done is None:
             grammar = constraint.grammar()
+            keep = True
             try:
                 error = self.checker.check(grammar)
             except WorkerError as e:
                 error = str(e)
+                keep = "crashed" in error  # a crash is the grammar's; an overrun may be a busy machine's
             if not error:  # the worker survived it: the same compile here is safe
                 m = compile_grammar(self.tokenizer, grammar)
                 error = m.get_error()
             done = ConstraintError(f"invalid {constraint.kind}: {_message(error)}") if error else m
-            with self._lock:
-                self._ready[constraint] = done
-                while len(self._ready) > self._cache_size:
-                    self._ready.popitem(last=False)
+            if keep:
+                with self._lock:
+                    self._ready[constraint] = done
+                    while len(self._ready) > self._cache_size:
+                        self._ready.popitem(last=False)
         if isinstance(done, ConstraintError):
             raise ConstraintError(str(done))
         return done
