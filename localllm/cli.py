@@ -205,6 +205,9 @@ def run(
     seed: Annotated[Optional[int], typer.Option(help="Same seed, same output.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    raw_output: Annotated[bool, typer.Option("--raw-output", help="Write the answer to a terminal as is: by default "
+                                             "control characters (escape sequences) are shown as ^[ and the like "
+                                             "there; piped output is always as is.")] = False,
     format: Annotated[Optional[str], typer.Option(
         "--format", help="Hold the answer to JSON: 'json' (any JSON object), or a JSON schema given inline "
                          "or as the path of a .json file.", show_default=False)] = None,
@@ -259,7 +262,7 @@ def run(
         request = prompt
     else:
         request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    _stream_answer(engine, request, params, verbose, think)
+    _stream_answer(engine, request, params, verbose, think, raw_output)
 
 
 def print_plan(model: str | None, quant: str, device: str, ctx: int | None, max_memory: float | None,
@@ -280,15 +283,19 @@ def print_plan(model: str | None, quant: str, device: str, ctx: int | None, max_
     typer.echo(plan.describe())
 
 
-def _stream_answer(engine, request, params, verbose: bool, think: bool | None = None) -> None:
+def _stream_answer(engine, request, params, verbose: bool, think: bool | None = None,
+                   raw_output: bool = False) -> None:
     """Stream the reply to stdout. A reasoning model's reasoning is left out of it unless `think`
-    (then it comes first, between "Thinking..." and "...done thinking." as Ollama prints it)."""
+    (then it comes first, between "Thinking..." and "...done thinking." as Ollama prints it). On a
+    terminal its control characters are shown, not obeyed, unless `raw_output` (terminal.py)."""
     from .chat import ChatTemplateError
     from .engine.engine import ContextLengthError
     from .reasoning import ThinkSplitter, chat_prompt, reasons
     from .structured import ConstraintError
+    from .terminal import output_filter
 
     out = sys.stdout
+    shown_as = output_filter(out, raw_output)
     t0 = time.perf_counter()
     first = last = None
     splitter, shown = None, False
@@ -303,13 +310,13 @@ def _stream_answer(engine, request, params, verbose: bool, think: bool | None = 
         def write(reasoning: str, answer: str) -> None:
             nonlocal shown
             if reasoning and think:
-                out.write(reasoning if shown else "Thinking...\n" + reasoning.lstrip("\n"))
+                out.write(shown_as(reasoning if shown else "Thinking...\n" + reasoning.lstrip("\n")))
                 shown = True
             if answer:
                 if shown:
                     out.write("\n...done thinking.\n\n")
                     shown = False
-                out.write(answer)
+                out.write(shown_as(answer))
             out.flush()
 
         for o in engine.generate(request, params):
@@ -374,6 +381,29 @@ def check_api_key(key: str | None) -> None:
         raise fail("--api-key must be printable ASCII (letters, digits, punctuation)", 2)
 
 
+def check_allow_hosts(values: list[str] | None) -> list[str]:
+    """--allow-host values: host names or addresses (a port is ignored), or '*'."""
+    from .host_guard import host_name
+
+    out = []
+    for v in values or []:
+        if v != "*" and host_name(v) is None:
+            raise fail(f"invalid value for --allow-host: {v!r} is not a host name (e.g. mybox.lan, "
+                       "llm.example.com, or '*' for any)", 2)
+        out.append(v)
+    return out
+
+
+def _keep_alive_seconds(value: str) -> float:
+    from .ollama_api import parse_keep_alive
+    from .openai_schema import APIError
+
+    try:
+        return parse_keep_alive(value)
+    except APIError as e:
+        raise fail(f"invalid value for --keep-alive: {e.message.partition(': ')[2]}", 2) from None
+
+
 def exposure_warning(host: str, api_key: str | None) -> str | None:
     """A loud warning when the server listens beyond loopback without a key."""
     import ipaddress
@@ -403,6 +433,9 @@ def serve(
     cors_origin: Annotated[Optional[list[str]], typer.Option("--cors-origin",
                                                              help="Allowed CORS origin (repeatable; '*' = any).")]
         = None,
+    allow_host: Annotated[Optional[list[str]], typer.Option(
+        "--allow-host", help="Another Host name to answer to besides localhost and this machine's names "
+                             "(repeatable; '*' = any; DNS rebinding protection, see README Security).")] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait beyond the running batch; "
                                                                "more get 429.")] = 256,
     max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Most sequences in one batch.")] = 64,
@@ -438,13 +471,15 @@ def serve(
     if not (math.isfinite(max_body_mb) and max_body_mb > 0):
         raise fail(f"invalid value for --max-body-mb: must be a positive number of MiB, got {max_body_mb}", 2)
     check_api_key(api_key)
+    hosts = check_allow_hosts(allow_host)
+    keep = _keep_alive_seconds(keep_alive)
     mem = max_memory_gib(max_memory, device)
     from .server import ServerConfig, create_app
     from .server import serve as run_server
 
     if model is None:
         _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx,
-                   kv_memory, threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep_alive)
+                   kv_memory, threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts)
     try:  # name mistakes fail now, not after the server started
         ref = resolve_model(model)
     except ValueError as e:
@@ -469,7 +504,7 @@ def serve(
             _startup_done()
 
     cfg = ServerConfig(model_id, aliases, api_key, list(cors_origin or []), max_queue, max_num_seqs,
-                       int(max_body_mb * (1 << 20)))
+                       int(max_body_mb * (1 << 20)), bind_host=host, allowed_hosts=hosts)
     typer.echo(f"localllm serve: {model_id} on http://{host}:{port}/v1 (loading the model; /health is 503 "
                f"until it is ready){' - API key required' if api_key else ''}", err=True)
     warning = exposure_warning(host, api_key)
@@ -480,20 +515,15 @@ def serve(
 
 
 def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx, kv_memory,
-               threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep_alive) -> None:
+               threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts) -> None:
     """`serve` without MODEL: every local model, loaded on demand (model_pool)."""
     from .model_pool import ModelPool, PoolConfig
-    from .ollama_api import parse_keep_alive
-    from .openai_schema import APIError
     from .planner import normalize_quant
     from .server import ServerConfig, create_app
     from .server import serve as run_server
 
     try:
-        keep = parse_keep_alive(keep_alive)
         normalize_quant(quant)
-    except APIError as e:
-        raise fail(f"invalid value for --keep-alive: {e.message.partition(': ')[2]}", 2) from None
     except ValueError as e:
         raise fail(str(e), 2) from None
     if draft is not None:
@@ -504,7 +534,7 @@ def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parall
         typer.echo(message, err=True)
     pool = ModelPool(PoolConfig(config, quant, device, int(mem * (1 << 30)) if mem else None, keep), log)
     cfg = ServerConfig(None, [], api_key, list(cors_origin or []), max_queue, max_num_seqs,
-                       int(max_body_mb * (1 << 20)))
+                       int(max_body_mb * (1 << 20)), bind_host=host, allowed_hosts=hosts)
     _startup_done()
     typer.echo(f"localllm serve: every local model, on demand, on http://{host}:{port}/v1 and /api (Ollama)"
                f"{' - API key required' if api_key else ''}", err=True)
@@ -587,6 +617,8 @@ def rm(model: Annotated[str, typer.Argument(help="Alias or hub repo org/name.")]
     from .hub import HubError
     from .models_cli import remove
 
+    if not model.strip():  # '' would otherwise resolve to the default model, or read " is not downloaded"
+        raise fail("the model name is empty: name a downloaded model (see `localllm list`)", 2)
     try:
         lines = remove(model)
     except (HubError, ValueError) as e:
@@ -618,6 +650,8 @@ def chat(
         "--think/--no-think", help="Reasoning models: show the reasoning dimmed (--think, the default) or ask "
                                    "the model not to reason (--no-think); /set think on|hide|off in the chat.",
         show_default=False)] = None,
+    raw_output: Annotated[bool, typer.Option("--raw-output", help="Write replies as is: by default their control "
+                                             "characters (escape sequences) are shown as ^[ and the like.")] = False,
 ):
     """Interactive chat (/? for commands). With stdin not a terminal, reads one message per line."""
     from .repl import ChatSession, history_path, run_pipe, run_repl
@@ -633,7 +667,8 @@ def chat(
         (sys.stdout if interactive else sys.stderr).flush()
 
     session = ChatSession(engine, name, system, note=note, max_tokens=max_tokens, temperature=temperature,
-                          top_p=top_p, top_k=top_k, seed=seed, think="off" if think is False else "on")
+                          top_p=top_p, top_k=top_k, seed=seed, think="off" if think is False else "on",
+                          escape=not raw_output)
     try:
         if not interactive:
             # bytes: a line that is not UTF-8 costs that line only

@@ -306,6 +306,18 @@ def _phi3_longrope(cfg: dict, rope: dict) -> dict:
             "attention_factor": float(attn)}
 
 
+def kv_blocks(tokens: int, block_size: int, contexts: int = 1) -> int:
+    """The KV blocks that hold `contexts` sequences of `tokens` tokens each: whole blocks per
+    sequence, plus the null block (block 0, never handed out). The planner, the server's model
+    pool and the engine all size the cache with this, so what one plans the other allocates."""
+    return contexts * -(-tokens // block_size) + 1
+
+
+def kv_tokens(num_blocks: int, block_size: int) -> int:
+    """The tokens of one sequence that `num_blocks` KV blocks hold (all but the null block)."""
+    return max(num_blocks - 1, 0) * block_size
+
+
 @dataclass
 class EngineConfig:
     """Knobs of the serving engine; the CLI and server fill it, the engine reads it."""

@@ -4,8 +4,14 @@ huggingface_hub answers the questions (which commit, which files, which errors) 
 layout; we fetch the bytes ourselves with its `http_get` into a *stable* `blobs/<etag>.incomplete`
 file, because huggingface_hub >= 1.x writes to a per-process temporary name and deletes it on
 failure: a Ctrl-C or a killed process would lose everything. Ours survives both, and the next pull
-resumes it with a Range request. Then `hf_hub_download` only links the finished blob into
-`snapshots/<commit>/`.
+resumes it with a Range request. We then link the finished blob into `snapshots/<commit>/`
+ourselves, from the one HEAD answer we checked (hf_hub_download would ask the hub again and trust
+whatever came back).
+
+Every name the hub (or an HF_ENDPOINT mirror) sends becomes a path here: the commit a snapshot
+folder, the ETag a blob, each listed file a link. A hostile mirror can send `../../x` for any of
+them, so each is checked before it touches the disk (hex digests for commits and blobs, plain
+relative names for files) and a pull that meets a bad one writes nothing at all.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .paths import safe_relative_name
 from .registry import ModelRef, ModelSpec
 
 # just what a safetensors checkpoint needs: never *.bin / *.pth pickles
@@ -29,6 +36,7 @@ QUANTS = ("auto", "bf16", "awq", "gptq", "gguf")
 SUPPORTED = "supported: safetensors (bf16/fp16/fp32), AWQ or GPTQ int4 safetensors, GGUF"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_BLOB = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")  # the hub's ETags: git sha1, or sha256 for LFS files
 
 
 class HubError(RuntimeError):
@@ -54,6 +62,45 @@ def offline() -> bool:
 
 def repo_dir(repo: str) -> Path:
     return hub_cache() / ("models--" + repo.replace("/", "--"))
+
+
+# ---- names the hub sends, checked before they become paths --------------------------------------
+def _shown(value: object) -> str:
+    """A server-sent value in an error message: repr (one line, control characters escaped), cut short."""
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def check_commit(value: object, repo: str) -> str:
+    """The commit the hub named for a revision: 40 hex digits (it names snapshots/<commit>)."""
+    if not isinstance(value, str) or not _COMMIT.match(value):
+        raise HubError(f"{repo}: the hub sent an invalid commit {_shown(value)} (expected 40 hex digits); "
+                       "nothing was written")
+    return value
+
+
+def check_etag(value: object, repo: str, filename: str) -> str:
+    """A file's ETag: a hex digest (it names blobs/<etag>)."""
+    if not isinstance(value, str) or not _BLOB.match(value):
+        raise HubError(f"{repo}/{filename}: the hub sent an invalid ETag {_shown(value)} (expected a sha1 or "
+                       "sha256 hex digest); nothing was written")
+    return value
+
+
+def check_filename(value: object, repo: str) -> str:
+    """A file name from the repo's listing: a relative path inside the snapshot folder."""
+    if not safe_relative_name(value):
+        raise HubError(f"{repo}: the hub listed an unsafe file name {_shown(value)} (absolute, '..', backslash "
+                       "or control character); nothing was written")
+    return value  # type: ignore[return-value]
+
+
+def check_revision(revision: str) -> str:
+    """A branch or tag is written as refs/<revision> ('refs/pr/1' is one): it must stay in refs/."""
+    if not safe_relative_name(revision):
+        raise HubError(f"invalid revision {_shown(revision)}: a branch, tag or commit name cannot be absolute or "
+                       "contain '..', a backslash or control characters")
+    return revision
 
 
 # ---- variants ---------------------------------------------------------------------------------
@@ -103,8 +150,11 @@ def spec_variants(spec: ModelSpec) -> list[Variant]:
 def _commit_for(repo: str, revision: str) -> str | None:
     if _COMMIT.match(revision):
         return revision
+    if not safe_relative_name(revision):
+        return None
     ref = repo_dir(repo) / "refs" / revision
-    return ref.read_text().strip() if ref.is_file() else None
+    commit = ref.read_text().strip() if ref.is_file() else None
+    return commit if commit and _COMMIT.match(commit) else None  # a damaged ref: not cached, pull again
 
 
 def snapshot_complete(path: Path, filename: str | None = None) -> bool:
@@ -119,9 +169,9 @@ def snapshot_complete(path: Path, filename: str | None = None) -> bool:
 
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, AttributeError):
             return False
-        return all((path / s).is_file() for s in shards)
+        return all(safe_relative_name(s) and (path / s).is_file() for s in shards)
     return any(path.glob("*.safetensors"))
 
 
@@ -289,14 +339,16 @@ def pull(repo: str, revision: str = "main", filename: str | None = None, progres
 
 
 def _pull_online(repo: str, revision: str, filename: str | None, show: bool, t0: float, sink=None) -> PullResult:
-    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub import HfApi
 
+    check_revision(revision)
     info = HfApi(endpoint=endpoint()).model_info(repo, revision=revision, files_metadata=True)
+    commit = check_commit(info.sha, repo)
     sizes = {s.rfilename: (s.size or 0) for s in (info.siblings or [])}
-    files = select_files(repo, list(sizes), filename)
-    commit = info.sha
+    files = [check_filename(f, repo) for f in select_files(repo, list(sizes), filename)]
     snap = repo_dir(repo) / "snapshots" / commit
     todo = [f for f in files if not (snap / f).exists()]
+    metas = {f: _file_meta(repo, f, commit) for f in todo}  # every name checked before a byte is written
     result = PullResult(repo, revision, commit, snap / filename if filename else snap, files,
                         sum(sizes[f] for f in files))
     bars = sink if sink is not None else _progress() if show and todo else None
@@ -304,43 +356,78 @@ def _pull_online(repo: str, revision: str, filename: str | None, show: bool, t0:
         bars.start()
     try:
         for f in todo:
-            got, resumed = _fetch_blob(repo, f, commit, bars)
+            got, resumed = _fetch_blob(repo, f, metas[f], bars)
             result.downloaded_files += 1
             result.downloaded_bytes += got
             result.resumed_bytes += resumed
     finally:
         if bars is not None:
             bars.stop()
-    for f in todo:  # the blob is there: this only links snapshots/<commit>/<f> to it
-        hf_hub_download(repo, f, revision=commit, cache_dir=str(hub_cache()), endpoint=endpoint())
+    for f in todo:
+        _link(repo_dir(repo) / "blobs" / metas[f].etag, snap, f)
     if revision != commit:
         refs = repo_dir(repo) / "refs"
-        refs.mkdir(parents=True, exist_ok=True)
+        (refs / revision).parent.mkdir(parents=True, exist_ok=True)
         (refs / revision).write_text(commit)
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _fetch_blob(repo: str, filename: str, commit: str, bars) -> tuple[int, int]:
-    """Download one file into blobs/<etag>, resuming blobs/<etag>.incomplete. -> (bytes fetched now,
-    bytes that were already there)."""
+def _file_meta(repo: str, filename: str, commit: str):
+    """The hub's HEAD answer for one file at `commit`, its ETag, commit and location checked."""
     from urllib.parse import urlparse
 
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.file_download import http_get
-    from huggingface_hub.utils import WeakFileLock, build_hf_headers
 
     url = hf_hub_url(repo, filename, revision=commit, endpoint=endpoint())
     meta = get_hf_file_metadata(url)
     if not meta.etag:
         raise HubError(f"{repo}/{filename}: the hub sent no ETag")
+    check_etag(meta.etag, repo, filename)
+    if meta.commit_hash is not None and meta.commit_hash != commit:
+        raise HubError(f"{repo}/{filename}: asked for commit {commit}, the hub answered for "
+                       f"{_shown(meta.commit_hash)}; nothing was written")
+    if urlparse(meta.location).scheme not in ("http", "https"):
+        raise HubError(f"{repo}/{filename}: the hub redirected to {_shown(meta.location)}, not an http(s) URL; "
+                       "nothing was written")
+    return meta
+
+
+def _link(blob: Path, snap: Path, filename: str) -> None:
+    """snapshots/<commit>/<filename> -> the blob, as huggingface_hub lays it out (a relative symlink;
+    a copy where the file system has none). Made under a temporary name and renamed: never half a link."""
+    pointer = snap / filename
+    # check_filename refused this already; a second, lexical check (abspath: a link may be dangling)
+    if Path(os.path.abspath(snap)) not in Path(os.path.abspath(pointer)).parents:
+        raise HubError(f"refusing to write {pointer}: outside {snap}")
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pointer.with_name(f".{pointer.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.symlink(os.path.relpath(blob, pointer.parent), tmp)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(blob, tmp)
+    os.replace(tmp, pointer)
+
+
+def _fetch_blob(repo: str, filename: str, meta, bars) -> tuple[int, int]:
+    """Download one file into blobs/<etag>, resuming blobs/<etag>.incomplete. -> (bytes fetched now,
+    bytes that were already there)."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.utils import WeakFileLock, build_hf_headers
+
+    etag = check_etag(meta.etag, repo, filename)
     blobs = repo_dir(repo) / "blobs"
     blobs.mkdir(parents=True, exist_ok=True)
-    blob = blobs / meta.etag
+    blob = blobs / etag
     if blob.exists():
         return 0, 0
-    partial = blobs / f"{meta.etag}.incomplete"
-    lock = hub_cache() / ".locks" / repo_dir(repo).name / f"{meta.etag}.lock"
+    partial = blobs / f"{etag}.incomplete"
+    lock = hub_cache() / ".locks" / repo_dir(repo).name / f"{etag}.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
     with WeakFileLock(str(lock)):
         if blob.exists():  # another process finished it while we waited
@@ -350,19 +437,19 @@ def _fetch_blob(repo: str, filename: str, commit: str, bars) -> tuple[int, int]:
             partial.unlink()
             have = 0
         headers = build_hf_headers()
-        if urlparse(meta.location).netloc != urlparse(url).netloc:
+        if urlparse(meta.location).netloc != urlparse(endpoint()).netloc:
             headers.pop("authorization", None)  # a signed CDN url: never send the token there
         bar = _Bar(bars, filename, meta.size, have)
         with open(partial, "ab") as fh:
             http_get(meta.location, fh, resume_size=have, headers=headers, expected_size=meta.size,
                      displayed_filename=filename, _tqdm_bar=bar)
         size = partial.stat().st_size
-        if _SHA256.match(meta.etag):  # LFS files: the ETag is the content's sha256; check the resumed whole
+        if _SHA256.match(etag):  # LFS files: the ETag is the content's sha256; check the resumed whole
             h = hashlib.sha256()
             with open(partial, "rb") as fh:
                 for chunk in iter(lambda: fh.read(1 << 22), b""):
                     h.update(chunk)
-            if h.hexdigest() != meta.etag:
+            if h.hexdigest() != etag:
                 partial.unlink()
                 raise HubError(f"{repo}/{filename}: checksum mismatch after download (partial file removed; "
                                "pull again)")

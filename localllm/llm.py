@@ -41,6 +41,7 @@ def _planned(model: str | None, precision: str, device: str, config: EngineConfi
     import dataclasses
     import logging
 
+    from .config import kv_blocks
     from .planner import GiB, PlanError, device_facts, facts_for, normalize_quant, plan
 
     quant = normalize_quant(precision)
@@ -61,8 +62,8 @@ def _planned(model: str | None, precision: str, device: str, config: EngineConfi
     for w in p.warnings:
         logging.getLogger("localllm").warning("warning: %s", w)
     changes = {"max_model_len": config.max_model_len or p.ctx}  # with --kv-memory: the context it holds
-    if max_memory and not config.kv_memory_bytes:
-        changes["kv_memory_bytes"] = p.kv_bytes
+    if max_memory and not config.kv_memory_bytes:  # the KV blocks the plan counted within --max-memory
+        changes["num_kv_blocks"] = kv_blocks(changes["max_model_len"], config.block_size)
     return p.variant or model, p.precision, dataclasses.replace(config, **changes)
 
 

@@ -72,7 +72,8 @@ class ServerMetrics:
         out += self.ttft.render() + self.e2e.render()
         for name, v in extra.items():
             metric(f"localllm_{name}", "gauge", name.replace("_", " ") + ".", [("", v)])
-        metric("localllm_model_loaded", "gauge", "1 once the model is loaded.", [("", int(engine is not None))])
+        loaded = 0 if engine is None else engine.get("models_loaded", 1)
+        metric("localllm_model_loaded", "gauge", "Models loaded (1 once a pinned model is ready).", [("", loaded)])
         if engine is not None:
             for name, kind, text, key in _ENGINE_METRICS:
                 metric(name, kind, text, [("", engine[key])])
@@ -81,6 +82,20 @@ class ServerMetrics:
                 for name, kind, text, key in _SPEC_METRICS:
                     metric(name, kind, text, [("", spec[key])])
         return "\n".join(out) + "\n"
+
+
+def combined_stats(stats: list[dict]) -> dict | None:
+    """The engine stats of several loaded models (`serve` without MODEL) as one engine's: counts
+    and gauges added up, the largest batch, the hit rate over all prompt tokens; None: none loaded."""
+    if not stats:
+        return None
+    out = {key: sum(s[key] for s in stats) for _, _, _, key in _ENGINE_METRICS if key not in ("hit_rate",)}
+    out["max_batch_size"] = max(s["max_batch_size"] for s in stats)
+    out["hit_rate"] = out["cached_tokens"] / out["prompt_tokens"] if out["prompt_tokens"] else 0.0
+    specs = [s["speculative"] for s in stats if s.get("speculative")]
+    out["speculative"] = specs[0] if len(specs) == 1 else None
+    out["models_loaded"] = len(stats)
+    return out
 
 
 # (name, type, help, key in engine.cache_stats())

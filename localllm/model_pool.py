@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import kv_blocks
 from .openai_schema import APIError
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds an idle model stays loaded (Ollama's default: 5m)
@@ -96,6 +97,24 @@ class LoadedModel:
     load_seconds: float = 0.0
 
 
+def load_error(name: str, e: BaseException) -> APIError:
+    """What a client is told when `name` fails to load: a cause it can act on is a 4xx or a 503
+    saying what to change; only a fault of ours is a 500."""
+    from .hub import HubError
+    from .planner import PlanError
+
+    text = f"could not load {name}: {e or type(e).__name__}"
+    if isinstance(e, MemoryError) or "out of memory" in str(e).lower():
+        return APIError(503, text + " (not enough free memory now: retry when other models or programs "
+                                    "have freed some, or ask for a smaller num_ctx)",
+                        "service_unavailable", code="model_memory", headers={"Retry-After": "5"})
+    if isinstance(e, (ValueError, PlanError, FileNotFoundError)):  # sizing, a request value, a bad model file
+        return APIError(400, text, param="model", code="model_load_failed")
+    if isinstance(e, HubError):  # the download: the hub or the network, not this server
+        return APIError(502, text, "upstream_error", code="model_download_failed")
+    return APIError(500, text, "internal_error", code="model_load_failed")
+
+
 class ModelPool:
     def __init__(self, cfg: PoolConfig, log: Callable[[str], None],
                  catalog: Callable[[], list[LocalModel]] = local_models):
@@ -110,15 +129,27 @@ class ModelPool:
 
     async def find(self, name: str | None) -> LocalModel:
         models = await self.catalog()
-        if not name:
-            raise APIError(400, "model is required: this server serves every local model "
-                                f"({', '.join(m.name for m in models) or 'none'})", param="model")
+        if not name:  # as `localllm run` without MODEL: the registry's default model
+            from .registry import load_registry
+
+            name = load_registry().default
+            if find_model(models, name) is None:
+                raise APIError(400, "model is required: this server serves every local model "
+                                    f"({', '.join(m.name for m in models) or 'none'})", param="model")
         m = find_model(models, name)
         if m is None:
             raise APIError(404, f"model '{name}' not found: not a local model (pull it first; local models: "
                                 f"{', '.join(m.name for m in models) or 'none'})", "not_found_error",
                            param="model", code="model_not_found")
         return m
+
+    def model_card(self, m: LocalModel) -> dict:
+        """/v1/models' entry for `m`; a loaded model also says the context it was loaded with."""
+        card = {"id": m.name, "object": "model", "created": int(m.modified), "owned_by": "localllm"}
+        entry = self.loaded.get(m.name)
+        if entry is not None and entry.engine is not None:
+            card["max_model_len"] = entry.engine.max_model_len
+        return card
 
     # ---- acquire / release -----------------------------------------------------------------------
     async def acquire(self, name: str | None, keep_alive: float | None = None, num_ctx: int | None = None
@@ -203,8 +234,10 @@ class ModelPool:
         entry = LoadedModel(local.name, p.needed_bytes, p.ctx, keep_alive=self.cfg.keep_alive)
         self.loaded[local.name] = entry
         aloop = asyncio.get_running_loop()
-        config = dataclasses.replace(self.cfg.engine_config, max_model_len=p.ctx,
-                                     kv_memory_bytes=self.cfg.engine_config.kv_memory_bytes or p.kv_bytes)
+        ec = self.cfg.engine_config
+        config = dataclasses.replace(ec, max_model_len=p.ctx)
+        if budget is not None and not ec.kv_memory_bytes:  # within --max-memory: the KV blocks the plan counted
+            config = dataclasses.replace(config, num_kv_blocks=kv_blocks(p.ctx, ec.block_size))
         model = p.variant or local.name
         threading.Thread(target=self._load_and_run, args=(entry, model, p.precision, config, aloop),
                          name=f"localllm-engine-{local.name}", daemon=True).start()
@@ -219,9 +252,7 @@ class ModelPool:
             engine = build_engine(model, precision, self.cfg.device, config)
         except BaseException as e:  # noqa: BLE001 - answered to every waiting request
             self.log(f"Error: could not load {entry.name}: {e}")
-            err = APIError(500, f"could not load {entry.name}: {e or type(e).__name__}", "internal_error",
-                           code="model_load_failed")
-            aloop.call_soon_threadsafe(self._load_failed, entry, err)
+            aloop.call_soon_threadsafe(self._load_failed, entry, load_error(entry.name, e))
             return
         entry.token_bytes = max_token_bytes(engine.tokenizer)
         entry.engine = engine

@@ -99,16 +99,6 @@ def local_path(ref: ModelRef) -> Path | None:
     return None
 
 
-def _template_family(template: str | None) -> str:
-    if not template:
-        return "chatml (built-in default)"
-    for mark, name in (("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"), ("[INST]", "mistral/llama2"),
-                       ("<start_of_turn>", "gemma")):
-        if mark in template:
-            return name
-    return "custom"
-
-
 def _quantization(weights) -> str:
     from .model.loader import GGUFWeights
 
@@ -175,15 +165,17 @@ def describe(model: str | None, prompt: str | None = None, system: str | None = 
         "vocab_size": cfg.vocab_size,
         "quantization": _quantization(weights),
         "size_bytes": size,
-        "chat_template": {"family": _template_family(tok.chat_template), "template": tok.chat_template},
-        "bos_token": {"id": tok.bos_id, "text": tok.bos_token, "added_to_raw_prompts": tok.add_bos},
+        "chat_template": {"family": tok.template_name, "source": tok.template_source, "template": tok.chat_template},
+        "bos_token": {"id": tok.bos_id, "text": tok.bos_token, "added_to_raw_prompts": tok.add_bos,
+                      "added_to_chat_prompts": tok.add_bos and tok.chat_adds_bos},
+        "eos_token": {"id": tok.eos_id, "text": tok.eos_token, "added_to_raw_prompts": tok.add_eos},
         "stop_tokens": [{"id": i, "text": tok.id_to_token(i)} for i in stop_ids],
         "plan": _plan(ref, path),
     })
     if prompt is not None:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         text = render_chat(tok.chat_template, messages, bos_token=tok.bos_token, eos_token=tok.eos_token)
-        ids = tok.encode(text)  # exactly what the engine sends: the template's own BOS, none added
+        ids = tok.encode_chat(text)  # exactly what the engine sends
         leading = 0
         while tok.bos_id is not None and leading < len(ids) and ids[leading] == tok.bos_id:
             leading += 1
@@ -216,9 +208,14 @@ def format_show(info: dict) -> str:
     add("path", info["path"] + ("  (embedded)" if info["embedded"] else ""))
     add("plan", info.get("plan"))
     out.append("Chat")
-    add("template", info["chat_template"]["family"])
+    add("template", f"{info['chat_template']['family']} ({info['chat_template']['source']})")
     bos = info["bos_token"]
-    add("bos", f"{bos['text']!r} (id {bos['id']})" if bos["id"] is not None else "none")
+    added = " and ".join(w for w, on in (("raw", bos["added_to_raw_prompts"]), ("chat", bos["added_to_chat_prompts"]))
+                         if on)
+    add("bos", f"{bos['text']!r} (id {bos['id']}; {f'added to {added} prompts' if added else 'not added'})"
+        if bos["id"] is not None else "none")
+    if info["eos_token"]["added_to_raw_prompts"]:
+        add("eos", f"{info['eos_token']['text']!r} (id {info['eos_token']['id']}; added to raw prompts)")
     add("stop tokens", ", ".join(f"{t['text']!r} (id {t['id']})" for t in info["stop_tokens"]))
     p = info.get("prompt")
     if p is not None:

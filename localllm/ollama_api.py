@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator
@@ -46,9 +47,11 @@ class _Body(oai._Request):
 
 
 class Options(BaseModel):
-    """The `options` we map onto SamplingParams; runtime ones (num_thread, num_gpu, ...) are ignored."""
+    """The `options` we map onto SamplingParams; runtime ones (num_thread, num_gpu, ...) are ignored.
+    Typed as strictly as the /v1 fields (an integer is a JSON integer: top_k 1e30 or "40" is a 400,
+    not 10^30 or 40) and range-checked by the same SamplingParams.validate."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -118,13 +121,36 @@ _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 _UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+# Go's time.Duration range, which Ollama parses keep_alive into (292 years): longer values were
+# accepted and then broke /api/ps (an expiry date past year 9999), so they are refused
+KEEP_ALIVE_MAX = (2 ** 63 - 1) / 1e9
+
+
 def parse_keep_alive(value: float | str | None) -> float | None:
     """Ollama's keep_alive (seconds as a number, or a Go duration "5m", "1h30m", "-1") -> seconds;
-    negative: forever, 0: unload after this request, None: the server's default."""
+    negative: forever, 0: unload after this request, None: the server's default. NaN, infinities
+    and durations beyond KEEP_ALIVE_MAX are a 400 naming keep_alive."""
     if value is None:
         return None
-    if isinstance(value, (int, float)):
-        return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise APIError(400, f"keep_alive must be a number of seconds or a duration string, got {value!r}",
+                       param="keep_alive")
+    try:
+        seconds = _duration(value) if isinstance(value, str) else float(value)
+    except OverflowError:  # an integer past float's range
+        seconds = math.inf
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    if not math.isfinite(seconds):
+        raise APIError(400, f"keep_alive: {shown} is not a finite duration (-1 keeps the model loaded forever)",
+                       param="keep_alive")
+    if seconds > KEEP_ALIVE_MAX:  # any negative value means forever
+        raise APIError(400, f"keep_alive: {shown} is too long: at most {KEEP_ALIVE_MAX:.0f} seconds "
+                            "(2562047h, 292 years, as in Ollama); -1 keeps the model loaded forever",
+                       param="keep_alive")
+    return seconds
+
+
+def _duration(value: str) -> float:
     text = value.strip()
     try:
         return float(text)
@@ -284,7 +310,11 @@ def mount(app: FastAPI, state) -> None:
 
         state.require_ready()
         m = await _find(state, body.target())
-        info = await asyncio.to_thread(describe, m.name)
+        try:
+            info = await asyncio.to_thread(describe, m.name)
+        except (OSError, ValueError) as e:  # ModelLoadError: a damaged or partial download in the cache
+            raise APIError(400, f"cannot read {m.name}: {e} (a damaged download? `localllm rm {m.name}` and pull "
+                                "it again)", param="model") from None
         arch = _arch(info.get("architecture")) or "unknown"
         stops = [t["text"] for t in info.get("stop_tokens") or []]
         model_info = {"general.architecture": arch, "general.parameter_count": info.get("parameters"),
@@ -477,6 +507,7 @@ def mount(app: FastAPI, state) -> None:
         from .models_cli import remove
 
         name = body.target()
+        _named(name.removesuffix(":latest"))  # a path or unknown name: refused before the disk is looked at
         if state.pool is not None:
             m = find_model(await state.pool.catalog(), name)
             if m is not None:
@@ -534,17 +565,29 @@ class _PullProgress:
         self.emit({"status": f"pulling {desc}", "digest": desc, "total": total, "completed": min(done, total)})
 
 
+def _named(name: str, prefix: str = ""):
+    """The ModelRef of a model name from a client: a registry name or a hub repo id, never a path
+    (registry.resolve_name; the answer must not depend on which files exist on the server):
+    400 for a path or other non-name, 404 for an unknown name."""
+    from .registry import InvalidModelName, UnknownModelError, resolve_name
+
+    try:
+        return resolve_name(name)
+    except InvalidModelName as e:
+        raise APIError(400, f"{prefix}{e}", param="model") from None
+    except UnknownModelError as e:
+        hint = f"; did you mean: {', '.join(e.suggestions)}?" if e.suggestions else ""
+        raise APIError(404, f"{prefix}model {name!r} not found{hint} (a registry name, see `localllm list`, or a "
+                            "hub repo id 'org/name')", param="model", code="model_not_found") from None
+
+
 async def _pull(state, body: PullRequest):
     from .hub import HubError, variant_for
     from .hub import pull as hub_pull
     from .models_cli import local_path
-    from .registry import resolve_model
 
     name = body.target()
-    try:
-        ref = resolve_model(name.removesuffix(":latest"))
-    except ValueError as e:
-        raise APIError(404, f"pull model manifest: {e}", param="model") from None
+    ref = _named(name.removesuffix(":latest"), "pull model manifest: ")
     here = await asyncio.to_thread(local_path, ref)
     aloop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()

@@ -37,24 +37,40 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-def surrogate_path(obj: Any) -> tuple[str, str] | None:
+# arrays/objects inside each other in a request body: no request we take needs a tenth of this,
+# and the JSON parser itself gives up near 1000 (RecursionError: server.py names the same limit)
+MAX_BODY_DEPTH = 512
+
+
+class BodyTooDeep(ValueError):
+    def __init__(self, where: str):
+        super().__init__(where)
+        self.where = where
+
+
+def surrogate_path(obj: Any, max_depth: int = MAX_BODY_DEPTH) -> tuple[str, str] | None:
     """(field path, offending character) of the first string in a parsed JSON body that holds a
     lone UTF-16 surrogate ("a\\ud800b" is legal JSON but no UTF-8 text: the tokenizer and the
-    response encoder would fail on it), or None. Iterative: nesting depth costs no stack."""
-    stack: list[tuple[str, Any]] = [("", obj)]
+    response encoder would fail on it), or None. Raises BodyTooDeep (with the top-level field)
+    where arrays/objects nest more than `max_depth` levels. Iterative: nesting costs no stack."""
+    stack: list[tuple[str, Any, int]] = [("", obj, 1)]
     while stack:
-        path, o = stack.pop()
+        path, o, depth = stack.pop()
         if isinstance(o, str):
             if not o.isascii():
                 try:
                     o.encode("utf-8")
                 except UnicodeEncodeError as e:
                     return path or "body", o[e.start]
-        elif isinstance(o, dict):
-            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(list(o.items())))
-            stack.extend((path or "body", k) for k in o if isinstance(k, str))  # keys first
-        elif isinstance(o, list):
-            stack.extend((f"{path}.{i}" if path else str(i), v) for i, v in reversed(list(enumerate(o))))
+        elif isinstance(o, (dict, list)):
+            if depth > max_depth:
+                raise BodyTooDeep(path.partition(".")[0] or "body")
+            if isinstance(o, dict):
+                stack.extend((f"{path}.{k}" if path else str(k), v, depth + 1) for k, v in reversed(list(o.items())))
+                stack.extend((path or "body", k, depth) for k in o if isinstance(k, str))  # keys first
+            else:
+                stack.extend((f"{path}.{i}" if path else str(i), v, depth + 1)
+                             for i, v in reversed(list(enumerate(o))))
     return None
 
 
@@ -64,7 +80,13 @@ class _Request(_Model):
     @model_validator(mode="before")
     @classmethod
     def _no_lone_surrogates(cls, data: Any) -> Any:
-        found = surrogate_path(data)
+        try:
+            found = surrogate_path(data)
+        except BodyTooDeep as e:
+            raise PydanticCustomError(
+                "body_too_deep", "{where}: the request body is nested too deeply (arrays/objects more than "
+                "{limit} levels inside each other; nothing this server takes nests that deep)",
+                {"where": e.where, "limit": MAX_BODY_DEPTH}) from None
         if found:
             where, ch = found
             raise PydanticCustomError(

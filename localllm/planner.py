@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ModelConfig
+from .config import ModelConfig, kv_blocks, kv_tokens
 
 GiB = 1 << 30
 DEFAULT_CTX = 4096  # without --ctx: the context a plan must at least fit (then it grows to what fits)
@@ -178,10 +178,14 @@ def weight_bytes(f: ModelFacts, precision: str, device: str) -> int:
     return int(f.linear_params * (0.5 + 4 / group)) + other_b + fast_head
 
 
-def kv_bytes(f: ModelFacts, precision: str, device: str, ctx: int) -> int:
+def _kv_per_token(f: ModelFacts, precision: str, device: str) -> int:
     # 16-bit KV cache, except fp32 on CPU for float32 weights (the loader's choice)
-    per = f.kv_bytes_per_token * (2 if device == "cpu" and precision == "float32" else 1)
-    return per * ctx
+    return f.kv_bytes_per_token * (2 if device == "cpu" and precision == "float32" else 1)
+
+
+def kv_bytes(f: ModelFacts, precision: str, device: str, ctx: int) -> int:
+    """What the engine allocates for one `ctx`-token context: whole blocks and the null block."""
+    return _kv_per_token(f, precision, device) * BLOCK * kv_blocks(ctx, BLOCK)
 
 
 def overhead_bytes(f: ModelFacts) -> int:
@@ -242,9 +246,11 @@ def plan(f: ModelFacts, dev: DeviceFacts, quant: str = "auto", ctx: int | None =
     for precision, variant, label, warning in cands:
         w = weight_bytes(f, "native" if f.native and precision in ("auto", "int4") else
                          (variant and "awq") or precision, kind)
-        kv_tok = kv_bytes(f, precision, kind, 1)
-        if w + kv_tok * floor + over <= budget:
+        kv_tok = _kv_per_token(f, precision, kind)
+        if w + kv_bytes(f, precision, kind, floor) + over <= budget:
             n = floor if ctx else max(floor, min(f.max_context, (budget - w - over) // kv_tok // 256 * 256))
+            while n > floor and w + kv_bytes(f, precision, kind, n) + over > budget:
+                n = max(floor, n - 256)
             why = f"{label} fits with ctx {n}"
             if rejected:
                 why += f" ({'; '.join(rejected)})"
@@ -252,9 +258,10 @@ def plan(f: ModelFacts, dev: DeviceFacts, quant: str = "auto", ctx: int | None =
                 why += " (the most precise option)"
             if ctx and ctx > f.max_context:
                 why += f"; --ctx {ctx} capped at the model's {f.max_context}"
-            return Plan(f.name, dev.device, precision, variant, n, True, why, w, kv_tok * n, over, budget, label,
+            return Plan(f.name, dev.device, precision, variant, n, True, why, w, kv_bytes(f, precision, kind, n), over,
+                        budget, label,
                         [warning] if warning else [], f.estimated)
-        rejected.append(f"{label} needs {gib(w + kv_tok * floor + over)}")
+        rejected.append(f"{label} needs {gib(w + kv_bytes(f, precision, kind, floor) + over)}")
     precision, variant, label, _ = cands[-1]
     w = weight_bytes(f, "native" if f.native and precision in ("auto", "int4") else (variant and "awq") or precision,
                      kind)
@@ -279,8 +286,7 @@ def _plan_fixed_kv(f: ModelFacts, dev: DeviceFacts, quant: str, ctx: int | None,
     for i, (precision, variant, label, warning) in enumerate(cands):
         w = weight_bytes(f, "native" if f.native and precision in ("auto", "int4") else
                          (variant and "awq") or precision, kind)
-        # the engine's 16-token blocks, one of them the null block
-        holds = (kv_memory // (kv_bytes(f, precision, kind, 1) * BLOCK) - 1) * BLOCK
+        holds = kv_tokens(kv_memory // (_kv_per_token(f, precision, kind) * BLOCK), BLOCK)
         n = min(ctx or f.max_context, f.max_context, max(holds, 0))
         if holds < (min(ctx, f.max_context) if ctx else 1):
             what = f"one {min(ctx, f.max_context)}-token context (--ctx)" if ctx else "one KV block"

@@ -17,12 +17,32 @@ else:  # pragma: no cover
 
 REGISTRY_PATH = Path(__file__).resolve().parent.parent / "models.toml"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+REPO_ID_MAX = 96  # the hub's limit on "org/name" (huggingface_hub's validate_repo_id)
+
+
+def is_repo_id(name: str) -> bool:
+    return len(name) <= REPO_ID_MAX and bool(_REPO_ID.match(name))
+
+
+def local_path(name: str) -> Path | None:
+    """`name` as an existing file or directory, else None. A name no file system can hold (longer
+    than a file name may be, a NUL byte, an unknown ~user) names no path: it is never an OSError."""
+    try:
+        p = Path(name).expanduser()
+        return p if p.exists() else None
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
+def _shown(name: str) -> str:
+    """A name as an error message quotes it: a 10,000-character prompt taken for one is cut."""
+    return repr(name) if len(name) <= 80 else repr(name[:60]) + f"... ({len(name)} characters)"
 
 
 class UnknownModelError(ValueError):
-    def __init__(self, name: str, suggestions: list[str]):
+    def __init__(self, name: str, suggestions: list[str], why: str = ""):
         hint = f"; did you mean: {', '.join(suggestions)}?" if suggestions else ""
-        super().__init__(f"unknown model {name!r}{hint} (see `localllm list`; a hub repo id 'org/name', "
+        super().__init__(f"unknown model {_shown(name)}{f' ({why})' if why else ''}{hint} (see `localllm list`; a hub repo id 'org/name', "
                          "a local model directory or a .gguf file also work)")
         self.name, self.suggestions = name, suggestions
 
@@ -113,28 +133,53 @@ class ModelRef:
 
 def looks_like_model(arg: str, registry: Registry) -> bool:
     """For `run [MODEL] [PROMPT...]`: is the first word meant as a model name?"""
-    if registry.lookup(arg) or _REPO_ID.match(arg) or arg.endswith(".gguf"):
+    if registry.lookup(arg) or is_repo_id(arg) or arg.endswith(".gguf"):
         return True
-    p = Path(arg).expanduser()
-    return p.is_dir() and (p / "config.json").is_file()
+    p = local_path(arg)
+    return p is not None and p.is_dir() and (p / "config.json").is_file()
+
+
+class InvalidModelName(ValueError):
+    """A name that is no model name (a path, say) where only names are taken (the HTTP API)."""
+
+
+def _spec_ref(spec: ModelSpec) -> ModelRef:
+    embedded = spec.embedded_path()
+    if embedded is not None:
+        return ModelRef(spec.name, local_path=embedded, repo=spec.repo, revision=spec.revision, spec=spec)
+    return ModelRef(spec.name, repo=spec.repo, revision=spec.revision, spec=spec)
 
 
 def resolve_model(name: str | None, registry: Registry | None = None) -> ModelRef:
     registry = registry or load_registry()
     name = name or registry.default
-    p = Path(name).expanduser()
-    if p.exists() and (p.is_file() or (p / "config.json").is_file()):
+    p = local_path(name)
+    if p is not None and (p.is_file() or (p / "config.json").is_file()):
         return ModelRef(name, local_path=p.resolve())
     spec = registry.lookup(name)
     if spec is not None:
-        embedded = spec.embedded_path()
-        if embedded is not None:
-            return ModelRef(spec.name, local_path=embedded, repo=spec.repo, revision=spec.revision, spec=spec)
-        return ModelRef(spec.name, repo=spec.repo, revision=spec.revision, spec=spec)
-    if _REPO_ID.match(name) and not p.exists():
+        return _spec_ref(spec)
+    if is_repo_id(name) and p is None:
         return ModelRef(name, repo=name)
-    if p.is_dir():
-        raise UnknownModelError(f"{name} (a directory without config.json)", [])
+    if p is not None and p.is_dir():
+        raise UnknownModelError(name, [], "a directory without config.json")
     if name.endswith(".gguf") or os.sep in name:
-        raise UnknownModelError(f"{name} (no such file or directory)", [])
+        raise UnknownModelError(name, [], "no such file or directory")
+    raise UnknownModelError(name, registry.suggest(name))
+
+
+def resolve_name(name: str, registry: Registry | None = None) -> ModelRef:
+    """A model *name* (registry name or alias, or a hub repo id org/name) -> ModelRef, without
+    looking at the disk: what a name sent over HTTP may be. A path there would let any client
+    learn which files exist on the server (its answer would differ), so it is an
+    InvalidModelName whether or not the file is there; other unknown names are UnknownModelError."""
+    registry = registry or load_registry()
+    spec = registry.lookup(name)
+    if spec is not None:
+        return _spec_ref(spec)
+    if is_repo_id(name):
+        return ModelRef(name, repo=name)
+    if name.startswith(("/", ".", "~")) or any(c in name for c in "/\\\0") or name.endswith(".gguf"):
+        raise InvalidModelName(f"invalid model name {_shown(name)}: a registry name (see `localllm list`) or a hub "
+                               "repo id 'org/name', never a path")
     raise UnknownModelError(name, registry.suggest(name))

@@ -10,6 +10,10 @@ frames, at most 30 writes a second whatever the token rate (FrameWriter), so it 
 
 A reply stopped with Ctrl-C is KEPT in the conversation as far as it got (what you saw is what the
 model remembers); `/retry` regenerates it, `/undo` drops the exchange.
+
+Model text is shown, never obeyed: its control characters (escape sequences) reach the terminal as
+^[ and the like (terminal.py), piped or not: chat's output is a transcript to read. The
+conversation keeps the text as the model wrote it. `escape=False` (chat --raw-output) opts out.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .paths import data_home
+from .terminal import escape_controls
 
 HELP = """\
 Commands:
@@ -87,10 +92,11 @@ class ChatSession:
 
     def __init__(self, engine, model_name: str = "", system: str | None = None,
                  out: Callable[[str], None] | None = None, note: Callable[[str], None] | None = None,
-                 think: str = "on", **settings):
+                 think: str = "on", escape: bool = True, **settings):
         if think not in THINK_MODES:
             raise ValueError(f"think must be one of {', '.join(THINK_MODES)}, got {think!r}")
         self.think = think
+        self.escape = escape  # model text (and names and errors that may carry it) with controls made visible
         self.dim = False  # a terminal: reasoning is written dimmed into the reply; else to `note`
         self.engine = engine
         self.model_name = model_name
@@ -105,6 +111,10 @@ class ChatSession:
         self.interrupt = InterruptFlag()
         self.last: ReplyStats | None = None
         self._block: list[str] | None = None  # lines of an open \"\"\" block
+
+    def shown(self, text: str) -> str:
+        """Text that is not ours (the model's, a file's, an error's) as it may reach the terminal."""
+        return escape_controls(text) if self.escape else text
 
     # ---- input ----------------------------------------------------------------------------
     @property
@@ -172,6 +182,7 @@ class ChatSession:
         def show(reasoning: str, answer: str) -> None:
             nonlocal text, thought
             if reasoning and self.think == "on":
+                reasoning = self.shown(reasoning)
                 if not thought:
                     reasoning = (DIM if self.dim else "") + reasoning.lstrip("\n")
                 (self.out if self.dim else self.note)(reasoning)
@@ -181,7 +192,7 @@ class ChatSession:
                     (self.out if self.dim else self.note)((UNDIM if self.dim else "") + "\n")
                     thought = False
                 text += answer  # the conversation keeps the answer, as the templates expect
-                self.out(answer)
+                self.out(self.shown(answer))
 
         gen = None
         try:
@@ -206,11 +217,11 @@ class ChatSession:
             stats.interrupted = True
         except (ContextLengthError, ChatTemplateError) as e:
             self.messages.pop()
-            self.note(f"Error: {e}. Use /undo or /clear to make room.\n")
+            self.note(self.shown(f"Error: {e}. Use /undo or /clear to make room.") + "\n")
             return None
         except Exception as e:  # noqa: BLE001 - a bad message costs that message, never the session
             self.messages.pop()
-            self.note(f"Error: {type(e).__name__}: {e}; the message was not kept\n")
+            self.note(self.shown(f"Error: {type(e).__name__}: {e}; the message was not kept") + "\n")
             return None
         finally:
             if gen is not None:
@@ -310,7 +321,7 @@ class ChatSession:
         lines.append(f"think: {self.think}")
         lines.append(f"system: {self.system!r}" if self.system else "system: (none)")
         lines.append(f"messages: {len(self.messages)}")
-        self.out("\n".join(lines) + "\n")
+        self.out(self.shown("\n".join(lines)) + "\n")
 
     def _stats(self, arg: str) -> None:
         s = self.last
@@ -555,7 +566,7 @@ def run_repl(session: ChatSession, input=None, output=None, history: Path | None
 
     prompt = PromptSession(history=hist, key_bindings=kb, input=input, output=output)
     if banner:
-        session.note(banner + "\n")
+        session.note(session.shown(banner) + "\n")
     frames = FrameWriter(fps)
     out, note = session.out, session.note
     session.out, session.note = frames.sink(out), frames.sink(note)

@@ -52,6 +52,8 @@ class ServerConfig:
     max_queue: int = 256  # requests beyond the engine's batch (max_num_seqs) that may wait
     max_num_seqs: int = 64
     max_body_bytes: int = 8 << 20  # larger request bodies get a 413
+    bind_host: str = "127.0.0.1"  # the --host it listens on (host_guard: loopback-bound servers check Host)
+    allowed_hosts: list[str] = field(default_factory=list)  # --allow-host: more Host names ('*': any)
 
 
 class ServerState:
@@ -191,7 +193,7 @@ def _check_common(body: oai._SamplingRequest, max_tokens: int | None, max_tokens
         raise APIError(400, f"n must be between 1 and 16, got {body.n}", param="n")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    if max_tokens is not None and body.min_tokens > max_tokens:
+    if max_tokens is not None and max_tokens >= 1 and body.min_tokens > max_tokens:  # < 1: SamplingParams names it
         raise APIError(400, f"min_tokens ({body.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})",
                        param="min_tokens")
     out = [t for t in body.stop_token_ids or [] if not 0 <= t < vocab]
@@ -319,6 +321,23 @@ class _BodyLimitMiddleware:
         return await self.app(scope, replay, send)
 
 
+class _OllamaJSONMiddleware:
+    """Ollama reads every /api/ request body as JSON whatever its Content-Type says: its docs'
+    `curl -d '{...}'` sends application/x-www-form-urlencoded, litellm (aider's ollama/ and
+    ollama_chat/ models) sends none. Those bodies are declared JSON here, as Ollama reads them."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        from .ollama_api import is_ollama_path
+
+        if scope["type"] == "http" and scope["method"] in ("POST", "DELETE") and is_ollama_path(scope["path"]):
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        return await self.app(scope, receive, send)
+
+
 class _AuthMiddleware:
     """Bearer-key check for everything but /health and CORS preflights (pure ASGI: streams untouched).
     Keys are compared as SHA-256 digests in constant time: neither content nor length leaks."""
@@ -362,6 +381,7 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
 
     def count_413() -> None:
         state.metrics.errors[413] += 1
+    app.add_middleware(_OllamaJSONMiddleware)
     app.add_middleware(_BodyLimitMiddleware, max_bytes=cfg.max_body_bytes, on_reject=count_413)
     if cfg.api_key:
         app.add_middleware(_AuthMiddleware, key=cfg.api_key)
@@ -370,6 +390,13 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
 
         app.add_middleware(CORSMiddleware, allow_origins=cfg.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
+    from .host_guard import HostGuardMiddleware, HostPolicy
+
+    def count_403() -> None:
+        state.metrics.errors[403] += 1
+    # added last: the outermost layer, so a foreign Host or Origin meets nothing else (not even CORS)
+    app.add_middleware(HostGuardMiddleware, policy=HostPolicy.make(cfg.bind_host, cfg.allowed_hosts, cfg.cors_origins),
+                       error_body=_error_body, on_reject=count_403)
 
     # ---- errors: OpenAI's shape, Ollama's ({"error": "..."}) on Ollama's /api/ routes ----
     def error_response(e: APIError, request: Request | None = None) -> JSONResponse:
@@ -389,9 +416,9 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
     def _validation_api_error(e: RequestValidationError) -> APIError:
         errs = e.errors()
         first = errs[0] if errs else {}
-        if first.get("type") == "invalid_text":
+        if first.get("type") in ("invalid_text", "body_too_deep"):
             return APIError(400, first.get("msg", "invalid text"), param=(first.get("ctx") or {}).get("where"),
-                            code="invalid_text")
+                            code=first["type"])
         if first.get("type") == "json_invalid":
             ctx = first.get("ctx") or {}
             return APIError(400, f"invalid JSON in the request body: {ctx.get('error', first.get('msg'))}")
@@ -405,6 +432,10 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
+        if isinstance(e.__cause__, RecursionError):  # FastAPI's "error parsing the body" from json.loads
+            return error_response(APIError(400, "the request body is nested too deeply to parse (arrays/objects "
+                                                f"more than {oai.MAX_BODY_DEPTH} levels inside each other)",
+                                           code="body_too_deep"), request)
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return error_response(APIError(e.status_code, str(e.detail), kind), request)
 
@@ -414,7 +445,7 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
         return error_response(APIError(500, f"internal error: {type(e).__name__}", "internal_error"), request)
 
     # ---- endpoints ----
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers and uptime probes use it
     async def health():
         if state.pool is not None:  # nothing to load up front: models load when asked for
             return JSONResponse({"status": "ok"} if not state.closing else {"status": "shutting down"},
@@ -427,18 +458,20 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
 
     @app.get("/metrics")
     async def metrics():
-        loop = state.loop
-        extra = {"num_requests_in_flight": state.live, "num_requests_pending_admission": loop.pending if loop else 0}
-        return PlainTextResponse(state.metrics.render(loop.stats if loop else None, extra),
-                                 media_type="text/plain; version=0.0.4")
+        from .metrics import combined_stats
+
+        loops = [state.loop] if state.pool is None else [m.loop for m in list(state.pool.loaded.values())]
+        loops = [lp for lp in loops if lp is not None]
+        stats = loops[0].stats if state.pool is None and loops else combined_stats([lp.stats for lp in loops])
+        extra = {"num_requests_in_flight": state.live,
+                 "num_requests_pending_admission": sum(lp.pending for lp in loops)}
+        return PlainTextResponse(state.metrics.render(stats, extra), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
         state.require_ready()
         if state.pool is not None:
-            return {"object": "list", "data": [
-                {"id": m.name, "object": "model", "created": int(m.modified), "owned_by": "localllm"}
-                for m in await state.pool.catalog()]}
+            return {"object": "list", "data": [state.pool.model_card(m) for m in await state.pool.catalog()]}
         return {"object": "list", "data": [{
             "id": cfg.model_id, "object": "model", "created": state.created, "owned_by": "localllm",
             "max_model_len": state.engine.max_model_len}]}
@@ -447,8 +480,7 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
     async def model(model_id: str):
         state.require_ready()
         if state.pool is not None:
-            m = await state.pool.find(model_id)
-            return {"id": m.name, "object": "model", "created": int(m.modified), "owned_by": "localllm"}
+            return state.pool.model_card(await state.pool.find(model_id))
         state.check_model(model_id)
         return {"id": cfg.model_id, "object": "model", "created": state.created, "owned_by": "localllm",
                 "max_model_len": state.engine.max_model_len}
@@ -544,33 +576,37 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
         return oai.completion_response(rid, created, name, choices, gen.usage())
 
     @app.post("/tokenize")
-    def tokenize(body: oai.TokenizeRequest):
-        state.require_ready()
-        state.check_model(body.model)
-        engine = state.engine
+    async def tokenize(body: oai.TokenizeRequest):
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
         from .chat import ChatTemplateError
 
-        try:
+        target, release = await state.acquire(body.model)
+        engine = target.engine
+        try:  # rendering and encoding off the event loop, as for generation requests
             if body.messages is not None:
-                tokens = engine.encode_prompt(oai.message_dicts(body.messages))
+                tokens = await asyncio.to_thread(engine.encode_prompt, oai.message_dicts(body.messages))
             else:
-                tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                tokens = await asyncio.to_thread(engine.tokenizer.encode, body.prompt,
+                                                 add_special_tokens=body.add_special_tokens)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
+        finally:
+            release()
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
-    def detokenize(body: oai.DetokenizeRequest):
-        state.require_ready()
-        state.check_model(body.model)
-        engine = state.engine
-        vocab = engine.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids must be in 0..{vocab - 1}, got {bad[0]}", param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+    async def detokenize(body: oai.DetokenizeRequest):
+        target, release = await state.acquire(body.model)
+        try:
+            engine = target.engine
+            vocab = engine.model_config.vocab_size
+            bad = [t for t in body.tokens if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"token ids must be in 0..{vocab - 1}, got {bad[0]}", param="tokens")
+            return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, body.tokens)}
+        finally:
+            release()
 
     ollama_api.mount(app, state)
     return app

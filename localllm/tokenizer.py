@@ -15,6 +15,10 @@ _LLAMA3_REGEX = (
 _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# byte-level vocabularies llama.cpp adds BOS to when the file does not say (its Llama 3 group;
+# Llama 3.x GGUFs carry no tokenizer.ggml.add_bos_token)
+_BOS_BY_DEFAULT = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                   "jina-v5-nano", "tekken", "chameleon")
 
 
 def _token_content(tok) -> str | None:
@@ -31,6 +35,12 @@ class TokenizerInfo:
     add_bos: bool = False
     chat_template: str | None = None
     extra_eos_ids: set[int] = field(default_factory=set)
+    add_eos: bool = False
+    # chat prompts get the BOS add_bos asks for even when the template writes none (llama.cpp's
+    # way, for GGUF files); a Hugging Face model's template alone decides (transformers' way)
+    chat_adds_bos: bool = False
+    template_name: str = "chatml"
+    template_source: str = "built-in default: the model ships no chat template"
 
 
 class LLMTokenizer:
@@ -41,8 +51,9 @@ class LLMTokenizer:
         self.bos_token, self.eos_token = info.bos_token, info.eos_token
         self.bos_id = self.tok.token_to_id(info.bos_token) if info.bos_token else None
         self.eos_id = self.tok.token_to_id(info.eos_token) if info.eos_token else None
-        self.add_bos = info.add_bos
+        self.add_bos, self.add_eos, self.chat_adds_bos = info.add_bos, info.add_eos, info.chat_adds_bos
         self.chat_template = info.chat_template
+        self.template_name, self.template_source = info.template_name, info.template_source
         self.eos_ids = set(info.extra_eos_ids)
         if self.eos_id is not None:
             self.eos_ids.add(self.eos_id)
@@ -50,11 +61,25 @@ class LLMTokenizer:
         self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`. Chat prompts are rendered with their BOS already in the text,
-        so the default never adds one (no doubled BOS)."""
+        """Token ids of `text`; `add_special_tokens` adds the BOS / EOS the model asks for
+        (add_bos / add_eos), a BOS only where the text does not already start with one."""
         ids = self.tok.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
-            ids = [self.bos_id] + ids
+        if add_special_tokens:
+            ids = self._with_bos(ids)
+            if self.add_eos and self.eos_id is not None:
+                ids = ids + [self.eos_id]
+        return ids
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of a rendered chat prompt. Its template writes the BOS where the model wants
+        one; a GGUF model also gets add_bos's BOS in front when the template writes none (as
+        llama.cpp does), never a second one. No EOS: the assistant's turn follows."""
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        return self._with_bos(ids) if self.chat_adds_bos else ids
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        if self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            return [self.bos_id] + ids
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -87,33 +112,51 @@ class LLMTokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: use "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        source = "from tokenizer_config.json"
         jinja = path / "chat_template.jinja"
         if template is None and jinja.is_file():
-            template = jinja.read_text(encoding="utf-8")
-        add_bos = cfg.get("add_bos_token")
-        if add_bos is None:  # Llama-style post-processors add BOS; detect it
-            plain = tok.encode("a", add_special_tokens=False).ids
-            add_bos = len(tok.encode("a", add_special_tokens=True).ids) > len(plain)
-        return cls(TokenizerInfo(
+            template, source = jinja.read_text(encoding="utf-8"), "from chat_template.jinja"
+        # without the keys, what the tokenizer's post-processor adds (Llama-style ones add BOS)
+        plain = tok.encode("a", add_special_tokens=False).ids
+        full = tok.encode("a", add_special_tokens=True).ids
+        add_bos, add_eos = cfg.get("add_bos_token"), cfg.get("add_eos_token")
+        if add_bos is None:
+            add_bos = full[:1] != plain[:1]
+        if add_eos is None:
+            add_eos = full[-1:] != plain[-1:]
+        info = TokenizerInfo(
             tok, _token_content(cfg.get("bos_token")), _token_content(cfg.get("eos_token")),
-            bool(add_bos), template, set(extra_eos_ids or ()),
-        ))
+            bool(add_bos), template, set(extra_eos_ids or ()), bool(add_eos))
+        if template is not None:
+            from .family_templates import template_family
+
+            info.template_name, info.template_source = template_family(template), source
+        return cls(info)
 
     @classmethod
     def from_gguf(cls, meta: dict, source: str = "GGUF file") -> LLMTokenizer:
+        from .family_templates import gguf_chat_template
+
         kind = meta.get("tokenizer.ggml.model")
         if kind == "gpt2":
-            return cls(_gguf_byte_level(meta))
-        if kind == "llama":
-            return cls(_gguf_sentencepiece(meta))
-        raise ValueError(f"{source}: tokenizer model {kind!r} is not supported "
-                         "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
+            info = _gguf_byte_level(meta)
+        elif kind == "llama":
+            info = _gguf_sentencepiece(meta)
+        else:
+            raise ValueError(f"{source}: tokenizer model {kind!r} is not supported "
+                             "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece BPE)")
+        choice = gguf_chat_template(meta)  # the file's own, else its family's
+        info.chat_template, info.template_name, info.template_source = choice.template, choice.name, choice.why
+        info.add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+        info.chat_adds_bos = True
+        return cls(info)
 
     def save_hf(self, out: Path) -> None:
         """Write tokenizer.json + tokenizer_config.json (HF layout)."""
         self.tok.save(str(out / "tokenizer.json"))
         cfg = {
             "bos_token": self.bos_token, "eos_token": self.eos_token, "add_bos_token": self.add_bos,
+            "add_eos_token": self.add_eos,
             "chat_template": self.chat_template, "model_max_length": 1 << 30,
             "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
         }
@@ -163,7 +206,7 @@ def _gguf_byte_level(meta: dict) -> TokenizerInfo:
     return TokenizerInfo(
         tok, _gguf_token_name(meta, tokens, "tokenizer.ggml.bos_token_id"),
         _gguf_token_name(meta, tokens, "tokenizer.ggml.eos_token_id"),
-        bool(meta.get("tokenizer.ggml.add_bos_token", False)), meta.get("tokenizer.chat_template"),
+        bool(meta.get("tokenizer.ggml.add_bos_token", pre in _BOS_BY_DEFAULT)), meta.get("tokenizer.chat_template"),
         {int(meta["tokenizer.ggml.eot_token_id"])} if "tokenizer.ggml.eot_token_id" in meta else set(),
     )
 

@@ -13,6 +13,11 @@ closes the connection; `stall_after[file] = n` makes every GET of that file (a c
 retries too) stop at byte n and hang until `release` is set, however long that takes: a test can
 take its time to interrupt the download, which cannot finish or time out meanwhile.
 Every request is recorded in `requests` as (method, path, headers).
+
+Hostile modes, for the tests that a mirror cannot write outside the cache: a repo's `hostile` maps
+a field to the value the mirror sends instead of the true one: "sha" (model info's commit), "etag"
+(the ETag header), "linked_etag" (X-Linked-Etag), "repo_commit" (X-Repo-Commit), "sibling" (one more
+file name in the listing, served with config.json's bytes), "location" (HEAD answers 302 to it).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import re
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -45,6 +50,7 @@ class MirrorRepo:
     files: dict[str, MirrorFile]
     commit: str
     gated: bool = False
+    hostile: dict[str, str] = field(default_factory=dict)
 
 
 def _file(path: Path) -> MirrorFile:
@@ -56,10 +62,12 @@ def _file(path: Path) -> MirrorFile:
     return MirrorFile(path, size, git_oid, False)
 
 
-def make_repo(folder: Path, gated: bool = False) -> MirrorRepo:
+def make_repo(folder: Path, gated: bool = False, hostile: dict[str, str] | None = None) -> MirrorRepo:
     files = {p.relative_to(folder).as_posix(): _file(p) for p in sorted(folder.rglob("*")) if p.is_file()}
     commit = hashlib.sha1("".join(f.etag for f in files.values()).encode()).hexdigest()
-    return MirrorRepo(files, commit, gated)
+    if hostile and "sibling" in hostile:
+        files[hostile["sibling"]] = files["config.json"]
+    return MirrorRepo(files, commit, gated, dict(hostile or {}))
 
 
 class HubMirror:
@@ -141,14 +149,15 @@ class _Handler(BaseHTTPRequestHandler):
         return not repo.gated or (auth.startswith("Bearer ") and auth[7:] in self.mirror.tokens)
 
     def _route(self, head: bool) -> None:
-        path = unquote(urlparse(self.path).path)
+        raw = urlparse(self.path).path  # matched before unquoting: a revision may hold a quoted '/'
+        path = unquote(raw)
         self.mirror.record(self.command, path, {k.lower(): v for k, v in self.headers.items()})
-        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)(?:/.*)?", path)
+        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)(?:/.*)?", raw)
         if m:
-            return self._api(m.group(1), m.group(2), m.group(3))
-        m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+            return self._api(*map(unquote, m.groups()))
+        m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", raw)
         if m:
-            return self._resolve(m.group(1), m.group(2), m.group(3), head)
+            return self._resolve(*map(unquote, m.groups()), head)
         self._error(404, "EntryNotFound", f"no route {path}", head)
 
     def _repo(self, name: str, rev: str, head: bool = False) -> MirrorRepo | None:
@@ -156,7 +165,7 @@ class _Handler(BaseHTTPRequestHandler):
         if repo is None:
             self._error(404, "RepoNotFound", "Repository not found", head)
             return None
-        if rev not in ("main", repo.commit):
+        if rev not in ("main", repo.commit, repo.hostile.get("sha")):
             self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}", head)
             return None
         return repo
@@ -170,7 +179,7 @@ class _Handler(BaseHTTPRequestHandler):
             siblings = [{"rfilename": n, "size": f.size, "blobId": f.etag if not f.lfs else "0" * 40,
                          **({"lfs": {"sha256": f.etag, "size": f.size, "pointerSize": 134}} if f.lfs else {})}
                         for n, f in repo.files.items()]
-            return self._json({"id": name, "modelId": name, "sha": repo.commit, "private": False,
+            return self._json({"id": name, "modelId": name, "sha": repo.hostile.get("sha", repo.commit), "private": False,
                                "gated": "auto" if repo.gated else False, "disabled": False, "tags": [],
                                "downloads": 0, "likes": 0, "siblings": siblings})
         tree = [{"type": "file", "path": n, "size": f.size, "oid": f.etag if not f.lfs else "0" * 40,
@@ -187,8 +196,14 @@ class _Handler(BaseHTTPRequestHandler):
         f = repo.files.get(filename)
         if f is None:
             return self._error(404, "EntryNotFound", f"{filename} does not exist", head)
-        headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{f.etag}"', "Accept-Ranges": "bytes",
+        headers = {"X-Repo-Commit": repo.hostile.get("repo_commit", repo.commit),
+                   "ETag": f'"{repo.hostile.get("etag", f.etag)}"', "Accept-Ranges": "bytes",
                    "Content-Type": "application/octet-stream"}
+        if "linked_etag" in repo.hostile:
+            headers["X-Linked-Etag"] = f'"{repo.hostile["linked_etag"]}"'
+        if "location" in repo.hostile:
+            return self._send(302, b"", {**headers, "Location": repo.hostile["location"], "X-Linked-Size": f.size},
+                              head=head)
         start = 0
         rng = self.headers.get("Range")
         if rng and not head:
@@ -291,4 +306,34 @@ def tiny_checkpoint_with_template(dest: Path, template: str) -> Path:
     cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     cfg["chat_template"] = template
     cfg_path.write_text(json.dumps(cfg))
+    return dest
+
+
+def tiny_checkpoint_that_says(dest: Path, text: str) -> Path:
+    """A copy of the tiny checkpoint at `dest` whose every reply is `text` repeated, one token per
+    `text`, on any machine: the final norm's weight is zero, so every logit is exactly 0 and greedy
+    decoding picks token 0, whose content becomes `text` (a plain, non-special added token; the
+    end-of-text token it was is no stop token of this model, <|im_end|> is). For tests that need
+    a reply they choose, e.g. one full of terminal escape sequences."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoint()
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        shutil.copyfile(src / name, dest / name)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.norm.weight"] = torch.zeros_like(tensors["model.norm.weight"])
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    tok = json.loads((src / "tokenizer.json").read_text())
+    first = tok["added_tokens"][0]
+    assert first["id"] == 0 and first["content"] == "<|endoftext|>", first
+    first.update(content=text, special=False)
+    tok["model"]["vocab"][text] = tok["model"]["vocab"].pop("<|endoftext|>")
+    (dest / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    cfg = json.loads((dest / "tokenizer_config.json").read_text())
+    for entry in (cfg.get("added_tokens_decoder") or {}).values():
+        if entry.get("content") == "<|endoftext|>":
+            entry.update(content=text, special=False)
+    (dest / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
     return dest

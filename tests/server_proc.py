@@ -24,8 +24,9 @@ def free_port() -> int:
 class ServerProc:
     """`localllm serve [MODEL] ARGS` on a free loopback port; records the /health codes seen while starting."""
 
-    def __init__(self, *args: str, model: str | None = "smollm2-135m", env: dict[str, str] | None = None):
-        """`model=None`: no MODEL argument, i.e. every local model on demand."""
+    def __init__(self, *args: str, model: str | None = None, env: dict[str, str] | None = None):
+        """`model=None` (the default, as the README starts it): no MODEL argument, i.e. every local
+        model on demand; a test that pins a model says why."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="localllm-serve-", suffix=".log", delete=False)

@@ -4,6 +4,7 @@ The CLI runs in subprocesses, as a user runs it: HF_ENDPOINT points at the mirro
 temporary cache, stderr is not a terminal (so no progress bars)."""
 
 import filecmp
+import json
 import os
 import signal
 import subprocess
@@ -11,8 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from hub_mirror import HubMirror, gguf_repo, make_repo, pickle_only_repo, tiny_checkpoint
+from server_proc import running
 
 TOKEN = "hf_test_secret"
 REGISTRY = """
@@ -28,6 +31,38 @@ gguf = { repo = "test-org/tiny-GGUF", file = "tiny-q4_1.gguf" }
 """
 
 
+# A hostile mirror (issue #29): each repo evil/<mode> sends one '../' or otherwise unsafe name where the
+# hub sends a commit, an ETag, a file name or a redirect; the one-line error each must give. Four '..'
+# climb from blobs/ or snapshots/ to the folder above HF_HOME: what an unchecked pull wrote there.
+UP = "../../../../"
+HOSTILE = {
+    "etag": ({"etag": UP + "pwned_config.json"}, f"invalid ETag '{UP}pwned_config.json'"),
+    "linked-etag": ({"linked_etag": UP + "pwned_blob"}, f"invalid ETag '{UP}pwned_blob'"),
+    "sha": ({"sha": UP + "pwned_snapshot"}, f"invalid commit '{UP}pwned_snapshot'"),
+    "repo-commit": ({"repo_commit": UP + "pwned_commit"}, f"the hub answered for '{UP}pwned_commit'"),
+    "sibling": ({"sibling": UP + "pwned.safetensors"}, f"unsafe file name '{UP}pwned.safetensors'"),
+    "sibling-abs": ({"sibling": "/tmp/localllm-pwned/x.safetensors"},
+                    "unsafe file name '/tmp/localllm-pwned/x.safetensors'"),
+    "sibling-backslash": ({"sibling": "..\\..\\pwned.safetensors"}, "unsafe file name '..\\\\..\\\\pwned"),
+    "sibling-nul": ({"sibling": "a\0.safetensors"}, "unsafe file name 'a\\x00.safetensors'"),
+    "location": ({"location": "file:///etc/passwd"}, "redirected to 'file:///etc/passwd', not an http(s) URL"),
+}
+
+
+def small_repo(root: Path) -> Path:
+    """What select_files takes for a checkpoint (config.json and a .safetensors), a few bytes each:
+    the hostile cases must refuse before any of it is fetched."""
+    d = root / "small"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (d / "model.safetensors").write_bytes(b"\0" * 100)
+    return d
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
 @pytest.fixture(scope="module")
 def mirror(tmp_path_factory):
     root = tmp_path_factory.mktemp("repos")
@@ -35,6 +70,8 @@ def mirror(tmp_path_factory):
     repos = {"test-org/tiny": tiny, "test-org/gated": make_repo(tiny_checkpoint(), gated=True),
              "test-org/pickle-only": make_repo(pickle_only_repo(root)),
              "test-org/tiny-GGUF": make_repo(gguf_repo(root))}
+    repos.update({f"evil/{mode}": make_repo(small_repo(root), hostile=fields)
+                  for mode, (fields, _) in HOSTILE.items()})
     with HubMirror(repos, tokens={TOKEN}) as m:
         m.registry = root / "models.toml"
         m.registry.write_text(REGISTRY)
@@ -202,3 +239,70 @@ def test_run_pulls_a_missing_model_first(mirror, env):
     assert "pulled test-org/tiny (5 files" in r.stderr  # the summary goes to stderr: stdout is the answer
     assert len(mirror.gets()) == 5
     assert snapshot(env).joinpath("model.safetensors").is_file()
+
+
+def assert_nothing_written(before: list[str], root: Path) -> None:
+    after = tree(root)
+    assert after == before, sorted(set(after) ^ set(before))
+    assert not Path("/tmp/localllm-pwned").exists()
+
+
+@pytest.mark.parametrize("mode", HOSTILE)
+def test_pull_refuses_unsafe_names_from_the_hub(mirror, env, tmp_path, mode):
+    """`localllm pull` from a hostile mirror: a one-line error naming the bad value, not a byte
+    fetched, nothing written anywhere (not even inside the cache)."""
+    before = tree(tmp_path)
+    r = localllm(env, "pull", f"evil/{mode}")
+    assert_one_line_error(r, HOSTILE[mode][1], "nothing was written")
+    assert mirror.gets() == []
+    assert_nothing_written(before, tmp_path)
+
+
+def test_revision_and_run_refuse_unsafe_names(mirror, env, tmp_path):
+    """--revision becomes refs/<revision>: a '../' one is refused before any request; `run`'s
+    automatic pull goes through the same checks."""
+    before = tree(tmp_path)
+    r = localllm(env, "pull", "test-org/tiny", "--revision", UP + "pwned_ref")
+    assert_one_line_error(r, f"invalid revision '{UP}pwned_ref'")
+    assert mirror.requests == []
+    r = localllm(env, "run", "evil/sha", "hi", "-n", "1")
+    assert_one_line_error(r, HOSTILE["sha"][1])
+    assert mirror.gets() == []
+    assert_nothing_written(before, tmp_path)
+
+
+def test_api_pull_refuses_unsafe_names_from_the_hub(mirror, tmp_path):
+    """The server's /api/pull runs the same pull: each hostile repo is a clean 502 carrying the
+    same message, nothing is written, and the server goes on answering."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=mirror.url, HF_HUB_DISABLE_TELEMETRY="1",
+               LOCALLLM_MODELS=str(mirror.registry))
+    with running("--threads", "1", "--enforce-eager", model=None, env=env) as server:
+        before = tree(tmp_path)
+        mirror.clear()
+        for mode, (_, needle) in HOSTILE.items():
+            r = httpx.post(server.base + "/api/pull", json={"model": f"evil/{mode}", "stream": False}, timeout=60)
+            assert r.status_code == 502, (mode, r.status_code, r.text)
+            assert needle in r.json()["error"] and "nothing was written" in r.json()["error"], (mode, r.text)
+        lines = httpx.post(server.base + "/api/pull", json={"model": "evil/etag"}, timeout=60).text.splitlines()
+        assert [json.loads(x).get("status") for x in lines[:1]] == ["pulling manifest"]
+        assert HOSTILE["etag"][1] in json.loads(lines[-1])["error"]  # the stream ends on the error
+        assert mirror.gets() == []
+        assert_nothing_written(before, tmp_path)
+        assert httpx.get(server.base + "/health", timeout=5).status_code == 200
+        assert "Traceback" not in server.output(), server.output()
+
+
+def test_an_index_cannot_name_a_shard_outside_the_snapshot(env, tmp_path):
+    """model.safetensors.index.json comes from the hub too: a shard '../x' is neither a complete
+    snapshot nor loaded (it was read from outside the folder)."""
+    from localllm.hub import snapshot_complete
+
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_bytes((tiny_checkpoint() / "config.json").read_bytes())
+    (tmp_path / "outside.safetensors").hardlink_to(tiny_checkpoint() / "model.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../outside.safetensors"}}))
+    assert not snapshot_complete(d)
+    r = localllm(env, "show", str(d))
+    assert_one_line_error(r, f"shard name '../outside.safetensors' is not a file name inside {d}")

@@ -196,7 +196,9 @@ def test_delete(server, client):
 # ---- a pinned model with an API key -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pinned():
-    with running("--ctx", str(CTX), "--kv-memory", KV, "--threads", "1", "--enforce-eager", "--api-key", KEY) as s:
+    # pinned (the other fixture serves on demand): the Ollama routes in both modes
+    with running("--ctx", str(CTX), "--kv-memory", KV, "--threads", "1", "--enforce-eager", "--api-key", KEY,
+                 model=SMOL) as s:
         yield s
 
 

@@ -96,9 +96,10 @@ def test_memory_model_numbers():
     assert weight_bytes(f, "float32", CPU) == 4 * f.params
     assert weight_bytes(f, "awq", GPU) == int(linear * (0.5 + 4 / 128)) + 2 * other
     assert f.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, dim 128, fp16
-    assert kv_bytes(f, "bfloat16", GPU, 1000) == 131072 * 1000
-    assert kv_bytes(f, "int4", CPU, 1000) == 131072 * 1000  # fp16 KV next to int4 weights on CPU
-    assert kv_bytes(f, "float32", CPU, 1000) == 2 * 131072 * 1000  # the exact fp32 path keeps an fp32 cache
+    # what the engine allocates: 1000 tokens in 63 whole 16-token blocks, plus the null block
+    assert kv_bytes(f, "bfloat16", GPU, 1000) == 131072 * 64 * 16
+    assert kv_bytes(f, "int4", CPU, 1000) == 131072 * 64 * 16  # fp16 KV next to int4 weights on CPU
+    assert kv_bytes(f, "float32", CPU, 1000) == 2 * 131072 * 64 * 16  # the exact fp32 path keeps an fp32 cache
 
 
 def test_failure_message():
@@ -117,9 +118,9 @@ def test_context_grows_to_what_fits_without_ctx():
     f = facts(LLAMA8B, context=131072)
     p = plan(f, dev(GPU, 24), "auto", None)
     assert p.fits and p.precision == "bfloat16"
-    per_tok = kv_bytes(f, "bfloat16", GPU, 1)
     spare = p.available_bytes - p.weights_bytes - p.overhead_bytes
-    assert p.ctx % 256 == 0 and p.ctx * per_tok <= spare < (p.ctx + 256) * per_tok
+    assert p.ctx % 256 == 0 and kv_bytes(f, "bfloat16", GPU, p.ctx) == p.kv_bytes <= spare
+    assert spare < kv_bytes(f, "bfloat16", GPU, p.ctx + 256)
     # a smaller model is capped at its own context length
     small = plan(facts(SMOL, context=8192), dev(GPU, 24), "auto", None)
     assert small.ctx == 8192

@@ -17,9 +17,12 @@ MODEL = "smollm2-135m"
 CTX = 2048
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running("--ctx", str(CTX), "--kv-memory", "0.1", "--threads", "1") as s:
+@pytest.fixture(scope="module", params=["on-demand", "pinned"])
+def server(request):
+    """Both ways the README starts the server: plain `localllm serve` (every local model, loaded on
+    the first request) and `localllm serve MODEL`; every test here runs against each."""
+    with running("--ctx", str(CTX), "--threads", "1", model=None if request.param == "on-demand" else MODEL) as s:
+        s.mode = request.param
         yield s
 
 
@@ -59,16 +62,24 @@ def assert_error(resp, status, param=None, code=None):
 # ---- startup, models ---------------------------------------------------------------------------
 def test_health_is_503_while_loading_then_200(server):
     assert server.health_codes[-1] == 200
-    assert 503 in server.health_codes, server.health_codes  # it listened before the model was loaded
+    if server.mode == "pinned":
+        assert 503 in server.health_codes, server.health_codes  # it listened before the model was loaded
+    else:  # nothing is loaded up front: healthy at once
+        assert server.health_codes == [200], server.health_codes
     assert httpx.get(server.base + "/health").json() == {"status": "ok"}
 
 
-def test_models_list(client):
+def test_models_list(client, server):
+    if server.mode == "on-demand":  # a loaded model says its context, as the pinned one does
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
     models = client.models.list().data
-    assert len(models) == 1
-    m = models[0]
+    assert [m.id for m in models].count(MODEL) == 1
+    if server.mode == "pinned":
+        assert len(models) == 1
+    m = next(m for m in models if m.id == MODEL)
     assert (m.id, m.object, m.owned_by) == (MODEL, "model", "localllm")
     assert isinstance(m.created, int) and m.model_extra["max_model_len"] == CTX
+    assert client.models.retrieve(MODEL).model_extra["max_model_len"] == CTX
 
 
 # ---- completions -------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir):
+    # pinned by path: a tiny checkpoint with Qwen3's template, in no registry or hub cache
     with running("--ctx", "512", "--kv-memory", "20MiB", "--threads", "1", "--enforce-eager",
                  model=str(model_dir)) as s:
         yield s

@@ -27,7 +27,7 @@ ASK = [{"role": "user", "content": "Describe a person as JSON with a name and an
 
 @pytest.fixture(scope="module")
 def server():
-    with running("--ctx", "1024", "--kv-memory", "0.05", "--threads", "1", "--enforce-eager") as s:
+    with running("--ctx", "1024", "--threads", "1", "--enforce-eager") as s:  # plain serve: on demand
         yield s
 
 

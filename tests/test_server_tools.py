@@ -8,17 +8,19 @@ tool_calls and tool turns are carried back into the prompt as transformers rende
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
-from hub_mirror import tiny_checkpoint_with_template
+from hub_mirror import HubMirror, make_repo, tiny_checkpoint_with_template
 from server_proc import openai_client, running
 
 from localllm.chat import render_chat
 from localllm.tool_calls import ToolCallStream, forcing_grammar, parse, template_messages
 
+TOOLS_MODEL = "test-org/tiny-tools"
 QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -87,10 +89,16 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    with running("--ctx", "1024", "--kv-memory", "20MiB", "--threads", "1", "--enforce-eager",
-                 model=str(model_dir)) as s:
-        yield s
+def server(model_dir, tmp_path_factory):
+    """Plain `localllm serve` (every local model on demand) after the tool-calling model was pulled
+    from a loopback hub mirror: the way a user gets a second model onto the README's server."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    with HubMirror({TOOLS_MODEL: make_repo(model_dir)}) as mirror:
+        env.update(HF_HOME=str(tmp_path_factory.mktemp("hf")), HF_ENDPOINT=mirror.url, HF_HUB_DISABLE_TELEMETRY="1")
+        with running("--ctx", "1024", "--threads", "1", "--enforce-eager", model=None, env=env) as s:
+            r = httpx.post(s.base + "/api/pull", json={"model": TOOLS_MODEL, "stream": False}, timeout=120)
+            assert r.json() == {"status": "success"}, r.text
+            yield s
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +122,7 @@ def valid(call) -> tuple[str, dict]:
 
 
 def test_tools_reach_the_template_and_none_hides_them(client, model_dir, prompt_tokens):
-    kw = dict(model=str(model_dir), messages=ASK, max_tokens=2, temperature=0)
+    kw = dict(model=TOOLS_MODEL, messages=ASK, max_tokens=2, temperature=0)
     auto = client.chat.completions.create(tools=TOOLS, **kw)
     assert auto.usage.prompt_tokens == prompt_tokens(ASK, tools=TOOLS)
     none = client.chat.completions.create(tools=TOOLS, tool_choice="none", **kw)
@@ -123,7 +131,7 @@ def test_tools_reach_the_template_and_none_hides_them(client, model_dir, prompt_
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_and_named_calls_are_forced(client, model_dir, stream):
-    kw = dict(model=str(model_dir), messages=ASK, max_tokens=200, tools=TOOLS)
+    kw = dict(model=TOOLS_MODEL, messages=ASK, max_tokens=200, tools=TOOLS)
     for choice, names in (("required", set(SCHEMAS)),
                           ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
         if not stream:
@@ -145,7 +153,7 @@ def test_required_and_named_calls_are_forced(client, model_dir, stream):
 
 
 def test_deprecated_functions_api(client, model_dir):
-    r = client.chat.completions.create(model=str(model_dir), messages=ASK, max_tokens=200, temperature=0,
+    r = client.chat.completions.create(model=TOOLS_MODEL, messages=ASK, max_tokens=200, temperature=0,
                                        functions=[t["function"] for t in TOOLS], function_call={"name": "get_weather"})
     c = r.choices[0]
     assert c.finish_reason == "function_call" and c.message.function_call.name == "get_weather"
@@ -158,7 +166,7 @@ def test_tool_turns_are_carried_back(client, model_dir, prompt_tokens):
             {"id": "call_1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"}]
-    r = client.chat.completions.create(model=str(model_dir), messages=convo, tools=TOOLS, max_tokens=2,
+    r = client.chat.completions.create(model=TOOLS_MODEL, messages=convo, tools=TOOLS, max_tokens=2,
                                        temperature=0)
     want = prompt_tokens(template_messages([{**m, "content": m["content"] or ""} for m in convo]), tools=TOOLS)
     assert r.usage.prompt_tokens == want
@@ -177,7 +185,8 @@ def test_tool_turns_are_carried_back(client, model_dir, prompt_tokens):
     ({"tool_choice": "required"}, "tool_choice"),
 ])
 def test_bad_tool_requests_are_400(server, body, param):
-    r = httpx.post(server.base + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **body}, timeout=60)
+    r = httpx.post(server.base + "/v1/chat/completions", json={"model": TOOLS_MODEL, "messages": ASK, "max_tokens": 2,
+                                                            **body}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
@@ -189,7 +198,7 @@ def test_ollama_tools(server, model_dir, prompt_tokens):
     opts = {"temperature": 0, "num_predict": 60}
     # (the client rewrites tools through its own model, dropping keys it does not know: sent raw here)
     r = httpx.post(server.base + "/api/chat", timeout=60, json={
-        "model": str(model_dir), "messages": ASK, "tools": TOOLS, "stream": False,
+        "model": TOOLS_MODEL, "messages": ASK, "tools": TOOLS, "stream": False,
         "options": {**opts, "num_predict": 2}}).json()
     assert r["prompt_eval_count"] == prompt_tokens(ASK, tools=TOOLS)
     # the reply held (by format) to Llama 3's call shape: it comes back as message.tool_calls
@@ -198,7 +207,7 @@ def test_ollama_tools(server, model_dir, prompt_tokens):
              "required": ["name", "parameters"], "additionalProperties": False,
              "x-guidance": {"whitespace_flexible": False}}
     for stream in (False, True):
-        parts = c.chat(model=str(model_dir), messages=ASK, tools=TOOLS, format=shape, options=opts, stream=stream)
+        parts = c.chat(model=TOOLS_MODEL, messages=ASK, tools=TOOLS, format=shape, options=opts, stream=stream)
         parts = list(parts) if stream else [parts]
         called = [t for p in parts for t in p.message.tool_calls or []]
         assert len(called) == 1 and called[0].function.name == "get_time", parts
@@ -209,9 +218,9 @@ def test_ollama_tools(server, model_dir, prompt_tokens):
         {"function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]},
         {"role": "tool", "content": "sunny, 24 C", "tool_name": "get_weather"}]
     r = httpx.post(server.base + "/api/chat", timeout=60, json={
-        "model": str(model_dir), "messages": convo, "tools": TOOLS, "stream": False,
+        "model": TOOLS_MODEL, "messages": convo, "tools": TOOLS, "stream": False,
         "options": {**opts, "num_predict": 2}}).json()
     assert r["prompt_eval_count"] == prompt_tokens([{**m, "name": m["tool_name"]} if "tool_name" in m else m
                                                  for m in convo], tools=TOOLS)
-    show = httpx.post(server.base + "/api/show", json={"model": str(model_dir)}, timeout=30).json()
+    show = httpx.post(server.base + "/api/show", json={"model": TOOLS_MODEL}, timeout=30).json()
     assert {"tools", "thinking"} <= set(show["capabilities"])

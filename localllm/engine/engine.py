@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..config import EngineConfig
+from ..config import EngineConfig, kv_blocks, kv_tokens
 from ..hardware import available_memory
 from ..model.loader import LoadedModel
 from ..sampling import SamplingParams
@@ -136,7 +136,6 @@ class LLMEngine:
         overrides the computation."""
         cfg, c = self.config, self.model_config
         per_block = c.kv_bytes_per_token(self.loaded.kv_dtype.itemsize) * cfg.block_size
-        per_context = -(-self.max_model_len // cfg.block_size)
         device = self.loaded.model.device
         if cfg.kv_memory_bytes:
             blocks = cfg.kv_memory_bytes // per_block
@@ -144,12 +143,14 @@ class LLMEngine:
             free = available_memory(device) - self._activation_peak()
             # CPU: RAM is shared with everything else the user runs, so take at most a quarter of it
             share = cfg.memory_utilization if device != "cpu" else 0.25
-            blocks = min(int(free * share) // per_block, max(1, cfg.parallel) * per_context + 1)
-        min_blocks = per_context + 1  # + the null block
+            blocks = min(int(free * share) // per_block,
+                         kv_blocks(self.max_model_len, cfg.block_size, max(1, cfg.parallel)))
+        min_blocks = kv_blocks(self.max_model_len, cfg.block_size)
         if blocks < min_blocks:
             if cfg.kv_memory_bytes:
-                raise ValueError(f"--kv-memory {cfg.kv_memory_bytes / 2**30:.2f} GiB holds {blocks * cfg.block_size} "
-                                 f"tokens, less than one {self.max_model_len}-token context; raise it or lower --ctx")
+                raise ValueError(f"--kv-memory {cfg.kv_memory_bytes / 2**30:.2f} GiB holds "
+                                 f"{kv_tokens(blocks, cfg.block_size)} tokens, less than one "
+                                 f"{self.max_model_len}-token context; raise it or lower --ctx")
             blocks = min_blocks  # one full-length sequence must always fit
         return int(blocks)
 
@@ -220,8 +221,8 @@ class LLMEngine:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             text = render_chat(self.tokenizer.chat_template, prompt, bos_token=self.tokenizer.bos_token,
                                eos_token=self.tokenizer.eos_token, **template_kwargs)
-            return self.tokenizer.encode(text)
-        if isinstance(prompt, str):
+            return self.tokenizer.encode_chat(text)
+        if isinstance(prompt, str):  # raw text: the BOS / EOS the model asks for (add_bos / add_eos)
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be integers in 0..{self.model_config.vocab_size - 1}")

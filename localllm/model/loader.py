@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, sliding_layers
+from ..paths import safe_relative_name
 from ..tokenizer import LLMTokenizer
 from . import quant_formats  # AWQ / GPTQ (also legacy quant_config.json / quantize_config.json)
 from .errors import ModelLoadError
@@ -315,6 +316,9 @@ class HFWeights:
                 names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
             except (json.JSONDecodeError, KeyError) as e:
                 raise ModelLoadError(f"{index}: invalid index ({e})") from None
+            bad = [n for n in names if not safe_relative_name(n)]
+            if bad:  # the index comes from the hub too: a shard is a file in this folder, never ../x
+                raise ModelLoadError(f"{index}: shard name {bad[0]!r} is not a file name inside {self.path}")
             files = [self.path / n for n in names]
             missing = [str(f) for f in files if not f.is_file()]
             if missing:
