@@ -161,7 +161,7 @@ def format_constraint(value: str | None):
             text = path.read_text(encoding="utf-8")
         try:
             schema = json.loads(text)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise fail(f"invalid value for --format: not JSON ({e})", 2) from None
         return Constraint.make("json_schema", schema)
     except ConstraintError as e:
@@ -291,6 +291,7 @@ def _stream_answer(engine, request, params, verbose: bool, think: bool | None = 
     from .chat import ChatTemplateError
     from .engine.engine import ContextLengthError
     from .reasoning import ThinkSplitter, chat_prompt, reasons
+    from .structured import ConstraintError
     from .terminal import output_filter
 
     out = sys.stdout
@@ -326,12 +327,17 @@ def _stream_answer(engine, request, params, verbose: bool, think: bool | None = 
             elif o.delta:
                 write("", o.delta)
             last = o
+            if o.finish_reason == "error":  # the --format constraint could not be kept: no answer
+                out.write("\n")
+                raise fail(f"--format: {o.error}")
         if splitter:
             write(*splitter.flush())
         out.write("\n")
         out.flush()
     except (ContextLengthError, ChatTemplateError) as e:
         raise fail(str(e)) from None
+    except ConstraintError as e:  # found when the schema is compiled for the model's tokenizer
+        raise fail(f"invalid value for --format: {e}", 2) from None
     except KeyboardInterrupt:
         out.write("\n")
         raise typer.Exit(130) from None

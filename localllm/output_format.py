@@ -58,6 +58,14 @@ def response_format(value: Any) -> Constraint | None:
     raise APIError(400, f"{param}: type {kind!r} is not one of 'text', 'json_object', 'json_schema'", param=param)
 
 
+def response_format_field(value: Any) -> str:
+    """The field a compile error of response_format's constraint names (found after the request
+    was checked, when the constraint compiles for the model's tokenizer)."""
+    if isinstance(value, dict) and value.get("type") == "json_schema":
+        return "response_format.json_schema.schema"
+    return "response_format"
+
+
 def vllm_fields(extra: dict[str, Any]) -> tuple[str, Constraint] | None:
     """(field, constraint) from vLLM's guided_json/regex/choice/grammar or structured_outputs, of
     which a request may set one; other guided_* fields are refused by name."""
@@ -69,7 +77,7 @@ def vllm_fields(extra: dict[str, Any]) -> tuple[str, Constraint] | None:
             spec = _schema(name, value) if name == "guided_json" else value
             found.append((name, make(name, GUIDED[name], spec)))
         elif name == "structured_outputs":
-            found.append((name, _structured_outputs(value)))
+            found.append(_structured_outputs(value))
         elif name.startswith("guided_"):
             raise APIError(400, f"{name} is not supported by this server (it has one decoding backend: "
                                 "llguidance)", param=name)
@@ -79,13 +87,13 @@ def vllm_fields(extra: dict[str, Any]) -> tuple[str, Constraint] | None:
     return found[0] if found else None
 
 
-def _structured_outputs(value: Any) -> Constraint:
+def _structured_outputs(value: Any) -> tuple[str, Constraint]:
     param = "structured_outputs"
     if not isinstance(value, dict):
         raise APIError(400, f"{param} must be an object with one of json, regex, choice, grammar", param=param)
     set_ = {k: v for k, v in value.items() if v not in (None, False)}
     if set_.get("json_object") is True and len(set_) == 1:
-        return make(param, "json")
+        return param, make(param, "json")
     keys = [k for k in set_ if k in STRUCTURED_OUTPUTS]
     unknown = [k for k in set_ if k not in STRUCTURED_OUTPUTS]
     if unknown or len(keys) != 1:
@@ -93,7 +101,7 @@ def _structured_outputs(value: Any) -> Constraint:
                             f"got {sorted(set_)}", param=param)
     key = keys[0]
     spec = _schema(f"{param}.{key}", set_[key]) if key == "json" else set_[key]
-    return make(f"{param}.{key}", STRUCTURED_OUTPUTS[key], spec)
+    return f"{param}.{key}", make(f"{param}.{key}", STRUCTURED_OUTPUTS[key], spec)
 
 
 def ollama_format(value: Any) -> Constraint | None:

@@ -182,7 +182,7 @@ def _structured(body: oai._SamplingRequest) -> tuple[str, Any] | None:
     vllm = output_format.vllm_fields(body.model_extra or {})
     if rf is not None and vllm is not None:
         raise APIError(400, f"send either response_format or {vllm[0]}, not both", param=vllm[0])
-    return ("response_format", rf) if rf is not None else vllm
+    return (output_format.response_format_field(body.response_format), rf) if rf is not None else vllm
 
 
 def _check_common(body: oai._SamplingRequest, max_tokens: int | None, max_tokens_param: str, vocab: int) -> None:
@@ -207,7 +207,7 @@ def _params_list(body, max_tokens, max_tokens_param, logprobs, vocab: int,
     `forced`: (field, constraint) of a tool call the request demands."""
     found = _structured(body)
     if forced is not None and found is not None:
-        raise APIError(400, f"{found[0]} cannot be combined with {forced[0]} forcing a tool call", param=found[0])
+        raise APIError(400, f"{found[0]} cannot be combined with forcing a tool call ({forced[0]})", param=found[0])
     found = found or forced
     field_, constraint = found if found else (None, None)
     bias = body.token_bias(vocab)
@@ -247,7 +247,7 @@ def _tool_setup(body: oai.ChatCompletionRequest, template: str | None) -> tuple[
     forced = None
     if choice != "auto":
         grammar = tc.forcing_grammar(tools, choice, tc.style_of(template))
-        forced = (p_choice, output_format.make(p_tools, "grammar", grammar))
+        forced = (p_tools, output_format.make(p_tools, "grammar", grammar))  # p_tools: what a compile error names
     return tools, legacy, raw, forced
 
 

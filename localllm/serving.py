@@ -172,6 +172,10 @@ class Generation:
             # off the event loop (and off the engine thread, which would stall every stream)
             ids = [await asyncio.to_thread(self._encode, p) for p in self.prompts]
             self.prompt_ids = ids
+            # a constraint compiles here (a worker process, then a thread): never on the event
+            # loop, never on the engine's thread (add_request then only copies the matcher)
+            for c in dict.fromkeys(p.constraint for _, p in self.jobs if p.constraint is not None):
+                await asyncio.to_thread(self.target.engine.grammars.prepare, c)
         except BaseException as e:
             self.close()
             if isinstance(e, Exception):
@@ -289,6 +293,9 @@ class Generation:
                 return
             if isinstance(item, BaseException):
                 raise self._api_error(item)
+            if item.finish_reason == "error":  # the constraint's matcher failed: never a stop
+                param = self.constraint_param or "response_format"
+                raise APIError(400, f"{param}: {item.error}", param=param)
             if not self.first_token and item.new_token_ids:
                 self.first_token = True
                 self.first_token_at = time.perf_counter()

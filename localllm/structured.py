@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .grammar_limits import check as check_limits
 
 KINDS = ("json", "json_schema", "regex", "choice", "grammar")
 
@@ -41,9 +46,13 @@ class Constraint:
         if kind not in KINDS:
             raise ConstraintError(f"unknown constraint kind {kind!r} (one of {', '.join(KINDS)})")
         if kind == "json_schema":
-            if not isinstance(spec, (dict, bool)):
+            if spec is False:
+                raise ConstraintError("invalid json_schema: the schema false accepts no value, so no output "
+                                      "can satisfy it")
+            if spec is True:  # any JSON value
+                spec = {}
+            if not isinstance(spec, dict):
                 raise ConstraintError("a JSON schema must be an object")
-            spec = json.dumps(spec)  # key order kept: properties are generated in it
         elif kind == "choice":
             if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) and c for c in spec):
                 raise ConstraintError("a choice must be a non-empty list of non-empty strings")
@@ -51,10 +60,17 @@ class Constraint:
         elif kind in ("regex", "grammar"):
             if not isinstance(spec, str) or not spec:
                 raise ConstraintError(f"a {kind} must be a non-empty string")
+        over = check_limits(kind, spec)  # before anything compiles: these refuse in microseconds
+        if over:
+            raise ConstraintError(f"invalid {kind}: {over}")
+        if kind == "json_schema":
+            spec = json.dumps(spec)  # key order kept: properties are generated in it
         c = cls(kind, spec)
-        error = _check(c.grammar())
-        if error:
-            raise ConstraintError(f"invalid {kind}: {error}")
+        try:
+            c.grammar()
+        except ValueError as e:  # e.g. nesting past the schema parser's recursion limit (64 levels)
+            why = f"it nests too deep ({e})" if "recursion limit" in str(e) else str(e)
+            raise ConstraintError(f"invalid {kind}: {why}") from None
         return c
 
     def grammar(self) -> str:
@@ -80,37 +96,134 @@ def _grammar(kind: str, spec) -> str:
     return LLMatcher.grammar_from_lark(spec)
 
 
-@functools.lru_cache(maxsize=256)
-def _check(grammar: str) -> str:
-    from llguidance import LLMatcher
-
-    return LLMatcher.validate_grammar(grammar)
-
-
 class Grammars:
     """Matchers for one model's tokenizer. The llguidance tokenizer takes ~0.5 s to build (the
-    49k-token vocabulary), so it is built at the first constrained request, not at load."""
+    49k-token vocabulary), so it is built at the first constrained request, not at load.
 
-    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_ids: list[int]):
+    `prepare` compiles a constraint once (the worker first, localllm.grammar_worker, then here) and
+    keeps the result, a failure too; the server calls it off the event loop and off the engine's
+    thread. `matcher` copies a prepared one (a millisecond), preparing it first when nobody did."""
+
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_ids: list[int],
+                 cache_size: int = 64):
+        from .grammar_worker import GrammarChecker
+
         self._json, self.vocab_size, self.eos_ids = tokenizer_json, vocab_size, eos_ids
+        self.checker = GrammarChecker(tokenizer_json, vocab_size, eos_ids)
+        self._ready: OrderedDict[Constraint, object] = OrderedDict()  # a matcher, or the ConstraintError
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
 
-    @functools.cached_property
+    @property
     def tokenizer(self):
-        from llguidance import LLTokenizer
+        with self._tokenizer_lock:  # two first requests at once build it once
+            if not hasattr(self, "_tokenizer"):
+                from llguidance import LLTokenizer
 
-        return LLTokenizer(self._json(), n_vocab=self.vocab_size, eos_token=self.eos_ids)
+                self._tokenizer = LLTokenizer(self._json(), n_vocab=self.vocab_size, eos_token=self.eos_ids)
+            return self._tokenizer
 
-    def matcher(self, constraint: Constraint):
-        from llguidance import LLMatcher
+    def prepare(self, constraint: Constraint):
+        """The compiled constraint (a matcher in its initial state, never handed out: see
+        matcher), or ConstraintError with llguidance's message, or the worker's (a crash, a
+        compile past its time limit)."""
+        from .grammar_worker import WorkerError, compile_grammar
 
-        m = LLMatcher(self.tokenizer, constraint.grammar(), log_level=0)
-        if m.is_error():
-            raise ConstraintError(f"invalid {constraint.kind}: {m.get_error()}")
-        return m
+        with self._lock:
+            done = self._ready.get(constraint)
+            if done is not None:
+                self._ready.move_to_end(constraint)
+        if done is None:
+            grammar = constraint.grammar()
+            keep = True
+            try:
+                error = self.checker.check(grammar)
+            except WorkerError as e:
+                error = str(e)
+                keep = "crashed" in error  # a crash is the grammar's; an overrun may be a busy machine's
+            if not error:  # the worker survived it: the same compile here is safe
+                m = compile_grammar(self.tokenizer, grammar)
+                error = m.get_error()
+            done = ConstraintError(f"invalid {constraint.kind}: {_message(error)}") if error else m
+            if keep:
+                with self._lock:
+                    self._ready[constraint] = done
+                    while len(self._ready) > self._cache_size:
+                        self._ready.popitem(last=False)
+        if isinstance(done, ConstraintError):
+            raise ConstraintError(str(done))
+        return done
+
+    def matcher(self, constraint: Constraint) -> Matcher:
+        """A fresh matcher for one sequence."""
+        return Matcher(self.prepare(constraint).deep_copy())
+
+    def close(self) -> None:
+        self.checker.close()
+
+
+TOKEN_BUDGET_S = 0.25  # the matcher's time for one token (masks + consuming it); normally 0.01-20 ms
+
+
+class Matcher:
+    """One sequence's llguidance matcher, timed: its masks are computed on the engine's thread,
+    between every other request's tokens, and an ambiguous grammar (`s: s s s | s s | "x"`) makes
+    each token slower than the last (0.5 s after ~150 tokens, 20 s in all) without reaching
+    llguidance's own limits. More than `budget_s` for one token puts it in an error state of its
+    own, which the engine ends the sequence with, as with llguidance's errors (is_error /
+    get_error): no other request is held up by more than that per step."""
+
+    def __init__(self, matcher, budget_s: float = TOKEN_BUDGET_S):
+        self._m, self.budget_s = matcher, budget_s
+        self._spent = 0.0  # since the last token was consumed
+        self._slow: str | None = None
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        result = fn(*args)
+        self._spent += time.perf_counter() - t0
+        if self._spent > self.budget_s and self._slow is None:
+            self._slow = (f"it took {self._spent:.2f} s to decode one token under it, more than the "
+                          f"{self.budget_s:g} s this server allows")
+        return result
+
+    def compute_bitmask(self) -> bytes:
+        return self._timed(self._m.compute_bitmask)
+
+    def consume_token(self, token: int) -> bool:
+        ok = self._timed(self._m.consume_token, token) and self._slow is None
+        self._spent = 0.0
+        return ok
+
+    def is_error(self) -> bool:
+        return self._slow is not None or self._m.is_error()
+
+    def get_error(self) -> str:
+        return self._slow or self._m.get_error()
+
+    def is_stopped(self) -> bool:
+        return self._m.is_stopped()
+
+    def rollback(self, n: int) -> bool:
+        return self._m.rollback(n)
+
+
+def _message(error: str) -> str:
+    """llguidance's message on one line, with what its terse names mean."""
+    text = " ".join(error.replace("<non-verbose/>", "").split())
+    if text.startswith("NoExtensionBias"):
+        return "no output can satisfy it (e.g. a $ref that only refers to itself)"
+    return text
 
 
 def allowed(matcher, vocab_size: int) -> torch.Tensor:
-    """bool [vocab_size]: the tokens the matcher allows next (its bitmask, bit i of word i // 32)."""
+    """bool [vocab_size]: the tokens the matcher allows next (its bitmask, bit i of word i // 32).
+    A matcher in its error state allows nothing; then every token, so that the row samples as
+    usual (an all-refusing row turns the probabilities to NaN) and the engine ends the sequence
+    with the matcher's error when it consumes the token."""
+    if matcher.is_error():
+        return torch.ones(vocab_size, dtype=torch.bool)
     bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
     return torch.from_numpy(bits[:vocab_size].astype(bool))
 

@@ -196,8 +196,33 @@ def test_format_json_and_schema(tmp_path):
     jsonschema.validate(json.loads(answer("--format", str(f), "Describe a person.")), PERSON)
 
 
-@pytest.mark.parametrize("value,says", [("yaml", "not 'json'"), ("{oops", "not JSON"),
-                                        ('{"type": "nonsense"}', "invalid json_schema")])
-def test_bad_format_exits_2_naming_it(value, says):
+def _chain(n: int) -> dict:
+    """A $defs chain n links long (issue #29: 1,000 segfaulted the grammar compiler)."""
+    return {"$ref": "#/$defs/d_0", "$defs": {
+        f"d_{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d_{i + 1}"}}, "required": ["a"]}
+        if i < n - 1 else {"type": "string"} for i in range(n)}}
+
+
+def _deep(n: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize("value,says", [
+    ("yaml", "not 'json'"), ("{oops", "not JSON"), ('{"type": "nonsense"}', "invalid json_schema"),
+    (_chain(1000), "more than the 65536"), (_deep(200), "nests too deep"), (False, "accepts no value"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "no output can satisfy it"),
+])
+def test_bad_format_exits_2_naming_it(tmp_path, value, says):
+    """A one-line error and exit 2, never a traceback or a crash: schemas as files (the issue's
+    chain1000.json, deep200.json), the first three inline."""
+    if not isinstance(value, str):
+        f = tmp_path / "schema.json"
+        f.write_text(__import__("json").dumps(value))
+        value = str(f)
     p = run(["run", "--format", value, "hi"])
-    assert p.returncode == 2 and "--format" in p.stderr and says in p.stderr, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("Error:")]
+    assert p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "--format" in errors[0] and says in errors[0], p.stderr

@@ -320,3 +320,103 @@ def test_tiny_temperature_and_repetition_penalty_cannot_poison_the_batch(server)
     for penalty in (1e-300, 0.001):
         assert_error(post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 1.0,
                                                       "repetition_penalty": penalty}), 400, param="repetition_penalty")
+
+
+# ---- fuzz over constraints (issue #29): never a 5xx, a hang, or a 200 that breaks the constraint --------
+def _constraint_strategy():
+    """(path, body fields, check of a finished output's text or None)."""
+    import re
+
+    from hypothesis import strategies as st
+
+    def chain(n):
+        return {"$ref": "#/$defs/d_0", "$defs": {
+            f"d_{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d_{i + 1}"}}, "required": ["a"]}
+            if i < n - 1 else {"type": "string", "maxLength": 3} for i in range(n)}}
+
+    def deep(n):
+        s = {"type": "integer"}
+        for _ in range(n):
+            s = {"type": "object", "properties": {"a": s}, "required": ["a"]}
+        return s
+
+    leaf = st.sampled_from([{"type": "string", "maxLength": 4}, {"type": "integer", "minimum": 0, "maximum": 9},
+                            {"type": "boolean"}, {"enum": ["x", 1, None]}, {"const": "k"}, True, False, {}])
+    small = st.recursive(leaf, lambda c: st.one_of(
+        st.dictionaries(st.sampled_from("abc"), c, max_size=2).map(
+            lambda p: {"type": "object", "properties": p, "required": sorted(p), "additionalProperties": False}),
+        c.map(lambda it: {"type": "array", "items": it, "maxItems": 2}),
+        st.lists(c, min_size=1, max_size=3).map(lambda xs: {"anyOf": xs})), max_leaves=5)
+    big = st.sampled_from([chain(3), chain(300), chain(1000), deep(10), deep(63), deep(64), deep(200),
+                           {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+                           {"enum": [f"v{i}" for i in range(3000)]}, {"enum": [f"v{i}" for i in range(30_000)]},
+                           {"anyOf": [{"const": i} for i in range(5000)]}, {"type": "string", "pattern": "^(a{1000}){1000}$"},
+                           {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}}])
+    schema = st.one_of(small, big)
+
+    def json_check(s):
+        import jsonschema
+
+        def ok(text):
+            jsonschema.validate(json.loads(text), s)
+            return True
+        return ok
+
+    schemas = schema.flatmap(lambda s: st.sampled_from([
+        ({"guided_json": s}, json_check(s)), ({"guided_json": json.dumps(s)}, json_check(s)),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}}, json_check(s)),
+        ({"structured_outputs": {"json": s}}, json_check(s))]))
+    regex = st.sampled_from(["[a-c]{1,4}", "(ab|cd){2}", "x+", "[0-9]{3}-[0-9]{4}", "(a{1000}){1000}", "(a{100}){100}",
+                             "a{20001}", "(unclosed", "", "(" + "|".join(f"w{i}" for i in range(3000)) + ")"])
+    regexes = regex.map(lambda r: ({"guided_regex": r}, lambda t: re.fullmatch(r, t) is not None))
+    choice = st.one_of(st.lists(st.sampled_from(["yes", "no", "a b", "é", "{", "\n"]), min_size=1, max_size=4),
+                       st.sampled_from([[f"c{i}" for i in range(3000)], [f"c{i}" for i in range(50_000)], [], [""]]))
+    choices = choice.map(lambda cs: ({"guided_choice": cs}, lambda t: t in cs))
+
+    def lark_chain(n):
+        g = "start: r_0\n" + "\n".join(f'r_{i}: "t_{i}" | r_{i + 1}' for i in range(n - 1)) + f'\nr_{n - 1}: "end"'
+        return g, lambda t: t == "end" or re.fullmatch(r"t_[0-9]+", t) is not None
+
+    lark = st.sampled_from([lark_chain(3), lark_chain(500), lark_chain(3000),
+                            ('start: s\ns: s "x" | "x"', lambda t: re.fullmatch("x+", t) is not None),
+                            ('start: s\ns: s "x"', None), ('start: "a" | "b"', lambda t: t in ("a", "b")),
+                            ("start: undefined_rule", None),
+                            ('start: item ~ 1000\nitem: "a" ~ 1000', lambda t: re.fullmatch("a+", t) is not None)])
+    larks = lark.map(lambda g: ({"guided_grammar": g[0]}, g[1]))
+    return st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions"]),
+                     st.one_of(schemas, regexes, choices, larks), st.integers(4, 24))
+
+
+def test_fuzzed_constraints_never_5xx_hang_or_lie(server):
+    """Schemas (nesting, $defs chains, true/false, recursive $ref, huge enums, patterns), regexes,
+    choices and Lark grammars, small and hostile, on both routes: every answer is a 400 in
+    OpenAI's shape or a 200 whose finished ("stop") outputs satisfy the constraint, none takes
+    more than 60 s, and the server is alive and idle afterwards."""
+    from hypothesis import HealthCheck, given, settings
+
+    statuses = []
+
+    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(_constraint_strategy())
+    def check(case):
+        path, (fields, valid), max_tokens = case
+        base = {"messages": [{"role": "user", "content": "Answer."}]} if "chat" in path else {"prompt": "Answer:"}
+        r = post(server, path, {"model": MODEL, **base, "max_tokens": max_tokens, "temperature": 0, **fields})
+        statuses.append(r.status_code)
+        assert r.status_code in (200, 400), (fields, r.text[:500])
+        if r.status_code == 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+            return
+        for c in r.json()["choices"]:
+            text = c["message"]["content"] if "chat" in path else c["text"]
+            assert c["finish_reason"] in ("stop", "length"), c
+            if c["finish_reason"] == "stop":
+                assert valid is not None and valid(text), (fields, text)
+
+    t0 = time.monotonic()
+    check()
+    assert time.monotonic() - t0 < 120
+    assert statuses.count(200) >= 5 and statuses.count(400) >= 5, Counter(statuses)
+    assert wait_for(lambda: idle(server)), server.metrics()
+    assert server.metrics().get('localllm_request_errors_total{code="500"}', 0) == 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import httpx
 import jsonschema
@@ -177,3 +179,148 @@ def test_ollama_format_json_and_schema(server):
     assert e.value.status_code == 400 and "format" in e.value.error
     r = httpx.post(server.base + "/api/generate", json={"model": MODEL, "prompt": "x", "format": "yaml"})
     assert r.status_code == 400 and "format" in r.json()["error"]
+
+
+# ---- hostile constraints (issue #29): never a crash, a freeze, or a violating 200 ------------------
+def _chain(n: int) -> dict:
+    return {"$ref": "#/$defs/d_0", "$defs": {
+        f"d_{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d_{i + 1}"}}, "required": ["a"]}
+        if i < n - 1 else {"type": "string"} for i in range(n)}}
+
+
+def _deep(n: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+LARK_CHAIN = "start: r_0\n" + "\n".join(f'r_{i}: "t_{i}" | r_{i + 1}' for i in range(2999)) + '\nr_2999: "end"'
+RECURSIVE = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+HOSTILE = [  # (path, body, the field the 400 names, what its message says)
+    ("/api/chat", {"format": _chain(1000)}, "format", "65536"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "c", "schema": _chain(1000)}}}, "response_format.json_schema.schema", "65536"),
+    ("/v1/completions", {"guided_json": _chain(1000)}, "guided_json", "65536"),
+    ("/v1/completions", {"guided_grammar": LARK_CHAIN}, "guided_grammar", "65536"),
+    ("/v1/completions", {"guided_choice": [f"choice number {i}" for i in range(100_000)]}, "guided_choice",
+     "100000 choices"),
+    ("/v1/completions", {"guided_choice": [f"c{i}" for i in range(50_000)]}, "guided_choice", "50000 choices"),
+    ("/v1/completions", {"guided_json": {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                                                     "required": [f"k{i}"]} for i in range(5000)]}},
+     "guided_json", "bytes"),
+    ("/v1/completions", {"guided_regex": "(" + "|".join(f"w{i}" for i in range(120_000)) + ")"}, "guided_regex",
+     "bytes"),
+    ("/v1/completions", {"guided_json": {"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                                          for i in range(10_000)},
+                                         "required": [f"p{i}" for i in range(10_000)]}}, "guided_json", "bytes"),
+    ("/v1/chat/completions", {"guided_json": RECURSIVE}, "guided_json", "no output can satisfy it"),
+    ("/api/chat", {"format": RECURSIVE}, "format", "no output can satisfy it"),
+    ("/v1/completions", {"guided_regex": "(a{1000}){1000}"}, "guided_regex", "unroll to 999985"),
+    ("/v1/completions", {"guided_grammar": 'start: s\ns: s "x"'}, "guided_grammar", "no output can satisfy it"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "d", "schema": _deep(64)}}}, "response_format.json_schema.schema", "nests too deep"),
+    ("/v1/completions", {"guided_json": _deep(200)}, "guided_json", "nests too deep"),
+    ("/api/chat", {"format": _deep(64)}, "format", "nests too deep"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "f", "schema": False}}}, "response_format.json_schema.schema", "accepts no value"),
+    ("/v1/completions", {"guided_json": False}, "guided_json", "accepts no value"),
+]
+
+
+class HealthWatch:
+    """Polls /health from a thread while a block runs; `worst` is the slowest answer (s)."""
+
+    def __init__(self, server):
+        self.server, self.times, self._stop = server, [], threading.Event()
+
+    def __enter__(self):
+        def poll():
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                assert httpx.get(self.server.base + "/health", timeout=10).status_code == 200
+                self.times.append(time.monotonic() - t0)
+                time.sleep(0.05)
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(15)
+
+    @property
+    def worst(self) -> float:
+        return max(self.times)
+
+
+def _kv_idle(server) -> bool:
+    m = server.metrics()
+    return (m["localllm_num_requests_in_flight"], m["localllm_kv_blocks_used"]) == (0, 0)
+
+
+def _body(path: str, extra: dict) -> dict:
+    if path == "/api/chat":
+        return {"model": MODEL, "messages": ASK, "stream": False, "options": {"num_predict": 4}, **extra}
+    base = {"messages": ASK} if "chat" in path else {"prompt": "Hi"}
+    return {"model": MODEL, **base, "max_tokens": 4, **extra}
+
+
+def test_hostile_constraints_are_quick_400s_and_the_server_keeps_answering(server, client):
+    """Each of the issue's cases (a $defs chain of 1,000 and a Lark chain of 3,000 that segfaulted
+    the server; 100,000 choices, an anyOf of 5,000, a 1 MB regex, 10,000 required properties that
+    froze it; recursive $ref, (a{1000}){1000}, an empty left recursion answered as a "stop";
+    nesting >= 64, schema false answered 500) is a 400 naming the field within 3 s, while /health
+    answers within 1.5 s throughout; then a constrained request answers, and no KV block is held."""
+    with HealthWatch(server) as health:
+        for path, extra, param, says in HOSTILE:
+            t0 = time.monotonic()
+            r = post(server, path, _body(path, extra))
+            took = time.monotonic() - t0
+            if path.startswith("/api/"):  # Ollama's shape: {"error": message}
+                assert r.status_code == 400 and param in r.json()["error"], (param, r.text[:300])
+                msg = r.json()["error"]
+            else:
+                msg = error_of(r, param)
+            assert says in msg and "Traceback" not in msg and "\n" not in msg, (param, msg)
+            assert took < 3.0, (param, took)
+    assert health.worst < 1.5, health.times
+    r = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=60,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "p",
+                                                                                               "schema": PERSON}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    assert server.proc.poll() is None and _kv_idle(server), server.metrics()
+    assert server.metrics().get('localllm_request_errors_total{code="500"}', 0) == 0
+
+
+SLOW = 'start: s\ns: s s s s | s s s | s s | "x"'  # ambiguous: each token slower than the last
+
+
+def test_matcher_failing_mid_way_is_an_error_never_a_stop(server):
+    """A grammar that compiles but gets slower per token (past the server's 0.25 s per token after
+    ~100 tokens) ends as an error carrying why, streamed: an error event, never a "stop" (not
+    streamed, the same error is the 400 of Generation.outputs); /health answers within 2 s
+    meanwhile (the matcher holds the GIL while it consumes a token: up to the 0.25 s budget per
+    token, on a busy machine more) and no KV block is held afterwards."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 400, "ignore_eos": True, "temperature": 0,
+            "guided_grammar": SLOW, "stream": True}
+    with HealthWatch(server) as health:
+        with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "could not be held to the constraint" in events[-1]["error"]["message"], events[-1]
+    assert all(c["finish_reason"] != "stop" for e in events for c in e.get("choices", [])), events
+    text = "".join(c["text"] for e in events for c in e.get("choices", []))
+    assert re.fullmatch("x+", text), text
+    assert health.worst < 2.0, health.times
+    assert wait_idle(server), server.metrics()
+
+
+def wait_idle(server, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _kv_idle(server):
+            return True
+        time.sleep(0.05)
+    return False

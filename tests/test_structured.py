@@ -77,16 +77,33 @@ def test_mask_allows_what_the_grammar_allows(engine):
 
 
 @pytest.mark.parametrize("kind,spec,match", [
-    ("json_schema", {"type": "object", "properties": {"a": {"type": "strin"}}}, "strin"),
     ("json_schema", "not a schema", "must be an object"),
-    ("regex", "[0-9", "invalid regex"),
+    ("json_schema", False, "accepts no value"),
     ("choice", [], "non-empty list"),
-    ("grammar", "start: undefined_rule", "invalid grammar"),
     ("xml", None, "unknown constraint kind"),
 ])
 def test_bad_constraints_are_clear_errors(kind, spec, match):
     with pytest.raises(ConstraintError, match=match):
         Constraint.make(kind, spec)
+
+
+@pytest.mark.parametrize("kind,spec,match", [
+    ("json_schema", {"type": "object", "properties": {"a": {"type": "strin"}}}, "invalid json_schema: .*strin"),
+    ("regex", "[0-9", "invalid regex"),
+    ("grammar", "start: undefined_rule", "invalid grammar"),
+    ("json_schema", {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "no output can satisfy it"),
+])
+def test_constraints_that_do_not_compile_are_clear_errors(engine, kind, spec, match):
+    """Compiled for the model's tokenizer (by the worker process, then here), once: the second
+    time the same error comes from the cache, and the engine refuses the request with it."""
+    c = Constraint.make(kind, spec)
+    starts = engine.grammars.checker.starts
+    for _ in range(2):
+        with pytest.raises(ConstraintError, match=match):
+            engine.grammars.prepare(c)
+    with pytest.raises(ConstraintError, match=match):
+        engine.add_request("Hi", SamplingParams(max_tokens=4, constraint=c))
+    assert engine.grammars.checker.starts <= max(starts, 1) and not engine.has_unfinished()
 
 
 def test_greedy_under_a_mask_is_the_masked_exact_argmax(engine):
@@ -122,3 +139,38 @@ def test_speculation_keeps_working_under_a_constraint(int4_model, temperature):
     assert stats["proposed"] > 0 and stats["accepted"] > 0
     if temperature == 0:
         assert out.token_ids == plain.token_ids
+
+
+def test_a_worker_crash_or_overrun_costs_one_check(engine):
+    """The grammar worker (localllm.grammar_worker): a compile past its time limit, and a worker
+    that dies of SIGSEGV mid-compile (what a too-deep grammar did to the server), are each a
+    WorkerError saying so; the worker is killed, and the next check starts a fresh one."""
+    import os
+    import signal
+    import threading
+
+    from llguidance import LLMatcher
+
+    from localllm.grammar_worker import GrammarChecker, WorkerError
+
+    slow = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(f"c{i}") for i in range(50_000)))
+    ok = Constraint.make("json").grammar()
+    checker = GrammarChecker(engine.tokenizer.tok.to_str, engine.model_config.vocab_size, sorted(engine.eos_ids),
+                             timeout_s=0.5)
+    try:
+        assert checker.check(ok) == "" and checker.starts == 1
+        with pytest.raises(WorkerError, match="more than 0.5 s to compile"):
+            checker.check(slow)
+        assert checker._proc is None
+        checker.timeout_s = 60
+        assert checker.check(ok) == "" and checker.starts == 2
+        pid = checker._proc.pid
+        killer = threading.Timer(0.3, os.kill, (pid, signal.SIGSEGV))
+        killer.start()
+        with pytest.raises(WorkerError, match=r"crashed the grammar compiler \(signal 11\)"):
+            checker.check(slow)
+        killer.join()
+        assert checker.check(ok) == "" and checker.starts == 3
+    finally:
+        checker.close()
+    assert checker._proc is None

@@ -47,6 +47,7 @@ class RequestOutput:
     num_cached_tokens: int
     logprobs: list[dict] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # finish_reason "error": why (a constraint's matcher failed mid-way)
 
 
 class _Output:
@@ -88,6 +89,12 @@ class _Output:
     @property
     def visible(self) -> str:
         return self.text[:self.emitted]
+
+
+def _matcher_error(matcher) -> str:
+    from ..structured import _message
+
+    return "the output could not be held to the constraint: " + _message(matcher.get_error())
 
 
 class LLMEngine:
@@ -243,13 +250,15 @@ class LLMEngine:
             raise ContextLengthError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {n + max_tokens} KV slots but the "
                 f"whole KV cache holds {capacity}", n, capacity)
+        # not under the lock: a constraint nobody prepared compiles here (the server prepares
+        # each one in a worker thread first: Grammars.prepare)
+        matcher = self.grammars.matcher(params.constraint) if params.constraint is not None else None
         with self._lock:
             rid = request_id or f"req-{next(self._ids)}"
             if rid in self._seqs:
                 raise ValueError(f"request id {rid!r} is already in use")
             seq = Sequence(rid, ids, params, max_tokens)
-            if params.constraint is not None:
-                seq.matcher = self.grammars.matcher(params.constraint)
+            seq.matcher = matcher
             self._seqs[rid] = seq
             self._outputs[rid] = _Output(IncrementalDetokenizer(self.tokenizer, ids), params.stop)
             self.scheduler.add(seq)
@@ -399,15 +408,25 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         p = seq.params
-        reason, kept, complete = None, [], False
+        reason, kept, complete, error = None, [], False, None
         for t in new:
             kept.append(t)
+            m = seq.matcher
+            if m is not None and m.is_error():  # its mask computation failed
+                kept.pop()
+                reason, error = "error", _matcher_error(m)
+                break
             if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
                 reason = "stop"
                 break
-            if seq.matcher is not None:
-                seq.matcher.consume_token(t)
-                if seq.matcher.is_stopped():  # the grammar is complete and allows nothing more
+            if m is not None:
+                if not m.consume_token(t):
+                    # the matcher failed (one of llguidance's limits, mid-way): the constraint can
+                    # no longer be kept, so the output ends here, as an error, never as a stop
+                    kept.pop()
+                    reason, error = "error", _matcher_error(m)
+                    break
+                if m.is_stopped():  # the grammar is complete and allows nothing more
                     reason, complete = "stop", True
                     break
             if seq.num_output_tokens + len(kept) >= seq.max_tokens or \
@@ -422,14 +441,15 @@ class LLMEngine:
         out = self._outputs[seq.request_id]
         visible = kept[:-1] if reason == "stop" and not complete else kept  # a stop token is not text
         delta = out.add(visible, final=reason is not None)
-        if out.stopped:
+        if out.stopped and reason != "error":
             reason = "stop"
         if reason is not None:
             self._release(seq, reason)
             self._seqs.pop(seq.request_id, None)
             self._outputs.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, delta, out.visible, kept, seq.output_ids, reason is not None,
-                             reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.logprobs, seq.prompt_ids)
+                             reason, seq.num_prompt_tokens, seq.num_cached_tokens, seq.logprobs, seq.prompt_ids,
+                             error)
 
     def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None
                  ) -> Iterator[RequestOutput]:
