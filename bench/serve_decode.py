@@ -45,7 +45,7 @@ def server_rate(url: str, model: str, n: int) -> float:
 
 
 def captured_steps(url: str) -> float:
-    from localllm.metrics import parse
+    from localllm.server.metrics import parse
 
     return parse(httpx.get(f"{url}/metrics", timeout=5).text).get("localllm_captured_steps_total", 0.0)
 

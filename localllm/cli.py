@@ -383,7 +383,7 @@ def check_api_key(key: str | None) -> None:
 
 def check_allow_hosts(values: list[str] | None) -> list[str]:
     """--allow-host values: host names or addresses (a port is ignored), or '*'."""
-    from .host_guard import host_name
+    from .server.host_guard import host_name
 
     out = []
     for v in values or []:
@@ -395,8 +395,8 @@ def check_allow_hosts(values: list[str] | None) -> list[str]:
 
 
 def _keep_alive_seconds(value: str) -> float:
-    from .ollama_api import parse_keep_alive
-    from .openai_schema import APIError
+    from .server.ollama import parse_keep_alive
+    from .server.openai_schema import APIError
 
     try:
         return parse_keep_alive(value)
@@ -474,8 +474,8 @@ def serve(
     hosts = check_allow_hosts(allow_host)
     keep = _keep_alive_seconds(keep_alive)
     mem = max_memory_gib(max_memory, device)
-    from .server import ServerConfig, create_app
-    from .server import serve as run_server
+    from .server.app import ServerConfig, create_app
+    from .server.app import serve as run_server
 
     if model is None:
         _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx,
@@ -516,11 +516,11 @@ def serve(
 
 def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx, kv_memory,
                threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts) -> None:
-    """`serve` without MODEL: every local model, loaded on demand (model_pool)."""
-    from .model_pool import ModelPool, PoolConfig
+    """`serve` without MODEL: every local model, loaded on demand (server/pool.py)."""
     from .planner import normalize_quant
-    from .server import ServerConfig, create_app
-    from .server import serve as run_server
+    from .server.app import ServerConfig, create_app
+    from .server.app import serve as run_server
+    from .server.pool import ModelPool, PoolConfig
 
     try:
         normalize_quant(quant)

@@ -78,7 +78,7 @@ class ServerProc:
         os.unlink(self.log.name)
 
     def metrics(self, headers: dict | None = None) -> dict[str, float]:
-        from localllm.metrics import parse
+        from localllm.server.metrics import parse
 
         r = httpx.get(self.base + "/metrics", headers=headers, timeout=10)
         r.raise_for_status()

@@ -185,8 +185,8 @@ def test_run_with_max_memory_answers():
 
 def test_load_failures_say_what_to_change():
     from localllm.hub import HubError
-    from localllm.model_pool import load_error
     from localllm.planner import PlanError
+    from localllm.server.pool import load_error
 
     e = load_error("m", ValueError("--kv-memory 0.01 GiB holds 400 tokens, less than one 4096-token context"))
     assert (e.status, e.code, e.param) == (400, "model_load_failed", "model") and "--kv-memory" in e.message

@@ -90,3 +90,31 @@ def test_model_and_engine_never_import_the_quantizer():
            if m.startswith(("localllm.model", "localllm.engine"))}
     assert {m: ts for m, ts in bad.items() if ts} == {}
     assert sorted(p.name for p in (ROOT / "quant").glob("*.py")) == ["__init__.py", "calib_text.py", "quantize.py"]
+
+
+FRONT_ENDS = ("localllm.cli", "localllm.repl", "localllm.server", "localllm.models_cli", "localllm.bench")
+
+
+def test_engine_and_model_never_import_a_front_end():
+    """Data flows one way: request -> engine -> model. The engine and the model know nothing of the
+    CLI, the REPL or the HTTP server that call them."""
+    bad = {m: sorted(t for t in ts if t.startswith(FRONT_ENDS)) for m, ts in import_graph().items()
+           if m.startswith(("localllm.model", "localllm.engine"))}
+    assert {m: ts for m, ts in bad.items() if ts} == {}
+
+
+def test_only_the_cli_imports_the_server_wing():
+    users = {m for m, ts in import_graph().items() if not m.startswith("localllm.server")
+             and any(t.startswith("localllm.server") for t in ts)}
+    assert users == {"localllm.cli"}
+
+
+def test_kernels_import_nothing_from_localllm():
+    kernels = Path(__file__).resolve().parent.parent / "kernels"
+    bad = []
+    for path in kernels.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{path.name}: {n}" for n in names if n == "localllm" or n.startswith("localllm.")]
+    assert bad == []

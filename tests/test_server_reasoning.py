@@ -19,8 +19,8 @@ import pytest
 from hub_mirror import tiny_checkpoint_with_template
 from server_proc import running
 
-from localllm import openai_schema as oai
 from localllm.chat import render_chat
+from localllm.server import openai_schema as oai
 
 QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
 ASK = [{"role": "user", "content": "Is 7 prime?"}]
@@ -117,7 +117,7 @@ class _ScriptedGen:
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, len(REPLY)])
 def test_streamed_deltas_carry_reasoning_content_then_content(size):
-    from localllm.server import _chat_events
+    from localllm.server.app import _chat_events
 
     deltas = [REPLY[i:i + size] for i in range(0, len(REPLY), size)]
 

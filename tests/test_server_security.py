@@ -174,7 +174,7 @@ def test_loopback_names_own_names_and_allowed_ones_pass(server):
 def test_policy_of_a_server_bound_beyond_loopback():
     """Bound to 0.0.0.0 (not started here: tests listen on loopback only) the Host check is off, as in
     Ollama (such a server is reached by names we cannot know), while the Origin check stays."""
-    from localllm.host_guard import HostPolicy
+    from localllm.server.host_guard import HostPolicy
 
     exposed = HostPolicy.make("0.0.0.0", [], [])
     assert exposed.host_allowed(EVIL_HOST) and exposed.host_allowed("host.docker.internal:8000")

@@ -120,7 +120,7 @@ def test_draft_with_other_tokenizer_is_refused(tiny_model, fp32_model):
 
 
 def test_speculation_stats_reach_prometheus_metrics(tiny_model):
-    from localllm.metrics import ServerMetrics, parse
+    from localllm.server.metrics import ServerMetrics, parse
 
     eng = make_engine(tiny_model, speculative="ngram")
     run_all(eng, repetitive_prompts(5), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))

@@ -2,7 +2,7 @@
 request for one that is not loaded loads it.
 
 Each loaded model has its own thread that loads the engine and then runs its EngineLoop (the
-thread that loads is the one that steps: one OpenMP team per model, see server.py). Memory is
+thread that loads is the one that steps: one OpenMP team per model, see app.py). Memory is
 counted with the planner: a model's need is weights + its KV cache + runtime, and when a new
 model does not fit the budget (--max-memory, else 90% of what is free now) the least recently
 used idle model is unloaded first. A model with requests in flight is never unloaded. Requests
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import kv_blocks
+from ..config import kv_blocks
 from .openai_schema import APIError
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds an idle model stays loaded (Ollama's default: 5m)
@@ -42,7 +42,7 @@ def local_models() -> list[LocalModel]:
     """Registry models that are embedded or downloaded, and other models in the HF cache."""
     import os
 
-    from .models_cli import list_models
+    from ..models_cli import list_models
 
     out: dict[str, LocalModel] = {}
     for row in list_models():
@@ -100,8 +100,8 @@ class LoadedModel:
 def load_error(name: str, e: BaseException) -> APIError:
     """What a client is told when `name` fails to load: a cause it can act on is a 4xx or a 503
     saying what to change; only a fault of ours is a 500."""
-    from .hub import HubError
-    from .planner import PlanError
+    from ..hub import HubError
+    from ..planner import PlanError
 
     text = f"could not load {name}: {e or type(e).__name__}"
     if isinstance(e, MemoryError) or "out of memory" in str(e).lower():
@@ -130,7 +130,7 @@ class ModelPool:
     async def find(self, name: str | None) -> LocalModel:
         models = await self.catalog()
         if not name:  # as `localllm run` without MODEL: the registry's default model
-            from .registry import load_registry
+            from ..registry import load_registry
 
             name = load_registry().default
             if find_model(models, name) is None:
@@ -199,7 +199,7 @@ class ModelPool:
 
     # ---- loading ---------------------------------------------------------------------------------
     def _plan(self, local: LocalModel, budget: int | None, num_ctx: int | None = None):
-        from .planner import DEFAULT_CTX, device_facts, facts_for, plan
+        from ..planner import DEFAULT_CTX, device_facts, facts_for, plan
 
         facts = facts_for(local.name)
         ec = self.cfg.engine_config
@@ -211,7 +211,7 @@ class ModelPool:
 
     async def _start_load(self, local: LocalModel, num_ctx: int | None = None) -> LoadedModel:
         """Under self._lock: plan, unload LRU idle models until it fits, start the loader thread."""
-        from .planner import PlanError
+        from ..planner import PlanError
 
         while True:
             used = sum(e.need for e in self.loaded.values())
@@ -244,8 +244,8 @@ class ModelPool:
         return entry
 
     def _load_and_run(self, entry: LoadedModel, model: str, precision: str, config, aloop) -> None:
-        from .llm import build_engine
-        from .serving import EngineLoop, max_token_bytes
+        from ..llm import build_engine
+        from .generation import EngineLoop, max_token_bytes
 
         t0 = time.perf_counter()
         try:

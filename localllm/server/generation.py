@@ -1,6 +1,6 @@
 """The engine side of `localllm serve`: the one thread that owns an engine (EngineLoop) and the
-engine requests behind one HTTP request (Generation). Both the OpenAI routes (server.py) and
-Ollama's (ollama_api.py) run on these, over one engine or the on-demand pool (model_pool.py).
+engine requests behind one HTTP request (Generation). Both the OpenAI routes (app.py) and
+Ollama's (ollama.py) run on these, over one engine or the on-demand pool (pool.py).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class EngineLoop:
 # ---- one HTTP request's engine requests --------------------------------------------------------
 class Generation:
     """The engine requests behind one HTTP request (one per prompt x n) and their outputs.
-    `state` is the server's ServerState (config, counters, metrics; not imported: server.py sits
+    `state` is the server's ServerState (config, counters, metrics; not imported: app.py sits
     above this module)."""
 
     def __init__(self, state: Any, prompts: list, params: list, n: int, max_tokens_param: str,
@@ -216,7 +216,7 @@ class Generation:
 
     def reasoning(self) -> tuple[bool, bool]:
         """(the model may think, its reply starts inside <think>) for the first prompt (chat)."""
-        from .reasoning import opened, reasons
+        from ..reasoning import opened, reasons
 
         engine = self.target.engine
         if not reasons(engine.tokenizer.chat_template) or not self.prompt_ids:
@@ -251,10 +251,10 @@ class Generation:
         return done
 
     def _api_error(self, e: BaseException) -> APIError:
-        from .chat import ChatTemplateError
-        from .engine.engine import ContextLengthError
-        from .sampling import SamplingError
-        from .structured import ConstraintError
+        from ..chat import ChatTemplateError
+        from ..engine.engine import ContextLengthError
+        from ..sampling import SamplingError
+        from ..structured import ConstraintError
 
         if isinstance(e, APIError):
             return e

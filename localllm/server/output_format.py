@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..structured import Constraint, ConstraintError
 from .openai_schema import APIError
-from .structured import Constraint, ConstraintError
 
 # vLLM's guided_* fields and the keys of its newer `structured_outputs` object -> constraint kinds
 GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",

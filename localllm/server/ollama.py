@@ -30,8 +30,8 @@ from pydantic import BaseModel, ConfigDict
 from starlette.background import BackgroundTask
 
 from . import openai_schema as oai
-from .model_pool import LocalModel, find_model
 from .openai_schema import APIError
+from .pool import LocalModel, find_model
 
 VERSION = "0.11.0"  # the Ollama API version we answer like (clients check a minimum)
 FOREVER = "2318-11-30T00:00:00Z"  # what Ollama reports as expires_at for keep_alive < 0
@@ -192,7 +192,7 @@ def _refuse_unsupported(body: _GenBody, images: bool = False) -> None:
 def sampling_params(options: Options | None, constraint=None):
     """Ollama options -> SamplingParams, with Ollama's defaults (temperature 0.8, top_k 40,
     top_p 0.9). num_predict < 0 means no limit (up to the context), as in Ollama."""
-    from .sampling import SamplingError, SamplingParams
+    from ..sampling import SamplingError, SamplingParams
 
     o = options or Options()
 
@@ -245,8 +245,8 @@ async def _catalog(state) -> list[LocalModel]:
 def _pinned_model(state) -> LocalModel:
     import os
 
-    from .models_cli import local_path
-    from .registry import resolve_model
+    from ..models_cli import local_path
+    from ..registry import resolve_model
 
     cfg = state.cfg
     path = local_path(resolve_model(cfg.model_id))
@@ -291,7 +291,7 @@ def _final(out, timing: _Timing) -> dict:
 # ---- the routes -------------------------------------------------------------------------------
 def mount(app: FastAPI, state) -> None:
     """Add Ollama's routes to `app` (a server.create_app app; `state` its ServerState)."""
-    from .serving import Generation
+    from .generation import Generation
 
     @app.get("/api/version")
     async def version():
@@ -305,8 +305,8 @@ def mount(app: FastAPI, state) -> None:
 
     @app.post("/api/show")
     async def show(body: ModelRequest):
-        from .models_cli import describe
-        from .reasoning import reasons
+        from ..models_cli import describe
+        from ..reasoning import reasons
 
         state.require_ready()
         m = await _find(state, body.target())
@@ -376,8 +376,8 @@ def mount(app: FastAPI, state) -> None:
                    request: Request, chat: bool, fmt: Any = None, think: bool | None = None,
                    tools: tuple[dict, list] | None = None):
         """`tools`: (name -> parameters, the tools as sent) of a chat that offers some."""
+        from ..reasoning import ThinkSplitter, reasons
         from .output_format import ollama_format
-        from .reasoning import ThinkSplitter, reasons
         from .tool_calls import ToolCallStream
 
         constraint = ollama_format(fmt)
@@ -503,8 +503,8 @@ def mount(app: FastAPI, state) -> None:
 
     @app.delete("/api/delete")
     async def delete(body: ModelRequest):
-        from .hub import HubError
-        from .models_cli import remove
+        from ..hub import HubError
+        from ..models_cli import remove
 
         name = body.target()
         _named(name.removesuffix(":latest"))  # a path or unknown name: refused before the disk is looked at
@@ -569,7 +569,7 @@ def _named(name: str, prefix: str = ""):
     """The ModelRef of a model name from a client: a registry name or a hub repo id, never a path
     (registry.resolve_name; the answer must not depend on which files exist on the server):
     400 for a path or other non-name, 404 for an unknown name."""
-    from .registry import InvalidModelName, UnknownModelError, resolve_name
+    from ..registry import InvalidModelName, UnknownModelError, resolve_name
 
     try:
         return resolve_name(name)
@@ -582,9 +582,9 @@ def _named(name: str, prefix: str = ""):
 
 
 async def _pull(state, body: PullRequest):
-    from .hub import HubError, variant_for
-    from .hub import pull as hub_pull
-    from .models_cli import local_path
+    from ..hub import HubError, variant_for
+    from ..hub import pull as hub_pull
+    from ..models_cli import local_path
 
     name = body.target()
     ref = _named(name.removesuffix(":latest"), "pull model manifest: ")

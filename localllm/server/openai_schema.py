@@ -38,7 +38,7 @@ class _Model(BaseModel):
 
 
 # arrays/objects inside each other in a request body: no request we take needs a tenth of this,
-# and the JSON parser itself gives up near 1000 (RecursionError: server.py names the same limit)
+# and the JSON parser itself gives up near 1000 (RecursionError: app.py names the same limit)
 MAX_BODY_DEPTH = 512
 
 
@@ -248,7 +248,7 @@ def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict
     -> schema): calls of them in the answer become tool_calls (`legacy`: one function_call)."""
     message: dict = {"role": "assistant", "content": text}
     if thinking is not None:
-        from .reasoning import split
+        from ..reasoning import split
 
         reasoning, text = split(text, thinking)
         message = {"role": "assistant", "content": text, "reasoning_content": reasoning or None}
@@ -275,7 +275,7 @@ class ChatDeltas:
     (held back from content, sent whole with the last delta). `called`: calls were sent."""
 
     def __init__(self, thinking: bool | None, tools: dict | None = None, legacy: bool = False):
-        from .reasoning import ThinkSplitter
+        from ..reasoning import ThinkSplitter
         from .tool_calls import ToolCallStream
 
         self.splitter = ThinkSplitter(thinking) if thinking is not None else None

@@ -37,15 +37,15 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import openai_schema as oai
+from .generation import EngineLoop, Generation, max_token_bytes
 from .metrics import ServerMetrics
 from .openai_schema import APIError
-from .serving import EngineLoop, Generation, max_token_bytes
 
 
 # ---- server state ------------------------------------------------------------------------------
 @dataclass
 class ServerConfig:
-    model_id: str | None  # the id /v1/models returns; None: every local model, loaded on demand (model_pool)
+    model_id: str | None  # the id /v1/models returns; None: every local model, loaded on demand (pool.py)
     aliases: list[str] = field(default_factory=list)  # other names a request may use (alias, hub repo)
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
@@ -60,7 +60,7 @@ class ServerState:
     def __init__(self, cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Callable[[str], None],
                  pool: Any = None):
         self.cfg = cfg
-        self.pool = pool  # a model_pool.ModelPool when no model is pinned
+        self.pool = pool  # a pool.ModelPool when no model is pinned
         self.load_engine = load_engine
         self.log = log
         self.names = {n.lower() for n in [cfg.model_id, *cfg.aliases] if n}
@@ -154,7 +154,7 @@ class ServerState:
 # ---- request -> engine requests ------------------------------------------------------------------
 def _sampling(body: oai._SamplingRequest, max_tokens: int | None, max_tokens_param: str, logprobs: int | None,
               seed_offset: int = 0, constraint=None, logit_bias: dict[int, float] | None = None):
-    from .sampling import SamplingError, SamplingParams
+    from ..sampling import SamplingError, SamplingParams
 
     def pick(v, default):
         return default if v is None else v
@@ -268,7 +268,7 @@ def _sse(obj: dict | str) -> str:
 # ---- the app ------------------------------------------------------------------------------------
 def _error_body(scope, err: APIError) -> dict:
     """An error as the route's API shapes it: Ollama's {"error": "..."} on /api/, else OpenAI's."""
-    from .ollama_api import is_ollama_path
+    from .ollama import is_ollama_path
 
     return {"error": err.message} if is_ollama_path(scope["path"]) else err.body()
 
@@ -330,7 +330,7 @@ class _OllamaJSONMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        from .ollama_api import is_ollama_path
+        from .ollama import is_ollama_path
 
         if scope["type"] == "http" and scope["method"] in ("POST", "DELETE") and is_ollama_path(scope["path"]):
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
@@ -360,8 +360,8 @@ class _AuthMiddleware:
 def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Callable[[str], None] | None = None,
                pool: Any = None) -> FastAPI:
     """The FastAPI app. `load_engine()` builds the LLMEngine (called in a background thread);
-    with `pool` (a model_pool.ModelPool) instead, every local model is served on demand."""
-    from . import ollama_api
+    with `pool` (a pool.ModelPool) instead, every local model is served on demand."""
+    from . import ollama as ollama_api
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     state = ServerState(cfg, load_engine, log, pool)
@@ -579,7 +579,7 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
     async def tokenize(body: oai.TokenizeRequest):
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
-        from .chat import ChatTemplateError
+        from ..chat import ChatTemplateError
 
         target, release = await state.acquire(body.model)
         engine = target.engine
