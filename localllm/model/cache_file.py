@@ -33,7 +33,7 @@ def crc(name: str, t: torch.Tensor) -> int:
     """crc32 of a contiguous tensor's description and bytes (a header that still parses but gives
     a tensor another shape or dtype changes it as damaged bytes do)."""
     head = zlib.crc32(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy(), head)
+    return zlib.crc32(t.detach().reshape(-1).view(torch.uint8).numpy(), head)
 
 
 @dataclass
