@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from localllm_kernels import cpu_attention, cpu_build, cpu_int4, cpu_q8
 
 from localllm.model import cache_file, compiled
-from localllm_kernels import cpu_attention, cpu_build, cpu_int4, cpu_q8
 
 EXE = [sys.executable, "-m", "localllm.cli"]
 QUESTION = "What is the capital of France?"
