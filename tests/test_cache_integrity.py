@@ -26,11 +26,17 @@ QUESTION = "What is the capital of France?"
 
 
 def flip(path: Path) -> None:
-    """98 runs of 64 bytes inverted, spread over the second half (the data, past the header)."""
+    """98 runs of 64 bytes inverted, spread over the data (past a safetensors header, else over
+    the second half). On the default model's conversion cache read unchecked (the check patched
+    out), `run` answered QUESTION with "speedspeedspeed..." and exit 0, as in the issue."""
     n = path.stat().st_size
+    start = n // 2
+    if path.suffix == ".safetensors":
+        with open(path, "rb") as f:
+            start = 8 + int.from_bytes(f.read(8), "little")
     with open(path, "r+b") as f:
         for i in range(98):
-            f.seek(n // 2 + i * (n // 2 - 64) // 98)
+            f.seek(start + int((i + 0.5) * (n - start - 64) / 98))
             b = f.read(64)
             f.seek(-len(b), 1)
             f.write(bytes(x ^ 0xFF for x in b))
