@@ -2,16 +2,20 @@
 cpu_attention.
 
 Each source is compiled once per machine with the system C++ compiler ($CXX, default c++) against
-torch's headers into a shared library cached under ~/.cache/localllm/kernels
-(LOCALLLM_KERNEL_CACHE), named by a hash of the source, torch, the flags and anything else the
-caller names (the CPU's feature flags when it builds with -march=native). Builds are atomic
-(concurrent builders each write their own file, then rename it into place); a damaged library file
-is built again once; a failing compiler makes ``load`` return False and log why. Imports only torch.
+torch's headers into a shared library cached under ~/.cache/localllm/kernels ($LOCALLLM_HOME/kernels
+when that is set, LOCALLLM_KERNEL_CACHE overriding both), named by a hash of the source, torch, the
+flags and anything else the caller names (the CPU's feature flags when it builds with
+-march=native). Builds are atomic and durable (concurrent builders each write their own file,
+fsync it, then rename it into place) and leave a sidecar with the library's size and sha256; a
+library that does not match its sidecar (cut short, damaged, or built before sidecars) is built
+again before it is loaded: loading a truncated library dies of SIGBUS. A failing compiler makes
+``load`` return False and log why. Imports only torch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -25,10 +29,14 @@ log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
+    """localllm.paths.cache_home() / "kernels" (spelled out here: this package imports only torch)."""
     override = os.environ.get("LOCALLLM_KERNEL_CACHE")
     if override:
-        return Path(override)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "localllm" / "kernels"
+        return Path(override).expanduser()
+    home = os.environ.get("LOCALLLM_HOME")
+    if home:
+        return Path(home).expanduser() / "kernels"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "localllm" / "kernels"
 
 
 def cpu_flags() -> str:
@@ -61,6 +69,7 @@ def build(source: Path, out: Path, flags: list[str]) -> None:
     inc, lib = torch_dir / "include", torch_dir / "lib"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.so")
+    side = tmp.with_suffix(".json")
     cmd = [os.environ.get("CXX", "c++"), *flags, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            f"-I{inc}", f"-I{inc / 'torch' / 'csrc' / 'api' / 'include'}", str(source), f"-L{lib}",
            f"-Wl,-rpath,{lib}", "-ltorch", "-ltorch_cpu", "-lc10", "-o", str(tmp)]
@@ -71,22 +80,71 @@ def build(source: Path, out: Path, flags: list[str]) -> None:
             raise RuntimeError(f"building {source.name} failed: {e}") from e
         if done.returncode != 0:
             raise RuntimeError(f"building {source.name} failed:\n{done.stderr[-2000:]}")
+        _fsync(tmp)
+        side.write_text(json.dumps(_record(tmp)))
+        _fsync(side)
+        # the sidecar first: a crash between the renames leaves a sidecar the old file fails
+        os.replace(side, sidecar(out))
         os.replace(tmp, out)
+        _fsync(out.parent)
     finally:
         tmp.unlink(missing_ok=True)
+        side.unlink(missing_ok=True)
+
+
+def sidecar(library: Path) -> Path:
+    return library.with_suffix(".json")
+
+
+def _record(path: Path) -> dict:
+    data = path.read_bytes()
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # a folder on a filesystem that cannot fsync one
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
+
+
+def check(library: Path) -> str | None:
+    """None when `library` matches its sidecar (size, then sha256: ~1 ms for our libraries), else
+    what is wrong."""
+    try:
+        want = json.loads(sidecar(library).read_text())
+        size, digest = int(want["size"]), str(want["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no readable sidecar with its sha256"
+    try:
+        have = _record(library)
+    except OSError as e:
+        return str(e)
+    if have["size"] != size:
+        return f"{have['size']} bytes where {size} were built"
+    return None if have["sha256"] == digest else "its sha256 differs from the one recorded at build"
 
 
 def load_library(path: Path, build_fn: Callable[[Path], None], what: str, instead: str) -> bool:
     """Load the library at `path` into torch (its ops register themselves), building it with
-    `build_fn(path)` when missing, and once more when the file is damaged. False, with a log
-    message naming `what` and what runs `instead`, when it cannot be built or loaded."""
+    `build_fn(path)` when missing or when it does not match its sidecar, and once more when the
+    loader refuses it. False, with a log message naming `what` and what runs `instead`, when it
+    cannot be built or loaded."""
     try:
         try:
             if not path.is_file():
                 log.warning("building the %s (once per machine, a few seconds) into %s", what, path)
                 build_fn(path)
+            elif (why := check(path)) is not None:
+                log.warning("the %s at %s does not match its build (%s): building it again (a few seconds)",
+                            what, path, why)
+                build_fn(path)
             torch.ops.load_library(str(path))
-        except OSError:  # a damaged library file: build it again, once
+        except OSError:  # intact but refused by the dynamic loader (built elsewhere?): build it again, once
             path.unlink(missing_ok=True)
             build_fn(path)
             torch.ops.load_library(str(path))

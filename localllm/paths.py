@@ -1,6 +1,6 @@
 """Where localllm keeps its own files. Environment variables name locations only:
-LOCALLLM_HOME puts everything (compiled packages, conversion caches, chat history) under one
-folder; otherwise caches go to $XDG_CACHE_HOME/localllm (~/.cache/localllm) and the chat
+LOCALLLM_HOME puts everything (compiled packages, conversion caches, kernel libraries, chat
+history) under one folder (LOCALLLM_KERNEL_CACHE moves the kernel libraries alone); otherwise caches go to $XDG_CACHE_HOME/localllm (~/.cache/localllm) and the chat
 history to ~/.local/share/localllm."""
 
 from __future__ import annotations

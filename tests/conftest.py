@@ -19,7 +19,13 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 # compiled packages, conversion caches and chat history of the test run stay out of ~/.cache:
-# every test (and every CLI/server process a test starts) uses this home unless it sets its own
+# every test (and every CLI/server process a test starts) uses this home unless it sets its own.
+# The kernel libraries stay where this user's runs keep them (named by a hash of their source and
+# flags, checked against their sidecars before loading): in each fresh home, or in the homes tests
+# make for themselves, all four would be compiled again (~30 s) on every test run.
+from localllm_kernels import cpu_build  # noqa: E402
+
+os.environ.setdefault("LOCALLLM_KERNEL_CACHE", str(cpu_build.cache_dir()))
 os.environ["LOCALLLM_HOME"] = tempfile.mkdtemp(prefix="localllm-test-home-")
 
 

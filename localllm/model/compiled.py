@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from ..durable import publish
 from ..paths import cache_home
 from .attention import AttnMeta
 from .layers import Int4Linear
@@ -154,8 +155,8 @@ def build_package(model, kind: str, kv_dtype: torch.dtype, out: Path) -> None:
         sidecar = {"scalars": scalars, "sha256": _sha256(tmp), "source": (model.origin or {}).get("path")}
         side_tmp = tmp.with_suffix(".json")
         side_tmp.write_text(json.dumps(sidecar))
-        os.replace(side_tmp, out.with_suffix(".json"))
-        os.replace(tmp, out)
+        publish(side_tmp, out.with_suffix(".json"))  # each fsynced before its rename
+        publish(tmp, out)
         # other versions for the same weights (older code or torch, other thread counts) are stale
         prefix = out.name.rsplit("-", 1)[0]
         for old in out.parent.glob(f"{prefix}-*"):

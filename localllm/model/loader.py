@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -24,7 +25,7 @@ from torch import nn
 from ..config import ModelConfig, sliding_layers
 from ..paths import safe_relative_name
 from ..tokenizer import LLMTokenizer
-from . import quant_formats  # AWQ / GPTQ (also legacy quant_config.json / quantize_config.json)
+from . import cache_file, quant_formats  # quant_formats: AWQ / GPTQ (also legacy quant_config.json / ...)
 from .errors import ModelLoadError
 from .gguf import GGUFError, GGUFFile, dequantize, read_gguf
 from .int4 import Int4Weight, quantize_rtn
@@ -32,6 +33,7 @@ from .layers import ConcatLinear, DenseLinear, DenseMatrix, Int4Linear, Int8Line
 from .llama import DecoderLayer, LlamaModel
 from .moe import Int4Experts, LoopExperts, MoE, expert_tensor_names, make_experts
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 
@@ -598,9 +600,11 @@ def weights_fingerprint(path: str | os.PathLike, *how) -> str:
 class ConvertCache:
     """What loading a GGUF on CPU computes (int4pack repacks, MoE layers' stacked experts, the fp32
     embedding, the int4 copy of the head) saved once per file as safetensors under ~/.cache/localllm/converted, keyed by the
-    file's path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md)."""
+    file's path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md).
+    Written durably with a crc32 of every tensor (cache_file); a file that does not match is
+    converted again, never used."""
 
-    VERSION = 5  # 5: MoE experts (Int4Experts' stacks or each looped expert) and routers
+    VERSION = 6  # 5: MoE experts (Int4Experts' stacks or each looped expert) and routers; 6: crc32s
 
     def __init__(self, file: Path, dense: bool = False, cpu_kernel: bool = True):
         from localllm_kernels import cpu_int4
@@ -614,13 +618,13 @@ class ConvertCache:
         self.path = cache_home() / "converted" / f"{self.stem}-{key[:16]}.safetensors"
         self.tensors: dict[str, torch.Tensor] = {}
         self.hit = False
+        self._check: cache_file.Check | None = None
         if self.path.is_file():
-            try:
-                from safetensors.torch import load_file
-
-                self.tensors, self.hit = load_file(str(self.path)), True
-            except Exception:  # corrupt or foreign: convert again and overwrite it
-                self.tensors = {}
+            try:  # the tensors' crc32s are checked in threads while the loader builds from them
+                self.tensors, self._check = cache_file.open_checked(self.path, torch.get_num_threads())
+                self.hit = True
+            except cache_file.DamagedFile as e:  # truncated, or from before checksums: convert, overwrite
+                log.warning("the conversion cache %s is damaged (%s): converting again", self.path, e)
 
     @staticmethod
     def open(path, weights, mode: str, device: str, dense: bool, cpu_kernel: bool) -> ConvertCache | None:
@@ -686,16 +690,29 @@ class ConvertCache:
         self.tensors[key] = t = build()
         return t
 
+    def intact(self) -> bool:
+        """Waits for the check of a cached file: False when it is damaged (then removed, so that
+        loading again converts the weights anew), True otherwise."""
+        if self._check is None:
+            return True
+        why, self._check = self._check.wait(), None
+        if why is None:
+            return True
+        log.warning("the conversion cache %s is damaged (%s): converting again", self.path, why)
+        self.tensors, self.hit = {}, False
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as e:  # else loading again would read it again
+            raise ModelLoadError(f"the conversion cache {self.path} is damaged ({why}) and cannot be "
+                                 f"removed: {e}") from None
+        return False
+
     def save(self) -> None:
         if self.hit:
             return
         try:
-            from safetensors.torch import save_file
-
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            save_file({k: v.contiguous() for k, v in self.tensors.items()}, str(tmp))
-            os.replace(tmp, self.path)
+            cache_file.save(self.tensors, self.path, torch.get_num_threads())
             for old in self.path.parent.glob(f"{self.stem}-*.safetensors"):  # stale versions of this file
                 if old != self.path:
                     old.unlink(missing_ok=True)
@@ -771,6 +788,8 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
         fast = cache.linear("head_int4", lambda: LMHead(head_w, True, device=device, cpu_kernel=cpu_kernels).fast)
     head = LMHead(head_w, fast_greedy=fast_greedy, device=device, fast=fast, cpu_kernel=cpu_kernels,
                   softcap=cfg.final_logit_softcap)
+    if cache and not cache.intact():  # the layers hold a damaged file's tensors: convert anew
+        return load_model(path, precision, device, max_model_len, fast_head, cpu_kernels)
     if cache:
         cache.save()
     # which int4 kernel(s) the layers call (also inside ConcatLinear): a compiled graph bakes it in

@@ -1,0 +1,106 @@
+"""The conversion cache's file format: safetensors whose header records a crc32 of every tensor
+(of its name, dtype, shape and bytes), written durably (localllm.durable) and checked on load.
+
+crc32 (zlib) rather than a cryptographic hash: the check guards against damage (a crash before
+the data reached the disk, a bad sector, a truncated copy), not against someone who can write
+the cache and so anything else; zlib's crc32 runs ~2.1 GB/s a core here against sha256's 1.3 and
+blake2b's 0.5 (BENCHMARKS.md, "Checking the conversion cache"). The tensors are checked in
+threads (zlib releases the GIL) while the loader builds the model from the mapped file, and the
+loader waits for the verdict before the model is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..durable import publish
+
+KEY = "localllm.crc32"  # header metadata: JSON {tensor name: crc32}
+
+
+class DamagedFile(Exception):
+    """The file cannot be read as a checked cache file (truncated, a broken header, no checksums)."""
+
+
+def crc(name: str, t: torch.Tensor) -> int:
+    """crc32 of a contiguous tensor's description and bytes (a header that still parses but gives
+    a tensor another shape or dtype changes it as damaged bytes do)."""
+    head = zlib.crc32(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+    return zlib.crc32(t.detach().reshape(-1).view(torch.uint8).numpy(), head)
+
+
+@dataclass
+class Check:
+    """The pending check of an opened file's tensors."""
+
+    futures: dict[str, Future] = field(default_factory=dict)
+    expected: dict[str, int] = field(default_factory=dict)
+    unrecorded: list[str] = field(default_factory=list)  # tensors without a crc, or crcs without a tensor
+
+    def wait(self) -> str | None:
+        """None when every tensor matched its recorded crc32, else what is wrong."""
+        bad = [n for n, f in self.futures.items() if f.result() != self.expected[n]]
+        if self.unrecorded:
+            return f"{len(self.unrecorded)} tensors without a checksum or missing (first: {self.unrecorded[0]})"
+        if bad:
+            return f"{len(bad)} of {len(self.futures)} tensors do not match their crc32 (first: {bad[0]})"
+        return None
+
+
+def _start(tensors: dict[str, torch.Tensor], expected: dict[str, int], threads: int) -> Check:
+    check = Check(expected=expected, unrecorded=sorted(set(tensors) ^ set(expected)))
+    pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="cache-check")
+    for name in sorted(tensors, key=lambda n: -tensors[n].nbytes):  # largest first: the threads end together
+        if name in expected:
+            check.futures[name] = pool.submit(crc, name, tensors[name])
+    pool.shutdown(wait=False)  # what was submitted still runs; the threads end with it
+    return check
+
+
+def open_checked(path: Path, threads: int) -> tuple[dict[str, torch.Tensor], Check]:
+    """The file's tensors (mapped, not read) and their check, started in `threads` threads.
+    DamagedFile when the file cannot be read at all."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        expected = {k: int(v) for k, v in json.loads(meta[KEY]).items()}
+    except KeyError:
+        raise DamagedFile("no checksums in its header") from None
+    except Exception as e:  # safetensors' own errors, bad JSON, a short file
+        raise DamagedFile(f"{type(e).__name__}: {e}") from None
+    return tensors, _start(tensors, expected, threads)
+
+
+def verify(path: Path, threads: int = 1) -> str | None:
+    """None when the file at `path` is intact, else what is wrong (tests, bench)."""
+    try:
+        _, check = open_checked(path, threads)
+    except DamagedFile as e:
+        return str(e)
+    return check.wait()
+
+
+def save(tensors: dict[str, torch.Tensor], path: Path, threads: int = 1) -> None:
+    """Write `tensors` to `path` with their crc32s, durably and atomically (a crash leaves the old
+    file or none, never part of this one)."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        sums = dict(zip(tensors, pool.map(crc, tensors, tensors.values())))
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata={KEY: json.dumps(sums)})
+        publish(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,211 @@
+"""A damaged cache is never trusted (issue 29, item 7): the conversion cache, the kernel libraries
+and the compiled-step packages, each flipped, zeroed at the tail (what a crash after a rename
+without fsync leaves) or cut short, are caught before use and built again; the real `localllm run`
+then answers exactly as it did before the damage.
+
+The end-to-end runs share one home (its kernel libraries copied from this test run's cache, so
+only the damaged one is compiled again, ~5 s); the damage kinds are each checked on the cheap
+checks themselves, and on the conversion cache also through load_model of the tiny GGUF."""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from localllm_kernels import cpu_attention, cpu_build, cpu_int4, cpu_q8
+
+from localllm.model import cache_file, compiled
+
+EXE = [sys.executable, "-m", "localllm.cli"]
+QUESTION = "What is the capital of France?"
+
+
+def flip(path: Path) -> None:
+    """98 runs of 64 bytes inverted, spread over the data (past a safetensors header, else over
+    the second half). On the default model's conversion cache read unchecked (the check patched
+    out), `run` answered QUESTION with "speedspeedspeed..." and exit 0, as in the issue."""
+    n = path.stat().st_size
+    start = n // 2
+    if path.suffix == ".safetensors":
+        with open(path, "rb") as f:
+            start = 8 + int.from_bytes(f.read(8), "little")
+    with open(path, "r+b") as f:
+        for i in range(98):
+            f.seek(start + int((i + 0.5) * (n - start - 64) / 98))
+            b = f.read(64)
+            f.seek(-len(b), 1)
+            f.write(bytes(x ^ 0xFF for x in b))
+
+
+def zero_tail(path: Path) -> None:
+    n = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(n - n // 3)
+        f.write(bytes(n // 3))
+
+
+def truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+DAMAGE = {"flipped": flip, "zeroed_tail": zero_tail, "truncated": truncate}
+
+
+def run(home: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LOCALLLM_HOME": str(home), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    env.pop("LOCALLLM_KERNEL_CACHE", None)  # the kernels in the run's home: $LOCALLLM_HOME/kernels
+    return subprocess.run([*EXE, "run", "--eager", "--temperature", "0", QUESTION], capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def notices(r: subprocess.CompletedProcess, needle: str) -> list[str]:
+    return [ln for ln in r.stderr.splitlines() if needle in ln]
+
+
+@pytest.fixture(scope="module")
+def libraries() -> list[Path]:
+    """This test run's kernel libraries (built with their sidecars where missing or damaged)."""
+    assert cpu_int4.load() and cpu_q8.load() and cpu_attention.load()
+    return [cpu_int4.library_path(), cpu_q8.library_path(), cpu_attention.library_path()]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory, libraries) -> Path:
+    path = tmp_path_factory.mktemp("damaged-home")
+    (path / "kernels").mkdir()
+    for lib in libraries:
+        for f in (lib, cpu_build.sidecar(lib)):
+            shutil.copy2(f, path / "kernels" / f.name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def first_answer(home) -> str:
+    """The undamaged run: it converts the default model into the home's cache."""
+    r = run(home)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Paris" in r.stdout and not notices(r, "building")  # every kernel came from the copy
+    assert len(list((home / "converted").glob("*.safetensors"))) == 1
+    return r.stdout
+
+
+def test_flipped_conversion_cache_is_converted_again_and_answers_as_before(home, first_answer):
+    (cached,) = (home / "converted").glob("*.safetensors")
+    good = cached.read_bytes()
+    flip(cached)
+    assert cache_file.verify(cached) is not None
+    r = run(home)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout == first_answer
+    assert len(notices(r, "conversion cache")) == 1 and "converting again" in r.stderr
+    assert cached.read_bytes() == good  # converted again into the same bytes
+
+
+def test_truncated_kernel_library_is_built_again_and_answers_as_before(home, first_answer):
+    """Cut in half, the library made every run die of SIGBUS (exit 135) and was never rebuilt."""
+    lib = home / "kernels" / cpu_q8.library_path().name
+    good = lib.read_bytes()
+    truncate(lib)
+    r = run(home)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout == first_answer
+    assert notices(r, "kernel") == [f"the CPU Q8_0 kernel at {lib} does not match its build ({len(good) // 2} "
+                                    f"bytes where {len(good)} were built): building it again (a few seconds)"]
+    assert cpu_build.check(lib) is None and lib.stat().st_size == len(good)
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_kernel_library_check_catches_each_damage(libraries, tmp_path, damage):
+    lib = tmp_path / libraries[1].name
+    shutil.copy2(libraries[1], lib)
+    shutil.copy2(cpu_build.sidecar(libraries[1]), cpu_build.sidecar(lib))
+    assert cpu_build.check(lib) is None
+    DAMAGE[damage](lib)
+    assert cpu_build.check(lib) is not None
+    cpu_build.sidecar(lib).unlink()  # a library from before sidecars is not trusted either
+    shutil.copy2(libraries[1], lib)
+    assert cpu_build.check(lib) == "no readable sidecar with its sha256"
+
+
+@pytest.fixture(scope="module")
+def tiny_converted(tiny_gguf, tmp_path_factory):
+    """The tiny GGUF loaded once (converted) in a home of its own: the cache file's bytes and the
+    model's weights."""
+    from localllm.model.loader import load_model
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("tiny-home")))
+    loaded = load_model(tiny_gguf, "auto")
+    (cached,) = (Path(os.environ["LOCALLLM_HOME"]) / "converted").glob("*.safetensors")
+    yield cached, cached.read_bytes(), loaded.model.state_dict()
+    mp.undo()
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_conversion_cache_is_converted_again(tiny_gguf, tiny_converted, damage, caplog):
+    from localllm.model.loader import load_model
+
+    cached, good, weights = tiny_converted
+    try:
+        DAMAGE[damage](cached)
+        assert cache_file.verify(cached) is not None
+        with caplog.at_level(logging.WARNING, "localllm.model.loader"):
+            loaded = load_model(tiny_gguf, "auto")
+        said = [r.getMessage() for r in caplog.records if "conversion cache" in r.getMessage()]
+        assert len(said) == 1 and said[0].endswith("converting again"), said
+        assert cached.read_bytes() == good
+        state = loaded.model.state_dict()
+        assert state.keys() == weights.keys() and all(torch.equal(state[k], weights[k]) for k in weights)
+    finally:
+        cached.write_bytes(good)
+
+
+def test_conversion_cache_check_names_what_is_wrong(tmp_path):
+    path = tmp_path / "c.safetensors"
+    tensors = {"a": torch.arange(1000, dtype=torch.int32), "b": torch.ones(3, 4, dtype=torch.bfloat16),
+               "g": torch.tensor(32)}
+    cache_file.save(tensors, path)
+    assert cache_file.verify(path) is None
+    assert not list(tmp_path.glob("*.tmp*"))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1  # the last byte of the data
+    path.write_bytes(bytes(data))
+    assert cache_file.verify(path).startswith("1 of 3 tensors do not match their crc32")
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))  # written before checksums (or by something else)
+    assert cache_file.verify(path) == "no checksums in its header"
+    # a header that still parses but changes a shape is caught as damaged bytes are
+    cache_file.save(tensors, path)
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b'"shape":[3,4]', b'"shape":[4,3]', 1))
+    assert "do not match" in cache_file.verify(path)
+
+
+def test_cache_files_are_fsynced_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b)))
+    path = tmp_path / "c.safetensors"
+    cache_file.save({"a": torch.zeros(4)}, path)
+    assert [e[0] for e in events] == ["fsync", "replace", "fsync"]
+    assert events[0][1].startswith(str(path.with_suffix(".tmp")))
+    assert events[1][1] == str(path) and events[2][1] == str(tmp_path)
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_compiled_package_check_catches_each_damage(tmp_path, damage):
+    """The compiled step's sidecar check (tests/test_compiled.py rebuilds a truncated package)."""
+    path = tmp_path / "decode-d1-x.pt2"
+    path.write_bytes(os.urandom(4096))
+    path.with_suffix(".json").write_text(json.dumps({"scalars": {}, "sha256": compiled._sha256(path)}))
+    DAMAGE[damage](path)
+    with pytest.raises(ValueError, match="does not match its recorded sha256"):
+        compiled.load_package(None, path)
