@@ -113,8 +113,9 @@ def test_every_readme_example_is_exercised():
     print("README examples:\n" + "\n".join(f"  line {exs[0].line}: {key}" for key, exs in by.items()))
     missing = [f"line {exs[0].line}: {key}" for key, exs in by.items() if key not in EXERCISED_BY]
     stale = [key for key in EXERCISED_BY if key not in by]
-    assert not missing, "README examples no test runs (add each to EXERCISED_BY with its test):\n" + "\n".join(missing)
-    assert not stale, "EXERCISED_BY names examples the README no longer has:\n" + "\n".join(stale)
+    assert not missing and not stale, (
+        "README examples no test runs (add each to EXERCISED_BY with its test):\n  " + "\n  ".join(missing)
+        + "\nEXERCISED_BY names examples the README no longer has:\n  " + "\n  ".join(stale))
     for key, by_what in EXERCISED_BY.items():
         if by_what not in LABELS:
             assert callable(globals().get(by_what)) and by_what.startswith("test_"), f"{key!r}: no test {by_what}"
