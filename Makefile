@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test setup lint bench bench-setup clean
+.PHONY: run test test-slow setup lint bench bench-setup clean
 
 run: setup
 	echo "$(PROMPT)" | $(BIN)/localllm run --temperature 0
@@ -24,6 +24,10 @@ $(VENV)/.installed: pyproject.toml
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# the tests that take minutes each (README examples that quantize or benchmark); not in `make test`
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
 
 lint: setup
 	$(BIN)/ruff check .

@@ -29,14 +29,9 @@ os.environ.setdefault("LOCALLLM_KERNEL_CACHE", str(cpu_build.cache_dir()))
 os.environ["LOCALLLM_HOME"] = tempfile.mkdtemp(prefix="localllm-test-home-")
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """Default engines start background builders of the compiled step (detached, idle priority);
-    end the ones this test run started instead of leaving them to finish (only this run's: its
-    home or its tmp_path folders, not another test run's on the same machine)."""
-    homes = [os.environ["LOCALLLM_HOME"]]
-    factory = getattr(session.config, "_tmp_path_factory", None)
-    if factory is not None:
-        homes.append(str(factory.getbasetemp()))
+def end_builders(homes: list[str]) -> None:
+    """End the background builders of the compiled step (detached, idle priority) started with a
+    LOCALLLM_HOME under one of `homes`, and the compilers they started; no one else's."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -46,9 +41,21 @@ def pytest_sessionfinish(session, exitstatus):
         home = next((e[len(b"LOCALLLM_HOME="):].decode() for e in env if e.startswith(b"LOCALLLM_HOME=")), "")
         if any(b"localllm.model.compiled" in c for c in cmd) and home.startswith(tuple(homes)):
             try:
-                os.killpg(int(pid), signal.SIGKILL)  # the builder and the compilers it started
+                os.killpg(int(pid), signal.SIGKILL)
             except OSError:
                 pass
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Default engines start background builders of the compiled step; end the ones this test run
+    started instead of leaving them to finish (only this run's: its home or its tmp_path folders,
+    not another test run's on the same machine)."""
+    homes = [os.environ["LOCALLLM_HOME"]]
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is not None:
+        homes.append(str(factory.getbasetemp()))
+    end_builders(homes)
+
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
