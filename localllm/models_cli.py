@@ -112,21 +112,14 @@ def _quantization(weights) -> str:
     return ", ".join(sorted(dtypes)) or "unknown"
 
 
-def _plan(ref: ModelRef, path: Path) -> str | None:
-    """The precision planner's choice, if that module exists yet (it is optional here)."""
+def _plan(path: Path) -> str:
+    """The precision planner's choice for the model at `path` on this machine, with why."""
+    from .planner import PlanError, plan_for
+
     try:
-        from . import planner  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    plan_for = getattr(planner, "plan_for", None)
-    if plan_for is None:
-        return None
-    try:
-        plan = plan_for(path)
-    except Exception as e:  # the planner is someone else's module: never let it break `show`
-        return f"(planner failed: {e})"
-    explain = getattr(plan, "explain", None)
-    return str(explain() if callable(explain) else plan)
+        return plan_for(str(path)).describe()
+    except (PlanError, ValueError, OSError) as e:  # metadata the planner cannot read: `show` still answers
+        return f"(no plan: {e})"
 
 
 def describe(model: str | None, prompt: str | None = None, system: str | None = None) -> dict:
@@ -170,7 +163,7 @@ def describe(model: str | None, prompt: str | None = None, system: str | None = 
                       "added_to_chat_prompts": tok.add_bos and tok.chat_adds_bos},
         "eos_token": {"id": tok.eos_id, "text": tok.eos_token, "added_to_raw_prompts": tok.add_eos},
         "stop_tokens": [{"id": i, "text": tok.id_to_token(i)} for i in stop_ids],
-        "plan": _plan(ref, path),
+        "plan": _plan(path),
     })
     if prompt is not None:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -188,8 +181,8 @@ def format_show(info: dict) -> str:
     out = [f"  {'name':<16}{info['name']}"]
 
     def add(key, value):
-        if value not in (None, "", []):
-            out.append(f"  {key:<16}{value}")
+        if value not in (None, "", []):  # a value of several lines stays in the value column
+            out.append(f"  {key:<16}" + str(value).replace("\n", "\n" + " " * 18))
 
     add("repo", info.get("repo"))
     if not info["downloaded"]:
