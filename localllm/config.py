@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -336,17 +336,13 @@ class EngineConfig:
     parallel: int = 4
     memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"
     num_threads: int | None = None
-    seed: int = 0
     speculative: str | None = None  # None | "ngram" | a draft model (alias, path, repo) | "auto"
     num_speculative_tokens: int = 4  # the initial (and largest) k
     # the captured step: CUDA graphs on a GPU, the AOTInductor package of the forward on CPU (built
     # in the background the first time); False = eager, as vLLM's enforce_eager
     compile: bool = True
     max_graph_batch: int = 256  # largest decode batch captured (capped by max_num_seqs)
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         # 0 used to mean "default" by falling through `if x:` tests; None is the only default
