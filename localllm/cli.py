@@ -476,6 +476,7 @@ def serve(
     mem = max_memory_gib(max_memory, device)
     from .server.app import ServerConfig, create_app
     from .server.app import serve as run_server
+    from .server.pool import ModelPool, Pinned, PoolConfig
 
     if model is None:
         _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx,
@@ -503,14 +504,16 @@ def serve(
         finally:
             _startup_done()
 
-    cfg = ServerConfig(model_id, aliases, api_key, list(cors_origin or []), max_queue, max_num_seqs,
+    cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, max_num_seqs,
                        int(max_body_mb * (1 << 20)), bind_host=host, allowed_hosts=hosts)
+    pool = ModelPool(PoolConfig(config, quant, device, pinned=Pinned(model_id, aliases, load)),
+                     lambda message: typer.echo(message, err=True))
     typer.echo(f"localllm serve: {model_id} on http://{host}:{port}/v1 (loading the model; /health is 503 "
                f"until it is ready){' - API key required' if api_key else ''}", err=True)
     warning = exposure_warning(host, api_key)
     if warning:
         typer.echo(warning, err=True)
-    code = run_server(create_app(cfg, load), host, port, log_level.lower())
+    code = run_server(create_app(cfg, pool), host, port, log_level.lower())
     raise typer.Exit(code)
 
 
@@ -533,7 +536,7 @@ def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parall
     def log(message: str) -> None:
         typer.echo(message, err=True)
     pool = ModelPool(PoolConfig(config, quant, device, int(mem * (1 << 30)) if mem else None, keep), log)
-    cfg = ServerConfig(None, [], api_key, list(cors_origin or []), max_queue, max_num_seqs,
+    cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, max_num_seqs,
                        int(max_body_mb * (1 << 20)), bind_host=host, allowed_hosts=hosts)
     _startup_done()
     typer.echo(f"localllm serve: every local model, on demand, on http://{host}:{port}/v1 and /api (Ollama)"
@@ -541,7 +544,7 @@ def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parall
     warning = exposure_warning(host, api_key)
     if warning:
         typer.echo(warning, err=True)
-    raise typer.Exit(run_server(create_app(cfg, None, log, pool), host, port, log_level.lower()))
+    raise typer.Exit(run_server(create_app(cfg, pool, log), host, port, log_level.lower()))
 
 
 # ---- pull / list / show / rm ----------------------------------------------------------------------

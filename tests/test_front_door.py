@@ -205,3 +205,15 @@ def test_a_kv_memory_the_user_set_too_small_is_a_400_naming_it():
         r = httpx.post(s.base + "/v1/chat/completions", timeout=120, json={
             "model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         assert r.status_code == 400 and "--kv-memory" in r.json()["error"]["message"], r.text
+
+
+def test_pinned_model_that_cannot_load_ends_the_server(tmp_path):
+    """`localllm serve FILE` whose file is broken: one line saying why, exit 1 (nothing to serve)."""
+    from server_proc import free_port
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 996)
+    r = cli("serve", str(bad), "--port", str(free_port()), timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert f"Error: could not load {bad}: " in r.stderr and "unsupported GGUF version" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -1,14 +1,15 @@
-"""`localllm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) around one LLMEngine.
+"""`localllm serve`: an OpenAI- and Ollama-compatible HTTP server (FastAPI + uvicorn) over the model
+pool (pool.py): every local model on demand, or a pool of one pinned model; both run this code.
 
-One thread owns the engine (serving.EngineLoop): between steps it admits the requests HTTP handlers
+One thread owns each engine (generation.EngineLoop): between steps it admits the requests HTTP handlers
 queued, applies their aborts, then runs engine.step() while there is work and sleeps on a
 condition when idle. Each output goes to the asyncio queue of the HTTP request that asked for
 it (loop.call_soon_threadsafe). Handlers never call the engine themselves: engine.step() holds
 the engine lock for a whole forward pass, which would stall the event loop. Concurrent HTTP
 requests meet in the engine and are batched together (continuous batching).
 
-The model loads in a background thread after the server starts listening: /health answers 503
-until it is ready, then 200.
+A pinned model loads in a background thread after the server starts listening: /health answers
+503 until it is ready, then 200 (on demand: 200 at once, models load when a request names one).
 
 Nothing slow runs on the event loop: request bodies are capped (413 beyond --max-body-mb, read
 in chunks), prompts are rendered and tokenized in a worker thread (the tokenizer releases the
@@ -23,8 +24,6 @@ import hashlib
 import hmac
 import json
 import sys
-import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -37,16 +36,15 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import openai_schema as oai
-from .generation import EngineLoop, Generation, max_token_bytes
+from .generation import Generation
 from .metrics import ServerMetrics
 from .openai_schema import APIError
+from .pool import LoadedModel, ModelPool
 
 
 # ---- server state ------------------------------------------------------------------------------
 @dataclass
 class ServerConfig:
-    model_id: str | None  # the id /v1/models returns; None: every local model, loaded on demand (pool.py)
-    aliases: list[str] = field(default_factory=list)  # other names a request may use (alias, hub repo)
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
     max_queue: int = 256  # requests beyond the engine's batch (max_num_seqs) that may wait
@@ -57,98 +55,55 @@ class ServerConfig:
 
 
 class ServerState:
-    def __init__(self, cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Callable[[str], None],
-                 pool: Any = None):
+    """What every route shares: the config, the model pool (every local model on demand, or a pool
+    of one pinned model: both modes run the same code), counters and metrics."""
+
+    def __init__(self, cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None]):
         self.cfg = cfg
-        self.pool = pool  # a pool.ModelPool when no model is pinned
-        self.load_engine = load_engine
+        self.pool = pool
         self.log = log
-        self.names = {n.lower() for n in [cfg.model_id, *cfg.aliases] if n}
         self.created = oai.now()
-        self.engine = None
-        self.loop: EngineLoop | None = None
-        self.load_error: str | None = None
         self.closing = False
         self.metrics = ServerMetrics()
         self.live = 0  # engine requests admitted or being admitted, not finished (429 check)
         self.aloop: asyncio.AbstractEventLoop | None = None
-        self.on_fatal: Callable[[], None] = lambda: None
-        self.token_bytes: int | None = None  # most input bytes one token can stand for (None: no bound)
 
     @property
-    def name(self) -> str | None:
-        return self.cfg.model_id
+    def on_fatal(self) -> Callable[[], None]:
+        return self.pool.on_fatal
+
+    @on_fatal.setter
+    def on_fatal(self, fn: Callable[[], None]) -> None:
+        self.pool.on_fatal = fn
+
+    @property
+    def load_error(self) -> str | None:
+        return self.pool.load_error
 
     def start_loading(self) -> None:
         self.aloop = asyncio.get_running_loop()
-        if self.pool is not None:
-            self.pool.start()
-            return
-        threading.Thread(target=self._load_and_run, name="localllm-engine", daemon=True).start()
-
-    def _load_and_run(self) -> None:
-        # one thread loads the model and then steps the engine: the only thread that enters
-        # torch, so OpenMP keeps one team whose threads spin between ops (a second calling
-        # thread gets a second team, and libgomp stops spinning when its threads outnumber the
-        # cores: the chat REPL lost ~25% of its decode speed to that)
-        if self._load():
-            self.loop.run()
-
-    def _load(self) -> bool:
-        t0 = time.perf_counter()
-        try:
-            engine = self.load_engine()
-        except BaseException as e:  # noqa: BLE001 - reported, then the server exits
-            self.load_error = str(e) or type(e).__name__
-            self.log(f"Error: could not load the model: {self.load_error}")
-            self.on_fatal()
-            return False
-        if self.closing:
-            return False
-        self.token_bytes = max_token_bytes(engine.tokenizer)
-        self.engine = engine
-        self.loop = EngineLoop(engine, self.log)
-        self.log(f"model {self.cfg.model_id} loaded in {time.perf_counter() - t0:.1f} s "
-                 f"(context {engine.max_model_len} tokens, {engine.cache_stats()['kv_blocks_total']} KV blocks); ready")
-        return True
+        self.pool.start()
 
     def begin_shutdown(self) -> None:
         """Called from the signal handler: end in-flight requests now so connections close fast."""
         self.closing = True
         if self.aloop is not None:
-            self.aloop.call_soon_threadsafe(self._close_loop)
+            self.aloop.call_soon_threadsafe(self.pool.begin_shutdown)
 
-    def _close_loop(self) -> None:
-        if self.pool is not None:
-            self.pool.begin_shutdown()
-        if self.loop is not None:
-            self.loop.close(timeout=0)
-
-    def require_ready(self) -> EngineLoop:
+    def require_ready(self) -> None:
         if self.closing:
             raise APIError(503, "the server is shutting down", "service_unavailable", code="server_shutting_down")
-        if self.loop is None and self.pool is None:
+        if not self.pool.status()[0]:
             raise APIError(503, "the model is still loading; retry shortly", "service_unavailable",
                            code="model_loading", headers={"Retry-After": "1"})
-        return self.loop
 
     async def acquire(self, name: str | None, keep_alive: float | None = None, num_ctx: int | None = None
-                      ) -> tuple[Any, Callable[[], None]]:
-        """The model a request names, ready to run (loaded first in pool mode, with `num_ctx` as its
-        context when given), and the callback that ends its use. The pinned model is the
-        ServerState itself (engine, loop, token_bytes), whose context is the server's --ctx."""
+                      ) -> tuple[LoadedModel, Callable[[], None]]:
+        """The model a request names, ready to run (loaded first on demand, with `num_ctx` as its
+        context when given; a pinned model keeps the server's --ctx), and the callback that ends
+        its use."""
         self.require_ready()
-        if self.pool is not None:
-            return await self.pool.acquire(name, keep_alive, num_ctx)
-        self.check_model(name)
-        return self, lambda: None
-
-    def check_model(self, name: str | None) -> None:
-        if self.pool is not None:
-            raise APIError(400, "this endpoint needs a pinned model (localllm serve MODEL)", param="model")
-        if name is not None and name.lower().removesuffix(":latest") not in self.names:
-            raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.cfg.model_id}`.",
-                           param="model", code="model_not_found")
+        return await self.pool.acquire(name, keep_alive, num_ctx)
 
 
 # ---- request -> engine requests ------------------------------------------------------------------
@@ -357,24 +312,19 @@ class _AuthMiddleware:
         await JSONResponse(_error_body(scope, err), status_code=401)(scope, receive, send)
 
 
-def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Callable[[str], None] | None = None,
-               pool: Any = None) -> FastAPI:
-    """The FastAPI app. `load_engine()` builds the LLMEngine (called in a background thread);
-    with `pool` (a pool.ModelPool) instead, every local model is served on demand."""
+def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | None = None) -> FastAPI:
+    """The FastAPI app over `pool`: every local model on demand, or the one model pinned in it."""
     from . import ollama as ollama_api
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    state = ServerState(cfg, load_engine, log, pool)
+    state = ServerState(cfg, pool, log)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.start_loading()
         yield
         state.closing = True
-        if state.loop is not None:
-            await asyncio.to_thread(state.loop.close)
-        if state.pool is not None:
-            await state.pool.close()
+        await state.pool.close()
 
     app = FastAPI(title="localllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -447,12 +397,10 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
     # ---- endpoints ----
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers and uptime probes use it
     async def health():
-        if state.pool is not None:  # nothing to load up front: models load when asked for
-            return JSONResponse({"status": "ok"} if not state.closing else {"status": "shutting down"},
-                                status_code=200 if not state.closing else 503)
-        if state.load_error:
-            return JSONResponse({"status": "error", "error": state.load_error}, status_code=503)
-        if state.loop is None or state.closing:
+        ready, error = state.pool.status()  # on demand: ready at once, models load when asked for
+        if error:
+            return JSONResponse({"status": "error", "error": error}, status_code=503)
+        if not ready or state.closing:
             return JSONResponse({"status": "loading" if not state.closing else "shutting down"}, status_code=503)
         return {"status": "ok"}
 
@@ -460,30 +408,21 @@ def create_app(cfg: ServerConfig, load_engine: Callable[[], Any] | None, log: Ca
     async def metrics():
         from .metrics import combined_stats
 
-        loops = [state.loop] if state.pool is None else [m.loop for m in list(state.pool.loaded.values())]
-        loops = [lp for lp in loops if lp is not None]
-        stats = loops[0].stats if state.pool is None and loops else combined_stats([lp.stats for lp in loops])
+        loops = [m.loop for m in list(state.pool.loaded.values()) if m.loop is not None]
         extra = {"num_requests_in_flight": state.live,
                  "num_requests_pending_admission": sum(lp.pending for lp in loops)}
-        return PlainTextResponse(state.metrics.render(stats, extra), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(state.metrics.render(combined_stats([lp.stats for lp in loops]), extra),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
         state.require_ready()
-        if state.pool is not None:
-            return {"object": "list", "data": [state.pool.model_card(m) for m in await state.pool.catalog()]}
-        return {"object": "list", "data": [{
-            "id": cfg.model_id, "object": "model", "created": state.created, "owned_by": "localllm",
-            "max_model_len": state.engine.max_model_len}]}
+        return {"object": "list", "data": [state.pool.model_card(m) for m in await state.pool.catalog()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         state.require_ready()
-        if state.pool is not None:
-            return state.pool.model_card(await state.pool.find(model_id))
-        state.check_model(model_id)
-        return {"id": cfg.model_id, "object": "model", "created": state.created, "owned_by": "localllm",
-                "max_model_len": state.engine.max_model_len}
+        return state.pool.model_card(await state.pool.find(model_id))
 
     async def _on_model(handler, body, request: Request):
         """Run a /v1 handler on the model the body names; the model stays in use (pool mode)

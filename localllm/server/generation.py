@@ -132,13 +132,13 @@ class Generation:
     above this module)."""
 
     def __init__(self, state: Any, prompts: list, params: list, n: int, max_tokens_param: str,
-                 prompt_param: str, target: Any = None, on_close: Callable[[], None] | None = None,
+                 prompt_param: str, target: Any, on_close: Callable[[], None] | None = None,
                  template_kwargs: dict | None = None, constraint_param: str | None = None):
         self.state, self.n = state, n
         self.template_kwargs = template_kwargs or {}  # extra chat template variables (enable_thinking)
         self.constraint_param = constraint_param  # the request field a constraint came from
         self.prompt_ids: list[list[int]] = []
-        self.target = target if target is not None else state  # what has .engine/.loop/.token_bytes
+        self.target = target  # the pool's LoadedModel: .engine, .loop, .token_bytes
         self.on_close = on_close  # called once when the request is over (the pool's release)
         self.prompts = prompts
         self.jobs = [(p, params[j]) for p in prompts for j in range(n)]  # choice index = prompt * n + j

@@ -237,24 +237,7 @@ def _param_size(n: int) -> str:
 
 
 async def _catalog(state) -> list[LocalModel]:
-    if state.pool is not None:
-        return await state.pool.catalog()
-    return [await asyncio.to_thread(_pinned_model, state)]
-
-
-def _pinned_model(state) -> LocalModel:
-    import os
-
-    from ..models_cli import local_path
-    from ..registry import resolve_model
-
-    cfg = state.cfg
-    path = local_path(resolve_model(cfg.model_id))
-    p = str(path) if path else None
-    size = 0
-    if path is not None:
-        size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    return LocalModel(cfg.model_id, [a for a in cfg.aliases if a], p, size, os.stat(p).st_mtime if p else 0.0)
+    return await state.pool.catalog()
 
 
 async def _find(state, name: str) -> LocalModel:
@@ -336,18 +319,13 @@ def mount(app: FastAPI, state) -> None:
     async def ps():
         state.require_ready()
         rows = []
-        if state.pool is None:
-            if state.engine is not None:
-                m = await _find(state, state.cfg.model_id)
-                rows.append(_ps_row(m, state.engine, state.loop, FOREVER, m.size))
-        else:
-            models = {m.name: m for m in await state.pool.catalog()}
-            for name, e in list(state.pool.loaded.items()):
-                if e.engine is None or name not in models:
-                    continue
-                expires = (FOREVER if e.keep_alive < 0 else
-                           iso(e.expires_at if e.expires_at is not None else time.time() + e.keep_alive))
-                rows.append(_ps_row(models[name], e.engine, e.loop, expires, e.need))
+        models = {m.name: m for m in await state.pool.catalog()}
+        for name, e in list(state.pool.loaded.items()):
+            if e.engine is None or name not in models:
+                continue
+            expires = (FOREVER if e.keep_alive < 0 else
+                       iso(e.expires_at if e.expires_at is not None else time.time() + e.keep_alive))
+            rows.append(_ps_row(models[name], e.engine, e.loop, expires, e.need))
         return {"models": rows}
 
     def _ps_row(m: LocalModel, engine, loop, expires: str, size: int) -> dict:
@@ -360,7 +338,7 @@ def mount(app: FastAPI, state) -> None:
 
     async def _load_only(name: str, keep_alive: float | None, chat: bool):
         """An empty chat/generate: load the model (or, with keep_alive 0, unload it), as Ollama does."""
-        if keep_alive == 0 and state.pool is not None:
+        if keep_alive == 0 and state.pool.pinned is None:
             m = await _find(state, name)
             await state.pool.unload(m.name)
             reason = "unload"
@@ -508,13 +486,12 @@ def mount(app: FastAPI, state) -> None:
 
         name = body.target()
         _named(name.removesuffix(":latest"))  # a path or unknown name: refused before the disk is looked at
-        if state.pool is not None:
-            m = find_model(await state.pool.catalog(), name)
-            if m is not None:
-                await state.pool.unload(m.name)
-        elif name.lower().removesuffix(":latest") in state.names:
+        m = find_model(await state.pool.catalog(), name)
+        if m is not None and state.pool.pinned is not None:
             raise APIError(400, f"{name} is the model this server was started with; stop the server to delete it",
                            param="model")
+        if m is not None:
+            await state.pool.unload(m.name)
         try:
             await asyncio.to_thread(remove, name)
         except (HubError, ValueError) as e:

@@ -69,12 +69,38 @@ def find_model(models: list[LocalModel], name: str) -> LocalModel | None:
 
 
 @dataclass
+class Pinned:
+    """`localllm serve MODEL`: the one model of a pool of one, loaded at start by `load` (the CLI's
+    planned build_engine) and kept until the server stops; a request naming another is a 404."""
+
+    name: str
+    aliases: list[str]
+    load: Callable[[], Any]
+
+    def local(self) -> LocalModel:
+        """The model as /api/tags lists it (its file is there once `load` has pulled it)."""
+        import os
+
+        from ..models_cli import local_path
+        from ..registry import resolve_model
+
+        path = local_path(resolve_model(self.name))
+        size, modified = 0, 0.0
+        if path is not None:
+            size = path.stat().st_size if path.is_file() else sum(
+                f.stat().st_size for f in path.iterdir() if f.is_file())
+            modified = os.stat(path).st_mtime
+        return LocalModel(self.name, [a for a in self.aliases if a], str(path) if path else None, size, modified)
+
+
+@dataclass
 class PoolConfig:
     engine_config: Any  # EngineConfig for every model (ctx, kv memory, threads, batch)
     quant: str = "auto"
     device: str = "auto"
     max_memory: int | None = None  # bytes for all loaded models together; None: 90% of free memory
     keep_alive: float = DEFAULT_KEEP_ALIVE
+    pinned: Pinned | None = None
 
 
 @dataclass
@@ -123,11 +149,25 @@ class ModelPool:
         self._lock = asyncio.Lock()  # one load decision at a time (memory accounting)
         self._reaper: asyncio.Task | None = None
         self.closing = False
+        self.load_error: str | None = None  # the pinned model's, which ends the server
+        self.on_fatal: Callable[[], None] = lambda: None
+
+    @property
+    def pinned(self) -> Pinned | None:
+        return self.cfg.pinned
 
     async def catalog(self) -> list[LocalModel]:
+        if self.pinned is not None:
+            return [await asyncio.to_thread(self.pinned.local)]
         return await asyncio.to_thread(self._catalog)  # scans the HF cache: off the event loop
 
     async def find(self, name: str | None) -> LocalModel:
+        if self.pinned is not None:
+            pin = self.pinned
+            if name is not None and find_model([LocalModel(pin.name, pin.aliases, None, 0, 0.0)], name) is None:
+                raise APIError(404, f"The model `{name}` does not exist. This server serves `{pin.name}`.",
+                               param="model", code="model_not_found")
+            return await asyncio.to_thread(pin.local)
         models = await self.catalog()
         if not name:  # as `localllm run` without MODEL: the registry's default model
             from ..registry import load_registry
@@ -160,6 +200,12 @@ class ModelPool:
         if self.closing:
             raise APIError(503, "the server is shutting down", "service_unavailable", code="server_shutting_down")
         local = await self.find(name)
+        if self.pinned is not None:  # loaded at start with the server's --ctx, kept until it stops
+            entry = self.loaded.get(local.name)
+            if entry is None or not entry.ready.is_set():
+                raise APIError(503, "the model is still loading; retry shortly", "service_unavailable",
+                               code="model_loading", headers={"Retry-After": "1"})
+            num_ctx = keep_alive = None
         async with self._lock:
             entry = self.loaded.get(local.name)
             if entry is not None and num_ctx and entry.ctx != num_ctx and entry.active == 0 and entry.error is None:
@@ -245,14 +291,23 @@ class ModelPool:
 
     def _load_and_run(self, entry: LoadedModel, model: str, precision: str, config, aloop) -> None:
         from ..llm import build_engine
+
+        self._run_engine(entry, lambda: build_engine(model, precision, self.cfg.device, config), aloop)
+
+    def _run_engine(self, entry: LoadedModel, build: Callable[[], Any], aloop) -> None:
+        """The model's thread: builds its engine, then steps it (the only thread that enters torch
+        for it, so OpenMP keeps one team whose threads spin between ops; a second calling thread
+        gets a second team, and libgomp stops spinning when its threads outnumber the cores)."""
         from .generation import EngineLoop, max_token_bytes
 
         t0 = time.perf_counter()
         try:
-            engine = build_engine(model, precision, self.cfg.device, config)
+            engine = build()
         except BaseException as e:  # noqa: BLE001 - answered to every waiting request
             self.log(f"Error: could not load {entry.name}: {e}")
             aloop.call_soon_threadsafe(self._load_failed, entry, load_error(entry.name, e))
+            return
+        if self.closing:
             return
         entry.token_bytes = max_token_bytes(engine.tokenizer)
         entry.engine = engine
@@ -260,7 +315,7 @@ class ModelPool:
         entry.load_seconds = time.perf_counter() - t0
         entry.loaded_at = time.time()
         self.log(f"model {entry.name} loaded in {entry.load_seconds:.1f} s (context {engine.max_model_len} tokens, "
-                 f"{engine.cache_stats()['kv_blocks_total']} KV blocks)")
+                 f"{engine.cache_stats()['kv_blocks_total']} KV blocks){'; ready' if self.pinned else ''}")
         aloop.call_soon_threadsafe(entry.ready.set)
         entry.loop.run()
 
@@ -269,6 +324,9 @@ class ModelPool:
         if self.loaded.get(entry.name) is entry:
             del self.loaded[entry.name]
         entry.ready.set()
+        if self.pinned is not None:  # the one model cannot load: the server has nothing to serve
+            self.load_error = err.message
+            self.on_fatal()
 
     # ---- unloading -------------------------------------------------------------------------------
     async def _unload(self, entry: LoadedModel, why: str) -> None:
@@ -290,7 +348,10 @@ class ModelPool:
         asyncio.get_running_loop().create_task(run())
 
     async def unload(self, name: str) -> bool:
-        """Unload `name` now if it is loaded and idle (keep_alive 0 on an empty request, rm)."""
+        """Unload `name` now if it is loaded and idle (keep_alive 0 on an empty request, rm); the
+        pinned model stays."""
+        if self.pinned is not None:
+            return False
         async with self._lock:
             entry = self.loaded.get(name)
             if entry is None:
@@ -302,7 +363,21 @@ class ModelPool:
             return True
 
     def start(self) -> None:
-        self._reaper = asyncio.get_running_loop().create_task(self._reap())
+        aloop = asyncio.get_running_loop()
+        if self.pinned is not None:
+            entry = self.loaded[self.pinned.name] = LoadedModel(self.pinned.name, 0, keep_alive=-1)
+            threading.Thread(target=self._run_engine, args=(entry, self.pinned.load, aloop),
+                             name="localllm-engine", daemon=True).start()
+            return
+        self._reaper = aloop.create_task(self._reap())
+
+    def status(self) -> tuple[bool, str | None]:
+        """(ready to answer, the load error): a pinned pool is ready once its model is loaded,
+        an on-demand one at once (models load when asked for)."""
+        if self.pinned is None:
+            return True, None
+        entry = self.loaded.get(self.pinned.name)
+        return entry is not None and entry.ready.is_set() and entry.error is None, self.load_error
 
     async def _reap(self) -> None:
         """Unload idle models whose keep_alive ran out."""
