@@ -24,8 +24,8 @@ os.environ["LOCALLLM_HOME"] = tempfile.mkdtemp(prefix="localllm-test-home-")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Default engines start background builders of the compiled step (detached, idle priority);
-    end the ones this test run started instead of leaving them to finish (only this run's: its
+    """Default engines queue builds of the compiled step for the background builder (detached,
+    idle priority; localllm.model.build_queue); end the builders and workers this test run started instead of leaving them to finish (only this run's: its
     home or its tmp_path folders, not another test run's on the same machine)."""
     homes = [os.environ["LOCALLLM_HOME"]]
     factory = getattr(session.config, "_tmp_path_factory", None)
@@ -38,7 +38,8 @@ def pytest_sessionfinish(session, exitstatus):
         except OSError:
             continue
         home = next((e[len(b"LOCALLLM_HOME="):].decode() for e in env if e.startswith(b"LOCALLLM_HOME=")), "")
-        if any(b"localllm.model.compiled" in c for c in cmd) and home.startswith(tuple(homes)):
+        builder = any(b"localllm.model.compiled" in c or b"localllm.model.build_queue" in c for c in cmd)
+        if builder and home.startswith(tuple(homes)):
             try:
                 os.killpg(int(pid), signal.SIGKILL)  # the builder and the compilers it started
             except OSError:
