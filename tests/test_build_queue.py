@@ -158,3 +158,23 @@ def test_eight_models_one_after_the_other_leave_one_builder(models, home):
     assert r.returncode == 0 and "stopped the builder" in r.stdout
     assert background(home) == [] and build_queue.jobs() == []
     generating.set(False)
+
+
+def test_a_copy_of_a_model_uses_the_same_packages(models, tmp_path):
+    """Packages are keyed by the model's structure, not its path: a copy (another folder, a
+    re-download) builds nothing again; another shape has packages of its own."""
+    import shutil
+
+    from localllm.model import compiled
+    from localllm.model.loader import load_model
+
+    copy = tmp_path / "elsewhere" / models[0].name
+    copy.parent.mkdir()
+    shutil.copy(models[0], copy)
+    a, b, other = (load_model(p, "auto") for p in (models[0], copy, models[1]))
+    assert a.model.fingerprint != b.model.fingerprint  # what the conversion cache is keyed by
+    for kind in compiled.KINDS:
+        assert compiled.package_path(a.model, kind, a.kv_dtype) == compiled.package_path(b.model, kind, b.kv_dtype)
+        assert compiled.package_path(a.model, kind, a.kv_dtype) != compiled.package_path(other.model, kind,
+                                                                                         other.kv_dtype)
+    assert compiled.job_key(a.model, a.kv_dtype) == compiled.job_key(b.model, b.kv_dtype)
