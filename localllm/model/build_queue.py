@@ -91,7 +91,8 @@ def _under(path: str, root: str) -> bool:
 
 # ---- the builder --------------------------------------------------------------------------------
 # Runs as `python -c BOOT builder HOME`: the lock is taken before anything is imported, so a
-# second builder started by a race costs a bare interpreter for a few milliseconds.
+# second builder started by a race costs a bare interpreter for a few milliseconds. Not niced:
+# it mostly sleeps, and must stop and continue the (SCHED_IDLE) worker promptly on a busy machine.
 _BOOT = """import fcntl, os, sys
 lock = os.path.join(sys.argv[2], 'builder.lock')
 fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -99,7 +100,6 @@ try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 except OSError:
     sys.exit(0)
-os.nice(19)
 from localllm.model.build_queue import _builder_main
 sys.exit(_builder_main(fd))
 """
