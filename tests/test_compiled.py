@@ -216,7 +216,8 @@ def test_builder_is_stopped_while_the_engine_has_work(tiny_int4, home, tmp_path)
     engine stops the builder's worker (its process group) for each step and continues it when
     idle. Any compiled engine does, not only the one that queued the build."""
     eng = make_engine(tiny_int4, compile=True)
-    proc = build_queue.spawn_in_group(SLEEPER, tmp_path / "log")  # a stand-in plays the worker
+    eng.runner.captured.background = False  # no real build here: a stand-in process plays the worker
+    proc = build_queue.spawn_in_group(SLEEPER, tmp_path / "log")
     state = build_queue.aoti_dir() / "builder.json"
     state.parent.mkdir(parents=True, exist_ok=True)
     state.write_text(json.dumps({"pid": 0, "worker": proc.pid}))
@@ -247,7 +248,7 @@ def test_builder_is_stopped_while_the_engine_has_work(tiny_int4, home, tmp_path)
         proc.wait()
 
 
-def test_the_builder_continues_a_build_whose_engine_died_busy(background_build, tiny_int4, home):
+def test_the_builder_continues_a_build_whose_engine_died_busy(tiny_int4, home):
     """An engine killed while it generates (its busy lock held, the worker stopped): the kernel
     drops the lock and the builder continues the worker."""
     path = compiled.package_path(tiny_int4.model, "n", tiny_int4.kv_dtype)
@@ -256,9 +257,10 @@ def test_the_builder_continues_a_build_whose_engine_died_busy(background_build, 
     try:
         build_queue.enqueue(compiled.job_key(tiny_int4.model, tiny_int4.kv_dtype),
                             compiled.job_spec(tiny_int4.model, tiny_int4.kv_dtype))
-        builder = build_queue.ensure_builder()
+        builder = build_queue.ensure_builder() or pytest.fail(f"a builder was running: {build_queue.read_state()}")
         deadline = time.monotonic() + 300  # (a loaded machine)
         while not (build_queue.read_state() or {}).get("worker") and time.monotonic() < deadline:
+            assert builder.poll() is None, (compiled.cache_dir() / "build.log").read_text()[-3000:]
             time.sleep(0.05)
         worker = build_queue.read_state()["worker"]
         code = ("import sys, time; from localllm.model.build_queue import BusyFlag; f = BusyFlag(); f.set(True); "
