@@ -16,6 +16,7 @@ the engine does not stop): what the pause avoids.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -36,7 +37,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from localllm.config import EngineConfig
     from localllm.engine.engine import LLMEngine
-    from localllm.model import compiled
+    from localllm.model import build_queue, compiled
     from localllm.model.loader import load_model
     from localllm.registry import resolve_model
     from localllm.sampling import SamplingParams
@@ -54,9 +55,12 @@ def main() -> None:
     del eager
     eng = LLMEngine(loaded, EngineConfig(compile=True, parallel=1, enable_prefix_caching=False))
     step = eng.runner.captured
-    if args.no_pause:  # a builder the engine does not know about, so it is never stopped
+    if args.no_pause:  # a worker outside the build queue (builder.json does not name it): never stopped
         step.background = False
-        compiled.spawn_builder(loaded.model.origin, loaded.kv_dtype, args.threads, compiled.cache_dir() / "build.log")
+        job = compiled.cache_dir() / "no-pause-job.json"
+        job.parent.mkdir(parents=True, exist_ok=True)
+        job.write_text(json.dumps(compiled.job_spec(loaded.model, loaded.kv_dtype)))
+        build_queue.spawn_worker(job, compiled.cache_dir() / "build.log")
     t0 = time.perf_counter()
     pending, first_compiled = [], None
     for i in range(args.max_replies):

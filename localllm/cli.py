@@ -227,6 +227,10 @@ def run(
     max_memory: MaxMemOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the precision/context plan and exit "
                                                             "(nothing is loaded or downloaded).")] = False,
+    build: Annotated[bool, typer.Option("--build", help="Queue the compiled step's build for this model when it "
+                                        "has none yet (a background process at idle priority that outlives "
+                                        "this command; see `localllm ps`). chat and serve do it by "
+                                        "themselves.")] = False,
     compile: CompileOpt = False,
 ):
     """Answer one prompt and exit: `localllm run [MODEL] PROMPT` or `echo PROMPT | localllm run`."""
@@ -256,7 +260,9 @@ def run(
     params = sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [],
                              constraint=constraint)
-    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, device, parallel=1)
+    # a one-shot run exits long before a build could pay off: it queues one only when asked
+    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, device, parallel=1,
+                           background_build=build)
     engine = open_engine(model, quant, device, config, max_gib)
     if raw:
         request = prompt
@@ -615,8 +621,10 @@ def show(
 
 
 @app.command()
-def rm(model: Annotated[str, typer.Argument(help="Alias or hub repo org/name.")]):
-    """Delete a downloaded model (all its variants and revisions) from the Hugging Face cache."""
+def rm(model: Annotated[str, typer.Argument(help="Alias, hub repo org/name, or a local model file/directory "
+                                                 "(then only what localllm derived from it).")]):
+    """Delete a downloaded model (all its variants and revisions) from the Hugging Face cache, with its
+    compiled packages and queued builds; for a local file, only those."""
     from .hub import HubError
     from .models_cli import remove
 
@@ -627,6 +635,45 @@ def rm(model: Annotated[str, typer.Argument(help="Alias or hub repo org/name.")]
     except (HubError, ValueError) as e:
         raise fail(str(e)) from None
     typer.echo("\n".join(lines))
+
+
+@app.command()
+def ps(
+    stop: Annotated[bool, typer.Option("--stop", help="End the background build and drop the queued ones.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+):
+    """Background work: the compiled-step builder (one per localllm home) and its queued builds."""
+    import json
+
+    from .model import build_queue
+
+    if stop:
+        rows = build_queue.status()
+        dropped = build_queue.stop_all()
+        running = [r for r in rows if r["pid"]]
+        typer.echo(f"stopped the builder (pid {running[0]['pid']}); " if running else "no builder was running; ",
+                   nl=False)
+        typer.echo(f"dropped {dropped} queued build{'s' * (dropped != 1)}")
+        return
+    rows = build_queue.status()
+    typer.echo(json.dumps(rows, indent=2) if as_json else format_ps(rows))
+
+
+def format_ps(rows: list[dict]) -> str:
+    """`localllm ps`'s table: one line per build, running first."""
+    if not rows:
+        return "no background builds (the compiled step is built by chat, serve and `run --build`)"
+
+    def age(s: float) -> str:
+        s = int(s)
+        return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+    head = ("STATE", "PID", "RSS", "AGE", "MODEL")
+    body = [(r["state"], str(r["pid"] or "-"), f"{r['rss'] / 2**20:.0f} MiB" if r["rss"] else "-", age(r["age"]),
+             r["model"] or "-") for r in rows]
+    widths = [max(len(x[i]) for x in (head, *body)) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line[:4], widths)) + "  " + line[4] for line in (head, *body)]
+    return "\n".join(lines) + "\n(`localllm ps --stop` ends the build and drops the queue; `localllm rm MODEL` one model's)"
 
 
 # ---- chat -----------------------------------------------------------------------------------------

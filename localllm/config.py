@@ -342,6 +342,9 @@ class EngineConfig:
     # the captured step: CUDA graphs on a GPU, the AOTInductor package of the forward on CPU (built
     # in the background the first time); False = eager, as vLLM's enforce_eager
     compile: bool = True
+    # on CPU, queue a missing compiled package for the background builder (localllm ps): chat and
+    # serve do; a one-shot `run` only with --build (it would exit long before the build lands)
+    background_build: bool = True
     max_graph_batch: int = 256  # largest decode batch captured (capped by max_num_seqs)
 
     def __post_init__(self):

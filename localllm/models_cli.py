@@ -221,6 +221,20 @@ def format_show(info: dict) -> str:
 
 
 # ---- rm ---------------------------------------------------------------------------------------
+def _remove_derived(root: Path, model: str) -> list[str]:
+    """What localllm made from the model files under `root`: its queued and running builds of
+    the compiled step, then its compiled packages. One line per kind removed."""
+    from .model.build_queue import remove_jobs
+    from .model.compiled import remove_packages
+
+    jobs = remove_jobs(root)
+    packages = remove_packages(root)
+    lines = [f"stopped and dropped {jobs} queued build{'s' * (jobs != 1)} of {model}"] if jobs else []
+    if packages:
+        lines.append(f"deleted {packages} compiled package{'s' * (packages != 1)} of {model}")
+    return lines
+
+
 def remove(model: str) -> list[str]:
     """Delete every cached revision of the model's repos (all variants of a registry alias).
     Returns one line per repo deleted."""
@@ -234,7 +248,11 @@ def remove(model: str) -> list[str]:
     else:
         ref = resolve_model(model, reg)
         if ref.repo is None:
-            raise HubError(f"{model} is a local file or directory, not a downloaded model: delete it yourself")
+            derived = _remove_derived(ref.local_path, model)
+            if not derived:
+                raise HubError(f"{model} is a local file or directory, not a downloaded model, and localllm has "
+                               "nothing of its own for it (no compiled package, no queued build): delete it yourself")
+            return derived + [f"({ref.local_path} itself stays: localllm did not download it)"]
         repos = [ref.repo]
     try:
         scan = scan_cache_dir(hub_cache())
@@ -243,15 +261,17 @@ def remove(model: str) -> list[str]:
         scan, cached = None, []
     leftovers = [r for r in repos if repo_dir(r).is_dir() and r not in {c.repo_id for c in cached}]
     if not cached and not leftovers:
-        if spec is not None and spec.embedded_path() is not None:
+        embedded = spec.embedded_path() if spec is not None else None
+        derived = _remove_derived(embedded, model) if embedded is not None else []
+        if derived:
+            return derived + [f"(the embedded {spec.name} stays: it is part of the {spec.embedded.split('/')[0]} "
+                              "package)"]
+        if embedded is not None:
             raise HubError(f"{spec.name} is the embedded model (inside the {spec.embedded.split('/')[0]} package); "
                            "it is not in the download cache and cannot be removed with `rm` "
                            f"(pip uninstall {spec.embedded.split('/')[0]} would)")
         raise HubError(f"{model} is not downloaded (see `localllm list`)")
-    from .model.compiled import remove_packages
-
-    packages = sum(remove_packages(repo_dir(r)) for r in repos)
-    lines = []
+    lines = [line for r in repos for line in _remove_derived(repo_dir(r), model)]
     if cached:
         hashes = [rev.commit_hash for r in cached for rev in r.revisions]
         others = [r for r in scan.repos if r not in cached and any(v.commit_hash in hashes for v in r.revisions)]
@@ -267,8 +287,6 @@ def remove(model: str) -> list[str]:
         size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
         shutil.rmtree(d, ignore_errors=True)
         lines.append(f"deleted {repo} (partial download, {human_bytes(size)} freed)")
-    if packages:
-        lines.append(f"deleted {packages} compiled package{'s' * (packages != 1)} of {model}")
     if spec is not None and spec.embedded_path() is not None:
         lines.append(f"(the embedded {spec.name} stays: it is part of the {spec.embedded.split('/')[0]} package)")
     return lines

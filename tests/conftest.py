@@ -30,8 +30,9 @@ os.environ["LOCALLLM_HOME"] = tempfile.mkdtemp(prefix="localllm-test-home-")
 
 
 def end_builders(homes: list[str]) -> None:
-    """End the background builders of the compiled step (detached, idle priority) started with a
-    LOCALLLM_HOME under one of `homes`, and the compilers they started; no one else's."""
+    """End the compiled step's background builders and workers (detached, idle priority;
+    localllm.model.build_queue) started with a LOCALLLM_HOME under one of `homes`, and the
+    compilers they started; no one else's."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -39,7 +40,8 @@ def end_builders(homes: list[str]) -> None:
         except OSError:
             continue
         home = next((e[len(b"LOCALLLM_HOME="):].decode() for e in env if e.startswith(b"LOCALLLM_HOME=")), "")
-        if any(b"localllm.model.compiled" in c for c in cmd) and home.startswith(tuple(homes)):
+        builder = any(b"localllm.model.compiled" in c or b"localllm.model.build_queue" in c for c in cmd)
+        if builder and home.startswith(tuple(homes)):
             try:
                 os.killpg(int(pid), signal.SIGKILL)
             except OSError:

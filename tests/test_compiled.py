@@ -7,6 +7,7 @@ prefix-cache hits), and how damaged, stale or half-built packages are handled. T
 the real 30-layer model is `python bench/check_compiled.py`.
 """
 
+import json
 import logging
 import os
 import signal
@@ -15,11 +16,10 @@ import sys
 import time
 
 import pytest
-import torch
 from conftest import make_engine
 from test_engine import prompts, run_all
 
-from localllm.model import compiled
+from localllm.model import build_queue, compiled
 from localllm.sampling import SamplingParams
 
 
@@ -143,15 +143,16 @@ def test_damaged_package_is_never_loaded_and_is_built_again(background_build, ti
             path.write_bytes(good)
 
 
-def test_killed_build_leaves_nothing_that_loads(background_build, tiny_int4, home):
-    """A builder killed mid-way leaves no package under the real name (at most a temporary
+def test_killed_build_leaves_nothing_that_loads(background_build, tiny_int4, home, tmp_path):
+    """A worker killed mid-way leaves no package under the real name (at most a temporary
     file, removed by the next build) and releases its lock."""
     path = compiled.package_path(tiny_int4.model, "v1", tiny_int4.kv_dtype)
     saved = path.read_bytes(), path.with_suffix(".json").read_bytes()
     path.unlink()
+    job = tmp_path / "job.json"  # a job outside the queue: no builder picks it up
+    job.write_text(json.dumps(compiled.job_spec(tiny_int4.model, tiny_int4.kv_dtype)))
     try:
-        proc = compiled.spawn_builder(tiny_int4.model.origin, tiny_int4.kv_dtype, torch.get_num_threads(),
-                                      home / "kill.log")
+        proc = build_queue.spawn_worker(job, home / "kill.log")
         deadline = time.monotonic() + 300
         while compiled.builder_pid(tiny_int4.model) != proc.pid and time.monotonic() < deadline:
             assert proc.poll() is None, (home / "kill.log").read_text()
@@ -210,13 +211,16 @@ def wait_state(pid: int, stopped: bool, timeout: float = 10.0) -> bool:
     return (proc_state(pid) == "T") == stopped
 
 
-def test_builder_is_stopped_while_the_engine_has_work(tiny_int4, tmp_path):
+def test_builder_is_stopped_while_the_engine_has_work(tiny_int4, home, tmp_path):
     """A build beside a decode costs the decode ~94% on 2 cores (bench/build_slowdown.py): the
-    engine stops its builder's process group for each step and continues it when idle."""
+    engine stops the builder's worker (its process group) for each step and continues it when
+    idle. Any compiled engine does, not only the one that queued the build."""
     eng = make_engine(tiny_int4, compile=True)
-    step = eng.runner.captured
-    step.background = False  # no real build here: a stand-in process plays the builder
-    step.builder = proc = compiled.spawn_in_group(SLEEPER, tmp_path / "log")
+    eng.runner.captured.background = False  # no real build here: a stand-in process plays the worker
+    proc = build_queue.spawn_in_group(SLEEPER, tmp_path / "log")
+    state = build_queue.aoti_dir() / "builder.json"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"pid": 0, "worker": proc.pid}))
     try:
         seen = []
         real = eng.runner.step
@@ -232,23 +236,45 @@ def test_builder_is_stopped_while_the_engine_has_work(tiny_int4, tmp_path):
         rid = eng.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=50))
         eng.step()
         assert wait_state(proc.pid, stopped=True)
-        eng.abort(rid)  # the last request aborted: idle again
+        other = build_queue.BusyFlag()  # a second engine starts generating ...
+        other.set(True)
+        eng.abort(rid)  # ... so this one's going idle continues nothing
+        assert wait_state(proc.pid, stopped=True)
+        other.set(False)  # the last one busy: continued
         assert wait_state(proc.pid, stopped=False)
     finally:
+        state.unlink(missing_ok=True)
         proc.kill()
         proc.wait()
 
 
-def test_a_stopped_builder_continues_when_its_engine_process_dies(tmp_path):
-    """The engine process is killed while its builder is stopped: the kernel continues the
-    orphaned process group (SIGHUP, which the builder ignores, then SIGCONT)."""
-    code = ("import os, signal, sys; from pathlib import Path; from localllm.model import compiled; "
-            f"log = Path({str(tmp_path / 'log')!r}); p = compiled.spawn_in_group({SLEEPER!r}, log); "
-            "import time; [time.sleep(0.02) for _ in range(500) if 'ready' not in log.read_text()]; "
-            "os.killpg(p.pid, signal.SIGSTOP); print(p.pid, flush=True); os._exit(0)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    pid = int(out.stdout.split()[-1])
+def test_the_builder_continues_a_build_whose_engine_died_busy(tiny_int4, home):
+    """An engine killed while it generates (its busy lock held, the worker stopped): the kernel
+    drops the lock and the builder continues the worker."""
+    path = compiled.package_path(tiny_int4.model, "n", tiny_int4.kv_dtype)
+    saved = (path.read_bytes(), path.with_suffix(".json").read_bytes()) if path.is_file() else None
+    path.unlink(missing_ok=True)  # (the rm test before this one left only d1)
     try:
-        assert wait_state(pid, stopped=False) and proc_state(pid) in ("S", "R")
+        build_queue.enqueue(compiled.job_key(tiny_int4.model, tiny_int4.kv_dtype),
+                            compiled.job_spec(tiny_int4.model, tiny_int4.kv_dtype))
+        builder = build_queue.ensure_builder() or pytest.fail(f"a builder was running: {build_queue.read_state()}")
+        deadline = time.monotonic() + 300  # (a loaded machine)
+        while not (build_queue.read_state() or {}).get("worker") and time.monotonic() < deadline:
+            assert builder.poll() is None, (compiled.cache_dir() / "build.log").read_text()[-3000:]
+            time.sleep(0.05)
+        worker = build_queue.read_state()["worker"]
+        code = ("import sys, time; from localllm.model.build_queue import BusyFlag; f = BusyFlag(); f.set(True); "
+                "print('busy', flush=True); time.sleep(1.5); import os; os._exit(0)")
+        engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert engine.stdout.readline() == "busy\n"
+        assert wait_state(worker, stopped=True)  # stopped by the engine at once
+        time.sleep(0.5)
+        assert proc_state(worker) == "T"  # and kept stopped by the builder while it is busy
+        engine.wait(timeout=30)  # dies busy
+        assert wait_state(worker, stopped=False)
+        assert builder.poll() is None and build_queue.read_state()["worker"] == worker  # still on it
     finally:
-        os.kill(pid, signal.SIGKILL)
+        build_queue.stop_all()
+        if saved and not path.is_file():
+            path.write_bytes(saved[0])
+            path.with_suffix(".json").write_bytes(saved[1])

@@ -114,7 +114,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, config.block_size, self.num_blocks, loaded.kv_dtype,
-                                  loaded.eos_ids, *self._graph_shape(), compiled=config.compile)
+                                  loaded.eos_ids, *self._graph_shape(), compiled=config.compile,
+                                  background_build=config.background_build)
         self.eos_ids = loaded.eos_ids
         # matchers for constrained requests (llguidance), over the head's whole vocabulary
         self.grammars = Grammars(self.tokenizer.tok.to_str, self.model_config.vocab_size, sorted(self.eos_ids))
@@ -204,7 +205,8 @@ class LLMEngine:
                                  "tokenizer (vocabulary or token ids differ); pick a draft from the same family")
             bm = BlockManager(self.num_blocks, self.config.block_size, enable_prefix_caching=False)
             runner = ModelRunner(draft.model, self.config.block_size, self.num_blocks, draft.kv_dtype, draft.eos_ids,
-                                 *self._graph_shape(), compiled=self.config.compile)
+                                 *self._graph_shape(), compiled=self.config.compile,
+                                 background_build=self.config.background_build)
             return DraftProposer(runner, bm)
         if spec == "ngram":
             return NgramProposer()

@@ -23,11 +23,13 @@ from .speculative import accept_greedy, accept_sampling
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_size: int, num_blocks: int, kv_dtype: torch.dtype,
-                 eos_ids: set[int], graph_batch: int = 0, max_blocks_per_seq: int = 0, compiled: bool = False):
+                 eos_ids: set[int], graph_batch: int = 0, max_blocks_per_seq: int = 0, compiled: bool = False,
+                 background_build: bool = True):
         """The captured step, when there is one: with graph_batch > 0 on the Triton backend, decode
         steps of up to that many sequences replay CUDA graphs (localllm.engine.cuda_graphs); with
         `compiled` on CPU, decode and verify steps run the AOTInductor package of the forward
-        (localllm.model.compiled), built in the background the first time."""
+        (localllm.model.compiled), built in the background the first time (with
+        `background_build`: else only loaded when there)."""
         self.model = model
         self.eos_ids = sorted(eos_ids)
         self.block_size = block_size
@@ -45,7 +47,7 @@ class ModelRunner:
                                          capture=str(self.device).startswith("cuda"))
         elif compiled and self.device == "cpu" and model.attention_backend == "torch" and cpu_attention.load():
             # (without our paged-attention op, e.g. no C++ compiler, the forward cannot be exported)
-            self.captured = CompiledStep(model, self.kv_caches)
+            self.captured = CompiledStep(model, self.kv_caches, background=background_build)
 
     def busy(self, busy: bool) -> None:
         """The engine has work, or has none left (a background build runs only then)."""

@@ -13,13 +13,16 @@ Kinds of package (torch.export specializes sizes 1, so batch 1 has its own):
   "n":  2..R sequences, 2..R new tokens (batched decode and verify);
 R = max_rows(model). Block tables and the cache are dynamic in size.
 
-Built where it costs the user nothing: a package that is not on disk is built by a separate
-process (`python -m localllm.model.compiled`) at idle CPU priority (SCHED_IDLE: it only gets
-cores the foreground leaves idle, e.g. while a chat waits for input or a server has no
-requests). The engine answers eagerly meanwhile and switches at a step boundary once the
-package is there. Packages live in ~/.cache/localllm/aoti, keyed by the weights, the code, torch,
-the thread count and the KV dtype; each has a JSON sidecar with its sha256 (a damaged package is
-deleted and built again, never loaded) and the model file it belongs to (`localllm rm`).
+Built where it costs the user nothing: a package that is not on disk is queued for the one
+background builder of this localllm home (localllm.model.build_queue: one worker at a time, at
+idle CPU priority, stopped while any engine generates). The engine answers eagerly meanwhile and
+switches at a step boundary once the package is there. A one-shot `localllm run` queues nothing
+unless asked (`--build`); chat and serve do. Packages live in ~/.cache/localllm/aoti, keyed by
+the model's structure (config, module tree, tensor shapes and dtypes: the package runs on the
+model's own tensors, so the same weights under another path, or another checkpoint of the same
+shape, use the same package), the code, torch, the thread count and the KV dtype; each has a JSON
+sidecar with its sha256 (a damaged package is deleted and built again, never loaded) and the
+model files that use it (`localllm rm`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -40,6 +42,7 @@ import torch
 
 from ..durable import publish
 from ..paths import cache_home
+from . import build_queue
 from .attention import AttnMeta
 from .layers import Int4Linear
 
@@ -78,14 +81,43 @@ def _code_digest() -> str:
     return h.hexdigest()[:16]
 
 
+def _plain(v) -> bool:
+    if isinstance(v, (tuple, list)):
+        return all(map(_plain, v))
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def structure_key(model) -> str:
+    """What a package bakes in besides the code: the config, every module's class and plain
+    attributes (eps, scales, windows, group sizes, kernel kinds), every tensor's name, shape,
+    dtype and layout. Not the weights' values (they are the package's inputs) nor where the file
+    lies: a copy of a model, or another checkpoint of the same shape, shares its packages."""
+    key = model.__dict__.get("_structure_key")
+    if key is None:
+        h = hashlib.sha256(repr(model.cfg).encode())
+        for name, mod in _Step(model).named_modules(remove_duplicate=False):
+            attrs = sorted((k, v) for k, v in vars(mod).items()
+                           if not k.startswith("_") and k not in ("fingerprint", "origin", "training") and _plain(v))
+            h.update(f"{name}:{type(mod).__qualname__}:{attrs!r}\n".encode())
+        for name, t in sorted(_tensors(model).items()):
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.stride()}:{t.device}\n".encode())
+        key = model.__dict__["_structure_key"] = h.hexdigest()
+    return key
+
+
 def package_path(model, kind: str, kv_dtype: torch.dtype) -> Path | None:
-    """Where the package for this model, kind and KV dtype lives; None when the model has no
-    fingerprint of its weights (then nothing can be cached between processes)."""
-    fp = model.fingerprint
-    if not fp:
+    """Where the package for this model, kind and KV dtype lives; None for a model that was not
+    loaded from a file (no builder could load it again)."""
+    if not model.fingerprint:
         return None
-    key = "|".join((fp, kind, _code_digest(), torch.__version__, str(torch.get_num_threads()), str(kv_dtype)))
-    return cache_dir() / f"decode-{kind}-{fp[:12]}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt2"
+    sk = structure_key(model)
+    key = "|".join((sk, kind, _code_digest(), torch.__version__, str(torch.get_num_threads()), str(kv_dtype)))
+    return cache_dir() / f"decode-{kind}-{sk[:12]}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt2"
+
+
+def job_key(model, kv_dtype: torch.dtype) -> str:
+    """The build queue's name for this model's packages (one job per structure, threads, KV dtype)."""
+    return f"{structure_key(model)[:16]}-t{torch.get_num_threads()}-{str(kv_dtype).removeprefix('torch.')}"
 
 
 # ---- the exported function ----------------------------------------------------------------------
@@ -152,7 +184,8 @@ def build_package(model, kind: str, kv_dtype: torch.dtype, out: Path) -> None:
             torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
             if not _same_as_eager(model, _load(model, tmp, None), kind, kv_dtype):
                 raise RuntimeError("the compiled step does not match the eager step")
-        sidecar = {"scalars": scalars, "sha256": _sha256(tmp), "source": (model.origin or {}).get("path")}
+        source = (model.origin or {}).get("path")
+        sidecar = {"scalars": scalars, "sha256": _sha256(tmp), "sources": [source] if source else []}
         side_tmp = tmp.with_suffix(".json")
         side_tmp.write_text(json.dumps(sidecar))
         publish(side_tmp, out.with_suffix(".json"))  # each fsynced before its rename
@@ -256,50 +289,59 @@ def load_package(model, path: Path) -> _Package:
     return _load(model, path, side["scalars"])
 
 
+def _sources(side: dict) -> list[str]:
+    return list(side.get("sources") or ([side["source"]] if side.get("source") else []))
+
+
+def _note_source(path: Path, source: str | None) -> None:
+    """Record in the sidecar that the model file `source` uses this package (for `rm`); a lost
+    update (two processes at once) costs at most that `rm` of the other model keeps it."""
+    side_path = path.with_suffix(".json")
+    try:
+        side = json.loads(side_path.read_text())
+        if not source or source in _sources(side):
+            return
+        side["sources"] = _sources(side) + [source]
+        tmp = side_path.with_name(f"{side_path.stem}.{os.getpid()}.tmp.json")
+        tmp.write_text(json.dumps(side))
+        os.replace(tmp, side_path)
+    except (OSError, ValueError, TypeError):  # a read-only home: rm then misses this model's use
+        pass
+
+
 def remove_packages(source: str | os.PathLike) -> int:
-    """Delete the packages built for the model file(s) under `source` (`localllm rm`)."""
+    """`localllm rm`: forget the model file(s) under `source` in every package's sidecar and
+    delete the packages no other model file on disk uses. -> packages deleted."""
     root, count = str(Path(source).resolve()), 0
-    for side in cache_dir().glob("decode-*.json"):
+    for side_path in cache_dir().glob("decode-*.json"):
         try:
-            src = json.loads(side.read_text()).get("source") or ""
-        except (OSError, ValueError):
+            side = json.loads(side_path.read_text())
+            sources = _sources(side)
+        except (OSError, ValueError, TypeError, AttributeError):
             continue
-        if src == root or src.startswith(root + os.sep):
-            side.with_suffix(".pt2").unlink(missing_ok=True)
-            side.unlink(missing_ok=True)
-            count += 1
+        ours = [s for s in sources if s == root or s.startswith(root.rstrip(os.sep) + os.sep)]
+        if not ours:
+            continue
+        others = [s for s in sources if s not in ours and os.path.exists(s)]
+        if others:
+            side["sources"] = others
+            side_path.write_text(json.dumps(side))
+            continue
+        side_path.with_suffix(".pt2").unlink(missing_ok=True)
+        side_path.unlink(missing_ok=True)
+        count += 1
     return count
 
 
-# ---- building in the background -----------------------------------------------------------------
+# ---- building in the background (localllm.model.build_queue runs the jobs) ----------------------
 def _lock_path(model) -> Path:
-    return cache_dir() / f"build-{model.fingerprint[:12]}-{torch.get_num_threads()}.lock"
+    return cache_dir() / f"build-{structure_key(model)[:12]}-{torch.get_num_threads()}.lock"
 
 
-def spawn_builder(origin: dict, kv_dtype: torch.dtype, threads: int, log_path: Path) -> subprocess.Popen:
-    """Start `python -m localllm.model.compiled` for a model: it builds every missing kind at idle
-    priority and outlives this process (a one-shot `run` leaves it to finish)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    spec = json.dumps({"origin": origin, "kv_dtype": str(kv_dtype).removeprefix("torch."), "threads": threads})
-    # idle priority before anything starts a thread (importing torch starts OpenMP's): threads
-    # inherit the policy of the thread that creates them
-    # its own process group in our session (CompiledStep.busy stops and continues the group, its
-    # compiler children too); SIGHUP ignored: when this process dies with the group stopped, the
-    # kernel sends the orphaned group SIGHUP and then SIGCONT, so the build goes on
-    boot = ("import os, runpy, signal, sys\n"
-            "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
-            "try: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
-            "except (AttributeError, OSError): os.nice(19)\n"
-            "sys.argv = ['localllm.model.compiled', sys.argv[1]]\n"
-            "runpy.run_module('localllm.model.compiled', run_name='__main__', alter_sys=True)")
-    return spawn_in_group([sys.executable, "-c", boot, spec], log_path)
-
-
-def spawn_in_group(argv: list[str], log_path: Path) -> subprocess.Popen:
-    """Start argv in a process group of its own (same session), output appended to log_path."""
-    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-    with open(log_path, "ab") as logf:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, close_fds=True, **group)
+def job_spec(model, kv_dtype: torch.dtype) -> dict:
+    """What a worker needs to load the model again and build its packages."""
+    return {"origin": model.origin, "kv_dtype": str(kv_dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads()}
 
 
 def build_missing(model, kv_dtype: torch.dtype) -> list[str]:
@@ -314,7 +356,7 @@ def build_missing(model, kv_dtype: torch.dtype) -> list[str]:
             return []
         f.write(str(os.getpid()))
         f.flush()
-        for tmp in cache_dir().glob(f"decode-*-{model.fingerprint[:12]}-*.tmp.*"):  # left by a killed build
+        for tmp in cache_dir().glob(f"decode-*-{structure_key(model)[:12]}-*.tmp.*"):  # left by a killed build
             tmp.unlink(missing_ok=True)
         built = []
         for kind in KINDS:
@@ -339,9 +381,14 @@ def builder_pid(model) -> int | None:
     return None
 
 
-def _builder_main(spec: dict) -> int:
-    """Build a model's packages; started by spawn_builder at idle priority (SCHED_IDLE), so this
-    process and the compilers it starts only run on cores nobody else wants."""
+def _worker_main(job_path: str) -> int:
+    """Build the packages of one queued job; started by the builder (build_queue) at idle
+    priority (SCHED_IDLE), so this process and the compilers it starts only run on cores nobody
+    else wants."""
+    try:
+        spec = json.loads(Path(job_path).read_text())
+    except (OSError, ValueError):
+        return 0  # removed meanwhile (`localllm rm`, `ps --stop`)
     torch.set_num_threads(spec["threads"])
     from torch._inductor import config as inductor_config
 
@@ -353,9 +400,15 @@ def _builder_main(spec: dict) -> int:
     kv_dtype = getattr(torch, spec["kv_dtype"])
     t0 = time.time()
     built = build_missing(loaded.model, kv_dtype)
-    print(f"{time.strftime('%F %T')} built {built or 'nothing'} for {o['path']} in {time.time() - t0:.0f} s",
-          flush=True)
+    print(f"{time.strftime('%F %T')} built {built or 'nothing'} for {o['path']} in {time.time() - t0:.0f} s "
+          f"(peak RSS {_peak_rss_mib()} MiB)", flush=True)
     return 0
+
+
+def _peak_rss_mib() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 
 # ---- the runner's captured step -----------------------------------------------------------------
@@ -363,8 +416,8 @@ class CompiledStep:
     """The runner's captured step on CPU: run() -> hidden states, or None for a step it
     does not cover (the runner then runs the eager forward). Steps covered: every sequence has a
     cached prefix (decode, speculative verify, prefix-hit extend) and at most max_rows() new
-    tokens in all. A missing package is requested from a background builder once; until it is on
-    disk those steps run eagerly."""
+    tokens in all. `background`: a missing package is queued for the background builder once
+    (chat, serve; a one-shot run only with --build); until it is on disk those steps run eagerly."""
 
     def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], background: bool = True):
         self.model, self.kv_caches = model, kv_caches
@@ -374,23 +427,32 @@ class CompiledStep:
         self.background = background
         self._runners: dict[str, _Package] = {}
         self._next_look: dict[str, float] = {}
-        self.builder: subprocess.Popen | None = None
+        self.requested = False  # a build was queued by this engine
+        self.builder: subprocess.Popen | None = None  # the builder process this engine started, if it did
         self.failed: str | None = None
         self.steps = 0  # steps served by a package
         self.kinds_used: set[str] = set()
-        self._builder_stopped = False
+        self._busy = build_queue.BusyFlag()
         self._announced = False
         d1 = package_path(model, "d1", self.kv_dtype)
-        if background and model.origin and d1 is not None and not d1.is_file() and builder_pid(model) is None:
+        if model.origin and d1 is not None and not d1.is_file():
             # said now, before an answer streams: from the first decode step it lands mid-answer
-            self._announce()
+            if not background:
+                log.warning("no compiled step for this model yet: decode runs eagerly; `localllm run --build` "
+                            "(or a chat or serve) builds it once in the background")
+            elif not self._queued():
+                self._announce()
+
+    def _queued(self) -> bool:
+        key = job_key(self.model, self.kv_dtype)
+        return any(j.key == key for j in build_queue.jobs())
 
     def _announce(self) -> None:
         if not self._announced:
             self._announced = True
             log.warning("building the compiled step for this model in the background (a few minutes of CPU "
                         "while no answer is being generated, once per model; answers use the eager step "
-                        "until then) into %s", cache_dir())
+                        "until then) into %s; `localllm ps` shows it", cache_dir())
 
     def _runner(self, kind: str) -> _Package | None:
         runner = self._runners.get(kind)
@@ -406,6 +468,7 @@ class CompiledStep:
         if path.is_file():
             try:
                 self._runners[kind] = runner = load_package(self.model, path)
+                _note_source(path, self.model.origin.get("path") if self.model.origin else None)
                 return runner
             except Exception as e:  # damaged: never trusted, built again
                 log.warning("compiled package %s is damaged (%s); building it again", path.name, e)
@@ -415,31 +478,25 @@ class CompiledStep:
         return None
 
     def _request_build(self) -> None:
-        if not self.background or self.builder is not None or not self.model.origin:
+        """Queue this model's missing packages (once) and make sure the builder runs."""
+        if not self.background or self.requested or not self.model.origin:
             return
-        if builder_pid(self.model) is None:
-            log_path = cache_dir() / "build.log"
-            self._announce()
-            self.builder = spawn_builder(self.model.origin, self.kv_dtype, torch.get_num_threads(), log_path)
-        else:
-            self.builder = False  # someone else is building it: just look for the result
+        paths = [package_path(self.model, k, self.kv_dtype) for k in KINDS]
+        if all(p is not None and p.is_file() for p in paths):
+            return
+        self.requested = True
+        self._announce()
+        build_queue.enqueue(job_key(self.model, self.kv_dtype), job_spec(self.model, self.kv_dtype))
+        self.builder = build_queue.ensure_builder() or self.builder
 
     def busy(self, busy: bool) -> None:
-        """The engine has work (True) or has none left (False). Our builder runs only while the
-        engine is idle: beside a decode, even at SCHED_IDLE, it cut eager decode from 47 to 2.7
-        tok/s on 2 cores (OpenMP's spinning threads lose their CPUs; bench/build_slowdown.py),
-        so it is stopped (SIGSTOP to its process group) while steps run and continued when the
-        last request finishes: a chat builds while the user reads and types, a server between
-        requests, a one-shot `run` after it answered (the builder outlives it)."""
-        b = self.builder
-        if busy == self._builder_stopped or not isinstance(b, subprocess.Popen):
-            return
-        if b.poll() is None:
-            try:
-                os.killpg(b.pid, signal.SIGSTOP if busy else signal.SIGCONT)
-            except OSError:  # gone between poll and kill
-                pass
-        self._builder_stopped = busy and b.returncode is None
+        """The engine has work (True) or has none left (False). The background build runs only
+        while no engine of this home generates: beside a decode, even at SCHED_IDLE, it cut
+        eager decode from 47 to 2.7 tok/s on 2 cores (OpenMP's spinning threads lose their CPUs;
+        bench/build_slowdown.py). So a busy engine holds the shared busy lock and stops the
+        builder's worker; the last one to finish continues it (see build_queue): a chat builds
+        while the user reads and types, a server between requests."""
+        self._busy.set(busy)
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta):
         T = ids.shape[0]
@@ -468,9 +525,9 @@ class CompiledStep:
         return "d1" in self._runners
 
     def wait(self, kinds: tuple[str, ...] = KINDS, timeout: float = 900.0) -> bool:
-        """Block until the packages of `kinds` are loaded (benchmarks, tests), starting a builder
-        when nobody is building them; False on timeout or when builds keep failing."""
-        deadline, spawned = time.monotonic() + timeout, 0
+        """Block until the packages of `kinds` are loaded (benchmarks, tests), queueing the
+        build when nobody builds them; False on timeout or when builds keep failing."""
+        deadline, tries = time.monotonic() + timeout, 0
         self.busy(False)
         while time.monotonic() < deadline:
             for k in kinds:
@@ -478,15 +535,15 @@ class CompiledStep:
                 self._runner(k)
             if all(k in self._runners for k in kinds):
                 return True
-            ours = isinstance(self.builder, subprocess.Popen) and self.builder.poll() is None
-            if not ours and builder_pid(self.model) is None:  # nobody is building: (re)start one
-                if spawned == 2 or not self.background:
+            ours = self.builder is not None and self.builder.poll() is None  # (still taking its lock)
+            if not self._queued() or (build_queue.builder_pid() is None and not ours):  # nobody will build it
+                if tries == 2 or not self.background:
                     return False
-                self.builder, spawned = None, spawned + 1
+                self.requested, tries = False, tries + 1
                 self._request_build()
             time.sleep(0.2)
         return False
 
 
 if __name__ == "__main__":
-    sys.exit(_builder_main(json.loads(sys.argv[1])))
+    sys.exit(_worker_main(sys.argv[1]))
