@@ -75,6 +75,9 @@ EXERCISED_BY = {
     "printf 'Rewrite this code with one change: rename the variable total to result.\\n\\ndef summarize(values):"
     "\\n    total = 0\\n    for v in values:\\n        total += v\\n    return total\\n' | localllm run "
     "--temperature 0 -v --draft ngram": "test_speculative_ngram",
+    "localllm run --build -n 4 hi > /dev/null": "test_ps_transcript",
+    "localllm ps": "test_ps_transcript",
+    "localllm ps --stop": "test_ps_transcript",
     "localllm bench --threads 2": "test_benchmarks_block",
     "make bench-setup": "test_benchmarks_block",
     "python bench/make_gguf.py llama-1b": "test_benchmarks_block",
@@ -91,6 +94,8 @@ LABELS = {SUITE, SLOW_SUITE}
 # the first run of a model in a fresh LOCALLLM_HOME says this once (the README shows it under
 # "The compiled step"); the transcripts are of later runs
 BUILD_NOTICE = r"building the compiled step for this model in the background \(.*\) into .*"
+# a one-shot run's first use of a model says this once instead (also shown there)
+RUN_HINT = r"no compiled step for this model yet: decode runs eagerly; .*"
 TIMING = [r"TTFT: \d+ ms", r"\d+(\.\d+)? tok/s"]
 KERNEL = [r"AVX-512 VNNI|AVX2"]  # the CPU's instruction set, in the int4 kernel's name
 
@@ -151,7 +156,7 @@ def check(ex: Example, rc: int, out: str, volatile=(), shown=None) -> None:
     assert rc == ex.exit_code, f"{where}: exit {rc}, the README says {ex.exit_code}\n{out}"
     shown = ex.output if shown is None else shown
     if shown is not None:  # a ```bash example shows no output: its exit status is the check
-        check_output(out, shown, volatile, [BUILD_NOTICE], where)
+        check_output(out, shown, volatile, [BUILD_NOTICE, RUN_HINT], where)
 
 
 def run_block(key: str, env, cwd, volatile=()) -> None:
@@ -196,6 +201,19 @@ def test_planner_dry_runs(sandbox):
 
 def test_list_show_rm(sandbox):
     run_block("localllm list", *sandbox)
+
+
+def test_ps_transcript(sandbox):
+    """`run --build` leaves the builder running after it exits; ps lists it, ps --stop ends it (the
+    examples run one after the other without ending the builder in between)."""
+    env, cwd = sandbox
+    try:
+        for ex in block_of("localllm ps --stop"):
+            r = subprocess.run(["bash", "-c", ex.text], env=env, cwd=cwd, stdin=subprocess.DEVNULL, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+            check(ex, r.returncode, r.stdout)
+    finally:
+        end_builders([env["LOCALLLM_HOME"]])
 
 
 def test_python_api(sandbox):

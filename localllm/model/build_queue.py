@@ -342,6 +342,8 @@ def stop_all() -> int:
             _kill_group(state["worker"])
         _kill_group(state["pid"])
         _wait_gone(state["pid"])
+        if state.get("worker"):
+            _wait_gone(state["worker"])
         _write_state(None)
     return len(queued)
 

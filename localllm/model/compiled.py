@@ -438,9 +438,17 @@ class CompiledStep:
         if model.origin and d1 is not None and not d1.is_file():
             # said now, before an answer streams: from the first decode step it lands mid-answer
             if not background:
-                log.warning("no compiled step for this model yet: decode runs eagerly; `localllm run --build` "
-                            "(or a chat or serve) builds it once in the background")
-            elif not self._queued():
+                # once per model: a user who runs the same file every day is told once, not every time
+                hinted = cache_dir() / "hinted" / job_key(model, self.kv_dtype)
+                if not hinted.exists():
+                    log.warning("no compiled step for this model yet: decode runs eagerly; `localllm run --build` "
+                                "(or a chat or serve) builds it once in the background")
+                    try:
+                        hinted.parent.mkdir(parents=True, exist_ok=True)
+                        hinted.touch()
+                    except OSError:  # a read-only cache: the hint again next time, no harm
+                        pass
+            else:  # queued already (by another engine, or a builder that died) or about to be
                 self._announce()
 
     def _queued(self) -> bool:
