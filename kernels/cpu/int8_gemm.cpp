@@ -1,0 +1,475 @@
+// Weights of up to 8 bits in int8 lanes x fp32 activations: the GEMM for the GGUF types wider
+// than 4 bits (Q8_0, Q6_K, Q5_K, Q5_0, Q5_1) and those whose values are not an affine 4-bit grid
+// (IQ4_NL, IQ4_XS: codebook entries; Q3_K, Q2_K: 16-value groups), each repacked exactly at load
+// (localllm_kernels.cpu_int8.pack). Without it those tensors were dequantized to fp32: 4 bytes a
+// weight instead of ~1.1-1.3 here, and decode is bound by the bytes read.
+//
+// Arithmetic as int4_gemm.cpp's (same 16-bit activation rule): per 32-block the activations are
+// split into two int8 parts, x = e * (p0 + p1/254), and each part meets the u8 weights in
+// VPDPBUSD (AVX-512 VNNI) or VPMADDUBSW + VPMADDWD (AVX2), giving exact int32 sums per group;
+// a scalar path (any CPU) computes the same integers. The fp32 steps after them are the same
+// operations in the same order on every path (the activations' parts, scales and group sums
+// come from one scalar routine), so the three paths give bit-identical outputs.
+//
+// Layout:
+//   w  uint8 [N/16, K/4, 64]: chunk c of a 16-row block holds, at byte 4r + j, q[r, 4c + j]: 16
+//      dword lanes of 4 consecutive weights each (one row per lane).
+//   sc half or float [N/16, G, S, 16], group size 16 or 32: S = 2: per group 16 scales d, then
+//      16 offsets m, W = d * q + m; S = 1: scales only, W = d * (q - z) (symmetric types).
+//   z: the zero point the kernel centers q by in int32 (exact): 2^(bits-1); with S = 1 it is the
+//      type's own, with S = 2 any value (the offset m + z d takes the rest).
+// y[m, n] = sum_g d[n,g] * sum_k (q[n,k] - z) x[m,k] + (m[n,g] + z d[n,g]) * sum_k x[m,k]  (k in g)
+//
+// On the AVX2 path VPMADDUBSW's int16 pair sums must not saturate: 2 * 127 * 127 fits, 2 * 255 *
+// 127 does not, so 8-bit weights (z = 128) take its signed form there: |q - 128| times x with
+// q - 128's sign (VPSIGNB), which gives sum (q - 128) x directly.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kRows = 16;  // output rows per block
+constexpr int kMc = 6;     // activation rows per tile (AVX-512: 2 * kMc int32 chains, as int4_gemm)
+constexpr int kMcAvx2 = 3;  // AVX2 has 16 vector registers
+constexpr int kParts = 2;
+constexpr float kBase = 254.f;
+constexpr int64_t kWeightChunk = 64 * 1024;  // ~L2's share of weights that meets every tile (int4_gemm)
+constexpr int64_t kPrefetch = 4096;  // decode streams weights once: ask for them 4 KB ahead
+
+// Per activation row and 32-block: each part's sums over the block's two 16-halves (the kernel
+// centers the weights by z with them) and the block scale e.
+struct Meta {
+  int32_t ps[kParts][2];
+  float e;
+  float pad;
+};
+
+// The activations in tiles of `tile` rows (see int4_gemm.cpp's Tiled): within a tile, per
+// 32-block, the rows' parts follow each other; s: group sums [G, mt].
+struct Tiled {
+  int64_t M, K, nb, ng, tile;
+  int8_t* parts;
+  Meta* meta;
+  float* s;
+  int mt(int64_t t) const { return static_cast<int>(std::min<int64_t>(tile, M - t * tile)); }
+  int8_t* tparts(int64_t t) const { return parts + t * tile * kParts * K; }
+  Meta* tmeta(int64_t t) const { return meta + t * tile * nb; }
+  float* ts(int64_t t) const { return s + t * tile * ng; }
+};
+
+enum class Isa { kVnni, kAvx2, kGeneric };
+
+bool cpu_has(Isa isa) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  static const bool vnni = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return isa == Isa::kGeneric || (isa == Isa::kAvx2 ? avx2 : vnni);
+#else
+  return isa == Isa::kGeneric;
+#endif
+}
+
+Isa best_isa() { return cpu_has(Isa::kVnni) ? Isa::kVnni : cpu_has(Isa::kAvx2) ? Isa::kAvx2 : Isa::kGeneric; }
+std::atomic<int> g_forced{-1};  // tests: a slower path on a CPU that has a faster one
+Isa isa_now() {
+  const int f = g_forced.load(std::memory_order_relaxed);
+  return f < 0 ? best_isa() : static_cast<Isa>(f);
+}
+const char* isa_str(Isa i) { return i == Isa::kVnni ? "avx512_vnni" : i == Isa::kAvx2 ? "avx2" : "generic"; }
+
+// -> the path the kernel takes now; force: "avx2" or "generic" takes that one (where the CPU has
+// it), "auto" restores the choice.
+std::string int8w_isa(std::optional<std::string> force) {
+  if (force) {
+    if (*force == "auto") {
+      g_forced.store(-1);
+    } else {
+      const Isa want = *force == "avx2" ? Isa::kAvx2 : *force == "generic" ? Isa::kGeneric : Isa::kVnni;
+      TORCH_CHECK(*force == "avx2" || *force == "generic" || *force == "avx512_vnni",
+                  "int8w_isa: force must be auto, avx512_vnni, avx2 or generic, got ", *force);
+      TORCH_CHECK(cpu_has(want), "int8w_isa: this CPU cannot run the ", *force, " path");
+      g_forced.store(static_cast<int>(want));
+    }
+  }
+  return isa_str(isa_now());
+}
+
+// x rows [m0, m1) -> the tiled parts, as int4_gemm's quantize_rows computes them (round to
+// nearest even, the last part clamped to +-127); group sums in double. One routine for every
+// path (vectorized by the compiler per target below), so the paths see the same activations.
+__attribute__((always_inline)) inline void quantize_impl(const float* x, const Tiled& q, int64_t gs, int64_t m0,
+                                                         int64_t m1) {
+  const int64_t K = q.K, nb = q.nb;
+  for (int64_t m = m0; m < m1; ++m) {
+    const int64_t t = m / q.tile, i = m % q.tile;
+    const int mt = q.mt(t);
+    int8_t* tp = q.tparts(t);
+    Meta* tm = q.tmeta(t);
+    float* ts = q.ts(t);
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const float* xb = x + m * K + blk * 32;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const bool live = amax > 1e-30f;  // zeros or denormals contribute nothing
+      const float inv = live ? 127.f / amax : 0.f;
+      Meta& bm = tm[blk * mt + i];
+      bm.e = live ? amax / 127.f : 0.f;
+      if (gs == 16) {
+        for (int h = 0; h < 2; ++h) {
+          double sum = 0.0;
+          for (int j = 0; j < 16; ++j) sum += xb[16 * h + j];
+          ts[(2 * blk + h) * mt + i] = static_cast<float>(sum);
+        }
+      } else {
+        double sum = 0.0;
+        for (int j = 0; j < 32; ++j) sum += xb[j];
+        ts[blk * mt + i] = static_cast<float>(sum);
+      }
+      int8_t* dst = tp + (blk * mt + i) * kParts * 32;
+      float r[32];
+      for (int j = 0; j < 32; ++j) r[j] = xb[j] * inv;
+      for (int p = 0; p < kParts; ++p) {
+        int32_t qi[32];
+        for (int j = 0; j < 32; ++j) {
+          float qf = __builtin_roundevenf(r[j]);
+          if (p == kParts - 1) qf = std::min(127.f, std::max(-127.f, qf));
+          qi[j] = static_cast<int32_t>(qf);
+          r[j] = (r[j] - qf) * kBase;
+        }
+        int32_t s0 = 0, s1 = 0;
+        for (int j = 0; j < 16; ++j) s0 += qi[j];
+        for (int j = 16; j < 32; ++j) s1 += qi[j];
+        for (int j = 0; j < 32; ++j) dst[p * 32 + j] = static_cast<int8_t>(qi[j]);
+        bm.ps[p][0] = s0;
+        bm.ps[p][1] = s1;
+      }
+    }
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) void quantize_avx2(const float* x, const Tiled& q, int64_t gs, int64_t m0,
+                                                       int64_t m1) {
+  quantize_impl(x, q, gs, m0, m1);
+}
+#endif
+void quantize_generic(const float* x, const Tiled& q, int64_t gs, int64_t m0, int64_t m1) {
+  quantize_impl(x, q, gs, m0, m1);
+}
+void quantize_rows(const float* x, const Tiled& q, int64_t gs, int64_t m0, int64_t m1) {
+#if defined(__x86_64__)
+  if (cpu_has(Isa::kAvx2)) return quantize_avx2(x, q, gs, m0, m1);  // same results, faster
+#endif
+  quantize_generic(x, q, gs, m0, m1);
+}
+
+inline float to_f(float v) { return v; }
+inline float to_f(at::Half v) { return static_cast<float>(v); }
+
+// The scalar path: the same int32 sums and the same fp32 operations (std::fma where the vector
+// paths fuse) as the vector paths, one output lane at a time.
+template <typename S>
+void block_rows_generic(int mc, const uint8_t* w, const S* sc, int64_t K, int64_t gs, int ns, int z,
+                        const int8_t* px, const Meta* meta, const float* s, float* out, int64_t ldo) {
+  const int64_t nb = K / 32, hpg = gs / 16;  // 16-halves per group
+  const float inv_base = 1.f / kBase, zf = static_cast<float>(z);
+  for (int r = 0; r < kRows; ++r) {
+    for (int m = 0; m < mc; ++m) {
+      float acc = 0.f;
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        const int8_t* xb = px + (blk * mc + m) * kParts * 32;
+        const Meta& bm = meta[blk * mc + m];
+        const uint8_t* wb = w + blk * 8 * 64;
+        for (int64_t h0 = 0; h0 < 2; h0 += hpg) {  // the block's groups
+          int32_t c[kParts];
+          for (int p = 0; p < kParts; ++p) {
+            int32_t sum = 0, psum = 0;
+            for (int64_t h = h0; h < h0 + hpg; ++h) {
+              psum += bm.ps[p][h];
+              for (int cc = 4 * h; cc < 4 * h + 4; ++cc)
+                for (int j = 0; j < 4; ++j) sum += wb[cc * 64 + 4 * r + j] * xb[p * 32 + cc * 4 + j];
+            }
+            c[p] = sum - z * psum;
+          }
+          const float t = std::fma(static_cast<float>(c[1]), inv_base, static_cast<float>(c[0]));
+          const float ge = t * bm.e;
+          const int64_t g = blk * (2 / hpg) + h0 / hpg;
+          const float d = to_f(sc[(g * ns) * kRows + r]);
+          acc = std::fma(ge, d, acc);
+          if (ns == 2) {
+            const float off = std::fma(zf, d, to_f(sc[(g * ns + 1) * kRows + r]));
+            acc = std::fma(off, s[g * mc + m], acc);
+          }
+        }
+      }
+      out[m * ldo + r] = acc;
+    }
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw,f16c"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f,avx512bw,f16c"))) inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// acc += w . (4 int8 at p, broadcast to every lane), the broadcast folded into the instruction
+// (int4_gemm.cpp's dot4)
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i dot4(__m512i acc, __m512i w,
+                                                                           const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// One 16-row block against a tile of MC rows; SPLIT independent chains per row and part (few rows
+// give few chains, and VPDPBUSD's latency would bound them). G16: groups of 16 (two per block).
+template <int MC, int SPLIT, bool G16, int NS, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
+    const uint8_t* w, const S* sc, int64_t K, int z, const int8_t* px, const Meta* meta, const float* s, float* out,
+    int64_t ldo) {
+  const int64_t nb = K / 32;
+  constexpr int kGroups = G16 ? 2 : 1, kChunks = 8 / kGroups;
+  const __m512 inv_base = _mm512_set1_ps(1.f / kBase), zf = _mm512_set1_ps(static_cast<float>(z));
+  __m512 acc[MC];
+  for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int8_t* xb = px + blk * MC * kParts * 32;
+    const Meta* bm = meta + blk * MC;
+    const uint8_t* wb = w + blk * 8 * 64;
+    for (int h = 0; h < kGroups; ++h) {
+      __m512i ip[MC][kParts][SPLIT];
+      for (int m = 0; m < MC; ++m)
+        for (int p = 0; p < kParts; ++p)
+          for (int j = 0; j < SPLIT; ++j)
+            ip[m][p][j] = j ? _mm512_setzero_si512()
+                            : _mm512_set1_epi32(-z * (G16 ? bm[m].ps[p][h] : bm[m].ps[p][0] + bm[m].ps[p][1]));
+      for (int cc = 0; cc < kChunks; ++cc) {
+        const int c = h * kChunks + cc;
+        _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
+        const __m512i raw = _mm512_loadu_si512(wb + c * 64);
+        for (int m = 0; m < MC; ++m)
+          for (int p = 0; p < kParts; ++p)
+            ip[m][p][cc % SPLIT] = dot4(ip[m][p][cc % SPLIT], raw, xb + (m * kParts + p) * 32 + c * 4);
+      }
+      const int64_t g = blk * kGroups + h;
+      const __m512 d = load16(sc + g * NS * kRows);
+      __m512 off = _mm512_setzero_ps();
+      if (NS == 2) off = _mm512_fmadd_ps(zf, d, load16(sc + (g * NS + 1) * kRows));
+      for (int m = 0; m < MC; ++m) {
+        __m512i c[kParts];
+        for (int p = 0; p < kParts; ++p) {
+          c[p] = ip[m][p][0];
+          for (int j = 1; j < SPLIT; ++j) c[p] = _mm512_add_epi32(c[p], ip[m][p][j]);
+        }
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[1]), inv_base, _mm512_cvtepi32_ps(c[0]));
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(t, _mm512_set1_ps(bm[m].e)), d, acc[m]);
+        if (NS == 2) acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(s[g * MC + m]), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MC; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
+}
+
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The AVX2 path, one 8-row half of the block at a time (a chunk's first 32 bytes are rows 0-7).
+// SIGNED: 8-bit weights, z = 128 (see the top).
+template <int MC, bool G16, int NS, bool SIGNED, typename S>
+__attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, const S* sc, int64_t K, int z,
+                                                               const int8_t* px, const Meta* meta, const float* s,
+                                                               float* out, int64_t ldo) {
+  const int64_t nb = K / 32;
+  constexpr int kGroups = G16 ? 2 : 1, kChunks = 8 / kGroups;
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256 inv_base = _mm256_set1_ps(1.f / kBase), zf = _mm256_set1_ps(static_cast<float>(z));
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[MC];
+    for (int m = 0; m < MC; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const int8_t* xb = px + blk * MC * kParts * 32;
+      const Meta* bm = meta + blk * MC;
+      const uint8_t* wb = w + blk * 8 * 64 + half * 32;
+      for (int h = 0; h < kGroups; ++h) {
+        __m256i ip[MC][kParts];
+        for (int m = 0; m < MC; ++m)
+          for (int p = 0; p < kParts; ++p)
+            ip[m][p] = SIGNED ? _mm256_setzero_si256()
+                              : _mm256_set1_epi32(-z * (G16 ? bm[m].ps[p][h] : bm[m].ps[p][0] + bm[m].ps[p][1]));
+        for (int cc = 0; cc < kChunks; ++cc) {
+          const int c = h * kChunks + cc;
+          if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
+          __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64));
+          __m256i ws;
+          if (SIGNED) {
+            ws = _mm256_xor_si256(wv, flip);  // q - 128 as int8
+            wv = _mm256_abs_epi8(ws);
+          }
+          for (int m = 0; m < MC; ++m) {
+            for (int p = 0; p < kParts; ++p) {
+              int32_t x4;
+              std::memcpy(&x4, xb + (m * kParts + p) * 32 + c * 4, 4);
+              __m256i xv = _mm256_set1_epi32(x4);
+              if (SIGNED) xv = _mm256_sign_epi8(xv, ws);
+              ip[m][p] = _mm256_add_epi32(ip[m][p], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+            }
+          }
+        }
+        const int64_t g = blk * kGroups + h;
+        const __m256 d = load8(sc + g * NS * kRows + half * 8);
+        __m256 off = _mm256_setzero_ps();
+        if (NS == 2) off = _mm256_fmadd_ps(zf, d, load8(sc + (g * NS + 1) * kRows + half * 8));
+        for (int m = 0; m < MC; ++m) {
+          const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip[m][1]), inv_base, _mm256_cvtepi32_ps(ip[m][0]));
+          acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(t, _mm256_set1_ps(bm[m].e)), d, acc[m]);
+          if (NS == 2) acc[m] = _mm256_fmadd_ps(off, _mm256_set1_ps(s[g * MC + m]), acc[m]);
+        }
+      }
+    }
+    for (int m = 0; m < MC; ++m) _mm256_storeu_ps(out + m * ldo + half * 8, acc[m]);
+  }
+}
+
+template <int MC, typename S>
+void run_mc_512(bool g16, int ns, const uint8_t* w, const S* sc, int64_t K, int z, const int8_t* px,
+                const Meta* meta, const float* s, float* out, int64_t ldo) {
+  constexpr int kSplit = MC == 1 ? 4 : MC == 2 ? 2 : 1;
+  if (g16) {
+    if (ns == 2) return block_rows_512<MC, kSplit, true, 2, S>(w, sc, K, z, px, meta, s, out, ldo);
+    return block_rows_512<MC, kSplit, true, 1, S>(w, sc, K, z, px, meta, s, out, ldo);
+  }
+  if (ns == 2) return block_rows_512<MC, kSplit, false, 2, S>(w, sc, K, z, px, meta, s, out, ldo);
+  return block_rows_512<MC, kSplit, false, 1, S>(w, sc, K, z, px, meta, s, out, ldo);
+}
+
+template <int MC, bool SIGNED, typename S>
+void run_mc_avx2_s(bool g16, int ns, const uint8_t* w, const S* sc, int64_t K, int z, const int8_t* px,
+                   const Meta* meta, const float* s, float* out, int64_t ldo) {
+  if (g16) {
+    if (ns == 2) return block_rows_avx2<MC, true, 2, SIGNED, S>(w, sc, K, z, px, meta, s, out, ldo);
+    return block_rows_avx2<MC, true, 1, SIGNED, S>(w, sc, K, z, px, meta, s, out, ldo);
+  }
+  if (ns == 2) return block_rows_avx2<MC, false, 2, SIGNED, S>(w, sc, K, z, px, meta, s, out, ldo);
+  return block_rows_avx2<MC, false, 1, SIGNED, S>(w, sc, K, z, px, meta, s, out, ldo);
+}
+
+template <int MC, typename S>
+void run_mc_avx2(bool g16, int ns, const uint8_t* w, const S* sc, int64_t K, int z, const int8_t* px,
+                 const Meta* meta, const float* s, float* out, int64_t ldo) {
+  if (z == 128) return run_mc_avx2_s<MC, true, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+  run_mc_avx2_s<MC, false, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+}
+#endif
+
+template <typename S>
+void run_block(Isa isa, int mc, bool g16, int ns, const uint8_t* w, const S* sc, int64_t K, int z, const int8_t* px,
+               const Meta* meta, const float* s, float* out, int64_t ldo) {
+#if defined(__x86_64__)
+  static_assert(kMc == 6 && kMcAvx2 == 3, "one case per tile height below");
+  if (isa == Isa::kVnni) {
+    switch (mc) {
+      case 1: return run_mc_512<1, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+      case 2: return run_mc_512<2, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+      case 3: return run_mc_512<3, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+      case 4: return run_mc_512<4, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+      case 5: return run_mc_512<5, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+      default: return run_mc_512<6, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+    }
+  }
+  if (isa == Isa::kAvx2) {
+    switch (mc) {
+      case 1: return run_mc_avx2<1, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+      case 2: return run_mc_avx2<2, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+      default: return run_mc_avx2<3, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+    }
+  }
+#endif
+  block_rows_generic<S>(mc, w, sc, K, g16 ? 16 : 32, ns, z, px, meta, s, out, ldo);
+}
+
+template <typename S>
+void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const S* sc, int64_t nblocks, int64_t gs,
+          int ns, int z, float* y) {
+  const int64_t tile = isa == Isa::kVnni ? kMc : isa == Isa::kAvx2 ? kMcAvx2 : kMc;
+  std::vector<int8_t> parts(M * kParts * K);
+  std::vector<Meta> meta(M * (K / 32));
+  std::vector<float> sums(M * (K / gs));
+  const Tiled q{M, K, K / 32, K / gs, tile, parts.data(), meta.data(), sums.data()};
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    quantize_rows(x, q, gs, m0, m1);
+  });
+  const int64_t N = nblocks * kRows, wstride = (K / 4) * 64, sstride = (K / gs) * ns * kRows;
+  const int64_t ntiles = (M + tile - 1) / tile, wchunk = std::max<int64_t>(1, kWeightChunk / wstride);
+  at::parallel_for(0, nblocks, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t c0 = b0; c0 < b1; c0 += wchunk) {
+      const int64_t c1 = std::min(b1, c0 + wchunk);
+      for (int64_t t = 0; t < ntiles; ++t)
+        for (int64_t nbk = c0; nbk < c1; ++nbk)
+          run_block<S>(isa, q.mt(t), gs == 16, ns, w + nbk * wstride, sc + nbk * sstride, K, z, q.tparts(t),
+                       q.tmeta(t), q.ts(t), y + t * tile * N + nbk * kRows, N);
+    }
+  });
+}
+
+// x fp32 [M, K] @ W^T -> fp32 [M, N padded to 16]; W in the layout at the top.
+at::Tensor int8w_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group_size,
+                      int64_t zero) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8w_gemm: x must be fp32 [M, K]");
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 64 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "int8w_gemm: the weight must be contiguous uint8 [N/16, K/4, 64]");
+  const int64_t M = x.size(0), K = x.size(1), nblocks = w.size(0);
+  TORCH_CHECK(w.size(1) * 4 == K && K % 32 == 0, "int8w_gemm: K mismatch: x has ", K, ", weight ", w.size(1) * 4,
+              " (a multiple of 32)");
+  TORCH_CHECK(group_size == 16 || group_size == 32, "int8w_gemm: group size must be 16 or 32, got ", group_size);
+  TORCH_CHECK(zero >= 0 && zero <= 255, "int8w_gemm: zero point must be in [0, 255], got ", zero);
+  TORCH_CHECK(sc.dim() == 4 && sc.size(0) == nblocks && sc.size(1) == K / group_size &&
+              (sc.size(2) == 1 || sc.size(2) == 2) && sc.size(3) == kRows && sc.is_contiguous(),
+              "int8w_gemm: scales must be contiguous [N/16, K/group, 1 | 2, 16]");
+  const int ns = static_cast<int>(sc.size(2)), z = static_cast<int>(zero);
+  const Isa isa = isa_now();
+  // the AVX2 path's unsigned form holds pair sums of 2 * 127 * 127 (see the top)
+  TORCH_CHECK(isa != Isa::kAvx2 || z <= 64 || z == 128, "int8w_gemm: zero point ", z,
+              " (weights of 8 bits take z = 128)");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, nblocks * kRows}, x.options());
+  if (M == 0) return y;
+  if (sc.scalar_type() == at::kHalf) {
+    gemm<at::Half>(isa, xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), sc.data_ptr<at::Half>(), nblocks,
+                   group_size, ns, z, y.data_ptr<float>());
+  } else {
+    TORCH_CHECK(sc.scalar_type() == at::kFloat, "int8w_gemm: scales must be fp16 or fp32");
+    gemm<float>(isa, xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), sc.data_ptr<float>(), nblocks, group_size,
+                ns, z, y.data_ptr<float>());
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(localllm, m) {
+  m.def("int8w_gemm(Tensor x, Tensor w, Tensor scales, int group_size, int zero) -> Tensor");
+  m.def("int8w_isa(str? force=None) -> str", &int8w_isa);  // no tensors: one kernel for every key
+}
+
+TORCH_LIBRARY_IMPL(localllm, CPU, m) { m.impl("int8w_gemm", &int8w_gemm); }
