@@ -154,3 +154,19 @@ def decode(kind: str, raw: torch.Tensor) -> Blocks:
     qs = b[..., 8:136].reshape(n, nb, 8, 16)
     q = lut[_nibbles(qs).long()]
     return Blocks(q.reshape(n, k), D, None, 32, 8, 128)
+
+
+def cpu_bytes_per_value(kind: str) -> float:
+    """Bytes per weight of a matrix of this type as the CPU loader holds it: the int4 layout
+    (Q4_0 / Q4_1 with their fp16 scales, Q4_K with fp32 ones), the int8-lane layout (1 byte plus
+    the group's scales: fp16 where the file's own scales are the values', fp32 for products
+    d * sc; offsets where the type has them), else fp32 values."""
+    if kind in ("Q4_0", "Q4_1"):
+        return 0.5 + 4 / 32
+    if kind == "Q4_K":
+        return 0.5 + 8 / 32
+    if kind not in BLOCK_BYTES:
+        return 4.0
+    offsets = kind in ("Q5_1", "Q5_K", "Q2_K")
+    scale = 2 if BLOCK_VALUES[kind] == 32 else 4  # the K-quants' d * sc need fp32
+    return 1 + scale * (2 if offsets else 1) / GROUP[kind]
