@@ -72,9 +72,12 @@ def test_decoding_and_repacks_equal_gguf_dequantize(kind):
     assert b.q.shape == (n, k) and int(b.q.max()) < 2 ** b.bits
     assert bits_equal(b.values(), ref)
     m = b.m if b.m is not None else -b.zero * b.d
-    w, sc = cpu_int8.pack(b.q, b.d, b.m, b.zero)
-    assert w.shape == (2, k // 4, 64)
-    assert bits_equal(cpu_int8.dequantize(w, sc, n, b.zero), ref)
+    w, sc = cpu_int8.pack(b.q, b.d, b.m, b.zero, b.bits)
+    planes = cpu_int8.planes_for(b.bits)
+    assert w.shape == ((2, k // 4, 64) if planes < 0 else (2, k // 8, 64 + 16 * planes))
+    assert bits_equal(cpu_int8.dequantize(w, sc, n, b.group, b.zero), ref)
+    w8, sc8 = cpu_int8.pack(b.q, b.d, b.m, b.zero)  # byte lanes, as a stack with an 8-bit part has them
+    assert bits_equal(cpu_int8.dequantize(w8, sc8, n, b.group, b.zero), ref)
     if b.bits == 4 and b.group == 32:  # the int4 kernel's layout: its m always explicit, so Q4_0's
         # d * 8 - 8d is +0 where gguf's d * 0 is -0 for d < 0: equal values, one zero's sign apart
         assert np.array_equal(int4_values(*cpu_int4.pack_dm(b.q, b.d, m), n).numpy(), ref)
@@ -102,22 +105,24 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_int8_kernel_matches_fp64_on_every_path(kind):
-    """Every type on the int8-lane kernel (the 4-bit ones too: what a mixed stack of them takes),
-    batch 1 and a few rows, N padded to 16, against fp64 on the dequantized weights; the AVX-512
-    VNNI, AVX2 and scalar paths give the same outputs bit for bit."""
+    """Every type on the int8-lane kernel (the 4-bit ones too: what a mixed stack of them takes), in
+    its own layout (nibbles and high-bit planes up to 6 bits) and in byte lanes (a stack with an
+    8-bit part), batch 1 and a few rows, N padded to 16, against fp64 on the dequantized weights;
+    the AVX-512 VNNI, AVX2 and scalar paths and both layouts give the same outputs bit for bit."""
     n, k = 40, 512
     raw = random_blocks(kind, n, k, seed=100 + KINDS.index(kind), std=0.05)
     b = gguf_blocks.decode(kind, torch.from_numpy(raw))
-    w, sc = cpu_int8.pack(b.q, b.d, b.m, b.zero)
     ref_w = torch.from_numpy(reference(kind, raw)).double()
     gen = torch.Generator().manual_seed(7)
     xs = [torch.randn(m, k, generator=gen) * 2 for m in (1, 2, 5, 7)]
     xs[2][0, :32] *= 1e-3  # a block far smaller than the rest: per-block activation scales
     outs = {}
+    layouts = {"planes": cpu_int8.pack(b.q, b.d, b.m, b.zero, b.bits), "bytes": cpu_int8.pack(b.q, b.d, b.m, b.zero)}
     try:
         for path in isa_paths():
             torch.ops.localllm.int8w_isa(path)
-            outs[path] = [cpu_int8.int8w_gemm(x, w, sc, b.group, b.zero) for x in xs]
+            for name, (w, sc) in layouts.items():
+                outs[path, name] = [cpu_int8.int8w_gemm(x, w, sc, b.group, b.zero) for x in xs]
     finally:
         torch.ops.localllm.int8w_isa("auto")
     first = next(iter(outs.values()))
@@ -206,7 +211,7 @@ def layer_values(m) -> torch.Tensor:
     if isinstance(m, ConcatLinear):
         return torch.cat([layer_values(p) for p in m.parts])
     if isinstance(m, Int8wLinear):
-        return cpu_int8.dequantize(m.qw, m.qsc, m.out_features, m.zero)
+        return cpu_int8.dequantize(m.qw, m.qsc, m.out_features, m.group_size, m.zero)
     if isinstance(m, Int4Linear):
         return int4_values(m.qw, m.qsc, m.out_features)
     return m.weight.detach()
@@ -229,6 +234,9 @@ def test_mixed_file_runs_each_tensor_on_its_kernel(mixed_gguf):
     assert (l0.down.group_size, l0.down.zero, l0.down.qsc.shape[2]) == (16, 32, 1)  # Q6_K: symmetric, 16s
     assert (l0.gate_up.group_size, l0.gate_up.zero, l0.gate_up.qsc.shape[2]) == (32, 128, 2)  # Q5_K + Q8_0
     assert (l1.gate_up.group_size, l1.gate_up.zero) == (16, 4)  # Q3_K + Q2_K
+    # the layouts: Q6_K's 2 high-bit planes, Q5_0's 1, Q8_0 with Q5_K in byte lanes, Q3_K + Q2_K in nibbles
+    assert [m.qw.shape[2] for m in (l0.down, l0.o, l0.gate_up, l1.gate_up)] == [96, 80, 64, 64]
+    assert l1.gate_up.qw.shape[1] * 8 == H
     for ld, lo in zip(dense.model.layers, ours.model.layers):
         for f in ("qkv", "o", "gate_up", "down"):
             # equal values (a stack given offsets, Q3_K's with Q2_K's, has d * 4 - 4d = +0 for -0)

@@ -11,9 +11,15 @@
 // operations in the same order on every path (the activations' parts, scales and group sums
 // come from one scalar routine), so the three paths give bit-identical outputs.
 //
-// Layout:
-//   w  uint8 [N/16, K/4, 64]: chunk c of a 16-row block holds, at byte 4r + j, q[r, 4c + j]: 16
-//      dword lanes of 4 consecutive weights each (one row per lane).
+// Layouts (`planes`, told by w's shape):
+//   bytes (planes -1): w uint8 [N/16, K/4, 64]: chunk c of a 16-row block holds, at byte 4r + j,
+//      q[r, 4c + j]: 16 dword lanes of 4 consecutive weights each (one row per lane). 8-bit types.
+//   nibbles and high-bit planes (planes P = 0, 1, 2: values of 4 + P bits): w uint8 [N/16, K/8,
+//      64 + 16P]: per 8 columns c, 64 bytes as int4_gemm's layout (byte 4r + j: q[r, 8c + j] & 15
+//      in its low nibble, q[r, 8c + 4 + j] & 15 in its high one), then per plane p two 64-bit
+//      masks whose bit 4r + j is bit 4 + p of q[r, 8c + j] and of q[r, 8c + 4 + j]. The kernel
+//      rebuilds the byte lanes in registers (AVX-512: one masked add per plane), so a 5-bit type
+//      streams 0.625 bytes a weight and a 6-bit one 0.75, not 1.
 //   sc half or float [N/16, G, S, 16], group size 16 or 32: S = 2: per group 16 scales d, then
 //      16 offsets m, W = d * q + m; S = 1: scales only, W = d * (q - z) (symmetric types).
 //   z: the zero point the kernel centers q by in int32 (exact): 2^(bits-1); with S = 1 it is the
@@ -187,8 +193,23 @@ inline float to_f(at::Half v) { return static_cast<float>(v); }
 
 // The scalar path: the same int32 sums and the same fp32 operations (std::fma where the vector
 // paths fuse) as the vector paths, one output lane at a time.
+// Bytes of one 32-column block of a 16-row block, and q[r, k] (k < 32) within it.
+inline int64_t block_bytes(int planes) { return planes < 0 ? 8 * 64 : 4 * (64 + 16 * planes); }
+inline int weight_at(const uint8_t* wb, int planes, int r, int k) {
+  if (planes < 0) return wb[(k / 4) * 64 + 4 * r + k % 4];
+  const uint8_t* rec = wb + (k / 8) * (64 + 16 * planes);
+  const int j = k % 8, bit = 4 * r + j % 4;
+  int v = j < 4 ? rec[bit] & 15 : rec[bit] >> 4;
+  for (int p = 0; p < planes; ++p) {
+    uint64_t mask;
+    std::memcpy(&mask, rec + 64 + 16 * p + (j < 4 ? 0 : 8), 8);
+    v |= static_cast<int>((mask >> bit) & 1) << (4 + p);
+  }
+  return v;
+}
+
 template <typename S>
-void block_rows_generic(int mc, const uint8_t* w, const S* sc, int64_t K, int64_t gs, int ns, int z,
+void block_rows_generic(int mc, int planes, const uint8_t* w, const S* sc, int64_t K, int64_t gs, int ns, int z,
                         const int8_t* px, const Meta* meta, const float* s, float* out, int64_t ldo) {
   const int64_t nb = K / 32, hpg = gs / 16;  // 16-halves per group
   const float inv_base = 1.f / kBase, zf = static_cast<float>(z);
@@ -198,7 +219,7 @@ void block_rows_generic(int mc, const uint8_t* w, const S* sc, int64_t K, int64_
       for (int64_t blk = 0; blk < nb; ++blk) {
         const int8_t* xb = px + (blk * mc + m) * kParts * 32;
         const Meta& bm = meta[blk * mc + m];
-        const uint8_t* wb = w + blk * 8 * 64;
+        const uint8_t* wb = w + blk * block_bytes(planes);
         for (int64_t h0 = 0; h0 < 2; h0 += hpg) {  // the block's groups
           int32_t c[kParts];
           for (int p = 0; p < kParts; ++p) {
@@ -206,7 +227,7 @@ void block_rows_generic(int mc, const uint8_t* w, const S* sc, int64_t K, int64_
             for (int64_t h = h0; h < h0 + hpg; ++h) {
               psum += bm.ps[p][h];
               for (int cc = 4 * h; cc < 4 * h + 4; ++cc)
-                for (int j = 0; j < 4; ++j) sum += wb[cc * 64 + 4 * r + j] * xb[p * 32 + cc * 4 + j];
+                for (int j = 0; j < 4; ++j) sum += weight_at(wb, planes, r, cc * 4 + j) * xb[p * 32 + cc * 4 + j];
             }
             c[p] = sum - z * psum;
           }
@@ -242,19 +263,21 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i dot4(__m51
 
 // One 16-row block against a tile of MC rows; SPLIT independent chains per row and part (few rows
 // give few chains, and VPDPBUSD's latency would bound them). G16: groups of 16 (two per block).
-template <int MC, int SPLIT, bool G16, int NS, typename S>
+template <int MC, int SPLIT, bool G16, int NS, int PL, typename S>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
     const uint8_t* w, const S* sc, int64_t K, int z, const int8_t* px, const Meta* meta, const float* s, float* out,
     int64_t ldo) {
   const int64_t nb = K / 32;
   constexpr int kGroups = G16 ? 2 : 1, kChunks = 8 / kGroups;
+  constexpr int kRec = 64 + 16 * PL;  // bytes per 8 columns (PL >= 0)
   const __m512 inv_base = _mm512_set1_ps(1.f / kBase), zf = _mm512_set1_ps(static_cast<float>(z));
+  const __m512i nib = _mm512_set1_epi8(0x0F);
   __m512 acc[MC];
   for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int8_t* xb = px + blk * MC * kParts * 32;
     const Meta* bm = meta + blk * MC;
-    const uint8_t* wb = w + blk * 8 * 64;
+    const uint8_t* wb = w + blk * (PL < 0 ? 8 * 64 : 4 * kRec);
     for (int h = 0; h < kGroups; ++h) {
       __m512i ip[MC][kParts][SPLIT];
       for (int m = 0; m < MC; ++m)
@@ -262,13 +285,37 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
           for (int j = 0; j < SPLIT; ++j)
             ip[m][p][j] = j ? _mm512_setzero_si512()
                             : _mm512_set1_epi32(-z * (G16 ? bm[m].ps[p][h] : bm[m].ps[p][0] + bm[m].ps[p][1]));
-      for (int cc = 0; cc < kChunks; ++cc) {
-        const int c = h * kChunks + cc;
-        _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
-        const __m512i raw = _mm512_loadu_si512(wb + c * 64);
-        for (int m = 0; m < MC; ++m)
-          for (int p = 0; p < kParts; ++p)
-            ip[m][p][cc % SPLIT] = dot4(ip[m][p][cc % SPLIT], raw, xb + (m * kParts + p) * 32 + c * 4);
+      if constexpr (PL < 0) {
+        for (int cc = 0; cc < kChunks; ++cc) {
+          const int c = h * kChunks + cc;
+          _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
+          const __m512i raw = _mm512_loadu_si512(wb + c * 64);
+          for (int m = 0; m < MC; ++m)
+            for (int p = 0; p < kParts; ++p)
+              ip[m][p][cc % SPLIT] = dot4(ip[m][p][cc % SPLIT], raw, xb + (m * kParts + p) * 32 + c * 4);
+        }
+      } else {
+        for (int cc = 0; cc < kChunks; cc += 2) {  // one record: chunks c (low nibbles) and c + 1
+          const int c = h * kChunks + cc;
+          const uint8_t* rec = wb + (c / 2) * kRec;
+          _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch), _MM_HINT_T0);
+          const __m512i raw = _mm512_loadu_si512(rec);
+          __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+          for (int pl = 0; pl < PL; ++pl) {
+            uint64_t ml, mh;
+            std::memcpy(&ml, rec + 64 + 16 * pl, 8);
+            std::memcpy(&mh, rec + 72 + 16 * pl, 8);
+            const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << pl));
+            lo = _mm512_mask_add_epi8(lo, ml, lo, add);
+            hi = _mm512_mask_add_epi8(hi, mh, hi, add);
+          }
+          for (int m = 0; m < MC; ++m)
+            for (int p = 0; p < kParts; ++p) {
+              const int8_t* xp = xb + (m * kParts + p) * 32 + c * 4;
+              ip[m][p][cc % SPLIT] = dot4(ip[m][p][cc % SPLIT], lo, xp);
+              ip[m][p][(cc + 1) % SPLIT] = dot4(ip[m][p][(cc + 1) % SPLIT], hi, xp + 4);
+            }
+        }
       }
       const int64_t g = blk * kGroups + h;
       const __m512 d = load16(sc + g * NS * kRows);
@@ -296,13 +343,69 @@ __attribute__((target("avx2,f16c"))) inline __m256 load8(const at::Half* p) {
 
 // The AVX2 path, one 8-row half of the block at a time (a chunk's first 32 bytes are rows 0-7).
 // SIGNED: 8-bit weights, z = 128 (see the top).
-template <int MC, bool G16, int NS, bool SIGNED, typename S>
+// 32 bits -> 32 bytes, 0xFF where the bit is set (byte i: bit i)
+__attribute__((target("avx2"))) inline __m256i bytes_from_bits(uint32_t bits) {
+  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                        3, 3, 3, 3, 3, 3);
+  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf), sel);
+  return _mm256_cmpeq_epi8(v, sel);
+}
+
+// A 16-row block in nibbles and `planes` high-bit planes -> the same weights in byte lanes, with
+// the instructions the kernels rebuild them with in registers.
+__attribute__((target("avx512f,avx512bw"))) void widen_block_512(const uint8_t* src, int planes, int64_t K,
+                                                                   uint8_t* dst) {
+  const int rec = 64 + 16 * planes;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int64_t c = 0; c < K / 8; ++c) {
+    const uint8_t* r = src + c * rec;
+    const __m512i raw = _mm512_loadu_si512(r);
+    __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+    for (int p = 0; p < planes; ++p) {
+      uint64_t ml, mh;
+      std::memcpy(&ml, r + 64 + 16 * p, 8);
+      std::memcpy(&mh, r + 72 + 16 * p, 8);
+      const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << p));
+      lo = _mm512_mask_add_epi8(lo, ml, lo, add);
+      hi = _mm512_mask_add_epi8(hi, mh, hi, add);
+    }
+    _mm512_storeu_si512(dst + 2 * c * 64, lo);
+    _mm512_storeu_si512(dst + (2 * c + 1) * 64, hi);
+  }
+}
+
+__attribute__((target("avx2"))) void widen_block_avx2(const uint8_t* src, int planes, int64_t K, uint8_t* dst) {
+  const int rec = 64 + 16 * planes;
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  for (int64_t c = 0; c < K / 8; ++c) {
+    const uint8_t* r = src + c * rec;
+    for (int half = 0; half < 2; ++half) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32 * half));
+      __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+      for (int p = 0; p < planes; ++p) {
+        uint32_t bl, bh;
+        std::memcpy(&bl, r + 64 + 16 * p + 4 * half, 4);
+        std::memcpy(&bh, r + 72 + 16 * p + 4 * half, 4);
+        const __m256i add = _mm256_set1_epi8(static_cast<char>(16 << p));
+        lo = _mm256_add_epi8(lo, _mm256_and_si256(bytes_from_bits(bl), add));
+        hi = _mm256_add_epi8(hi, _mm256_and_si256(bytes_from_bits(bh), add));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * c * 64 + 32 * half), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * c + 1) * 64 + 32 * half), hi);
+    }
+  }
+}
+
+template <int MC, bool G16, int NS, bool SIGNED, int PL, typename S>
 __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, const S* sc, int64_t K, int z,
                                                                const int8_t* px, const Meta* meta, const float* s,
                                                                float* out, int64_t ldo) {
   const int64_t nb = K / 32;
   constexpr int kGroups = G16 ? 2 : 1, kChunks = 8 / kGroups;
+  constexpr int kRec = 64 + 16 * PL;
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i nib = _mm256_set1_epi8(0x0F);
   const __m256 inv_base = _mm256_set1_ps(1.f / kBase), zf = _mm256_set1_ps(static_cast<float>(z));
   for (int half = 0; half < 2; ++half) {
     __m256 acc[MC];
@@ -310,14 +413,42 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
     for (int64_t blk = 0; blk < nb; ++blk) {
       const int8_t* xb = px + blk * MC * kParts * 32;
       const Meta* bm = meta + blk * MC;
-      const uint8_t* wb = w + blk * 8 * 64 + half * 32;
+      const uint8_t* wb = w + blk * (PL < 0 ? 8 * 64 : 4 * kRec) + (PL < 0 ? half * 32 : 0);
       for (int h = 0; h < kGroups; ++h) {
         __m256i ip[MC][kParts];
         for (int m = 0; m < MC; ++m)
           for (int p = 0; p < kParts; ++p)
             ip[m][p] = SIGNED ? _mm256_setzero_si256()
                               : _mm256_set1_epi32(-z * (G16 ? bm[m].ps[p][h] : bm[m].ps[p][0] + bm[m].ps[p][1]));
-        for (int cc = 0; cc < kChunks; ++cc) {
+        if constexpr (PL >= 0) {
+          for (int cc = 0; cc < kChunks; cc += 2) {  // one record: chunks c (low nibbles) and c + 1
+            const int c = h * kChunks + cc;
+            const uint8_t* rec = wb + (c / 2) * kRec;
+            if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch), _MM_HINT_T0);
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + half * 32));
+            __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+            for (int pl = 0; pl < PL; ++pl) {  // this half's rows: bits 32 * half.. of each mask
+              uint32_t bl, bh;
+              std::memcpy(&bl, rec + 64 + 16 * pl + 4 * half, 4);
+              std::memcpy(&bh, rec + 72 + 16 * pl + 4 * half, 4);
+              const __m256i add = _mm256_set1_epi8(static_cast<char>(16 << pl));
+              lo = _mm256_add_epi8(lo, _mm256_and_si256(bytes_from_bits(bl), add));
+              hi = _mm256_add_epi8(hi, _mm256_and_si256(bytes_from_bits(bh), add));
+            }
+            for (int m = 0; m < MC; ++m) {
+              for (int p = 0; p < kParts; ++p) {
+                int32_t xl, xh;
+                std::memcpy(&xl, xb + (m * kParts + p) * 32 + c * 4, 4);
+                std::memcpy(&xh, xb + (m * kParts + p) * 32 + c * 4 + 4, 4);
+                const __m256i d = _mm256_add_epi32(
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)), ones),
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)), ones));
+                ip[m][p] = _mm256_add_epi32(ip[m][p], d);
+              }
+            }
+          }
+        }
+        for (int cc = 0; cc < (PL < 0 ? kChunks : 0); ++cc) {
           const int c = h * kChunks + cc;
           if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
           __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64));
@@ -351,66 +482,107 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
   }
 }
 
-template <int MC, typename S>
-void run_mc_512(bool g16, int ns, const uint8_t* w, const S* sc, int64_t K, int z, const int8_t* px,
-                const Meta* meta, const float* s, float* out, int64_t ldo) {
+// One call's constant shape of the weights: group size, scale form, zero point, layout.
+struct Form {
+  bool g16;
+  int ns, z, planes;
+};
+
+template <int MC, int PL, typename S>
+void run_mc_512_pl(const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const Meta* meta,
+                   const float* s, float* out, int64_t ldo) {
   constexpr int kSplit = MC == 1 ? 4 : MC == 2 ? 2 : 1;
-  if (g16) {
-    if (ns == 2) return block_rows_512<MC, kSplit, true, 2, S>(w, sc, K, z, px, meta, s, out, ldo);
-    return block_rows_512<MC, kSplit, true, 1, S>(w, sc, K, z, px, meta, s, out, ldo);
+  if (f.g16) {
+    if (f.ns == 2) return block_rows_512<MC, kSplit, true, 2, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+    return block_rows_512<MC, kSplit, true, 1, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
   }
-  if (ns == 2) return block_rows_512<MC, kSplit, false, 2, S>(w, sc, K, z, px, meta, s, out, ldo);
-  return block_rows_512<MC, kSplit, false, 1, S>(w, sc, K, z, px, meta, s, out, ldo);
-}
-
-template <int MC, bool SIGNED, typename S>
-void run_mc_avx2_s(bool g16, int ns, const uint8_t* w, const S* sc, int64_t K, int z, const int8_t* px,
-                   const Meta* meta, const float* s, float* out, int64_t ldo) {
-  if (g16) {
-    if (ns == 2) return block_rows_avx2<MC, true, 2, SIGNED, S>(w, sc, K, z, px, meta, s, out, ldo);
-    return block_rows_avx2<MC, true, 1, SIGNED, S>(w, sc, K, z, px, meta, s, out, ldo);
-  }
-  if (ns == 2) return block_rows_avx2<MC, false, 2, SIGNED, S>(w, sc, K, z, px, meta, s, out, ldo);
-  return block_rows_avx2<MC, false, 1, SIGNED, S>(w, sc, K, z, px, meta, s, out, ldo);
+  if (f.ns == 2) return block_rows_512<MC, kSplit, false, 2, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+  return block_rows_512<MC, kSplit, false, 1, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
 }
 
 template <int MC, typename S>
-void run_mc_avx2(bool g16, int ns, const uint8_t* w, const S* sc, int64_t K, int z, const int8_t* px,
-                 const Meta* meta, const float* s, float* out, int64_t ldo) {
-  if (z == 128) return run_mc_avx2_s<MC, true, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
-  run_mc_avx2_s<MC, false, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+void run_mc_512(const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const Meta* meta,
+                const float* s, float* out, int64_t ldo) {
+  switch (f.planes) {
+    case -1: return run_mc_512_pl<MC, -1, S>(f, w, sc, K, px, meta, s, out, ldo);
+    case 0: return run_mc_512_pl<MC, 0, S>(f, w, sc, K, px, meta, s, out, ldo);
+    case 1: return run_mc_512_pl<MC, 1, S>(f, w, sc, K, px, meta, s, out, ldo);
+    default: return run_mc_512_pl<MC, 2, S>(f, w, sc, K, px, meta, s, out, ldo);
+  }
+}
+
+template <int MC, bool SIGNED, int PL, typename S>
+void run_mc_avx2_pl(const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const Meta* meta,
+                    const float* s, float* out, int64_t ldo) {
+  if (f.g16) {
+    if (f.ns == 2) return block_rows_avx2<MC, true, 2, SIGNED, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+    return block_rows_avx2<MC, true, 1, SIGNED, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+  }
+  if (f.ns == 2) return block_rows_avx2<MC, false, 2, SIGNED, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+  return block_rows_avx2<MC, false, 1, SIGNED, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+}
+
+// 8-bit weights (byte lanes, z = 128) take the signed form; values of at most 6 bits the plain one
+template <int MC, typename S>
+void run_mc_avx2(const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const Meta* meta,
+                 const float* s, float* out, int64_t ldo) {
+  switch (f.planes) {
+    case -1:
+      if (f.z == 128) return run_mc_avx2_pl<MC, true, -1, S>(f, w, sc, K, px, meta, s, out, ldo);
+      return run_mc_avx2_pl<MC, false, -1, S>(f, w, sc, K, px, meta, s, out, ldo);
+    case 0: return run_mc_avx2_pl<MC, false, 0, S>(f, w, sc, K, px, meta, s, out, ldo);
+    case 1: return run_mc_avx2_pl<MC, false, 1, S>(f, w, sc, K, px, meta, s, out, ldo);
+    default: return run_mc_avx2_pl<MC, false, 2, S>(f, w, sc, K, px, meta, s, out, ldo);
+  }
 }
 #endif
 
 template <typename S>
-void run_block(Isa isa, int mc, bool g16, int ns, const uint8_t* w, const S* sc, int64_t K, int z, const int8_t* px,
+void run_block(Isa isa, int mc, const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px,
                const Meta* meta, const float* s, float* out, int64_t ldo) {
 #if defined(__x86_64__)
   static_assert(kMc == 6 && kMcAvx2 == 3, "one case per tile height below");
   if (isa == Isa::kVnni) {
     switch (mc) {
-      case 1: return run_mc_512<1, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
-      case 2: return run_mc_512<2, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
-      case 3: return run_mc_512<3, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
-      case 4: return run_mc_512<4, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
-      case 5: return run_mc_512<5, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
-      default: return run_mc_512<6, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+      case 1: return run_mc_512<1, S>(f, w, sc, K, px, meta, s, out, ldo);
+      case 2: return run_mc_512<2, S>(f, w, sc, K, px, meta, s, out, ldo);
+      case 3: return run_mc_512<3, S>(f, w, sc, K, px, meta, s, out, ldo);
+      case 4: return run_mc_512<4, S>(f, w, sc, K, px, meta, s, out, ldo);
+      case 5: return run_mc_512<5, S>(f, w, sc, K, px, meta, s, out, ldo);
+      default: return run_mc_512<6, S>(f, w, sc, K, px, meta, s, out, ldo);
     }
   }
   if (isa == Isa::kAvx2) {
     switch (mc) {
-      case 1: return run_mc_avx2<1, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
-      case 2: return run_mc_avx2<2, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
-      default: return run_mc_avx2<3, S>(g16, ns, w, sc, K, z, px, meta, s, out, ldo);
+      case 1: return run_mc_avx2<1, S>(f, w, sc, K, px, meta, s, out, ldo);
+      case 2: return run_mc_avx2<2, S>(f, w, sc, K, px, meta, s, out, ldo);
+      default: return run_mc_avx2<3, S>(f, w, sc, K, px, meta, s, out, ldo);
     }
   }
 #endif
-  block_rows_generic<S>(mc, w, sc, K, g16 ? 16 : 32, ns, z, px, meta, s, out, ldo);
+  block_rows_generic<S>(mc, f.planes, w, sc, K, f.g16 ? 16 : 32, f.ns, f.z, px, meta, s, out, ldo);
+}
+
+void widen_block_generic(const uint8_t* src, int planes, int64_t K, uint8_t* dst) {
+  for (int64_t c = 0; c < K / 8; ++c)  // one 8-column record -> byte chunks 2c and 2c + 1
+    for (int half = 0; half < 2; ++half)
+      for (int r = 0; r < kRows; ++r)
+        for (int j = 0; j < 4; ++j)
+          dst[(2 * c + half) * 64 + 4 * r + j] = static_cast<uint8_t>(weight_at(src + (c / 4) * block_bytes(planes),
+                                                                                planes, r, (c % 4) * 8 + 4 * half + j));
+}
+
+void widen_block(Isa isa, const uint8_t* src, int planes, int64_t K, uint8_t* dst) {
+#if defined(__x86_64__)
+  if (isa == Isa::kVnni) return widen_block_512(src, planes, K, dst);
+  if (isa == Isa::kAvx2) return widen_block_avx2(src, planes, K, dst);
+#endif
+  widen_block_generic(src, planes, K, dst);
 }
 
 template <typename S>
 void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const S* sc, int64_t nblocks, int64_t gs,
-          int ns, int z, float* y) {
+          const Form& f, float* y) {
   const int64_t tile = isa == Isa::kVnni ? kMc : isa == Isa::kAvx2 ? kMcAvx2 : kMc;
   std::vector<int8_t> parts(M * kParts * K);
   std::vector<Meta> meta(M * (K / 32));
@@ -419,15 +591,27 @@ void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
     quantize_rows(x, q, gs, m0, m1);
   });
-  const int64_t N = nblocks * kRows, wstride = (K / 4) * 64, sstride = (K / gs) * ns * kRows;
-  const int64_t ntiles = (M + tile - 1) / tile, wchunk = std::max<int64_t>(1, kWeightChunk / wstride);
+  const int64_t N = nblocks * kRows, wstride = (K / 32) * block_bytes(f.planes), sstride = (K / gs) * f.ns * kRows;
+  const int64_t ntiles = (M + tile - 1) / tile;
+  // more than one tile: a block in nibbles and planes is widened to byte lanes once, not once per
+  // tile (the AVX2 path's bit expansion, redone per 3-row tile, ran prefill 2-4x slower)
+  const bool widen = f.planes >= 0 && ntiles > 1;
+  const Form fw{f.g16, f.ns, f.z, widen ? -1 : f.planes};
+  const int64_t bstride = widen ? (K / 32) * block_bytes(-1) : wstride;
+  const int64_t wchunk = std::max<int64_t>(1, kWeightChunk / bstride);
   at::parallel_for(0, nblocks, 8, [&](int64_t b0, int64_t b1) {
+    std::vector<uint8_t> wide(widen ? (std::min(b1 - b0, wchunk)) * bstride : 0);
     for (int64_t c0 = b0; c0 < b1; c0 += wchunk) {
       const int64_t c1 = std::min(b1, c0 + wchunk);
+      const uint8_t* wc = w + c0 * wstride;
+      if (widen) {
+        for (int64_t nbk = c0; nbk < c1; ++nbk) widen_block(isa, w + nbk * wstride, f.planes, K, &wide[(nbk - c0) * bstride]);
+        wc = wide.data();
+      }
       for (int64_t t = 0; t < ntiles; ++t)
         for (int64_t nbk = c0; nbk < c1; ++nbk)
-          run_block<S>(isa, q.mt(t), gs == 16, ns, w + nbk * wstride, sc + nbk * sstride, K, z, q.tparts(t),
-                       q.tmeta(t), q.ts(t), y + t * tile * N + nbk * kRows, N);
+          run_block<S>(isa, q.mt(t), fw, wc + (nbk - c0) * bstride, sc + nbk * sstride, K, q.tparts(t), q.tmeta(t),
+                       q.ts(t), y + t * tile * N + nbk * kRows, N);
     }
   });
 }
@@ -436,31 +620,36 @@ void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const
 at::Tensor int8w_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group_size,
                       int64_t zero) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8w_gemm: x must be fp32 [M, K]");
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == 64 && w.scalar_type() == at::kByte && w.is_contiguous(),
-              "int8w_gemm: the weight must be contiguous uint8 [N/16, K/4, 64]");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "int8w_gemm: the weight must be contiguous uint8 [N/16, K/4, 64] or [N/16, K/8, 64 + 16P]");
   const int64_t M = x.size(0), K = x.size(1), nblocks = w.size(0);
-  TORCH_CHECK(w.size(1) * 4 == K && K % 32 == 0, "int8w_gemm: K mismatch: x has ", K, ", weight ", w.size(1) * 4,
-              " (a multiple of 32)");
+  TORCH_CHECK(K % 32 == 0, "int8w_gemm: K must be a multiple of 32, got ", K);
+  int planes = -2;
+  if (w.size(1) * 4 == K && w.size(2) == 64) planes = -1;
+  else if (w.size(1) * 8 == K && (w.size(2) == 64 || w.size(2) == 80 || w.size(2) == 96))
+    planes = static_cast<int>((w.size(2) - 64) / 16);
+  TORCH_CHECK(planes >= -1, "int8w_gemm: weight shape ", w.sizes(), " is no layout for K = ", K);
   TORCH_CHECK(group_size == 16 || group_size == 32, "int8w_gemm: group size must be 16 or 32, got ", group_size);
   TORCH_CHECK(zero >= 0 && zero <= 255, "int8w_gemm: zero point must be in [0, 255], got ", zero);
   TORCH_CHECK(sc.dim() == 4 && sc.size(0) == nblocks && sc.size(1) == K / group_size &&
               (sc.size(2) == 1 || sc.size(2) == 2) && sc.size(3) == kRows && sc.is_contiguous(),
               "int8w_gemm: scales must be contiguous [N/16, K/group, 1 | 2, 16]");
-  const int ns = static_cast<int>(sc.size(2)), z = static_cast<int>(zero);
-  const Isa isa = isa_now();
+  const Form f{group_size == 16, static_cast<int>(sc.size(2)), static_cast<int>(zero), planes};
   // the AVX2 path's unsigned form holds pair sums of 2 * 127 * 127 (see the top)
-  TORCH_CHECK(isa != Isa::kAvx2 || z <= 64 || z == 128, "int8w_gemm: zero point ", z,
-              " (weights of 8 bits take z = 128)");
+  TORCH_CHECK(planes >= 0 || zero <= 64 || zero == 128, "int8w_gemm: zero point ", zero,
+              " with byte lanes (weights of 8 bits take 128)");
+  TORCH_CHECK(planes < 0 || zero <= 32, "int8w_gemm: zero point ", zero, " for values of ", 4 + planes, " bits");
+  const Isa isa = isa_now();
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, nblocks * kRows}, x.options());
   if (M == 0) return y;
   if (sc.scalar_type() == at::kHalf) {
     gemm<at::Half>(isa, xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), sc.data_ptr<at::Half>(), nblocks,
-                   group_size, ns, z, y.data_ptr<float>());
+                   group_size, f, y.data_ptr<float>());
   } else {
     TORCH_CHECK(sc.scalar_type() == at::kFloat, "int8w_gemm: scales must be fp16 or fp32");
     gemm<float>(isa, xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), sc.data_ptr<float>(), nblocks, group_size,
-                ns, z, y.data_ptr<float>());
+                f, y.data_ptr<float>());
   }
   return y;
 }

@@ -577,7 +577,8 @@ def _gguf_run_linear(weights: GGUFWeights, names: list[str], kernel: str, bias: 
 
     d = torch.cat([per(p.d, p.group) for p in parts])
     m = None if sym else torch.cat([per(p.m if p.m is not None else -p.zero * p.d, p.group) for p in parts])
-    qw, qsc = cpu_int8.pack(torch.cat([p.q for p in parts]), d, m, zero)
+    bits = cpu_int8.preferred_bits(max(p.bits for p in parts))
+    qw, qsc = cpu_int8.pack(torch.cat([p.q for p in parts]), d, m, zero, bits)
     return Int8wLinear(qw, qsc, n, group, zero, bias)
 
 
