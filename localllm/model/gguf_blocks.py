@@ -158,15 +158,19 @@ def decode(kind: str, raw: torch.Tensor) -> Blocks:
 
 def cpu_bytes_per_value(kind: str) -> float:
     """Bytes per weight of a matrix of this type as the CPU loader holds it: the int4 layout
-    (Q4_0 / Q4_1 with their fp16 scales, Q4_K with fp32 ones), the int8-lane layout (1 byte plus
-    the group's scales: fp16 where the file's own scales are the values', fp32 for products
-    d * sc; offsets where the type has them), else fp32 values."""
+    (Q4_0 / Q4_1 with their fp16 scales, Q4_K with fp32 ones) or the int8-lane kernel's (nibbles
+    plus a plane per bit above 4, bytes for 8-bit values; on AVX2-only CPUs Q6_K takes bytes,
+    0.25 more than counted here), plus the group's scales: fp16 where the file's own scales are
+    the values', fp32 for the K-quants' products d * sc, offsets where the type has them. Other
+    types: fp32 values."""
     if kind in ("Q4_0", "Q4_1"):
         return 0.5 + 4 / 32
     if kind == "Q4_K":
         return 0.5 + 8 / 32
     if kind not in BLOCK_BYTES:
         return 4.0
+    bits = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2}.get(kind, 8)
+    values = 1.0 if bits > 6 else 0.5 + max(bits - 4, 0) / 8
     offsets = kind in ("Q5_1", "Q5_K", "Q2_K")
     scale = 2 if BLOCK_VALUES[kind] == 32 else 4  # the K-quants' d * sc need fp32
-    return 1 + scale * (2 if offsets else 1) / GROUP[kind]
+    return values + scale * (2 if offsets else 1) / GROUP[kind]
