@@ -26,9 +26,10 @@
 //      type's own, with S = 2 any value (the offset m + z d takes the rest).
 // y[m, n] = sum_g d[n,g] * sum_k (q[n,k] - z) x[m,k] + (m[n,g] + z d[n,g]) * sum_k x[m,k]  (k in g)
 //
-// On the AVX2 path VPMADDUBSW's int16 pair sums must not saturate: 2 * 127 * 127 fits, 2 * 255 *
-// 127 does not, so 8-bit weights (z = 128) take its signed form there: |q - 128| times x with
-// q - 128's sign (VPSIGNB), which gives sum (q - 128) x directly.
+// On the AVX2 path VPMADDUBSW's int16 pair sums must not saturate: 2 * 255 * 127 would, so 8-bit
+// weights (z = 128) take its signed form there: |q - 128| times x with q - 128's sign (VPSIGNB),
+// which gives sum (q - 128) x directly; values of at most 6 bits (z <= 32) let two chunks' pair
+// sums add in int16 before widening (2 * 2 * 63 * 127 = 32004).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -440,30 +441,39 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
                 int32_t xl, xh;
                 std::memcpy(&xl, xb + (m * kParts + p) * 32 + c * 4, 4);
                 std::memcpy(&xh, xb + (m * kParts + p) * 32 + c * 4 + 4, 4);
-                const __m256i d = _mm256_add_epi32(
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)), ones),
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)), ones));
+                const __m256i d = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
+                                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh))),
+                                                    ones);  // values below 64: see the byte-lane loop
                 ip[m][p] = _mm256_add_epi32(ip[m][p], d);
               }
             }
           }
         }
-        for (int cc = 0; cc < (PL < 0 ? kChunks : 0); ++cc) {
+        for (int cc = 0; cc < (PL < 0 ? kChunks : 0); cc += 2) {
           const int c = h * kChunks + cc;
           if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
-          __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64));
-          __m256i ws;
-          if (SIGNED) {
-            ws = _mm256_xor_si256(wv, flip);  // q - 128 as int8
-            wv = _mm256_abs_epi8(ws);
+          __m256i wv[2], ws[2];
+          for (int i = 0; i < 2; ++i) {
+            wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (c + i) * 64));
+            if (SIGNED) {
+              ws[i] = _mm256_xor_si256(wv[i], flip);  // q - 128 as int8
+              wv[i] = _mm256_abs_epi8(ws[i]);
+            }
           }
           for (int m = 0; m < MC; ++m) {
             for (int p = 0; p < kParts; ++p) {
-              int32_t x4;
-              std::memcpy(&x4, xb + (m * kParts + p) * 32 + c * 4, 4);
-              __m256i xv = _mm256_set1_epi32(x4);
-              if (SIGNED) xv = _mm256_sign_epi8(xv, ws);
-              ip[m][p] = _mm256_add_epi32(ip[m][p], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones));
+              __m256i prod[2];
+              for (int i = 0; i < 2; ++i) {
+                int32_t x4;
+                std::memcpy(&x4, xb + (m * kParts + p) * 32 + (c + i) * 4, 4);
+                __m256i xv = _mm256_set1_epi32(x4);
+                if (SIGNED) xv = _mm256_sign_epi8(xv, ws[i]);
+                prod[i] = _mm256_maddubs_epi16(wv[i], xv);
+              }
+              // values below 64: two chunks' pair sums add up in int16 (2 * 2 * 63 * 127 = 32004)
+              const __m256i d = SIGNED ? _mm256_add_epi32(_mm256_madd_epi16(prod[0], ones), _mm256_madd_epi16(prod[1], ones))
+                                       : _mm256_madd_epi16(_mm256_add_epi16(prod[0], prod[1]), ones);
+              ip[m][p] = _mm256_add_epi32(ip[m][p], d);
             }
           }
         }
@@ -636,8 +646,10 @@ at::Tensor int8w_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
               "int8w_gemm: scales must be contiguous [N/16, K/group, 1 | 2, 16]");
   const Form f{group_size == 16, static_cast<int>(sc.size(2)), static_cast<int>(zero), planes};
   // the AVX2 path's unsigned form holds pair sums of 2 * 127 * 127 (see the top)
-  TORCH_CHECK(planes >= 0 || zero <= 64 || zero == 128, "int8w_gemm: zero point ", zero,
-              " with byte lanes (weights of 8 bits take 128)");
+  // byte lanes: 8-bit values take z = 128 (the AVX2 path's signed form), others are below 64 (z
+  // at most 32: that path adds two VPMADDUBSW pair sums in int16)
+  TORCH_CHECK(planes >= 0 || zero <= 32 || zero == 128, "int8w_gemm: zero point ", zero,
+              " with byte lanes (values of 8 bits take 128, those of 6 bits or fewer at most 32)");
   TORCH_CHECK(planes < 0 || zero <= 32, "int8w_gemm: zero point ", zero, " for values of ", 4 + planes, " bits");
   const Isa isa = isa_now();
   const at::Tensor xc = x.contiguous();

@@ -2,7 +2,10 @@
 
 Both sources expose tensors under HF names with HF's rotate_half q/k row order, so the model
 and the exporters see one layout. Linear layers are built in the precision the caller asks
-for: GGUF Q4_0/Q4_1 stay int4 (a lossless repack), everything else is dequantized.
+for. A GGUF on CPU keeps the file's values, each matrix on the kernel of its type (exact
+repacks): Q4_0/Q4_1/Q4_K on the int4 kernel, the other block types (Q8_0, Q6_K, Q5_*, IQ4_*,
+Q3_K, Q2_K) on the int8-lane one, float and other types dequantized to fp32; nothing is
+re-quantized. Elsewhere GGUF Q4_0/Q4_1 stay int4 and the rest is dequantized.
 """
 
 from __future__ import annotations
