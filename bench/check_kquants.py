@@ -108,6 +108,21 @@ def layer_summary(loaded) -> tuple[dict[str, int], int]:
     return kinds, nbytes
 
 
+def exact_layers(loaded, path: Path) -> str:
+    """How many of the decoder's fused linears hold exactly gguf-py's dequantized values of their
+    tensors (the file's blocks, as llama.cpp's quantizer wrote them)."""
+    from test_gguf_kquants import layer_values
+
+    weights, mods = open_weights(path), loaded.config.checkpoint_linears()
+    equal = total = 0
+    for i, layer in enumerate(loaded.model.layers):
+        for f in ("qkv", "o", "gate_up", "down"):
+            ref = torch.cat([weights.dense(f"model.layers.{i}.{m}.weight") for m in mods[f]])
+            equal += torch.equal(layer_values(getattr(layer, f)), ref)
+            total += 1
+    return f"{equal}/{total}"
+
+
 def engine(loaded, threads: int) -> LLMEngine:
     return LLMEngine(loaded, EngineConfig(max_model_len=2048, enable_prefix_caching=False, parallel=1,
                                           num_threads=threads, compile=False))
@@ -161,6 +176,7 @@ def check(path: Path, args) -> dict:
     res["load_s"] = time.perf_counter() - t0
     res["precision"] = ours.precision
     res["layers"], res["layer_bytes"] = layer_summary(ours)
+    res["layers_equal_to_gguf_dequantize"] = exact_layers(ours, path)
     eng = engine(ours, args.threads)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                            dtype=torch.float32).eval()

@@ -2,7 +2,7 @@
 // than 4 bits (Q8_0, Q6_K, Q5_K, Q5_0, Q5_1) and those whose values are not an affine 4-bit grid
 // (IQ4_NL, IQ4_XS: codebook entries; Q3_K, Q2_K: 16-value groups), each repacked exactly at load
 // (localllm_kernels.cpu_int8.pack). Without it those tensors were dequantized to fp32: 4 bytes a
-// weight instead of ~1.1-1.3 here, and decode is bound by the bytes read.
+// weight instead of 0.56-1.25 here (values and scales), and decode is bound by the bytes read.
 //
 // Arithmetic as int4_gemm.cpp's (same 16-bit activation rule): per 32-block the activations are
 // split into two int8 parts, x = e * (p0 + p1/254), and each part meets the u8 weights in
@@ -23,7 +23,7 @@
 //   sc half or float [N/16, G, S, 16], group size 16 or 32: S = 2: per group 16 scales d, then
 //      16 offsets m, W = d * q + m; S = 1: scales only, W = d * (q - z) (symmetric types).
 //   z: the zero point the kernel centers q by in int32 (exact): 2^(bits-1); with S = 1 it is the
-//      type's own, with S = 2 any value (the offset m + z d takes the rest).
+//      type's own, with S = 2 that of the widest part of a stack (the offset m + z d takes the rest).
 // y[m, n] = sum_g d[n,g] * sum_k (q[n,k] - z) x[m,k] + (m[n,g] + z d[n,g]) * sum_k x[m,k]  (k in g)
 //
 // On the AVX2 path VPMADDUBSW's int16 pair sums must not saturate: 2 * 255 * 127 would, so 8-bit
