@@ -908,7 +908,8 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
             from localllm_kernels import cpu_int8
 
             types = "/".join(sorted({weights.kind(n) for n in _linear_names(cfg)}))
-            ours = "int4 and int8-lane" if "vnni" in kinds else "int8-lane"
+            int4 = any(isinstance(m, Int4Linear) and m.kind == "vnni" for layer in layers for m in layer.modules())
+            ours = "int4 and int8-lane" if int4 else "int8-lane"  # (the head's int4 copy aside)
             desc = (f"GGUF {types} weights as stored (our {ours} kernels, {cpu_int8.isa()}, 16-bit matmul inputs), "
                     "fp32 activations")
     # CPU, int4/int8 weights: a 16-bit KV cache reads half the bytes per decode step; measured on
