@@ -255,3 +255,21 @@ def test_mixed_file_runs_each_tensor_on_its_kernel(mixed_gguf):
             assert type(a) is type(o) and bits_equal(layer_values(a), layer_values(o).numpy()), f
             assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), o.state_dict().values()))
     assert torch.equal(make_engine(again).score(prompt), got)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_planner_bytes_are_the_layouts_bytes(kind):
+    """The planner's bytes per weight of each type (gguf_blocks.cpu_bytes_per_value) are what the
+    loader's layout of a matrix of that type takes, on this CPU's kernel path."""
+    n, k = 32, 512
+    b = gguf_blocks.decode(kind, torch.from_numpy(random_blocks(kind, n, k, seed=5, std=0.05)))
+    if kind in ("Q4_0", "Q4_1", "Q4_K") and cpu_int4.supported():
+        w, sc = cpu_int4.pack_dm(b.q, b.d, b.m if b.m is not None else -b.zero * b.d)
+    else:
+        assert cpu_int8.load()
+        w, sc = cpu_int8.pack(b.q, b.d, b.m, b.zero, cpu_int8.preferred_bits(b.bits))
+    got = (w.numel() * w.element_size() + sc.numel() * sc.element_size()) / (n * k)
+    expected = gguf_blocks.cpu_bytes_per_value(kind)
+    if kind == "Q6_K" and cpu_int8.isa() != "avx512_vnni":
+        expected += 0.25  # byte lanes on AVX2 (see cpu_bytes_per_value)
+    assert got == expected
