@@ -14,7 +14,8 @@ Needs llama-cpp-python (the bench extra: `llama_cpp.llama_model_quantize`); not 
      (tests/test_reference.py's setup; a flip's top-2 gap in transformers' logits shows a near-tie);
   3. decode tok/s at batch 1 after a 32-token prompt (medians of --runs interleaved rounds): ours
      on the file's blocks, ours on fp32 copies of them (--quant float32: the path K-quants took
-     before), llama.cpp on the same file.
+     before), llama.cpp on the same file. Our engines run eagerly here (no compiled step): for
+     the default settings' figures run bench/compare.py --model on a file this script wrote.
 """
 
 from __future__ import annotations
