@@ -91,11 +91,16 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[to
     [N, K], scales/zeros [G, N]) -> the kernel's (w uint8 [N/16, K/8, 64], sc [N/16, G, 2, 16]
     with w = d * q + m). Scales are kept in fp16 when that is exact (GGUF, AWQ, GPTQ), else fp32.
     Rows past N are zero padding."""
-    n, k = q.shape
-    g = scales.shape[0]
-    pad = -n % ROWS
     d = scales.t().float()
-    m = zeros.t().float() - 8.0 * d
+    return pack_dm(q, d, zeros.t().float() - 8.0 * d)
+
+
+def pack_dm(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack` from the kernel's own terms: q uint8 [N, K] (0..15), d and m fp32 [N, G] with
+    w = d * q + m (exact for GGUF's Q4_K, whose m = -dmin * min is not (q - 8) * d + zeros)."""
+    n, k = q.shape
+    g = d.shape[1]
+    pad = -n % ROWS
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
         d, m = torch.cat([d, d.new_zeros(pad, g)]), torch.cat([m, m.new_zeros(pad, g)])
@@ -106,6 +111,15 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[to
     half = sc.half()
     exact = torch.isfinite(half).all() and torch.equal(half.float(), sc)
     return w, (half if exact else sc)
+
+
+def unpack(w: torch.Tensor, sc: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_dm`: (q uint8 [n, K], d fp32 [n, G], m fp32 [n, G])."""
+    nb, kc, _ = w.shape
+    b = w.view(nb, kc, ROWS, 4).permute(0, 2, 1, 3)  # [nb, 16, K/8, 4]
+    q = torch.stack([b & 15, b >> 4], dim=3).reshape(nb * ROWS, kc * 8)[:n]
+    s = sc.float().permute(0, 3, 1, 2).reshape(nb * ROWS, sc.shape[1], 2)[:n]
+    return q, s[..., 0], s[..., 1]
 
 
 def int4_gemm(x: torch.Tensor, w: torch.Tensor, sc: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -316,6 +316,7 @@ def _estimated_facts(name: str, params: int, context: int | None) -> ModelFacts:
 
 def _native_bytes(weights) -> dict[str, int]:
     """Weights of a GGUF / AWQ / GPTQ checkpoint as the loader holds them, per device kind."""
+    from .model import gguf_blocks
     from .model.loader import GGUFWeights
 
     cfg = weights.config
@@ -327,7 +328,12 @@ def _native_bytes(weights) -> dict[str, int]:
             for name, t in weights.file.tensors.items():
                 n = math.prod(t.shape)
                 linear = name.startswith("blk.") and len(t.shape) == 2
-                total += int(n * (0.5 + 4 / 32)) if linear and t.qtype.name in ("Q4_0", "Q4_1") else n * other
+                if kind == "cpu" and linear:  # each matrix on its type's kernel (see the loader)
+                    total += int(n * gguf_blocks.cpu_bytes_per_value(t.qtype.name))
+                elif kind == "cpu" and t.qtype.name == "Q8_0":  # the embedding / head read in place
+                    total += t.nbytes
+                else:
+                    total += int(n * (0.5 + 4 / 32)) if linear and t.qtype.name in ("Q4_0", "Q4_1") else n * other
         else:
             f = ModelFacts.from_config("", cfg)
             g = weights.quant.get("group_size", 128)

@@ -146,9 +146,42 @@ class Int4Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+class Int8wLinear(nn.Module):
+    """Weights of up to 8 bits per value in int8 lanes, on our CPU kernel (localllm_kernels.cpu_int8):
+    GGUF's Q8_0, Q6_K, Q5_K, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q3_K and Q2_K repacked exactly (values
+    d * q + m per group of 16 or 32, or d * (q - zero)). fp32 in and out, activations rounded to
+    16 bits inside (as Int4Linear's kernel)."""
+
+    kind = "int8w"
+
+    def __init__(self, qw: torch.Tensor, qsc: torch.Tensor, out_features: int, group_size: int, zero: int,
+                 bias: torch.Tensor | None = None):
+        from localllm_kernels import cpu_int8
+
+        super().__init__()
+        cpu_int8.load()  # registers the op (buffers from the conversion cache come without a pack)
+        self.register_buffer("qw", qw)
+        self.register_buffer("qsc", qsc)
+        self.out_features, self.group_size, self.zero = out_features, group_size, zero
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    def kernel_tensors(self) -> dict[str, torch.Tensor]:
+        return {"qw8": self.qw, "qsc8": self.qsc}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.localllm.int8w_gemm(x.reshape(-1, shape[-1]).float(), self.qw, self.qsc, self.group_size,
+                                          self.zero)
+        y = (y if y.shape[1] == self.out_features else y[:, :self.out_features]).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
 class ConcatLinear(nn.Module):
     """Several linears on the same input, outputs concatenated: a fused qkv / gate_up whose parts
-    cannot share one int4 matrix (act-order checkpoints with different input permutations)."""
+    cannot share one int4 matrix (act-order checkpoints with different input permutations, GGUF
+    parts of types that run on different kernels)."""
 
     def __init__(self, parts: list[nn.Module]):
         super().__init__()

@@ -2,7 +2,10 @@
 
 Both sources expose tensors under HF names with HF's rotate_half q/k row order, so the model
 and the exporters see one layout. Linear layers are built in the precision the caller asks
-for: GGUF Q4_0/Q4_1 stay int4 (a lossless repack), everything else is dequantized.
+for. A GGUF on CPU keeps the file's values, each matrix on the kernel of its type (exact
+repacks): Q4_0/Q4_1/Q4_K on the int4 kernel, the other block types (Q8_0, Q6_K, Q5_*, IQ4_*,
+Q3_K, Q2_K) on the int8-lane one, float and other types dequantized to fp32; nothing is
+re-quantized. Elsewhere GGUF Q4_0/Q4_1 stay int4 and the rest is dequantized.
 """
 
 from __future__ import annotations
@@ -25,11 +28,21 @@ from torch import nn
 from ..config import ModelConfig, sliding_layers
 from ..paths import safe_relative_name
 from ..tokenizer import LLMTokenizer
-from . import cache_file, quant_formats  # quant_formats: AWQ / GPTQ (also legacy quant_config.json / ...)
+from . import cache_file, gguf_blocks, quant_formats  # quant_formats: AWQ / GPTQ
 from .errors import ModelLoadError
 from .gguf import GGUFError, GGUFFile, dequantize, read_gguf
 from .int4 import Int4Weight, quantize_rtn
-from .layers import ConcatLinear, DenseLinear, DenseMatrix, Int4Linear, Int8Linear, LMHead, Q8Matrix, RMSNorm
+from .layers import (
+    ConcatLinear,
+    DenseLinear,
+    DenseMatrix,
+    Int4Linear,
+    Int8Linear,
+    Int8wLinear,
+    LMHead,
+    Q8Matrix,
+    RMSNorm,
+)
 from .llama import DecoderLayer, LlamaModel
 from .moe import Int4Experts, LoopExperts, MoE, expert_tensor_names, make_experts
 
@@ -274,6 +287,21 @@ class GGUFWeights:
         blocks = torch.from_numpy(self.file.read(t)).view(n, k // 32, 18 if t.qtype.name == "Q4_0" else 20)
         return blocks, self._perm(name)
 
+    def kind(self, name: str) -> str:
+        """The GGUF type `name` is stored in ("Q4_K", "F16", ...)."""
+        return self._tensor(name).qtype.name
+
+    def blocks(self, name: str) -> gguf_blocks.Blocks:
+        """`name`'s values as integers and per-group scales (exactly the file's; see gguf_blocks), in
+        the row order `int4` gives (q/k into rotate_half order). ValueError for other types."""
+        t = self._tensor(name)
+        kind = t.qtype.name
+        n, k = t.shape
+        raw = torch.from_numpy(self.file.read(t)).view(n, k // gguf_blocks.BLOCK_VALUES[kind], -1)
+        b = gguf_blocks.decode(kind, raw)
+        perm = self._perm(name)
+        return b if perm is None else b.rows(perm)
+
     def q8_blocks(self, name: str) -> torch.Tensor | None:
         """The file's own Q8_0 blocks of `name`, uint8 [N, K/32, 34] (a view of the mapped file);
         None for other types or a permuted tensor."""
@@ -463,7 +491,8 @@ def _resolve_precision(precision: str, weights, device: str) -> tuple[str, torch
     # the first layer's MLP (an MoE layer: its first expert's), as stored
     first = ("model.layers.0." + cfg.checkpoint_linears()["gate_up"][0] + ".weight" if not cfg.is_moe_layer(0)
              else expert_tensor_names(cfg, 0)[1][0][0])
-    native_int4 = isinstance(weights, GGUFWeights) and weights.int4(first) is not None
+    native_int4 = isinstance(weights, GGUFWeights) and (
+        weights.int4(first) is not None or (device == "cpu" and gguf_blocks.supported(weights.kind(first))))
     quantized = isinstance(weights, HFWeights) and weights.quant is not None
     if precision == "auto":
         if native_int4 or quantized:
@@ -516,6 +545,72 @@ def _gguf_q4_linear(weights: GGUFWeights, names: list[str], bias: torch.Tensor |
     return Int4Linear.from_kernel_tensors({"qw": packed[0], "qsc": packed[1]}, n, 32, bias)
 
 
+_INT4_KINDS = ("Q4_0", "Q4_1", "Q4_K")  # affine 4-bit groups of 32: the int4 kernel's layout
+
+
+def _gguf_kernel(kind: str, n: int, k: int) -> str:
+    """Which CPU kernel runs a GGUF matrix of this type: "int4" (cpu_int4), "int8" (cpu_int8, every
+    other type with an exact integer decoding) or "dense" (fp32 values: float types, the rest)."""
+    from localllm_kernels import cpu_int4, cpu_int8
+
+    if not gguf_blocks.supported(kind):
+        return "dense"
+    if kind in _INT4_KINDS and cpu_int4.fits(n, k, 32) and cpu_int4.load():
+        return "int4"
+    return "int8" if cpu_int8.fits(n, k, gguf_blocks.GROUP[kind]) and cpu_int8.load() else "dense"
+
+
+def _gguf_run_linear(weights: GGUFWeights, names: list[str], kernel: str, bias: torch.Tensor | None) -> nn.Module:
+    """One kernel's linear over consecutive parts of a fused layer (their rows stacked)."""
+    if kernel == "dense":
+        return DenseLinear(torch.cat([weights.dense(n).float() for n in names]), bias)
+    parts = [weights.blocks(n) for n in names]
+    n = sum(p.q.shape[0] for p in parts)
+    if kernel == "int4":
+        from localllm_kernels import cpu_int4
+
+        d = torch.cat([p.d for p in parts])
+        m = torch.cat([p.m if p.m is not None else -p.zero * p.d for p in parts])  # Q4_0: -8d, exact
+        qw, qsc = cpu_int4.pack_dm(torch.cat([p.q for p in parts]), d, m)
+        return Int4Linear.from_kernel_tensors({"qw": qw, "qsc": qsc}, n, 32, bias)
+    from localllm_kernels import cpu_int8
+
+    # one group size, zero point and scale form for the stack: 32-groups split into 16s, and parts
+    # of different zero points (or with offsets) all with offsets m = -zero * d: exact
+    group = min(p.group for p in parts)
+    zero = max(p.zero for p in parts)
+    sym = all(p.m is None and p.zero == zero for p in parts)
+
+    def per(t: torch.Tensor, g: int) -> torch.Tensor:
+        return t.repeat_interleave(g // group, dim=1)
+
+    d = torch.cat([per(p.d, p.group) for p in parts])
+    m = None if sym else torch.cat([per(p.m if p.m is not None else -p.zero * p.d, p.group) for p in parts])
+    bits = cpu_int8.preferred_bits(max(p.bits for p in parts))
+    qw, qsc = cpu_int8.pack(torch.cat([p.q for p in parts]), d, m, zero, bits)
+    return Int8wLinear(qw, qsc, n, group, zero, bias)
+
+
+def _gguf_kernel_linear(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None) -> nn.Module:
+    """A GGUF linear on our CPU kernels, each part on the kernel of its type (a K-quant mix stores
+    the parts of one fused layer in different types): runs of parts sharing a kernel become one
+    matrix, several runs a ConcatLinear. The weights are exactly the file's values."""
+    kernels = []
+    for name in names:
+        n, k = weights._tensor(name).shape
+        kernels.append(_gguf_kernel(weights.kind(name), n, k))
+    runs: list[tuple[str, list[str]]] = []
+    for name, kern in zip(names, kernels):
+        if runs and runs[-1][0] == kern:
+            runs[-1][1].append(name)
+        else:
+            runs.append((kern, [name]))
+    sizes = [sum(weights._tensor(n).shape[0] for n in run) for _, run in runs]
+    biases = [None] * len(runs) if bias is None else list(bias.split(sizes))
+    linears = [_gguf_run_linear(weights, run, kern, b) for (kern, run), b in zip(runs, biases)]
+    return linears[0] if len(linears) == 1 else ConcatLinear(linears)
+
+
 def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device: str, dense: bool = False,
             cpu_kernel: bool = True):
     biases = [n.replace(".weight", ".bias") for n in names]
@@ -524,6 +619,7 @@ def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device
         fast = _gguf_q4_linear(weights, names, bias)
         if fast is not None:
             return fast
+        return _gguf_kernel_linear(weights, names, bias)
     if mode == "int4":
         parts = [weights.int4(n) for n in names]
         if all(p is not None for p in parts):
@@ -534,7 +630,8 @@ def _linear(weights, names: list[str], mode: str, act_dtype: torch.dtype, device
             bs = [None] * len(parts) if bias is None else list(bias.split(sizes))
             return ConcatLinear([Int4Linear(p, act_dtype, b, device, cpu_kernel=cpu_kernel) for p, b in zip(parts, bs)])
     w = torch.cat([weights.dense(n).float() for n in names])
-    prequantized = isinstance(weights, HFWeights) and weights.quant is not None
+    # a GGUF's values are used as stored: a type without a kernel here stays exact (dense)
+    prequantized = isinstance(weights, GGUFWeights) or (isinstance(weights, HFWeights) and weights.quant is not None)
     if mode == "int4" and not prequantized:  # quantize on load: largest group that divides K
         group = next((g for g in (128, 64, 32) if w.shape[1] % g == 0), None)
         if group is not None:
@@ -604,7 +701,9 @@ class ConvertCache:
     Written durably with a crc32 of every tensor (cache_file); a file that does not match is
     converted again, never used."""
 
-    VERSION = 6  # 5: MoE experts (Int4Experts' stacks or each looped expert) and routers; 6: crc32s
+    # 5: MoE experts (Int4Experts' stacks or each looped expert) and routers; 6: crc32s; 7: GGUF types
+    # beyond Q4_0/Q4_1 on our kernels (Int8wLinear, ConcatLinear of mixed parts), none re-quantized
+    VERSION = 7
 
     def __init__(self, file: Path, dense: bool = False, cpu_kernel: bool = True):
         from localllm_kernels import cpu_int4
@@ -649,8 +748,8 @@ class ConvertCache:
             return Int4Experts(*(t[f"{key}.{b}"] for b in ("w1", "s1", "w2", "s2")), int(t[f"{key}.group1"]),
                                int(t[f"{key}.group2"]), inter)
         keys = [f"{key}.{e}.{part}" for e in range(n) for part in ("gate_up", "down")]
-        if self.hit and all(f"{k}.group" in t for k in keys):
-            linears = [self._cached_linear(k) for k in keys]
+        linears = [self._cached_linear(k) for k in keys] if self.hit else [None]
+        if all(x is not None for x in linears):
             return LoopExperts(linears[0::2], linears[1::2])
         m = build()
         if isinstance(m, Int4Experts):
@@ -663,25 +762,40 @@ class ConvertCache:
                     self._keep_linear(k, x)
         return m
 
-    def _cached_linear(self, key: str) -> Int4Linear | None:
+    def _cached_linear(self, key: str) -> nn.Module | None:
         t = self.tensors
+        if self.hit and f"{key}.parts" in t:  # a ConcatLinear
+            parts = [self._cached_linear(f"{key}.part{i}") for i in range(int(t[f"{key}.parts"]))]
+            return None if any(p is None for p in parts) else ConcatLinear(parts)
         if not (self.hit and f"{key}.group" in t):
             return None
+        if f"{key}.qw8" in t:
+            return Int8wLinear(t[f"{key}.qw8"], t[f"{key}.qsc8"], int(t[f"{key}.n"]), int(t[f"{key}.group"]),
+                               int(t[f"{key}.zero"]), t.get(f"{key}.bias"))
         names = ("qw", "qsc") if f"{key}.qw" in t else ("packed", "scales_zeros")
         return Int4Linear.from_kernel_tensors({n: t[f"{key}.{n}"] for n in names}, int(t[f"{key}.n"]),
                                               int(t[f"{key}.group"]), t.get(f"{key}.bias"), t.get(f"{key}.dense"))
 
     @staticmethod
     def _keepable(m) -> bool:
-        return isinstance(m, Int4Linear) and m.in_perm is None and not m.cuda_path
+        if isinstance(m, ConcatLinear):
+            return all(ConvertCache._keepable(p) for p in m.parts)
+        return isinstance(m, Int8wLinear) or (isinstance(m, Int4Linear) and m.in_perm is None and not m.cuda_path)
 
-    def _keep_linear(self, key: str, m: Int4Linear) -> None:
+    def _keep_linear(self, key: str, m: nn.Module) -> None:
         t = self.tensors
+        if isinstance(m, ConcatLinear):
+            t[f"{key}.parts"] = torch.tensor(len(m.parts))
+            for i, p in enumerate(m.parts):
+                self._keep_linear(f"{key}.part{i}", p)
+            return
         t.update({f"{key}.{n}": v for n, v in m.kernel_tensors().items()})
         t.update({f"{key}.group": torch.tensor(m.group_size), f"{key}.n": torch.tensor(m.out_features)})
+        if isinstance(m, Int8wLinear):
+            t[f"{key}.zero"] = torch.tensor(m.zero)
         if m.bias is not None:
             t[f"{key}.bias"] = m.bias.data
-        if m.dense is not None:
+        if getattr(m, "dense", None) is not None:
             t[f"{key}.dense"] = m.dense
 
     def tensor(self, key: str, build) -> torch.Tensor:
@@ -718,6 +832,13 @@ class ConvertCache:
                     old.unlink(missing_ok=True)
         except OSError:  # a read-only home: convert every time
             pass
+
+
+def _linear_names(cfg: ModelConfig) -> list[str]:
+    """The checkpoint names of the dense layers' linears (MoE experts aside)."""
+    mods = cfg.checkpoint_linears()
+    return [f"model.layers.{i}.{m}.weight" for i in range(cfg.num_layers) for f in ("qkv", "o", "gate_up", "down")
+            for m in mods[f] if not (cfg.is_moe_layer(i) and f in ("gate_up", "down"))]
 
 
 def _context_length(cfg: ModelConfig, max_model_len: int | None) -> int:
@@ -793,7 +914,7 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     if cache:
         cache.save()
     # which int4 kernel(s) the layers call (also inside ConcatLinear): a compiled graph bakes it in
-    kinds = {m.kind for part in (*layers, head) for m in part.modules() if isinstance(m, Int4Linear)}
+    kinds = {m.kind for part in (*layers, head) for m in part.modules() if isinstance(m, (Int4Linear, Int8wLinear))}
     kernel = "+".join(sorted(kinds)) or None
     fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device, kernel,
                                       type(head_w).__name__)
@@ -806,6 +927,14 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
         isa = cpu_int4.isa_name() if kernel == "vnni" else ""
         desc = {"vnni": f"int4 weights (our kernel, {isa}, 16-bit matmul inputs), fp32 activations",
                 "aten": "int4 weights, bf16 matmul inputs, fp32 activations"}.get(kernel, mode)
+        if "int8w" in kinds:  # a GGUF of wider or mixed types, each tensor on its type's kernel
+            from localllm_kernels import cpu_int8
+
+            types = "/".join(sorted({weights.kind(n) for n in _linear_names(cfg)}))
+            int4 = any(isinstance(m, Int4Linear) and m.kind == "vnni" for layer in layers for m in layer.modules())
+            ours = "int4 and int8-lane" if int4 else "int8-lane"  # (the head's int4 copy aside)
+            desc = (f"GGUF {types} weights as stored (our {ours} kernels, {cpu_int8.isa()}, 16-bit matmul inputs), "
+                    "fp32 activations")
     # CPU, int4/int8 weights: a 16-bit KV cache reads half the bytes per decode step; measured on
     # the real model against the fp32 cache (bench/check_kv.py): perplexity +0.001%, greedy tokens
     # 599/599 equal. fp16, not bf16 (+0.02%, 3 flips). --quant float32 keeps the exact fp32 cache.

@@ -1,0 +1,797 @@
+// Weights of up to 8 bits in int8 lanes x fp32 activations: the GEMM for the GGUF types wider
+// than 4 bits (Q8_0, Q6_K, Q5_K, Q5_0, Q5_1) and those whose values are not an affine 4-bit grid
+// (IQ4_NL, IQ4_XS: codebook entries; Q3_K, Q2_K: 16-value groups), each repacked exactly at load
+// (localllm_kernels.cpu_int8.pack). Without it those tensors were dequantized to fp32: 4 bytes a
+// weight instead of 0.56-1.25 here (values and scales), and decode is bound by the bytes read.
+//
+// Arithmetic as int4_gemm.cpp's (same 16-bit activation rule): per 32-block the activations are
+// split into two int8 parts, x = e * (p0 + p1/254), and each part meets the u8 weights in
+// VPDPBUSD (AVX-512 VNNI) or VPMADDUBSW + VPMADDWD (AVX2), giving exact int32 sums per group;
+// a scalar path (any CPU) computes the same integers. The fp32 steps after them are the same
+// operations in the same order on every path (the activations' parts, scales and group sums
+// come from one scalar routine), so the three paths give bit-identical outputs.
+//
+// Layouts (`planes`, told by w's shape):
+//   bytes (planes -1): w uint8 [N/16, K/4, 64]: chunk c of a 16-row block holds, at byte 4r + j,
+//      q[r, 4c + j]: 16 dword lanes of 4 consecutive weights each (one row per lane). 8-bit types.
+//   nibbles and high-bit planes (planes P = 0, 1, 2: values of 4 + P bits): w uint8 [N/16, K/8,
+//      64 + 16P]: per 8 columns c, 64 bytes as int4_gemm's layout (byte 4r + j: q[r, 8c + j] & 15
+//      in its low nibble, q[r, 8c + 4 + j] & 15 in its high one), then per plane p two 64-bit
+//      masks whose bit 4r + j is bit 4 + p of q[r, 8c + j] and of q[r, 8c + 4 + j]. The kernel
+//      rebuilds the byte lanes in registers (AVX-512: one masked add per plane), so a 5-bit type
+//      streams 0.625 bytes a weight and a 6-bit one 0.75, not 1.
+//   sc half or float [N/16, G, S, 16], group size 16 or 32: S = 2: per group 16 scales d, then
+//      16 offsets m, W = d * q + m; S = 1: scales only, W = d * (q - z) (symmetric types).
+//   z: the zero point the kernel centers q by in int32 (exact): 2^(bits-1); with S = 1 it is the
+//      type's own, with S = 2 that of the widest part of a stack (the offset m + z d takes the rest).
+// y[m, n] = sum_g d[n,g] * sum_k (q[n,k] - z) x[m,k] + (m[n,g] + z d[n,g]) * sum_k x[m,k]  (k in g)
+//
+// On the AVX2 path VPMADDUBSW's int16 pair sums must not saturate: 2 * 255 * 127 would, so 8-bit
+// weights (z = 128) take its signed form there: |q - 128| times x with q - 128's sign (VPSIGNB),
+// which gives sum (q - 128) x directly; values of at most 6 bits (z <= 32) let two chunks' pair
+// sums add in int16 before widening (2 * 2 * 63 * 127 = 32004).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kRows = 16;  // output rows per block
+constexpr int kMc = 6;     // activation rows per tile (AVX-512: 2 * kMc int32 chains, as int4_gemm)
+constexpr int kMcAvx2 = 3;  // AVX2 has 16 vector registers
+constexpr int kParts = 2;
+constexpr float kBase = 254.f;
+constexpr int64_t kWeightChunk = 64 * 1024;  // ~L2's share of weights that meets every tile (int4_gemm)
+constexpr int64_t kPrefetch = 4096;  // decode streams weights once: ask for them 4 KB ahead
+
+// Per activation row and 32-block: each part's sums over the block's two 16-halves (the kernel
+// centers the weights by z with them) and the block scale e.
+struct Meta {
+  int32_t ps[kParts][2];
+  float e;
+  float pad;
+};
+
+// The activations in tiles of `tile` rows (see int4_gemm.cpp's Tiled): within a tile, per
+// 32-block, the rows' parts follow each other; s: group sums [G, mt].
+struct Tiled {
+  int64_t M, K, nb, ng, tile;
+  int8_t* parts;
+  Meta* meta;
+  float* s;
+  int mt(int64_t t) const { return static_cast<int>(std::min<int64_t>(tile, M - t * tile)); }
+  int8_t* tparts(int64_t t) const { return parts + t * tile * kParts * K; }
+  Meta* tmeta(int64_t t) const { return meta + t * tile * nb; }
+  float* ts(int64_t t) const { return s + t * tile * ng; }
+};
+
+enum class Isa { kVnni, kAvx2, kGeneric };
+
+bool cpu_has(Isa isa) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  static const bool vnni = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return isa == Isa::kGeneric || (isa == Isa::kAvx2 ? avx2 : vnni);
+#else
+  return isa == Isa::kGeneric;
+#endif
+}
+
+Isa best_isa() { return cpu_has(Isa::kVnni) ? Isa::kVnni : cpu_has(Isa::kAvx2) ? Isa::kAvx2 : Isa::kGeneric; }
+std::atomic<int> g_forced{-1};  // tests: a slower path on a CPU that has a faster one
+Isa isa_now() {
+  const int f = g_forced.load(std::memory_order_relaxed);
+  return f < 0 ? best_isa() : static_cast<Isa>(f);
+}
+const char* isa_str(Isa i) { return i == Isa::kVnni ? "avx512_vnni" : i == Isa::kAvx2 ? "avx2" : "generic"; }
+
+// -> the path the kernel takes now; force: "avx2" or "generic" takes that one (where the CPU has
+// it), "auto" restores the choice.
+std::string int8w_isa(std::optional<std::string> force) {
+  if (force) {
+    if (*force == "auto") {
+      g_forced.store(-1);
+    } else {
+      const Isa want = *force == "avx2" ? Isa::kAvx2 : *force == "generic" ? Isa::kGeneric : Isa::kVnni;
+      TORCH_CHECK(*force == "avx2" || *force == "generic" || *force == "avx512_vnni",
+                  "int8w_isa: force must be auto, avx512_vnni, avx2 or generic, got ", *force);
+      TORCH_CHECK(cpu_has(want), "int8w_isa: this CPU cannot run the ", *force, " path");
+      g_forced.store(static_cast<int>(want));
+    }
+  }
+  return isa_str(isa_now());
+}
+
+// The sum of 16 floats in one fixed tree (lanes i and i + 8, then i + 4, i + 2, i + 1), the
+// order AVX-512's halving reductions take: every path computes the group sums the same way.
+inline float tree16(float* t) {
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) t[i] = t[i] + t[i + w];
+  return t[0];
+}
+
+// x rows [m0, m1) -> the tiled parts, as int4_gemm's quantize_rows computes them (round to
+// nearest even, the last part clamped to +-127), group sums by tree16: the scalar path's form;
+// quantize_512 and quantize_avx2 are the same arithmetic in intrinsics.
+__attribute__((always_inline)) inline void quantize_impl(const float* x, const Tiled& q, int64_t gs, int64_t m0,
+                                                         int64_t m1) {
+  const int64_t K = q.K, nb = q.nb;
+  for (int64_t m = m0; m < m1; ++m) {
+    const int64_t t = m / q.tile, i = m % q.tile;
+    const int mt = q.mt(t);
+    int8_t* tp = q.tparts(t);
+    Meta* tm = q.tmeta(t);
+    float* ts = q.ts(t);
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const float* xb = x + m * K + blk * 32;
+      float mx[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // (independent chains; max is exact)
+      for (int j = 0; j < 32; ++j) mx[j % 8] = std::max(mx[j % 8], std::fabs(xb[j]));
+      const float amax = std::max(std::max(std::max(mx[0], mx[1]), std::max(mx[2], mx[3])),
+                                  std::max(std::max(mx[4], mx[5]), std::max(mx[6], mx[7])));
+      const bool live = amax > 1e-30f;  // zeros or denormals contribute nothing
+      const float inv = live ? 127.f / amax : 0.f;
+      Meta& bm = tm[blk * mt + i];
+      bm.e = live ? amax / 127.f : 0.f;
+      float tr[16];
+      if (gs == 16) {
+        for (int h = 0; h < 2; ++h) {
+          for (int j = 0; j < 16; ++j) tr[j] = xb[16 * h + j];
+          ts[(2 * blk + h) * mt + i] = tree16(tr);
+        }
+      } else {
+        for (int j = 0; j < 16; ++j) tr[j] = xb[j] + xb[16 + j];
+        ts[blk * mt + i] = tree16(tr);
+      }
+      int8_t* dst = tp + (blk * mt + i) * kParts * 32;
+      float r[32];
+      for (int j = 0; j < 32; ++j) r[j] = xb[j] * inv;
+      for (int p = 0; p < kParts; ++p) {
+        int32_t qi[32];
+        for (int j = 0; j < 32; ++j) {
+          float qf = __builtin_roundevenf(r[j]);
+          if (p == kParts - 1) qf = std::min(127.f, std::max(-127.f, qf));
+          qi[j] = static_cast<int32_t>(qf);
+          r[j] = (r[j] - qf) * kBase;
+        }
+        int32_t s0 = 0, s1 = 0;
+        for (int j = 0; j < 16; ++j) s0 += qi[j];
+        for (int j = 16; j < 32; ++j) s1 += qi[j];
+        for (int j = 0; j < 32; ++j) dst[p * 32 + j] = static_cast<int8_t>(qi[j]);
+        bm.ps[p][0] = s0;
+        bm.ps[p][1] = s1;
+      }
+    }
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) inline float tree16_512(__m512 v) {
+  const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(t2) + _mm_cvtss_f32(_mm_shuffle_ps(t2, t2, 1));
+}
+
+// quantize_impl in AVX-512 (6x faster at 512 x 1536: the compiler kept roundeven scalar)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_512(const float* x, const Tiled& q, int64_t gs,
+                                                                       int64_t m0, int64_t m1) {
+  const int64_t K = q.K, nb = q.nb;
+  const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f), base = _mm512_set1_ps(kBase);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t m = m0; m < m1; ++m) {
+    const int64_t t = m / q.tile, i = m % q.tile;
+    const int mt = q.mt(t);
+    int8_t* tp = q.tparts(t);
+    Meta* tm = q.tmeta(t);
+    float* ts = q.ts(t);
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const float* xb = x + m * K + blk * 32;
+      const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+      const bool live = amax > 1e-30f;
+      const __m512 inv = _mm512_set1_ps(live ? 127.f / amax : 0.f);
+      Meta& bm = tm[blk * mt + i];
+      bm.e = live ? amax / 127.f : 0.f;
+      if (gs == 16) {
+        ts[(2 * blk) * mt + i] = tree16_512(v[0]);
+        ts[(2 * blk + 1) * mt + i] = tree16_512(v[1]);
+      } else {
+        ts[blk * mt + i] = tree16_512(_mm512_add_ps(v[0], v[1]));
+      }
+      int8_t* dst = tp + (blk * mt + i) * kParts * 32;
+      __m512 r[2] = {_mm512_mul_ps(v[0], inv), _mm512_mul_ps(v[1], inv)};
+      for (int p = 0; p < kParts; ++p) {
+        for (int h = 0; h < 2; ++h) {
+          __m512 qf = _mm512_roundscale_ps(r[h], kRound);
+          if (p == kParts - 1) qf = _mm512_min_ps(lim, _mm512_max_ps(nlim, qf));
+          const __m512i qi = _mm512_cvtps_epi32(qf);
+          bm.ps[p][h] = _mm512_reduce_add_epi32(qi);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + p * 32 + h * 16), _mm512_cvtsepi32_epi8(qi));
+          r[h] = _mm512_mul_ps(_mm512_sub_ps(r[h], qf), base);
+        }
+      }
+    }
+  }
+}
+
+__attribute__((target("avx2,fma"))) inline float tree16_avx2(__m256 a, __m256 b) {  // lanes 0-7, 8-15
+  const __m256 t8 = _mm256_add_ps(a, b);
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(t2) + _mm_cvtss_f32(_mm_shuffle_ps(t2, t2, 1));
+}
+
+// quantize_impl in AVX2 intrinsics (int4_gemm.cpp's quantize_rows_avx2 with tree16 sums)
+__attribute__((target("avx2,fma"))) void quantize_avx2(const float* x, const Tiled& q, int64_t gs, int64_t m0,
+                                                       int64_t m1) {
+  const int64_t K = q.K, nb = q.nb;
+  const __m256 lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f), base = _mm256_set1_ps(kBase);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t m = m0; m < m1; ++m) {
+    const int64_t t = m / q.tile, i = m % q.tile;
+    const int mt = q.mt(t);
+    int8_t* tp = q.tparts(t);
+    Meta* tm = q.tmeta(t);
+    float* ts = q.ts(t);
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const float* xb = x + m * K + blk * 32;
+      __m256 v[4];
+      for (int h = 0; h < 4; ++h) v[h] = _mm256_loadu_ps(xb + 8 * h);
+      const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_shuffle_ps(m4, m4, 1)));
+      const bool live = amax > 1e-30f;
+      const __m256 inv = _mm256_set1_ps(live ? 127.f / amax : 0.f);
+      Meta& bm = tm[blk * mt + i];
+      bm.e = live ? amax / 127.f : 0.f;
+      if (gs == 16) {
+        ts[(2 * blk) * mt + i] = tree16_avx2(v[0], v[1]);
+        ts[(2 * blk + 1) * mt + i] = tree16_avx2(v[2], v[3]);
+      } else {
+        ts[blk * mt + i] = tree16_avx2(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
+      }
+      int8_t* dst = tp + (blk * mt + i) * kParts * 32;
+      __m256 r[4];
+      for (int h = 0; h < 4; ++h) r[h] = _mm256_mul_ps(v[h], inv);
+      for (int p = 0; p < kParts; ++p) {
+        __m256i qi[4];
+        for (int h = 0; h < 4; ++h) {
+          __m256 qf = _mm256_round_ps(r[h], kRound);
+          if (p == kParts - 1) qf = _mm256_min_ps(lim, _mm256_max_ps(nlim, qf));
+          qi[h] = _mm256_cvtps_epi32(qf);
+          r[h] = _mm256_mul_ps(_mm256_sub_ps(r[h], qf), base);
+        }
+        const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + p * 32), _mm256_permutevar8x32_epi32(b8, order));
+        for (int h = 0; h < 2; ++h) {  // the 16-halves' integer sums
+          __m256i s8 = _mm256_add_epi32(qi[2 * h], qi[2 * h + 1]);
+          __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(s8, 1), _mm256_castsi256_si128(s8));
+          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+          bm.ps[p][h] = _mm_cvtsi128_si32(s4);
+        }
+      }
+    }
+  }
+}
+#endif
+void quantize_generic(const float* x, const Tiled& q, int64_t gs, int64_t m0, int64_t m1) {
+  quantize_impl(x, q, gs, m0, m1);
+}
+// each path quantizes with its own code (the activations are the same bit for bit: tests compare
+// the three paths' outputs)
+void quantize_rows(Isa isa, const float* x, const Tiled& q, int64_t gs, int64_t m0, int64_t m1) {
+#if defined(__x86_64__)
+  if (isa == Isa::kVnni) return quantize_512(x, q, gs, m0, m1);
+  if (isa == Isa::kAvx2) return quantize_avx2(x, q, gs, m0, m1);
+#endif
+  quantize_generic(x, q, gs, m0, m1);
+}
+
+inline float to_f(float v) { return v; }
+inline float to_f(at::Half v) { return static_cast<float>(v); }
+
+// The scalar path: the same int32 sums and the same fp32 operations (std::fma where the vector
+// paths fuse) as the vector paths, one output lane at a time.
+// Bytes of one 32-column block of a 16-row block, and q[r, k] (k < 32) within it.
+inline int64_t block_bytes(int planes) { return planes < 0 ? 8 * 64 : 4 * (64 + 16 * planes); }
+inline int weight_at(const uint8_t* wb, int planes, int r, int k) {
+  if (planes < 0) return wb[(k / 4) * 64 + 4 * r + k % 4];
+  const uint8_t* rec = wb + (k / 8) * (64 + 16 * planes);
+  const int j = k % 8, bit = 4 * r + j % 4;
+  int v = j < 4 ? rec[bit] & 15 : rec[bit] >> 4;
+  for (int p = 0; p < planes; ++p) {
+    uint64_t mask;
+    std::memcpy(&mask, rec + 64 + 16 * p + (j < 4 ? 0 : 8), 8);
+    v |= static_cast<int>((mask >> bit) & 1) << (4 + p);
+  }
+  return v;
+}
+
+template <typename S>
+void block_rows_generic(int mc, int planes, const uint8_t* w, const S* sc, int64_t K, int64_t gs, int ns, int z,
+                        const int8_t* px, const Meta* meta, const float* s, float* out, int64_t ldo) {
+  const int64_t nb = K / 32, hpg = gs / 16;  // 16-halves per group
+  const float inv_base = 1.f / kBase, zf = static_cast<float>(z);
+  for (int r = 0; r < kRows; ++r) {
+    for (int m = 0; m < mc; ++m) {
+      float acc = 0.f;
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        const int8_t* xb = px + (blk * mc + m) * kParts * 32;
+        const Meta& bm = meta[blk * mc + m];
+        const uint8_t* wb = w + blk * block_bytes(planes);
+        for (int64_t h0 = 0; h0 < 2; h0 += hpg) {  // the block's groups
+          int32_t c[kParts];
+          for (int p = 0; p < kParts; ++p) {
+            int32_t sum = 0, psum = 0;
+            for (int64_t h = h0; h < h0 + hpg; ++h) {
+              psum += bm.ps[p][h];
+              for (int cc = 4 * h; cc < 4 * h + 4; ++cc)
+                for (int j = 0; j < 4; ++j) sum += weight_at(wb, planes, r, cc * 4 + j) * xb[p * 32 + cc * 4 + j];
+            }
+            c[p] = sum - z * psum;
+          }
+          const float t = std::fma(static_cast<float>(c[1]), inv_base, static_cast<float>(c[0]));
+          const float ge = t * bm.e;
+          const int64_t g = blk * (2 / hpg) + h0 / hpg;
+          const float d = to_f(sc[(g * ns) * kRows + r]);
+          acc = std::fma(ge, d, acc);
+          if (ns == 2) {
+            const float off = std::fma(zf, d, to_f(sc[(g * ns + 1) * kRows + r]));
+            acc = std::fma(off, s[g * mc + m], acc);
+          }
+        }
+      }
+      out[m * ldo + r] = acc;
+    }
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw,f16c"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f,avx512bw,f16c"))) inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// acc += w . (4 int8 at p, broadcast to every lane), the broadcast folded into the instruction
+// (int4_gemm.cpp's dot4)
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i dot4(__m512i acc, __m512i w,
+                                                                           const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+// One 16-row block against a tile of MC rows; SPLIT independent chains per row and part (few rows
+// give few chains, and VPDPBUSD's latency would bound them). G16: groups of 16 (two per block).
+template <int MC, int SPLIT, bool G16, int NS, int PL, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
+    const uint8_t* w, const S* sc, int64_t K, int z, const int8_t* px, const Meta* meta, const float* s, float* out,
+    int64_t ldo) {
+  const int64_t nb = K / 32;
+  constexpr int kGroups = G16 ? 2 : 1, kChunks = 8 / kGroups;
+  constexpr int kRec = 64 + 16 * PL;  // bytes per 8 columns (PL >= 0)
+  const __m512 inv_base = _mm512_set1_ps(1.f / kBase), zf = _mm512_set1_ps(static_cast<float>(z));
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 acc[MC];
+  for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    const int8_t* xb = px + blk * MC * kParts * 32;
+    const Meta* bm = meta + blk * MC;
+    const uint8_t* wb = w + blk * (PL < 0 ? 8 * 64 : 4 * kRec);
+    for (int h = 0; h < kGroups; ++h) {
+      __m512i ip[MC][kParts][SPLIT];
+      for (int m = 0; m < MC; ++m)
+        for (int p = 0; p < kParts; ++p)
+          for (int j = 0; j < SPLIT; ++j)
+            ip[m][p][j] = j ? _mm512_setzero_si512()
+                            : _mm512_set1_epi32(-z * (G16 ? bm[m].ps[p][h] : bm[m].ps[p][0] + bm[m].ps[p][1]));
+      if constexpr (PL < 0) {
+        for (int cc = 0; cc < kChunks; ++cc) {
+          const int c = h * kChunks + cc;
+          _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
+          const __m512i raw = _mm512_loadu_si512(wb + c * 64);
+          for (int m = 0; m < MC; ++m)
+            for (int p = 0; p < kParts; ++p)
+              ip[m][p][cc % SPLIT] = dot4(ip[m][p][cc % SPLIT], raw, xb + (m * kParts + p) * 32 + c * 4);
+        }
+      } else {
+        for (int cc = 0; cc < kChunks; cc += 2) {  // one record: chunks c (low nibbles) and c + 1
+          const int c = h * kChunks + cc;
+          const uint8_t* rec = wb + (c / 2) * kRec;
+          _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch), _MM_HINT_T0);
+          const __m512i raw = _mm512_loadu_si512(rec);
+          __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+          for (int pl = 0; pl < PL; ++pl) {
+            uint64_t ml, mh;
+            std::memcpy(&ml, rec + 64 + 16 * pl, 8);
+            std::memcpy(&mh, rec + 72 + 16 * pl, 8);
+            const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << pl));
+            lo = _mm512_mask_add_epi8(lo, ml, lo, add);
+            hi = _mm512_mask_add_epi8(hi, mh, hi, add);
+          }
+          for (int m = 0; m < MC; ++m)
+            for (int p = 0; p < kParts; ++p) {
+              const int8_t* xp = xb + (m * kParts + p) * 32 + c * 4;
+              ip[m][p][cc % SPLIT] = dot4(ip[m][p][cc % SPLIT], lo, xp);
+              ip[m][p][(cc + 1) % SPLIT] = dot4(ip[m][p][(cc + 1) % SPLIT], hi, xp + 4);
+            }
+        }
+      }
+      const int64_t g = blk * kGroups + h;
+      const __m512 d = load16(sc + g * NS * kRows);
+      __m512 off = _mm512_setzero_ps();
+      if (NS == 2) off = _mm512_fmadd_ps(zf, d, load16(sc + (g * NS + 1) * kRows));
+      for (int m = 0; m < MC; ++m) {
+        __m512i c[kParts];
+        for (int p = 0; p < kParts; ++p) {
+          c[p] = ip[m][p][0];
+          for (int j = 1; j < SPLIT; ++j) c[p] = _mm512_add_epi32(c[p], ip[m][p][j]);
+        }
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[1]), inv_base, _mm512_cvtepi32_ps(c[0]));
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(t, _mm512_set1_ps(bm[m].e)), d, acc[m]);
+        if (NS == 2) acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(s[g * MC + m]), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MC; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
+}
+
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The AVX2 path, one 8-row half of the block at a time (a chunk's first 32 bytes are rows 0-7).
+// SIGNED: 8-bit weights, z = 128 (see the top).
+// 32 bits -> 32 bytes, 0xFF where the bit is set (byte i: bit i)
+__attribute__((target("avx2"))) inline __m256i bytes_from_bits(uint32_t bits) {
+  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                        3, 3, 3, 3, 3, 3);
+  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf), sel);
+  return _mm256_cmpeq_epi8(v, sel);
+}
+
+// A 16-row block in nibbles and `planes` high-bit planes -> the same weights in byte lanes, with
+// the instructions the kernels rebuild them with in registers.
+__attribute__((target("avx512f,avx512bw"))) void widen_block_512(const uint8_t* src, int planes, int64_t K,
+                                                                   uint8_t* dst) {
+  const int rec = 64 + 16 * planes;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  for (int64_t c = 0; c < K / 8; ++c) {
+    const uint8_t* r = src + c * rec;
+    const __m512i raw = _mm512_loadu_si512(r);
+    __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
+    for (int p = 0; p < planes; ++p) {
+      uint64_t ml, mh;
+      std::memcpy(&ml, r + 64 + 16 * p, 8);
+      std::memcpy(&mh, r + 72 + 16 * p, 8);
+      const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << p));
+      lo = _mm512_mask_add_epi8(lo, ml, lo, add);
+      hi = _mm512_mask_add_epi8(hi, mh, hi, add);
+    }
+    _mm512_storeu_si512(dst + 2 * c * 64, lo);
+    _mm512_storeu_si512(dst + (2 * c + 1) * 64, hi);
+  }
+}
+
+__attribute__((target("avx2"))) void widen_block_avx2(const uint8_t* src, int planes, int64_t K, uint8_t* dst) {
+  const int rec = 64 + 16 * planes;
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  for (int64_t c = 0; c < K / 8; ++c) {
+    const uint8_t* r = src + c * rec;
+    for (int half = 0; half < 2; ++half) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32 * half));
+      __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+      for (int p = 0; p < planes; ++p) {
+        uint32_t bl, bh;
+        std::memcpy(&bl, r + 64 + 16 * p + 4 * half, 4);
+        std::memcpy(&bh, r + 72 + 16 * p + 4 * half, 4);
+        const __m256i add = _mm256_set1_epi8(static_cast<char>(16 << p));
+        lo = _mm256_add_epi8(lo, _mm256_and_si256(bytes_from_bits(bl), add));
+        hi = _mm256_add_epi8(hi, _mm256_and_si256(bytes_from_bits(bh), add));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * c * 64 + 32 * half), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * c + 1) * 64 + 32 * half), hi);
+    }
+  }
+}
+
+template <int MC, bool G16, int NS, bool SIGNED, int PL, typename S>
+__attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, const S* sc, int64_t K, int z,
+                                                               const int8_t* px, const Meta* meta, const float* s,
+                                                               float* out, int64_t ldo) {
+  const int64_t nb = K / 32;
+  constexpr int kGroups = G16 ? 2 : 1, kChunks = 8 / kGroups;
+  constexpr int kRec = 64 + 16 * PL;
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256 inv_base = _mm256_set1_ps(1.f / kBase), zf = _mm256_set1_ps(static_cast<float>(z));
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[MC];
+    for (int m = 0; m < MC; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const int8_t* xb = px + blk * MC * kParts * 32;
+      const Meta* bm = meta + blk * MC;
+      const uint8_t* wb = w + blk * (PL < 0 ? 8 * 64 : 4 * kRec) + (PL < 0 ? half * 32 : 0);
+      for (int h = 0; h < kGroups; ++h) {
+        __m256i ip[MC][kParts];
+        for (int m = 0; m < MC; ++m)
+          for (int p = 0; p < kParts; ++p)
+            ip[m][p] = SIGNED ? _mm256_setzero_si256()
+                              : _mm256_set1_epi32(-z * (G16 ? bm[m].ps[p][h] : bm[m].ps[p][0] + bm[m].ps[p][1]));
+        if constexpr (PL >= 0) {
+          for (int cc = 0; cc < kChunks; cc += 2) {  // one record: chunks c (low nibbles) and c + 1
+            const int c = h * kChunks + cc;
+            const uint8_t* rec = wb + (c / 2) * kRec;
+            if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch), _MM_HINT_T0);
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + half * 32));
+            __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+            for (int pl = 0; pl < PL; ++pl) {  // this half's rows: bits 32 * half.. of each mask
+              uint32_t bl, bh;
+              std::memcpy(&bl, rec + 64 + 16 * pl + 4 * half, 4);
+              std::memcpy(&bh, rec + 72 + 16 * pl + 4 * half, 4);
+              const __m256i add = _mm256_set1_epi8(static_cast<char>(16 << pl));
+              lo = _mm256_add_epi8(lo, _mm256_and_si256(bytes_from_bits(bl), add));
+              hi = _mm256_add_epi8(hi, _mm256_and_si256(bytes_from_bits(bh), add));
+            }
+            for (int m = 0; m < MC; ++m) {
+              for (int p = 0; p < kParts; ++p) {
+                int32_t xl, xh;
+                std::memcpy(&xl, xb + (m * kParts + p) * 32 + c * 4, 4);
+                std::memcpy(&xh, xb + (m * kParts + p) * 32 + c * 4 + 4, 4);
+                const __m256i d = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
+                                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh))),
+                                                    ones);  // values below 64: see the byte-lane loop
+                ip[m][p] = _mm256_add_epi32(ip[m][p], d);
+              }
+            }
+          }
+        }
+        for (int cc = 0; cc < (PL < 0 ? kChunks : 0); cc += 2) {
+          const int c = h * kChunks + cc;
+          if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
+          __m256i wv[2], ws[2];
+          for (int i = 0; i < 2; ++i) {
+            wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (c + i) * 64));
+            if (SIGNED) {
+              ws[i] = _mm256_xor_si256(wv[i], flip);  // q - 128 as int8
+              wv[i] = _mm256_abs_epi8(ws[i]);
+            }
+          }
+          for (int m = 0; m < MC; ++m) {
+            for (int p = 0; p < kParts; ++p) {
+              __m256i prod[2];
+              for (int i = 0; i < 2; ++i) {
+                int32_t x4;
+                std::memcpy(&x4, xb + (m * kParts + p) * 32 + (c + i) * 4, 4);
+                __m256i xv = _mm256_set1_epi32(x4);
+                if (SIGNED) xv = _mm256_sign_epi8(xv, ws[i]);
+                prod[i] = _mm256_maddubs_epi16(wv[i], xv);
+              }
+              // values below 64: two chunks' pair sums add up in int16 (2 * 2 * 63 * 127 = 32004)
+              const __m256i d = SIGNED ? _mm256_add_epi32(_mm256_madd_epi16(prod[0], ones), _mm256_madd_epi16(prod[1], ones))
+                                       : _mm256_madd_epi16(_mm256_add_epi16(prod[0], prod[1]), ones);
+              ip[m][p] = _mm256_add_epi32(ip[m][p], d);
+            }
+          }
+        }
+        const int64_t g = blk * kGroups + h;
+        const __m256 d = load8(sc + g * NS * kRows + half * 8);
+        __m256 off = _mm256_setzero_ps();
+        if (NS == 2) off = _mm256_fmadd_ps(zf, d, load8(sc + (g * NS + 1) * kRows + half * 8));
+        for (int m = 0; m < MC; ++m) {
+          const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip[m][1]), inv_base, _mm256_cvtepi32_ps(ip[m][0]));
+          acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(t, _mm256_set1_ps(bm[m].e)), d, acc[m]);
+          if (NS == 2) acc[m] = _mm256_fmadd_ps(off, _mm256_set1_ps(s[g * MC + m]), acc[m]);
+        }
+      }
+    }
+    for (int m = 0; m < MC; ++m) _mm256_storeu_ps(out + m * ldo + half * 8, acc[m]);
+  }
+}
+
+// One call's constant shape of the weights: group size, scale form, zero point, layout.
+struct Form {
+  bool g16;
+  int ns, z, planes;
+};
+
+template <int MC, int PL, typename S>
+void run_mc_512_pl(const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const Meta* meta,
+                   const float* s, float* out, int64_t ldo) {
+  constexpr int kSplit = MC == 1 ? 4 : MC == 2 ? 2 : 1;
+  if (f.g16) {
+    if (f.ns == 2) return block_rows_512<MC, kSplit, true, 2, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+    return block_rows_512<MC, kSplit, true, 1, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+  }
+  if (f.ns == 2) return block_rows_512<MC, kSplit, false, 2, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+  return block_rows_512<MC, kSplit, false, 1, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+}
+
+template <int MC, typename S>
+void run_mc_512(const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const Meta* meta,
+                const float* s, float* out, int64_t ldo) {
+  switch (f.planes) {
+    case -1: return run_mc_512_pl<MC, -1, S>(f, w, sc, K, px, meta, s, out, ldo);
+    case 0: return run_mc_512_pl<MC, 0, S>(f, w, sc, K, px, meta, s, out, ldo);
+    case 1: return run_mc_512_pl<MC, 1, S>(f, w, sc, K, px, meta, s, out, ldo);
+    default: return run_mc_512_pl<MC, 2, S>(f, w, sc, K, px, meta, s, out, ldo);
+  }
+}
+
+template <int MC, bool SIGNED, int PL, typename S>
+void run_mc_avx2_pl(const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const Meta* meta,
+                    const float* s, float* out, int64_t ldo) {
+  if (f.g16) {
+    if (f.ns == 2) return block_rows_avx2<MC, true, 2, SIGNED, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+    return block_rows_avx2<MC, true, 1, SIGNED, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+  }
+  if (f.ns == 2) return block_rows_avx2<MC, false, 2, SIGNED, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+  return block_rows_avx2<MC, false, 1, SIGNED, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+}
+
+// 8-bit weights (byte lanes, z = 128) take the signed form; values of at most 6 bits the plain one
+template <int MC, typename S>
+void run_mc_avx2(const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const Meta* meta,
+                 const float* s, float* out, int64_t ldo) {
+  switch (f.planes) {
+    case -1:
+      if (f.z == 128) return run_mc_avx2_pl<MC, true, -1, S>(f, w, sc, K, px, meta, s, out, ldo);
+      return run_mc_avx2_pl<MC, false, -1, S>(f, w, sc, K, px, meta, s, out, ldo);
+    case 0: return run_mc_avx2_pl<MC, false, 0, S>(f, w, sc, K, px, meta, s, out, ldo);
+    case 1: return run_mc_avx2_pl<MC, false, 1, S>(f, w, sc, K, px, meta, s, out, ldo);
+    default: return run_mc_avx2_pl<MC, false, 2, S>(f, w, sc, K, px, meta, s, out, ldo);
+  }
+}
+#endif
+
+template <typename S>
+void run_block(Isa isa, int mc, const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px,
+               const Meta* meta, const float* s, float* out, int64_t ldo) {
+#if defined(__x86_64__)
+  static_assert(kMc == 6 && kMcAvx2 == 3, "one case per tile height below");
+  if (isa == Isa::kVnni) {
+    switch (mc) {
+      case 1: return run_mc_512<1, S>(f, w, sc, K, px, meta, s, out, ldo);
+      case 2: return run_mc_512<2, S>(f, w, sc, K, px, meta, s, out, ldo);
+      case 3: return run_mc_512<3, S>(f, w, sc, K, px, meta, s, out, ldo);
+      case 4: return run_mc_512<4, S>(f, w, sc, K, px, meta, s, out, ldo);
+      case 5: return run_mc_512<5, S>(f, w, sc, K, px, meta, s, out, ldo);
+      default: return run_mc_512<6, S>(f, w, sc, K, px, meta, s, out, ldo);
+    }
+  }
+  if (isa == Isa::kAvx2) {
+    switch (mc) {
+      case 1: return run_mc_avx2<1, S>(f, w, sc, K, px, meta, s, out, ldo);
+      case 2: return run_mc_avx2<2, S>(f, w, sc, K, px, meta, s, out, ldo);
+      default: return run_mc_avx2<3, S>(f, w, sc, K, px, meta, s, out, ldo);
+    }
+  }
+#endif
+  block_rows_generic<S>(mc, f.planes, w, sc, K, f.g16 ? 16 : 32, f.ns, f.z, px, meta, s, out, ldo);
+}
+
+void widen_block_generic(const uint8_t* src, int planes, int64_t K, uint8_t* dst) {
+  for (int64_t c = 0; c < K / 8; ++c)  // one 8-column record -> byte chunks 2c and 2c + 1
+    for (int half = 0; half < 2; ++half)
+      for (int r = 0; r < kRows; ++r)
+        for (int j = 0; j < 4; ++j)
+          dst[(2 * c + half) * 64 + 4 * r + j] = static_cast<uint8_t>(weight_at(src + (c / 4) * block_bytes(planes),
+                                                                                planes, r, (c % 4) * 8 + 4 * half + j));
+}
+
+void widen_block(Isa isa, const uint8_t* src, int planes, int64_t K, uint8_t* dst) {
+#if defined(__x86_64__)
+  if (isa == Isa::kVnni) return widen_block_512(src, planes, K, dst);
+  if (isa == Isa::kAvx2) return widen_block_avx2(src, planes, K, dst);
+#endif
+  widen_block_generic(src, planes, K, dst);
+}
+
+template <typename S>
+void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const S* sc, int64_t nblocks, int64_t gs,
+          const Form& f, float* y) {
+  const int64_t tile = isa == Isa::kVnni ? kMc : isa == Isa::kAvx2 ? kMcAvx2 : kMc;
+  std::vector<int8_t> parts(M * kParts * K);
+  std::vector<Meta> meta(M * (K / 32));
+  std::vector<float> sums(M * (K / gs));
+  const Tiled q{M, K, K / 32, K / gs, tile, parts.data(), meta.data(), sums.data()};
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    quantize_rows(isa, x, q, gs, m0, m1);
+  });
+  const int64_t N = nblocks * kRows, wstride = (K / 32) * block_bytes(f.planes), sstride = (K / gs) * f.ns * kRows;
+  const int64_t ntiles = (M + tile - 1) / tile;
+  // more than one tile: a block in nibbles and planes is widened to byte lanes once, not once per
+  // tile (the AVX2 path's bit expansion, redone per 3-row tile, ran prefill 2-4x slower)
+  const bool widen = f.planes >= 0 && ntiles > 1;
+  const Form fw{f.g16, f.ns, f.z, widen ? -1 : f.planes};
+  const int64_t bstride = widen ? (K / 32) * block_bytes(-1) : wstride;
+  const int64_t wchunk = std::max<int64_t>(1, kWeightChunk / bstride);
+  at::parallel_for(0, nblocks, 8, [&](int64_t b0, int64_t b1) {
+    std::vector<uint8_t> wide(widen ? (std::min(b1 - b0, wchunk)) * bstride : 0);
+    for (int64_t c0 = b0; c0 < b1; c0 += wchunk) {
+      const int64_t c1 = std::min(b1, c0 + wchunk);
+      const uint8_t* wc = w + c0 * wstride;
+      if (widen) {
+        for (int64_t nbk = c0; nbk < c1; ++nbk) widen_block(isa, w + nbk * wstride, f.planes, K, &wide[(nbk - c0) * bstride]);
+        wc = wide.data();
+      }
+      for (int64_t t = 0; t < ntiles; ++t)
+        for (int64_t nbk = c0; nbk < c1; ++nbk)
+          run_block<S>(isa, q.mt(t), fw, wc + (nbk - c0) * bstride, sc + nbk * sstride, K, q.tparts(t), q.tmeta(t),
+                       q.ts(t), y + t * tile * N + nbk * kRows, N);
+    }
+  });
+}
+
+// x fp32 [M, K] @ W^T -> fp32 [M, N padded to 16]; W in the layout at the top.
+at::Tensor int8w_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group_size,
+                      int64_t zero) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8w_gemm: x must be fp32 [M, K]");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "int8w_gemm: the weight must be contiguous uint8 [N/16, K/4, 64] or [N/16, K/8, 64 + 16P]");
+  const int64_t M = x.size(0), K = x.size(1), nblocks = w.size(0);
+  TORCH_CHECK(K % 32 == 0, "int8w_gemm: K must be a multiple of 32, got ", K);
+  int planes = -2;
+  if (w.size(1) * 4 == K && w.size(2) == 64) planes = -1;
+  else if (w.size(1) * 8 == K && (w.size(2) == 64 || w.size(2) == 80 || w.size(2) == 96))
+    planes = static_cast<int>((w.size(2) - 64) / 16);
+  TORCH_CHECK(planes >= -1, "int8w_gemm: weight shape ", w.sizes(), " is no layout for K = ", K);
+  TORCH_CHECK(group_size == 16 || group_size == 32, "int8w_gemm: group size must be 16 or 32, got ", group_size);
+  TORCH_CHECK(zero >= 0 && zero <= 255, "int8w_gemm: zero point must be in [0, 255], got ", zero);
+  TORCH_CHECK(sc.dim() == 4 && sc.size(0) == nblocks && sc.size(1) == K / group_size &&
+              (sc.size(2) == 1 || sc.size(2) == 2) && sc.size(3) == kRows && sc.is_contiguous(),
+              "int8w_gemm: scales must be contiguous [N/16, K/group, 1 | 2, 16]");
+  const Form f{group_size == 16, static_cast<int>(sc.size(2)), static_cast<int>(zero), planes};
+  // the AVX2 path's unsigned form holds pair sums of 2 * 127 * 127 (see the top)
+  // byte lanes: 8-bit values take z = 128 (the AVX2 path's signed form), others are below 64 (z
+  // at most 32: that path adds two VPMADDUBSW pair sums in int16)
+  TORCH_CHECK(planes >= 0 || zero <= 32 || zero == 128, "int8w_gemm: zero point ", zero,
+              " with byte lanes (values of 8 bits take 128, those of 6 bits or fewer at most 32)");
+  TORCH_CHECK(planes < 0 || zero <= 32, "int8w_gemm: zero point ", zero, " for values of ", 4 + planes, " bits");
+  const Isa isa = isa_now();
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, nblocks * kRows}, x.options());
+  if (M == 0) return y;
+  if (sc.scalar_type() == at::kHalf) {
+    gemm<at::Half>(isa, xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), sc.data_ptr<at::Half>(), nblocks,
+                   group_size, f, y.data_ptr<float>());
+  } else {
+    TORCH_CHECK(sc.scalar_type() == at::kFloat, "int8w_gemm: scales must be fp16 or fp32");
+    gemm<float>(isa, xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), sc.data_ptr<float>(), nblocks, group_size,
+                f, y.data_ptr<float>());
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(localllm, m) {
+  m.def("int8w_gemm(Tensor x, Tensor w, Tensor scales, int group_size, int zero) -> Tensor");
+  m.def("int8w_isa(str? force=None) -> str", &int8w_isa);  // no tensors: one kernel for every key
+}
+
+TORCH_LIBRARY_IMPL(localllm, CPU, m) { m.impl("int8w_gemm", &int8w_gemm); }

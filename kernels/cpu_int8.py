@@ -1,0 +1,138 @@
+"""The CPU GEMM on weights of up to 8 bits in int8 lanes (`kernels/cpu/int8_gemm.cpp`): build,
+load, packing, and the unpacked values.
+
+``torch.ops.localllm.int8w_gemm(x, w, scales, group_size, zero)``: fp32 x [M, K] times W^T ->
+fp32 [M, N padded to 16], W = d * q + m per group of 16 or 32 (scales holding d and m), or
+d * (q - zero) (scales holding d only). AVX-512 VNNI, else AVX2, else a scalar path, chosen at
+run time (``int8w_isa``); all three give the same outputs bit for bit. Activations are rounded
+to 16 bits inside, as in cpu_int4. Compiled once per machine as cpu_int4 (see cpu_build); a
+missing compiler leaves ``load()`` False. Imports only torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from . import cpu_build
+
+SOURCE = Path(__file__).parent / "cpu" / "int8_gemm.cpp"
+ROWS = 16  # output rows per block: N is padded to a multiple
+GROUPS = (16, 32)
+CXXFLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
+
+
+def library_path() -> Path:
+    return cpu_build.library_path(SOURCE, CXXFLAGS)
+
+
+def build(out: Path) -> None:
+    cpu_build.build(SOURCE, out, CXXFLAGS)
+
+
+@functools.cache
+def load() -> bool:
+    """Make torch.ops.localllm.int8w_gemm available (building it on first use); False when it
+    cannot be built (the loader then keeps an fp32 copy of such layers)."""
+    if not cpu_build.load_library(library_path(), build, "CPU int8-weight kernel", "an fp32 copy of the layer"):
+        return False
+
+    @torch.library.register_fake("localllm::int8w_gemm")
+    def _(x, w, scales, group_size, zero):  # shapes for torch.export
+        return x.new_empty(x.shape[0], w.shape[0] * ROWS)
+
+    return True
+
+
+def fits(n: int, k: int, group_size: int) -> bool:
+    return n > 0 and k % 32 == 0 and group_size in GROUPS
+
+
+def planes_for(bits: int) -> int:
+    """The layout for values of `bits` bits: nibbles plus bits - 4 high-bit planes up to 6 bits
+    (0.5-0.75 bytes a weight), byte lanes (-1) for 7 and 8."""
+    return max(bits - 4, 0) if bits <= 6 else -1
+
+
+def preferred_bits(bits: int) -> int:
+    """The `bits` to pack values of `bits` bits with on this CPU: their own (the fewest bytes)
+    except 6 on the AVX2 path, where rebuilding bytes from two bit planes costs more than the
+    bytes it saves (8192 x 2048 at batch 1, 1 thread: 1.5 ms against 1.1 in byte lanes; with
+    AVX-512 one masked add per plane: 0.63 against 0.80). Any layout runs on every path."""
+    return 8 if bits == 6 and isa() != "avx512_vnni" else bits
+
+
+def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, zero: int,
+         bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """q uint8 [N, K] (values < 2**bits), d and m fp32 [N, G] (G = K / group) with W = d * q + m,
+    or m None for W = d * (q - zero) -> the kernel's (w, sc [N/16, G, 1 | 2, 16]): w uint8
+    [N/16, K/4, 64] (byte lanes) or [N/16, K/8, 64 + 16P] (nibbles and P high-bit planes; see
+    int8_gemm.cpp), sc in fp16 where that is exact. Rows past N are zero padding."""
+    n, k = q.shape
+    g = d.shape[1]
+    pad = -n % ROWS
+    parts = [d.float()] if m is None else [d.float(), m.float()]
+    q = q.to(torch.uint8)
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        parts = [torch.cat([p, p.new_zeros(pad, g)]) for p in parts]
+    nb = (n + pad) // ROWS
+    planes = planes_for(bits)
+    if planes < 0:
+        w = q.view(nb, ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(nb, k // 4, 64).contiguous()
+    else:
+        qb = q.view(nb, ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [nb, K/8, half, 16 rows, 4]
+        recs = [((qb[:, :, 0] & 15) | ((qb[:, :, 1] & 15) << 4)).reshape(nb, k // 8, 64)]
+        weights = (1 << torch.arange(8, dtype=torch.int32)).view(1, 1, 1, 8)
+        for p in range(planes):  # per half, bit 4r + j of a 64-bit mask, little-endian bytes
+            bit = ((qb >> (4 + p)) & 1).to(torch.int32).reshape(nb, k // 8, 2 * 8, 8)
+            recs.append((bit * weights).sum(-1).to(torch.uint8))
+        w = torch.cat(recs, dim=2).contiguous()
+    sc = torch.stack([p.view(nb, ROWS, g) for p in parts], 1).permute(0, 3, 1, 2).contiguous()
+    half = sc.half()
+    exact = torch.isfinite(half).all() and torch.equal(half.float(), sc)
+    return w, (half if exact else sc)
+
+
+def unpack(w: torch.Tensor, sc: torch.Tensor, n: int, group: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                           torch.Tensor | None]:
+    """The inverse of `pack`: (q uint8 [n, K], d fp32 [n, G], m fp32 [n, G] or None)."""
+    nb, kc, rec = w.shape
+    k = sc.shape[1] * group
+    if kc * 4 == k and rec == 64:  # byte lanes
+        q = w.view(nb, kc, ROWS, 4).permute(0, 2, 1, 3).reshape(nb * ROWS, k)
+    else:
+        planes = (rec - 64) // 16
+        b = w[..., :64].reshape(nb, kc, ROWS, 4)
+        q = torch.stack([b & 15, b >> 4], dim=2)  # [nb, K/8, half, 16, 4]
+        for p in range(planes):
+            masks = w[..., 64 + 16 * p:80 + 16 * p].reshape(nb, kc, 2, 8, 1)
+            bits = ((masks >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(nb, kc, 2, ROWS, 4)
+            q = q | (bits << (4 + p))
+        q = q.permute(0, 3, 1, 2, 4).reshape(nb * ROWS, k)
+    s = sc.float().permute(0, 3, 1, 2).reshape(nb * ROWS, sc.shape[1], sc.shape[2])[:n]
+    return q[:n], s[..., 0], (s[..., 1] if sc.shape[2] == 2 else None)
+
+
+def dequantize(w: torch.Tensor, sc: torch.Tensor, n: int, group: int, zero: int) -> torch.Tensor:
+    """The weights the kernel multiplies by, fp32 [n, K]: d * q + m (or d * (q - zero)) rounded
+    once, as GGUF's dequantizers give them."""
+    q, d, m = unpack(w, sc, n, group)
+    qd = q.double().view(n, d.shape[1], group)
+    if m is None:
+        v = d.double().unsqueeze(-1) * (qd - zero)
+    else:
+        v = d.double().unsqueeze(-1) * qd + m.double().unsqueeze(-1)
+    return v.float().reshape(n, -1)
+
+
+def isa() -> str:
+    """The path the kernel takes on this CPU: "avx512_vnni", "avx2" or "generic"."""
+    return torch.ops.localllm.int8w_isa()
+
+
+def int8w_gemm(x: torch.Tensor, w: torch.Tensor, sc: torch.Tensor, group_size: int, zero: int) -> torch.Tensor:
+    """fp32 x [M, K] @ W.T -> fp32 [M, N padded to 16]."""
+    return torch.ops.localllm.int8w_gemm(x, w, sc, group_size, zero)

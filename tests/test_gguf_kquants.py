@@ -1,0 +1,275 @@
+"""GGUF's K-quants and other block types on our CPU kernels, exactly: the decoding against gguf-py's
+dequantizers bit for bit, the repacked layouts unpacked back to the same values, both kernels'
+matmuls against fp64 on every instruction-set path, and the loader putting each tensor of a mixed
+file on its own kernel (and the conversion cache giving the same layers back)."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from conftest import make_engine
+from localllm_kernels import cpu_int4, cpu_int8
+from test_families import tokenizer_fields
+
+from localllm.model import gguf_blocks
+from localllm.model.layers import ConcatLinear, DenseLinear, Int4Linear, Int8wLinear
+from localllm.model.loader import ConvertCache, load_model
+
+KINDS = list(gguf_blocks.BLOCK_BYTES)
+# the fp16 fields of each block (scales d, and mins / dmin): the byte offsets
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0], "IQ4_XS": [0],
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82]}
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int, std: float | None = None) -> np.ndarray:
+    """Blocks of random bytes, uint8 [n, k / block values, block bytes]: any bytes with finite fp16
+    fields are a valid block. std None: the fp16 fields random over their whole finite range
+    (subnormals and 65504 included); else scaled so the values have about that std (per block
+    x0.5-1.5), as a real matrix would."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // gguf_blocks.BLOCK_VALUES[kind], gguf_blocks.BLOCK_BYTES[kind]), np.uint8)
+
+    def put(vals: np.ndarray) -> None:
+        for off in F16_FIELDS[kind]:
+            raw[..., off:off + 2] = vals.astype(np.uint16).view(np.uint8).reshape(*raw.shape[:2], 2)
+
+    if std is None:
+        bits = rng.integers(0, 1 << 16, raw.shape[:2], dtype=np.uint16)
+        put(np.where((bits >> 10) & 31 == 31, bits & ~np.uint16(1 << 14), bits))  # no inf / nan exponent
+        return raw
+    put(np.full(raw.shape[:2], np.float16(1.0)).view(np.uint16))
+    rms = float(np.sqrt(np.mean(reference(kind, raw).astype(np.float64) ** 2)))
+    put((std / rms * rng.uniform(0.5, 1.5, raw.shape[:2])).astype(np.float16).view(np.uint16))
+    return raw
+
+
+def reference(kind: str, raw: np.ndarray) -> np.ndarray:
+    """gguf-py's dequantization, fp32 [n, k]."""
+    n = raw.shape[0]
+    return gguf.quants.dequantize(raw.reshape(n, -1), gguf.GGMLQuantizationType[kind]).reshape(n, -1)
+
+
+def bits_equal(a: torch.Tensor | np.ndarray, b: np.ndarray) -> bool:
+    a = a.numpy() if isinstance(a, torch.Tensor) else a
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def int4_values(w: torch.Tensor, sc: torch.Tensor, n: int) -> torch.Tensor:
+    """What the int4 layout holds: d * q + m per group of 32, rounded once."""
+    q, d, m = cpu_int4.unpack(w, sc, n)
+    v = d.double().repeat_interleave(32, 1) * q.double() + m.double().repeat_interleave(32, 1)
+    return v.float()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_decoding_and_repacks_equal_gguf_dequantize(kind):
+    """Random blocks (every fp16 field over its whole range): our decoding, and the kernel layouts
+    built from it unpacked again, give gguf-py's values bit for bit (signed zeros included)."""
+    n, k = 20, 2 * gguf_blocks.BLOCK_VALUES[kind] * (2 if kind in ("Q4_0", "Q4_1", "Q5_0") else 1)
+    raw = random_blocks(kind, n, k, seed=KINDS.index(kind))
+    ref = reference(kind, raw)
+    b = gguf_blocks.decode(kind, torch.from_numpy(raw))
+    assert b.q.shape == (n, k) and int(b.q.max()) < 2 ** b.bits
+    assert bits_equal(b.values(), ref)
+    m = b.m if b.m is not None else -b.zero * b.d
+    w, sc = cpu_int8.pack(b.q, b.d, b.m, b.zero, b.bits)
+    planes = cpu_int8.planes_for(b.bits)
+    assert w.shape == ((2, k // 4, 64) if planes < 0 else (2, k // 8, 64 + 16 * planes))
+    assert bits_equal(cpu_int8.dequantize(w, sc, n, b.group, b.zero), ref)
+    w8, sc8 = cpu_int8.pack(b.q, b.d, b.m, b.zero)  # byte lanes, as a stack with an 8-bit part has them
+    assert bits_equal(cpu_int8.dequantize(w8, sc8, n, b.group, b.zero), ref)
+    if b.bits == 4 and b.group == 32:  # the int4 kernel's layout: its m always explicit, so Q4_0's
+        # d * 8 - 8d is +0 where gguf's d * 0 is -0 for d < 0: equal values, one zero's sign apart
+        assert np.array_equal(int4_values(*cpu_int4.pack_dm(b.q, b.d, m), n).numpy(), ref)
+    # scales in fp16 where that is exact (the file's own), fp32 for the K-quants' products d * sc
+    assert sc.dtype == (torch.float16 if gguf_blocks.BLOCK_VALUES[kind] == 32 else torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_blocks_from_a_real_quantizer(kind):
+    """gguf-py's own quantizer (ggml's reference rounding) on a Gaussian matrix."""
+    data = np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType[kind]).reshape(16, 8, -1)
+    assert bits_equal(gguf_blocks.decode(kind, torch.from_numpy(raw)).values(), reference(kind, raw))
+
+
+def isa_paths() -> list[str]:
+    assert cpu_int8.load()
+    best = cpu_int8.isa()
+    return {"avx512_vnni": ["avx512_vnni", "avx2", "generic"], "avx2": ["avx2", "generic"]}.get(best, ["generic"])
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_kernel_matches_fp64_on_every_path(kind):
+    """Every type on the int8-lane kernel (the 4-bit ones too: what a mixed stack of them takes), in
+    its own layout (nibbles and high-bit planes up to 6 bits) and in byte lanes (a stack with an
+    8-bit part), batch 1 and a few rows, N padded to 16, against fp64 on the dequantized weights;
+    the AVX-512 VNNI, AVX2 and scalar paths and both layouts give the same outputs bit for bit."""
+    n, k = 40, 512
+    raw = random_blocks(kind, n, k, seed=100 + KINDS.index(kind), std=0.05)
+    b = gguf_blocks.decode(kind, torch.from_numpy(raw))
+    ref_w = torch.from_numpy(reference(kind, raw)).double()
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(m, k, generator=gen) * 2 for m in (1, 2, 5, 7)]
+    xs[2][0, :32] *= 1e-3  # a block far smaller than the rest: per-block activation scales
+    outs = {}
+    layouts = {"planes": cpu_int8.pack(b.q, b.d, b.m, b.zero, b.bits), "bytes": cpu_int8.pack(b.q, b.d, b.m, b.zero)}
+    try:
+        for path in isa_paths():
+            torch.ops.localllm.int8w_isa(path)
+            for name, (w, sc) in layouts.items():
+                outs[path, name] = [cpu_int8.int8w_gemm(x, w, sc, b.group, b.zero) for x in xs]
+    finally:
+        torch.ops.localllm.int8w_isa("auto")
+    first = next(iter(outs.values()))
+    for x, y in zip(xs, first):
+        assert y.shape == (x.shape[0], 48)
+        assert rel_err(y[:, :n], x.double() @ ref_w.t()) < 2e-4
+        assert torch.equal(y[:, n:], torch.zeros_like(y[:, n:]))
+    for path, ys in outs.items():
+        assert all(torch.equal(a, c) for a, c in zip(ys, first)), path
+
+
+@pytest.fixture(params=["auto", "avx2"])
+def int4_isa(request):
+    assert cpu_int4.load()
+    torch.ops.localllm.int4_isa(request.param == "avx2")
+    yield
+    torch.ops.localllm.int4_isa(False)
+
+
+@pytest.mark.skipif(not cpu_int4.supported(), reason="this CPU has no AVX2 (with FMA and F16C)")
+@pytest.mark.parametrize("m", [1, 6])
+def test_q4_k_on_the_int4_kernel_matches_fp64(m, int4_isa):
+    """Q4_K's per-32 fp32 scales and offsets in the int4 kernel: batch 1 and a tile of rows."""
+    n, k = 40, 512
+    raw = random_blocks("Q4_K", n, k, seed=3, std=0.05)
+    b = gguf_blocks.decode("Q4_K", torch.from_numpy(raw))
+    w, sc = cpu_int4.pack_dm(b.q, b.d, b.m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = cpu_int4.int4_gemm(x, w, sc, 32)[:, :n]
+    assert rel_err(y, x.double() @ torch.from_numpy(reference("Q4_K", raw)).double().t()) < 2e-4
+
+
+# ---- a mixed file through the loader --------------------------------------------------------------
+H, F, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+# per layer and role: the type each tensor is stored in (the K-quants need K % 256 == 0)
+MIX = [{"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q5_K",
+        "ffn_up": "Q8_0", "ffn_down": "Q6_K"},
+       {"attn_q": "Q4_0", "attn_k": "Q5_1", "attn_v": "IQ4_NL", "attn_output": "IQ4_XS", "ffn_gate": "Q3_K",
+        "ffn_up": "Q2_K", "ffn_down": "F16"}]
+SHAPES = {"attn_q": (H, H), "attn_k": (H // 2, H), "attn_v": (H // 2, H), "attn_output": (H, H),
+          "ffn_gate": (F, H), "ffn_up": (F, H), "ffn_down": (H, F)}
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory, gguf_path):
+    """A 2-layer Llama with the real tokenizer whose matrices are stored in 12 different types."""
+    out = tmp_path_factory.mktemp("kquants") / "mixed.gguf"
+    w = gguf.GGUFWriter(str(out), "llama")
+    fields = tokenizer_fields(gguf_path)
+    for key, val, vtype, sub in fields:
+        w.add_key_value(key, val, vtype, sub)
+    vocab = len(next(val for key, val, *_ in fields if key == "tokenizer.ggml.tokens"))
+    w.add_block_count(LAYERS)
+    w.add_context_length(1024)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(F)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    rng = np.random.default_rng(0)
+    emb = gguf.quants.quantize(rng.standard_normal((vocab, H), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("token_embd.weight", emb, raw_shape=emb.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+    for i, types in enumerate(MIX):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(H, np.float32))
+        for role, kind in types.items():
+            n, k = SHAPES[role]
+            std = 1.5 / k ** 0.5
+            if kind == "F16":
+                w.add_tensor(f"blk.{i}.{role}.weight", (rng.standard_normal((n, k)) * std).astype(np.float16))
+                continue
+            raw = random_blocks(kind, n, k, seed=10 * i + list(types).index(role), std=std).reshape(n, -1)
+            w.add_tensor(f"blk.{i}.{role}.weight", raw, raw_shape=raw.shape,
+                         raw_dtype=gguf.GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def layer_values(m) -> torch.Tensor:
+    """The weights a loaded linear multiplies by, fp32 [out, in]."""
+    if isinstance(m, ConcatLinear):
+        return torch.cat([layer_values(p) for p in m.parts])
+    if isinstance(m, Int8wLinear):
+        return cpu_int8.dequantize(m.qw, m.qsc, m.out_features, m.group_size, m.zero)
+    if isinstance(m, Int4Linear):
+        return int4_values(m.qw, m.qsc, m.out_features)
+    return m.weight.detach()
+
+
+def test_mixed_file_runs_each_tensor_on_its_kernel(mixed_gguf):
+    """Each tensor on its type's kernel (parts of one fused layer split where their kernels
+    differ), holding exactly the file's values; logits follow the same file loaded in fp32; a
+    second load from the conversion cache builds the same layers."""
+    dense = load_model(mixed_gguf, "float32")
+    ours = load_model(mixed_gguf, "auto")
+    assert "GGUF" in ours.precision and "int8-lane" in ours.precision
+    l0, l1 = ours.model.layers
+    kinds = {name: [type(p).__name__ for p in (m.parts if isinstance(m, ConcatLinear) else [m])]
+             for name, m in (("0.qkv", l0.qkv), ("0.o", l0.o), ("0.gate_up", l0.gate_up), ("0.down", l0.down),
+                             ("1.qkv", l1.qkv), ("1.o", l1.o), ("1.gate_up", l1.gate_up), ("1.down", l1.down))}
+    assert kinds == {"0.qkv": ["Int4Linear", "Int8wLinear"], "0.o": ["Int8wLinear"], "0.gate_up": ["Int8wLinear"],
+                     "0.down": ["Int8wLinear"], "1.qkv": ["Int4Linear", "Int8wLinear"], "1.o": ["Int8wLinear"],
+                     "1.gate_up": ["Int8wLinear"], "1.down": ["DenseLinear"]}
+    assert (l0.down.group_size, l0.down.zero, l0.down.qsc.shape[2]) == (16, 32, 1)  # Q6_K: symmetric, 16s
+    assert (l0.gate_up.group_size, l0.gate_up.zero, l0.gate_up.qsc.shape[2]) == (32, 128, 2)  # Q5_K + Q8_0
+    assert (l1.gate_up.group_size, l1.gate_up.zero) == (16, 4)  # Q3_K + Q2_K
+    # the layouts: Q6_K's 2 high-bit planes, Q5_0's 1, Q8_0 with Q5_K in byte lanes, Q3_K + Q2_K in nibbles
+    assert [m.qw.shape[2] for m in (l0.down, l0.o, l0.gate_up, l1.gate_up)] == [96, 80, 64, 64]
+    assert l1.gate_up.qw.shape[1] * 8 == H
+    for ld, lo in zip(dense.model.layers, ours.model.layers):
+        for f in ("qkv", "o", "gate_up", "down"):
+            # equal values (a stack given offsets, Q3_K's with Q2_K's, has d * 4 - 4d = +0 for -0)
+            assert torch.equal(layer_values(getattr(lo, f)), layer_values(getattr(ld, f))), f
+    assert isinstance(l1.down, DenseLinear) and l1.down.weight.dtype == torch.float32
+    prompt = [1, 504, 3458, 282, 5248, 314, 17, 2, 9, 8822, 1137, 30, 42, 99, 1000, 20000]
+    ref = make_engine(dense).score(prompt)
+    got = make_engine(ours).score(prompt)
+    assert rel_err(got, ref.double()) < 1e-3
+    cache = ConvertCache(mixed_gguf)
+    assert cache.hit and "0.qkv.parts" in cache.tensors and "0.down.qw8" in cache.tensors
+    again = load_model(mixed_gguf, "auto")
+    for la, lo in zip(again.model.layers, ours.model.layers):
+        for f in ("qkv", "o", "gate_up", "down"):
+            a, o = getattr(la, f), getattr(lo, f)
+            assert type(a) is type(o) and bits_equal(layer_values(a), layer_values(o).numpy()), f
+            assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), o.state_dict().values()))
+    assert torch.equal(make_engine(again).score(prompt), got)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_planner_bytes_are_the_layouts_bytes(kind):
+    """The planner's bytes per weight of each type (gguf_blocks.cpu_bytes_per_value) are what the
+    loader's layout of a matrix of that type takes, on this CPU's kernel path."""
+    n, k = 32, 512
+    b = gguf_blocks.decode(kind, torch.from_numpy(random_blocks(kind, n, k, seed=5, std=0.05)))
+    if kind in ("Q4_0", "Q4_1", "Q4_K") and cpu_int4.supported():
+        w, sc = cpu_int4.pack_dm(b.q, b.d, b.m if b.m is not None else -b.zero * b.d)
+    else:
+        assert cpu_int8.load()
+        w, sc = cpu_int8.pack(b.q, b.d, b.m, b.zero, cpu_int8.preferred_bits(b.bits))
+    got = (w.numel() * w.element_size() + sc.numel() * sc.element_size()) / (n * k)
+    expected = gguf_blocks.cpu_bytes_per_value(kind)
+    if kind == "Q6_K" and cpu_int8.isa() != "avx512_vnni":
+        expected += 0.25  # byte lanes on AVX2 (see cpu_bytes_per_value)
+    assert got == expected
