@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hostile_schemas import chain, deep
 
 from localllm.model.loader import ModelLoadError, load_model
 
@@ -196,23 +197,11 @@ def test_format_json_and_schema(tmp_path):
     jsonschema.validate(json.loads(answer("--format", str(f), "Describe a person.")), PERSON)
 
 
-def _chain(n: int) -> dict:
-    """A $defs chain n links long (issue #29: 1,000 segfaulted the grammar compiler)."""
-    return {"$ref": "#/$defs/d_0", "$defs": {
-        f"d_{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d_{i + 1}"}}, "required": ["a"]}
-        if i < n - 1 else {"type": "string"} for i in range(n)}}
-
-
-def _deep(n: int) -> dict:
-    schema: dict = {"type": "string"}
-    for _ in range(n):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
 
 
 @pytest.mark.parametrize("value,says", [
     ("yaml", "not 'json'"), ("{oops", "not JSON"), ('{"type": "nonsense"}', "invalid json_schema"),
-    (_chain(1000), "more than the 65536"), (_deep(200), "nests too deep"), (False, "accepts no value"),
+    (chain(1000), "more than the 65536"), (deep(200), "nests too deep"), (False, "accepts no value"),
     ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "no output can satisfy it"),
 ])
 def test_bad_format_exits_2_naming_it(tmp_path, value, says):

@@ -15,6 +15,7 @@ import httpx
 import jsonschema
 import ollama
 import pytest
+from hostile_schemas import chain, deep
 from pydantic import BaseModel
 from server_proc import openai_client, running
 
@@ -182,26 +183,15 @@ def test_ollama_format_json_and_schema(server):
 
 
 # ---- hostile constraints (issue #29): never a crash, a freeze, or a violating 200 ------------------
-def _chain(n: int) -> dict:
-    return {"$ref": "#/$defs/d_0", "$defs": {
-        f"d_{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d_{i + 1}"}}, "required": ["a"]}
-        if i < n - 1 else {"type": "string"} for i in range(n)}}
-
-
-def _deep(n: int) -> dict:
-    schema: dict = {"type": "string"}
-    for _ in range(n):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
 
 
 LARK_CHAIN = "start: r_0\n" + "\n".join(f'r_{i}: "t_{i}" | r_{i + 1}' for i in range(2999)) + '\nr_2999: "end"'
 RECURSIVE = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
 HOSTILE = [  # (path, body, the field the 400 names, what its message says)
-    ("/api/chat", {"format": _chain(1000)}, "format", "65536"),
+    ("/api/chat", {"format": chain(1000)}, "format", "65536"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "c", "schema": _chain(1000)}}}, "response_format.json_schema.schema", "65536"),
-    ("/v1/completions", {"guided_json": _chain(1000)}, "guided_json", "65536"),
+        "name": "c", "schema": chain(1000)}}}, "response_format.json_schema.schema", "65536"),
+    ("/v1/completions", {"guided_json": chain(1000)}, "guided_json", "65536"),
     ("/v1/completions", {"guided_grammar": LARK_CHAIN}, "guided_grammar", "65536"),
     ("/v1/completions", {"guided_choice": [f"choice number {i}" for i in range(100_000)]}, "guided_choice",
      "100000 choices"),
@@ -219,9 +209,9 @@ HOSTILE = [  # (path, body, the field the 400 names, what its message says)
     ("/v1/completions", {"guided_regex": "(a{1000}){1000}"}, "guided_regex", "unroll to 999985"),
     ("/v1/completions", {"guided_grammar": 'start: s\ns: s "x"'}, "guided_grammar", "no output can satisfy it"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "d", "schema": _deep(64)}}}, "response_format.json_schema.schema", "nests too deep"),
-    ("/v1/completions", {"guided_json": _deep(200)}, "guided_json", "nests too deep"),
-    ("/api/chat", {"format": _deep(64)}, "format", "nests too deep"),
+        "name": "d", "schema": deep(64)}}}, "response_format.json_schema.schema", "nests too deep"),
+    ("/v1/completions", {"guided_json": deep(200)}, "guided_json", "nests too deep"),
+    ("/api/chat", {"format": deep(64)}, "format", "nests too deep"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "f", "schema": False}}}, "response_format.json_schema.schema", "accepts no value"),
     ("/v1/completions", {"guided_json": False}, "guided_json", "accepts no value"),
