@@ -143,6 +143,7 @@ def test_damaged_package_is_never_loaded_and_is_built_again(background_build, ti
             path.write_bytes(good)
 
 
+@pytest.mark.slow  # ~18 s; `make test-slow`, outside CI's 20-minute budget
 def test_killed_build_leaves_nothing_that_loads(background_build, tiny_int4, home, tmp_path):
     """A worker killed mid-way leaves no package under the real name (at most a temporary
     file, removed by the next build) and releases its lock."""

@@ -426,6 +426,7 @@ PORTABLE = {"avx2": "-march=x86-64-v3", "generic": "-march=x86-64"}
 
 @needs_cxx
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 builds")
+@pytest.mark.slow  # ~25 s of compiling the kernels for a baseline CPU: `make test-slow`, outside CI's budget
 def test_portable_builds(tmp_path):
     """The AVX2 and the plain-loop paths (what CPUs without AVX-512 get from -march=native), each
     built for that baseline (both at once) and run in a fresh process against fp64."""

@@ -140,6 +140,7 @@ def test_kernel_switch_and_failed_build(monkeypatch, tmp_path):
 
 
 @needs_vnni
+@pytest.mark.slow  # ~18 s of rebuilding; test_cache_integrity damages a kernel library in CI's run
 def test_damaged_library_is_rebuilt(tmp_path):
     """A truncated library file in the cache (a crash mid-copy, a full disk) is built again, in a
     fresh process as a real start would."""

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_kernels.py"
 
@@ -45,6 +47,7 @@ def test_gpu_kernels_compile_for_hopper():
         assert kernel in res.stdout
 
 
+@pytest.mark.slow  # ~22 s: the GPU end-to-end script's CPU dry run; `make test-slow`, outside CI's budget
 def test_gpu_e2e_dry_run(capsys):
     """bench/gpu_e2e.py's whole flow on a tiny model with the kernels interpreted: fp32 greedy ==
     transformers, seeded sampling, n-gram speculation == greedy, graph-path tokens == eager."""
