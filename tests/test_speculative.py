@@ -39,6 +39,9 @@ def test_ngram_on_a_code_edit_accepts_runs(int4_model):
     params = SamplingParams(temperature=0, max_tokens=40)
     msgs = [chat(REPETITIVE)]
     eng = make_engine(int4_model, speculative="ngram", num_speculative_tokens=4)
+    # k follows measured step times; this test is about what n-gram proposals accept, so the
+    # costs stay at their prior (a loaded machine's timings made k, hence the counts, vary)
+    eng.adaptive.observe = lambda k, seconds: None
     assert run_all(eng, msgs, params) == alone(int4_model, msgs, params)
     st = eng.cache_stats()["speculative"]
     assert st["accepted"] > 10 and st["mean_accepted_length"] > 1.5, st
