@@ -68,18 +68,6 @@ class ServerState:
         self.live = 0  # engine requests admitted or being admitted, not finished (429 check)
         self.aloop: asyncio.AbstractEventLoop | None = None
 
-    @property
-    def on_fatal(self) -> Callable[[], None]:
-        return self.pool.on_fatal
-
-    @on_fatal.setter
-    def on_fatal(self, fn: Callable[[], None]) -> None:
-        self.pool.on_fatal = fn
-
-    @property
-    def load_error(self) -> str | None:
-        return self.pool.load_error
-
     def start_loading(self) -> None:
         self.aloop = asyncio.get_running_loop()
         self.pool.start()
@@ -658,12 +646,12 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> int
 
     def fatal():
         server.should_exit = True
-    state.on_fatal = fatal
+    state.pool.on_fatal = fatal  # a pinned model that cannot load ends the server
     # uvicorn re-raises the signal it caught after a graceful shutdown; with these no-op handlers
     # in place that re-raise is harmless and the process exits 0 instead of dying of SIGTERM.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, f: None)
     server.run()
-    if not server.started and not state.load_error:
+    if not server.started and not state.pool.load_error:
         return 1  # could not bind (uvicorn printed why)
-    return 1 if state.load_error else 0
+    return 1 if state.pool.load_error else 0
