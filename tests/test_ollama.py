@@ -68,7 +68,8 @@ def test_version_tags_show(server, client):
     names = [m.model for m in client.list().models]
     assert SMOL in names and TINY not in names  # not pulled yet
     info = client.show("smollm2:135m")
-    assert info.capabilities == ["completion"]
+    # SmolLM2's template takes no tools: it calls them in the generic JSON format (generic_tools)
+    assert info.capabilities == ["completion", "tools"] and info.modelinfo["localllm.tool_calling"] == "generic"
     assert info.modelinfo["llama.context_length"] == 8192 and info.details.family == "llama"
     assert "<|im_start|>" in info.template
     with pytest.raises(ollama.ResponseError) as e:

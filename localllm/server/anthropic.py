@@ -52,6 +52,7 @@ class MessagesRequest(CountRequest):
     top_k: int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}}: structured output
 
 
 def _text_blocks(content: Any, where: str) -> str:
@@ -68,6 +69,20 @@ def _text_blocks(content: Any, where: str) -> str:
                            param=where)
         texts.append(block["text"])
     return "\n".join(texts) if where == "system" else "".join(texts)
+
+
+# chat request fields -> what this API calls them (in the errors start_chat raises)
+_PARAMS = [("response_format.json_schema.schema", "output_config.format.schema"),
+           ("response_format", "output_config.format"), ("chat_template_kwargs", "thinking")]
+
+
+def _renamed(e: APIError) -> APIError:
+    message, param = e.message, e.param
+    for old, new in _PARAMS:
+        message = message.replace(old, new)
+        if param is not None and param.startswith(old):
+            param = new + param[len(old):]
+    return APIError(e.status, message, e.type, param, e.code, e.headers)
 
 
 def chat_messages(req: CountRequest) -> list[dict]:
@@ -154,10 +169,16 @@ def chat_request(req: CountRequest) -> oai.ChatCompletionRequest:
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
                     top_p=req.top_p, top_k=req.top_k, stream=req.stream)
+        fmt = (req.output_config or {}).get("format")
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or "schema" not in fmt:
+                raise APIError(400, "output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                               param="output_config.format")
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
     kind = (req.thinking or {}).get("type")
     if kind is not None:
-        if kind not in ("enabled", "disabled", "adaptive"):
-            raise APIError(400, f"thinking.type must be enabled, disabled or adaptive, got {kind!r}",
+        if kind not in ("enabled", "disabled", "adaptive", "between_tools"):
+            raise APIError(400, f"thinking.type must be enabled, disabled, adaptive or between_tools, got {kind!r}",
                            param="thinking.type")
         body["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
     if not body["messages"]:
@@ -253,6 +274,9 @@ def router(state: Any, start_chat: Callable) -> APIRouter:
         target, release = await state.acquire(chat_body.model)
         try:
             return target, release, await start_chat(state, chat_body, target, release, start=start)
+        except APIError as e:
+            release()
+            raise _renamed(e) from None
         except BaseException:
             release()
             raise
@@ -317,7 +341,7 @@ def router(state: Any, start_chat: Callable) -> APIRouter:
                     yield sse({"type": "message_stop"})
             except APIError as e:  # after the headers: Anthropic's error event
                 state.metrics.errors[e.status] += 1
-                yield sse(error_body(e))
+                yield sse(error_body(_renamed(e)))
             finally:
                 gen.close()
 

@@ -79,7 +79,7 @@ def messages(msgs: list[dict], raw_tools: list[dict] | None, template: str | Non
         return msgs
     out: list[dict] = []
     names: dict[str, str] = {}  # call id -> tool name, for tool turns that only give the id
-    tool_role = _has_tool_role(template)
+    tool_role, last = _has_tool_role(template), ""
     for m in msgs:
         role, content = m.get("role"), m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
@@ -92,12 +92,13 @@ def messages(msgs: list[dict], raw_tools: list[dict] | None, template: str | Non
                         args = json.loads(args)
                     except ValueError:
                         pass
-                names[str(c.get("id"))] = fn.get("name", "")
+                names[str(c.get("id"))] = last = fn.get("name", "")
                 parts.append(json.dumps({"tool_call": {"name": fn.get("name"), "arguments": args}},
                                         ensure_ascii=False))
             out.append({"role": "assistant", "content": "\n".join(parts)})
         elif role == "tool":
-            name = m.get("name") or names.get(str(m.get("tool_call_id")), "")
+            # Ollama's clients may name neither the tool nor the call: the last call it answers
+            name = m.get("name") or names.get(str(m.get("tool_call_id"))) or last
             text = json.dumps({"tool_response": {"name": name, "content": content}}, ensure_ascii=False)
             out.append({"role": "tool" if tool_role else "user", "content": text})
         else:
