@@ -11,6 +11,7 @@ as `x-api-key` (app.py's key check takes it).
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Union
 
@@ -303,7 +304,7 @@ def router(state: Any, start_chat: Callable) -> APIRouter:
 
         state.metrics.http_requests += 1
         target, _, chat = await _started(body, start=True)
-        gen, mid, name, tok = chat.gen, f"msg_{oai.new_id('')[1:]}", target.name, target.engine.tokenizer
+        gen, mid, name, tok = chat.gen, f"msg_{uuid.uuid4().hex}", target.name, target.engine.tokenizer
 
         def message(blocks: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
             return {"id": mid, "type": "message", "role": "assistant", "model": name, "content": blocks,

@@ -12,6 +12,7 @@ Errors are OpenAI's shape, their `param` named as this API names the field.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Union
 
@@ -47,6 +48,10 @@ class ResponsesRequest(oai._Request):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     seed: int | None = None  # not OpenAI's; vLLM and llama.cpp take it here too
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"  # OpenAI's shape: resp_..., msg_..., fc_..., rs_...
 
 
 # chat request fields -> what this API calls them (in the errors start_chat raises)
@@ -214,7 +219,7 @@ class OutputItems:
         for call in delta.get("tool_calls") or []:
             events += self._close()
             fn = call["function"]
-            item = {"type": "function_call", "id": oai.new_id("fc"), "call_id": call["id"], "name": fn["name"],
+            item = {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": fn["name"],
                     "arguments": "", "status": "in_progress"}
             index = len(self.items)
             self.items.append(item)
@@ -252,9 +257,9 @@ class OutputItems:
 
     def _start(self, kind: str) -> list[dict]:
         if kind == "reasoning":
-            item = {"type": "reasoning", "id": oai.new_id("rs"), "summary": [], "content": [], "status": "in_progress"}
+            item = {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [], "status": "in_progress"}
         else:
-            item = {"type": "message", "id": oai.new_id("msg"), "status": "in_progress", "role": "assistant",
+            item = {"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant",
                     "content": []}
         self._open, self._text = item, ""
         self.items.append(item)
@@ -329,7 +334,7 @@ def router(state: Any, start_chat: Callable) -> APIRouter:
     async def _answer(req: ResponsesRequest, chat, target, request: Request):
         from .openai_schema import ChatDeltas
 
-        gen, rid, created, name = chat.gen, oai.new_id("resp"), oai.now(), target.name
+        gen, rid, created, name = chat.gen, _id("resp"), oai.now(), target.name
         tok = target.engine.tokenizer
 
         def done(items: OutputItems, reason: str | None) -> dict:
