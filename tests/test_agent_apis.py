@@ -73,6 +73,7 @@ def test_generic_replies_parse_and_stream_over_every_cut():
     assert parse(ANSWER, names) == (json.loads(ANSWER)["response"], [])
     assert parse('{"tool_call": {"name": "rm_rf", "arguments": {}}}', names)[1] == []  # not an offered tool
     assert parse('{"response": "cut sho', names) == ("cut sho", [])  # max_tokens ended it
+    assert parse('{"response": {"city": "Oslo"}}', names) == ('{"city": "Oslo"}', [])  # a structured answer
     for size in (1, 2, 3, 7):
         for text, content, calls in ((ANSWER, json.loads(ANSWER)["response"], []),
                                      (call, "", [("get_weather", {"city": "Paris"})])):
@@ -218,6 +219,16 @@ def test_responses_text_format_json_schema(client):
                                                  "strict": True}})
     jsonschema.validate(json.loads(r.output_text), schema)
     assert r.text.format.type == "json_schema"
+    # with tools too (an agent with an output type): a call, or an answer held to the schema inside
+    # the generic JSON and unwrapped from it
+    both = client.responses.create(model=MODEL, input="Name a city and its country as JSON.", temperature=0,
+                                   max_output_tokens=60, tools=RESP_TOOLS,
+                                   text={"format": {"type": "json_schema", "name": "place", "schema": schema}})
+    (item,) = both.output
+    if item.type == "function_call":
+        jsonschema.validate(json.loads(item.arguments), WEATHER)
+    else:
+        jsonschema.validate(json.loads(both.output_text), schema)
 
 
 @pytest.mark.parametrize("body,param", [

@@ -186,8 +186,11 @@ def _tool_setup(body: oai.ChatCompletionRequest, template: str | None) -> tuple[
     if choice == "none" or not tools:  # as vLLM: with 'none' the tools are not shown to the model
         return None, legacy, None, None
     if not generic_tools.takes_tools(template):  # told in a system message, the reply held to JSON
-        constraint = output_format.make(p_tools, "json_schema", generic_tools.schema(tools, choice))
-        return generic_tools.GenericTools(tools), legacy, raw, (p_tools, constraint)
+        # with 'auto' an answer may come: held to response_format's schema when the request sets one
+        answer = generic_tools.answer_of(output_format.response_format(body.response_format)) \
+            if choice == "auto" else None
+        constraint = output_format.make(p_tools, "json_schema", generic_tools.schema(tools, choice, answer))
+        return generic_tools.GenericTools(tools, answer), legacy, raw, (p_tools, constraint)
     forced = None
     if choice != "auto":
         grammar = tc.forcing_grammar(tools, choice, tc.style_of(template))
@@ -227,6 +230,8 @@ async def start_chat(state: ServerState, body: oai.ChatCompletionRequest, target
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     template = target.engine.tokenizer.chat_template
     tools, legacy, raw_tools, forced = _tool_setup(body, template)
+    if isinstance(tools, generic_tools.GenericTools) and tools.answer_schema is not None:
+        body = body.model_copy(update={"response_format": None})  # held to it inside the generic JSON
     params, constraint_param = _params_list(body, max_tokens, mt_param, logprobs, vocab, forced)
     kwargs = _template_kwargs(body.chat_template_kwargs)
     messages = template_messages(oai.message_dicts(body.messages))

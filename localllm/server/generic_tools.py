@@ -26,7 +26,13 @@ RESPONSE_HEAD = '{"response": "'
 class GenericTools(dict):
     """The offered tools (name -> parameters schema) of a request answered in the generic format.
     A dict, so that it travels where the template path's tools do (chat_choice, ChatDeltas,
-    Ollama's stream); tool_calls.parse and ToolCallStream read the generic reply when given one."""
+    Ollama's stream); tool_calls.parse and ToolCallStream read the generic reply when given one.
+    `answer_schema`: the request's structured-output schema, which the text answer is held to
+    (llama.cpp's `response` takes the json_schema so too)."""
+
+    def __init__(self, tools: dict, answer_schema: dict | None = None):
+        super().__init__(tools)
+        self.answer_schema = answer_schema
 
 
 def takes_tools(template: str | None) -> bool:
@@ -47,9 +53,20 @@ def _has_tool_role(template: str | None) -> bool:
         return False
 
 
-def schema(tools: dict[str, dict], choice: str) -> dict:
+def answer_of(constraint: Any) -> dict | None:
+    """The schema a structured-output Constraint (json_schema, or json: any object) holds an
+    answer to; None for other kinds (a regex or grammar cannot sit inside the JSON)."""
+    if constraint is None:
+        return None
+    if constraint.kind == "json_schema":
+        return json.loads(constraint.spec)
+    return {"type": "object"} if constraint.kind == "json" else None
+
+
+def schema(tools: dict[str, dict], choice: str, answer: dict | None = None) -> dict:
     """The JSON schema of every reply: a call of an offered tool (of the named one, or any with
-    'required'), or with 'auto' also a text answer."""
+    'required'), or with 'auto' also an answer: text, or a value held to `answer` (the request's
+    structured-output schema)."""
     names = list(tools) if choice in ("auto", "required") else [choice]
     calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": tools[n]},
               "required": ["name", "arguments"], "additionalProperties": False} for n in names]
@@ -57,9 +74,9 @@ def schema(tools: dict[str, dict], choice: str) -> dict:
             "required": ["tool_call"], "additionalProperties": False}
     if choice != "auto":
         return {"x-guidance": _COMPACT, **call}
-    answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
-              "additionalProperties": False}
-    return {"x-guidance": _COMPACT, "anyOf": [call, answer]}
+    reply = {"type": "object", "properties": {"response": answer if answer is not None else {"type": "string"}},
+             "required": ["response"], "additionalProperties": False}
+    return {"x-guidance": _COMPACT, "anyOf": [call, reply]}
 
 
 def system_text(raw_tools: list[dict]) -> str:

@@ -375,13 +375,10 @@ def mount(app: FastAPI, state) -> None:
             constraint_param = "format"
             if chat and not generic_tools.takes_tools(template):  # the tools and tool turns as text turns
                 prompt = generic_tools.messages(prompt, tools[1] if tools else None, template)
-            if tools and not generic_tools.takes_tools(template):
-                if constraint is not None:
-                    raise APIError(400, f"format cannot be combined with tools on \"{name}\": its chat template "
-                                        "takes no tools, so its replies are held to the generic tool-call JSON",
-                                   param="format")
-                tools = (generic_tools.GenericTools(tools[0]), None)
-                constraint = make("tools", "json_schema", generic_tools.schema(tools[0], "auto"))
+            if tools and not generic_tools.takes_tools(template):  # an answer is held to `format`, if set
+                answer = generic_tools.answer_of(constraint)
+                tools = (generic_tools.GenericTools(tools[0], answer), None)
+                constraint = make("tools", "json_schema", generic_tools.schema(tools[0], "auto", answer))
                 constraint_param = "tools"
             params = sampling_params(options, constraint)
             kwargs = {} if think is None else {"enable_thinking": think}
