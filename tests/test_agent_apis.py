@@ -105,7 +105,7 @@ def test_openai_sdk_tool_round_trip(server, client):
     assert first.usage.prompt_tokens > tokens(server, expected_prompt([("user", ASK)]))
     convo = [{"role": "user", "content": ASK}, first.choices[0].message.model_dump(exclude_none=True),
              {"role": "tool", "tool_call_id": call.id, "content": RESULT}]
-    final = chat(client, convo, tools=CHAT_TOOLS, tool_choice="none", max_tokens=30)
+    final = chat(client, convo, tools=CHAT_TOOLS, tool_choice="none", max_tokens=12)
     assert final.usage.prompt_tokens == tokens(server, expected_prompt(CARRIED))
     assert final.choices[0].message.content.strip() and not final.choices[0].message.tool_calls
     # streamed: the call comes as one delta.tool_calls, no JSON in content
@@ -200,12 +200,12 @@ def test_responses_function_tool_round_trip(client):
     items = [{"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
              {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}]
     final = client.responses.create(model=MODEL, input=items, tools=RESP_TOOLS, tool_choice="none", temperature=0,
-                                    max_output_tokens=30)
+                                    max_output_tokens=12)
     same = chat(client, [{"role": "user", "content": ASK},
                          {"role": "assistant", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
                              "name": "get_weather", "arguments": call.arguments}}]},
                          {"role": "tool", "tool_call_id": call.call_id, "content": RESULT}],
-                tools=CHAT_TOOLS, tool_choice="none", max_tokens=30)
+                tools=CHAT_TOOLS, tool_choice="none", max_tokens=12)
     assert final.output_text == same.choices[0].message.content and final.output_text.strip()
     assert final.usage.input_tokens == same.usage.prompt_tokens
 
@@ -318,12 +318,12 @@ def test_anthropic_tool_use_round_trip(client, claude):
     assert json.loads(partial) == {"city": "Paris"} and events[-2].delta.stop_reason == "tool_use"
     convo = [*ask, {"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}]
-    final = claude.messages.create(model=MODEL, max_tokens=30, tools=tools, tool_choice={"type": "none"},
+    final = claude.messages.create(model=MODEL, max_tokens=12, tools=tools, tool_choice={"type": "none"},
                                    messages=convo, extra_body=GREEDY)
     assert final.stop_reason in ("end_turn", "max_tokens") and [b.type for b in final.content] == ["text"]
     same = chat(client, [*ask, {"role": "assistant", "tool_calls": [{"id": use.id, "type": "function", "function": {
         "name": "get_weather", "arguments": json.dumps(use.input)}}]},
-        {"role": "tool", "tool_call_id": use.id, "content": RESULT}], max_tokens=30)
+        {"role": "tool", "tool_call_id": use.id, "content": RESULT}], max_tokens=12)
     assert final.content[0].text == same.choices[0].message.content and final.content[0].text.strip()
     count = claude.messages.count_tokens(model=MODEL, tools=tools, tool_choice={"type": "none"}, messages=convo)
     assert count.input_tokens == final.usage.input_tokens == same.usage.prompt_tokens
@@ -348,3 +348,73 @@ def test_anthropic_errors_and_key(server, claude):
         bad.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "x"}])
     assert e.value.body == {"type": "error", "error": {"type": "authentication_error",
                                                        "message": "Incorrect API key provided."}}
+
+
+# ---- fuzz: never a 5xx, always the API's own error shape ---------------------------------------------
+def _fuzz_bodies(path: str):
+    from hypothesis import strategies as st
+
+    text = st.one_of(st.text(max_size=20), st.sampled_from(["", "a\ud800b", "<|im_end|>", "😀"]))
+    scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2 ** 40), 2 ** 40), st.floats(allow_nan=False), text)
+    junk = st.recursive(scalar, lambda c: st.one_of(st.lists(c, max_size=3),
+                                                  st.dictionaries(st.text(max_size=8), c, max_size=3)),
+                        max_leaves=6)
+    tool = st.one_of(st.just(RESP_TOOLS[0] if "responses" in path else
+                             {"name": "get_weather", "input_schema": WEATHER}), junk)
+    few = st.one_of(st.integers(1, 3), st.sampled_from([0, -1, True, "2", 1.5]))
+    if "responses" in path:
+        item = st.one_of(
+            st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "developer", "wizard"]),
+                                   "content": st.one_of(text, st.lists(st.fixed_dictionaries(
+                                       {"type": st.sampled_from(["input_text", "input_image"]), "text": text}),
+                                       max_size=2))}),
+            st.fixed_dictionaries({"type": st.just("function_call"), "call_id": text, "name": text,
+                                   "arguments": st.one_of(text, junk)}),
+            st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": text, "output": junk}),
+            junk)
+        required = {"input": st.one_of(text, st.lists(item, min_size=1, max_size=3)), "max_output_tokens": few}
+        optional = {"instructions": st.one_of(text, junk), "tools": st.lists(tool, max_size=2),
+                    "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), junk),
+                    "text": junk, "reasoning": junk, "stream": st.booleans(), "temperature": st.floats(0, 2)}
+    else:
+        block = st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+                          st.fixed_dictionaries({"type": st.just("tool_use"), "id": text, "name": text,
+                                                 "input": junk}),
+                          st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": text,
+                                                 "content": st.one_of(text, junk)}), junk)
+        message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                         "content": st.one_of(text, st.lists(block, max_size=2))})
+        required = {"messages": st.one_of(st.lists(message, min_size=1, max_size=3), junk), "max_tokens": few}
+        optional = {"system": st.one_of(text, junk), "tools": st.lists(tool, max_size=2),
+                    "tool_choice": junk, "thinking": junk, "stop_sequences": junk, "stream": st.booleans(),
+                    "temperature": st.floats(0, 2)}
+    return st.fixed_dictionaries(required, optional=optional)
+
+
+@pytest.mark.slow  # ~30 s of requests on a busy 2-core machine: make test-slow
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+def test_fuzzed_requests_never_5xx(server, path):
+    from hypothesis import HealthCheck, given, settings
+
+    statuses = []
+
+    @settings(max_examples=30, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(_fuzz_bodies(path))
+    def check(body):
+        raw = json.dumps({"model": MODEL, **body}).encode()  # lone surrogates as \\u escapes: legal JSON
+        r = httpx.post(server.base + path, content=raw, headers={"x-api-key": KEY, "content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code != 200:
+            err = r.json()
+            shape = set(err["error"]) == {"type", "message"} and err["type"] == "error" if "messages" in path \
+                else set(err["error"]) == {"message", "type", "param", "code"}
+            assert shape, r.text
+        elif body.get("stream"):
+            assert ("message_stop" if "messages" in path else "response.completed") in r.text or \
+                "response.incomplete" in r.text, r.text[-300:]
+        statuses.append(r.status_code)
+
+    check()
+    assert statuses.count(200) >= 3 and statuses.count(400) >= 10, statuses  # both paths taken
