@@ -245,13 +245,16 @@ def test_responses_errors_name_the_field(server, body, param):
 
 
 # ---- the openai-agents SDK ---------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["responses", "chat_completions"])
+@pytest.mark.parametrize("kind", ["default", "chat_completions"])
 def test_openai_agents_run_a_function_tool(server, kind):
+    """`default`: the SDK's own model for a model name, through its OpenAI provider pointed at us:
+    its Responses model (the response ids it records are ours, resp_...)."""
     from agents import (
         Agent,
         ModelSettings,
         OpenAIChatCompletionsModel,
-        OpenAIResponsesModel,
+        OpenAIProvider,
+        RunConfig,
         Runner,
         function_tool,
         set_tracing_disabled,
@@ -268,15 +271,17 @@ def test_openai_agents_run_a_function_tool(server, kind):
         return RESULT
 
     aclient = AsyncOpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
-    model = (OpenAIResponsesModel if kind == "responses" else OpenAIChatCompletionsModel)(MODEL, aclient)
+    model = MODEL if kind == "default" else OpenAIChatCompletionsModel(MODEL, aclient)
     # the tool's result is the final output: a 135M model asked again would call the tool again
     agent = Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
                   model=model, tool_use_behavior="stop_on_first_tool",
                   model_settings=ModelSettings(temperature=0, max_tokens=60))
-    result = Runner.run_sync(agent, ASK)
+    result = Runner.run_sync(agent, ASK, run_config=RunConfig(model_provider=OpenAIProvider(openai_client=aclient)))
     assert calls == ["Paris"] and result.final_output == RESULT
     kinds = [item.type for item in result.new_items]
     assert kinds == ["tool_call_item", "tool_call_output_item"], kinds
+    if kind == "default":
+        assert [r.response_id[:5] for r in result.raw_responses] == ["resp_"]
 
 
 # ---- Anthropic's Messages API ------------------------------------------------------------------------
@@ -312,6 +317,8 @@ def test_anthropic_tool_use_round_trip(client, claude):
     (use,) = m.content
     assert m.stop_reason == "tool_use" and use.type == "tool_use" and (use.name, use.input) == ("get_weather",
                                                                                               {"city": "Paris"})
+    # the tools told in the system message count too
+    assert claude.messages.count_tokens(model=MODEL, tools=tools, messages=ask).input_tokens == m.usage.input_tokens
     events = list(claude.messages.create(model=MODEL, max_tokens=60, tools=tools, messages=ask, stream=True,
                                          extra_body=GREEDY))
     partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta")
