@@ -20,6 +20,7 @@ import pytest
 from server_proc import running
 
 from localllm.server.generic_tools import GenericStream, parse
+from localllm.server.generic_tools import messages as generic_messages
 
 KEY = "sk-agents"
 MODEL = "smollm2-135m"
@@ -30,6 +31,7 @@ CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "descript
 ASK = "What is the weather in Paris?"
 RESULT = "sunny, 24 C"
 FRANCE = "What is the capital of France?"
+CALL_TEXT = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}'
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +85,26 @@ def test_generic_replies_parse_and_stream_over_every_cut():
             assert (streamed + rest, got) == (content, calls), size
 
 
+# a template that knows only user/assistant/system turns (as Gemma's and Llama 2's raise on others)
+STRICT_ROLES = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant', 'system'] %}"
+                "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+                "[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}")
+
+
+def test_generic_turns_fit_the_template():
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ASK},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": RESULT}]
+    out = generic_messages(convo, CHAT_TOOLS, STRICT_ROLES)
+    tool_turn = json.dumps({"tool_response": {"name": "get_weather", "content": RESULT}})
+    assert [(m["role"], m["content"]) for m in out[1:]] == [("user", ASK), ("assistant", CALL_TEXT),
+                                                           ("user", tool_turn)]  # no tool role here
+    assert out[0]["content"].startswith("Be brief.\n\nRespond in JSON format") and '"get_weather"' in out[0]["content"]
+    assert generic_messages(convo, None, None)[3] == {"role": "tool", "content": tool_turn}  # ChatML writes any role
+    assert generic_messages(convo[:2], None, STRICT_ROLES) == convo[:2]  # no tools, no tool turns: unchanged
+
+
 # ---- generic tool calling through the clients ------------------------------------------------------
 def expected_prompt(turns: list[tuple[str, str]]) -> str:
     """SmolLM2's ChatML rendering of the conversation as the generic format writes its tool turns
@@ -91,7 +113,6 @@ def expected_prompt(turns: list[tuple[str, str]]) -> str:
     return head + "".join(f"<|im_start|>{r}\n{c}<|im_end|>\n" for r, c in turns) + "<|im_start|>assistant\n"
 
 
-CALL_TEXT = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}'
 CARRIED = [("user", ASK), ("assistant", CALL_TEXT),
            ("tool", json.dumps({"tool_response": {"name": "get_weather", "content": RESULT}}))]
 
