@@ -63,6 +63,17 @@ EXERCISED_BY = {
     "application/json' -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
     "\"max_tokens\": 9000}'": "test_serve_transcript",
     "curl -s localhost:8000/v1/models": "test_serve_transcript",
+    "curl -s localhost:8000/v1/responses -H \"Authorization: Bearer sk-local\" -H 'Content-Type: application/json' "
+    "-d '{\"model\": \"smollm2\", \"input\": \"What is the capital of France?\", \"temperature\": 0, "
+    "\"max_output_tokens\": 32}'": "test_serve_transcript",
+    "curl -s localhost:8000/v1/messages -H \"x-api-key: sk-local\" -H 'Content-Type: application/json' -d "
+    "'{\"model\": \"smollm2\", \"max_tokens\": 32, \"temperature\": 0, \"messages\": [{\"role\": \"user\", "
+    "\"content\": \"What is the capital of France?\"}]}'": "test_serve_transcript",
+    "curl -s localhost:8000/v1/chat/completions -H \"Authorization: Bearer sk-local\" -H 'Content-Type: "
+    "application/json' -d '{\"model\": \"smollm2\", \"messages\": [{\"role\": \"user\", \"content\": \"What "
+    "is the weather in Paris?\"}], \"temperature\": 0, \"tools\": [{\"type\": \"function\", \"function\": "
+    "{\"name\": \"get_weather\", \"parameters\": {\"type\": \"object\", \"properties\": {\"city\": "
+    "{\"type\": \"string\"}}, \"required\": [\"city\"]}}}]}'": "test_serve_transcript",
     "cat oai.py": "test_serve_transcript",
     "python oai.py": "test_serve_transcript",
     "python: from localllm import LLM, SamplingParams": "test_python_api",

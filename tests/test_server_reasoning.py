@@ -134,3 +134,51 @@ def test_streamed_deltas_carry_reasoning_content_then_content(size):
     # no reasoning once the answer began: the deltas never interleave
     kinds = [k for d in got[1:] for k in d]
     assert kinds == sorted(kinds, key=lambda k: k == "content")
+
+
+# ---- the agent APIs on a reasoning model (issue #33) --------------------------------------------------
+def test_responses_effort_and_anthropic_thinking_reach_the_template(server, model_dir, prompt_tokens):
+    import anthropic
+
+    c = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    kw = dict(model=str(model_dir), input="Is 7 prime?", max_output_tokens=2, temperature=0)
+    assert c.responses.create(**kw).usage.input_tokens == prompt_tokens(ASK)
+    assert c.responses.create(**kw, reasoning={"effort": "minimal"}).usage.input_tokens == prompt_tokens(
+        ASK, enable_thinking=False)
+    assert c.responses.create(**kw, reasoning={"effort": "high"}).usage.input_tokens == prompt_tokens(
+        ASK, enable_thinking=True)
+    a = anthropic.Anthropic(base_url=server.base, api_key="unused", max_retries=0, timeout=60)
+    for thinking, on in (({"type": "disabled"}, False), ({"type": "enabled", "budget_tokens": 1024}, True)):
+        m = a.messages.create(model=str(model_dir), max_tokens=2, messages=ASK, thinking=thinking)
+        assert m.usage.input_tokens == prompt_tokens(ASK, enable_thinking=on)
+        assert a.messages.count_tokens(model=str(model_dir), messages=ASK, thinking=thinking).input_tokens == \
+            m.usage.input_tokens
+
+
+@pytest.mark.parametrize("size", [1, 3, len(REPLY)])
+def test_reasoning_replies_become_reasoning_items_and_thinking_blocks(size):
+    from localllm.server.anthropic import ContentBlocks
+    from localllm.server.responses import OutputItems
+
+    deltas = [REPLY[i:i + size] for i in range(0, len(REPLY), size)]
+    items, blocks = OutputItems(), ContentBlocks()
+    events, block_events = [], []
+    splitters = oai.ChatDeltas(False), oai.ChatDeltas(False)
+    for k, d in enumerate(deltas):
+        last = k == len(deltas) - 1
+        events += items.add(splitters[0].feed(d, last))
+        block_events += blocks.add(splitters[1].feed(d, last))
+    events += items.finish("completed")
+    block_events += blocks.finish()
+    thought = "\nSeven has no divisors but 1 and itself.\n"
+    assert [(i["type"], i["status"]) for i in items.items] == [("reasoning", "completed"), ("message", "completed")]
+    assert items.items[0]["content"] == [{"type": "reasoning_text", "text": thought}]
+    assert items.items[1]["content"][0]["text"] == "Yes, 7 is prime."
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == thought
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.output_item.done") < kinds.index("response.content_part.added")  # one after the other
+    assert blocks.blocks == [{"type": "thinking", "thinking": thought, "signature": ""},
+                             {"type": "text", "text": "Yes, 7 is prime."}]
+    starts = [e["content_block"]["type"] for e in block_events if e["type"] == "content_block_start"]
+    stops = [e["index"] for e in block_events if e["type"] == "content_block_stop"]
+    assert starts == ["thinking", "text"] and stops == [0, 1]

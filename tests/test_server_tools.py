@@ -224,3 +224,4 @@ def test_ollama_tools(server, model_dir, prompt_tokens):
                                                  for m in convo], tools=TOOLS)
     show = httpx.post(server.base + "/api/show", json={"model": TOOLS_MODEL}, timeout=30).json()
     assert {"tools", "thinking"} <= set(show["capabilities"])
+    assert show["model_info"]["localllm.tool_calling"] == "template"

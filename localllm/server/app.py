@@ -159,9 +159,10 @@ def _params_list(body, max_tokens, max_tokens_param, logprobs, vocab: int,
 
 
 def _tool_setup(body: oai.ChatCompletionRequest, template: str | None) -> tuple[dict | None, bool, list | None, Any]:
-    """(offered tools: name -> parameters, None when no call can come; whether the deprecated
-    functions API asked; the tools for the chat template; (field, constraint) forcing a call)."""
-    from . import output_format
+    """(offered tools: name -> parameters, None when no call can come, a GenericTools when the
+    template takes none; whether the deprecated functions API asked; the tools as sent; (field,
+    constraint) holding the reply to a call, or for generic tools to a call or a JSON answer)."""
+    from . import generic_tools, output_format
     from . import tool_calls as tc
 
     legacy = body.functions is not None or body.function_call is not None
@@ -184,14 +185,67 @@ def _tool_setup(body: oai.ChatCompletionRequest, template: str | None) -> tuple[
         raise APIError(400, str(e), param=e.param) from None
     if choice == "none" or not tools:  # as vLLM: with 'none' the tools are not shown to the model
         return None, legacy, None, None
-    if not template or "tools" not in template:
-        raise APIError(400, f"{p_tools}: this model's chat template does not take tools (it cannot be told "
-                            "about them)", param=p_tools)
+    if not generic_tools.takes_tools(template):  # told in a system message, the reply held to JSON
+        # with 'auto' an answer may come: held to response_format's schema when the request sets one
+        answer = generic_tools.answer_of(output_format.response_format(body.response_format)) \
+            if choice == "auto" else None
+        constraint = output_format.make(p_tools, "json_schema", generic_tools.schema(tools, choice, answer))
+        return generic_tools.GenericTools(tools, answer), legacy, raw, (p_tools, constraint)
     forced = None
     if choice != "auto":
         grammar = tc.forcing_grammar(tools, choice, tc.style_of(template))
         forced = (p_tools, output_format.make(p_tools, "grammar", grammar))  # p_tools: what a compile error names
     return tools, legacy, raw, forced
+
+
+@dataclass
+class ChatStart:
+    """A chat request on its way: its engine requests (started unless asked not to), and how its
+    reply is read: the offered tools (None: no calls come; a GenericTools: the generic format),
+    the deprecated functions API, thinking (None: no reasoning model; True: the reply starts
+    inside <think>)."""
+
+    gen: Generation
+    tools: dict | None
+    legacy: bool
+    thinking: bool | None
+
+
+async def start_chat(state: ServerState, body: oai.ChatCompletionRequest, target: LoadedModel,
+                     release: Callable[[], None], start: bool = True) -> ChatStart:
+    """Check a chat request, render its messages (the tools through the template, or described for
+    generic tool calling) and, with `start`, submit it to the model's engine. The one way every
+    chat-shaped API (chat completions, Responses, Anthropic Messages) reaches the engine."""
+    from . import generic_tools
+    from .tool_calls import template_messages
+
+    mt_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    vocab = target.engine.model_config.vocab_size
+    _check_common(body, max_tokens, mt_param, vocab)
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise APIError(400, f"top_logprobs must be between 0 and 20, got {body.top_logprobs}", param="top_logprobs")
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    template = target.engine.tokenizer.chat_template
+    tools, legacy, raw_tools, forced = _tool_setup(body, template)
+    if isinstance(tools, generic_tools.GenericTools) and tools.answer_schema is not None:
+        body = body.model_copy(update={"response_format": None})  # held to it inside the generic JSON
+    params, constraint_param = _params_list(body, max_tokens, mt_param, logprobs, vocab, forced)
+    kwargs = _template_kwargs(body.chat_template_kwargs)
+    messages = template_messages(oai.message_dicts(body.messages))
+    if not generic_tools.takes_tools(template):  # the tools (if offered) and tool turns as text turns
+        messages = generic_tools.messages(messages, raw_tools if tools is not None else None, template)
+    elif tools is not None:
+        kwargs["tools"] = raw_tools
+    gen = Generation(state, [messages], params, body.n, mt_param, "messages", target, release, kwargs,
+                     constraint_param)
+    if not start:
+        return ChatStart(gen, tools, legacy, None)
+    await gen.start()
+    thinks, inside = gen.reasoning()
+    return ChatStart(gen, tools, legacy, inside if thinks else None)
 
 
 def _template_kwargs(kwargs: dict | None) -> dict:
@@ -210,9 +264,13 @@ def _sse(obj: dict | str) -> str:
 
 # ---- the app ------------------------------------------------------------------------------------
 def _error_body(scope, err: APIError) -> dict:
-    """An error as the route's API shapes it: Ollama's {"error": "..."} on /api/, else OpenAI's."""
+    """An error as the route's API shapes it: Ollama's {"error": "..."} on /api/, Anthropic's on
+    /v1/messages, else OpenAI's."""
+    from . import anthropic
     from .ollama import is_ollama_path
 
+    if anthropic.is_anthropic_path(scope["path"]):
+        return anthropic.error_body(err)
     return {"error": err.message} if is_ollama_path(scope["path"]) else err.body()
 
 
@@ -291,11 +349,15 @@ class _AuthMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] == "/health" or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
-        auth = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        auth = headers.get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
+        if b"x-api-key" in headers and not auth:  # Anthropic's clients send the key so
+            scheme, token = b"bearer", headers[b"x-api-key"]
         if scheme.lower() == b"bearer" and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self.key):
             return await self.app(scope, receive, send)
-        msg = "Incorrect API key provided." if auth else "Missing API key: send it as 'Authorization: Bearer KEY'."
+        msg = ("Incorrect API key provided." if auth or b"x-api-key" in headers
+               else "Missing API key: send it as 'Authorization: Bearer KEY'.")
         err = APIError(401, msg, code="invalid_api_key")
         await JSONResponse(_error_body(scope, err), status_code=401)(scope, receive, send)
 
@@ -339,9 +401,8 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
     # ---- errors: OpenAI's shape, Ollama's ({"error": "..."}) on Ollama's /api/ routes ----
     def error_response(e: APIError, request: Request | None = None) -> JSONResponse:
         state.metrics.errors[e.status] += 1
-        if request is not None and ollama_api.is_ollama_path(request.url.path):
-            return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        body = _error_body(request.scope, e) if request is not None else e.body()
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -428,38 +489,19 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
         return await _on_model(_chat_completion, body, request)
 
     async def _chat_completion(body: oai.ChatCompletionRequest, request: Request, target, release):
-        mt_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        vocab = target.engine.model_config.vocab_size
-        _check_common(body, max_tokens, mt_param, vocab)
-        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-            raise APIError(400, f"top_logprobs must be between 0 and 20, got {body.top_logprobs}",
-                           param="top_logprobs")
-        if body.top_logprobs and not body.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        tools, legacy, template_tools, forced = _tool_setup(body, target.engine.tokenizer.chat_template)
-        params, constraint_param = _params_list(body, max_tokens, mt_param, logprobs, vocab, forced)
-        kwargs = _template_kwargs(body.chat_template_kwargs)
-        if template_tools is not None:
-            kwargs["tools"] = template_tools
-        from .tool_calls import template_messages
-
-        gen = Generation(state, [template_messages(oai.message_dicts(body.messages))], params, body.n, mt_param,
-                         "messages", target, release, kwargs, constraint_param)
-        await gen.start()
+        chat = await start_chat(state, body, target, release)
+        gen, tools, legacy, thinking = chat.gen, chat.tools, chat.legacy, chat.thinking
         rid, created, name = oai.new_id("chatcmpl"), oai.now(), target.name
         token_text = _token_text(target.engine)
-        thinks, inside = gen.reasoning()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _stream(gen, _chat_events(gen, rid, created, name, include_usage, body.logprobs, token_text,
-                                             inside if thinks else None, tools, legacy))
+                                             thinking, tools, legacy))
         if not await gen.collect(request):  # the client went away
             return Response(status_code=499)
         choices = [oai.chat_choice(i, o.text, o.finish_reason,
                                    oai.chat_logprobs(o.logprobs, token_text) if body.logprobs else None,
-                                   inside if thinks else None, tools, legacy)
+                                   thinking, tools, legacy)
                    for i, o in sorted(gen.finals.items())]
         return oai.chat_response(rid, created, name, choices, gen.usage())
 
@@ -536,6 +578,10 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
             release()
 
     ollama_api.mount(app, state)
+    from . import anthropic, responses
+
+    app.include_router(responses.router(state, start_chat))
+    app.include_router(anthropic.router(state, start_chat))
     return app
 
 

@@ -308,10 +308,14 @@ def mount(app: FastAPI, state) -> None:
                       f"{arch}.attention.head_count_kv": info.get("kv_heads"),
                       f"{arch}.vocab_size": info.get("vocab_size")}
         template = (info.get("chat_template") or {}).get("template") or ""
+        from .generic_tools import takes_tools
+
+        # every model calls tools: through its template's `tools`, or the generic JSON format
+        model_info["localllm.tool_calling"] = "template" if takes_tools(template) else "generic"
         return {"license": "", "modelfile": f"# served by localllm\nFROM {m.path}\n",
                 "parameters": "\n".join(f'stop "{s}"' for s in stops), "template": template,
                 "details": _details(m, info), "model_info": model_info,
-                "capabilities": ["completion", *(["tools"] if "tools" in template else []),
+                "capabilities": ["completion", "tools",
                                  *(["thinking"] if reasons(template) else [])],
                 "modified_at": iso(m.modified)}
 
@@ -355,7 +359,8 @@ def mount(app: FastAPI, state) -> None:
                    tools: tuple[dict, list] | None = None):
         """`tools`: (name -> parameters, the tools as sent) of a chat that offers some."""
         from ..reasoning import ThinkSplitter, reasons
-        from .output_format import ollama_format
+        from . import generic_tools
+        from .output_format import make, ollama_format
         from .tool_calls import ToolCallStream
 
         constraint = ollama_format(fmt)
@@ -367,15 +372,20 @@ def mount(app: FastAPI, state) -> None:
             if think and not reasons(template):
                 raise APIError(400, f"\"{name}\" does not support thinking (its chat template has no <think> tags)",
                                param="think")
-            if tools and (not template or "tools" not in template):
-                raise APIError(400, f"\"{name}\" does not support tools (its chat template does not take them)",
-                               param="tools")
+            constraint_param = "format"
+            if chat and not generic_tools.takes_tools(template):  # the tools and tool turns as text turns
+                prompt = generic_tools.messages(prompt, tools[1] if tools else None, template)
+            if tools and not generic_tools.takes_tools(template):  # an answer is held to `format`, if set
+                answer = generic_tools.answer_of(constraint)
+                tools = (generic_tools.GenericTools(tools[0], answer), None)
+                constraint = make("tools", "json_schema", generic_tools.schema(tools[0], "auto", answer))
+                constraint_param = "tools"
             params = sampling_params(options, constraint)
             kwargs = {} if think is None else {"enable_thinking": think}
-            if tools:
+            if tools and tools[1] is not None:
                 kwargs["tools"] = tools[1]
             gen = Generation(state, [prompt], [params], 1, "num_predict", "messages" if chat else "prompt",
-                             target, release, kwargs, "format")
+                             target, release, kwargs, constraint_param)
             await gen.start()
         except BaseException:
             release()

@@ -256,6 +256,7 @@ def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict
         from .tool_calls import parse
 
         content, calls = parse(text, tools)
+        message["content"] = content  # a generic reply's answer is unwrapped from its JSON
         if calls:
             message["content"] = content or None
             message.update(_calls_field(calls, legacy))

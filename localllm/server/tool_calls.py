@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import generic_tools
+
 HERMES, MISTRAL, PYTHON_TAG = "<tool_call>", "[TOOL_CALLS]", "<|python_tag|>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
@@ -126,7 +128,11 @@ def _calls(text: str, names) -> list[ToolCall] | None:
 
 
 def parse(text: str, names) -> tuple[str, list[ToolCall]]:
-    """(content left, calls) of a reply; no calls: the text unchanged."""
+    """(content left, calls) of a reply; no calls: the text unchanged. `names` a GenericTools:
+    the reply is in the generic JSON format (generic_tools)."""
+    if isinstance(names, generic_tools.GenericTools):
+        content, calls = generic_tools.parse(text, names)
+        return content, [ToolCall(n, a) for n, a in calls]
     if HERMES in text:
         found = [_calls(m.group(1), names) for m in _HERMES_CALL.finditer(text)]
         if found and all(found):
@@ -150,11 +156,15 @@ class ToolCallStream:
 
     def __init__(self, names):
         self.names = names
+        generic = isinstance(names, generic_tools.GenericTools)
+        self._generic = generic_tools.GenericStream(names) if generic else None
         self._held = ""
         self._calling = False
         self._started = False  # content other than whitespace was emitted: a bare JSON call is off
 
     def feed(self, text: str) -> str:
+        if self._generic is not None:
+            return self._generic.feed(text)
         buf = self._held + text
         self._held = ""
         if self._calling:
@@ -181,6 +191,9 @@ class ToolCallStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """(content still to send, the calls) once the reply has ended."""
+        if self._generic is not None:
+            content, calls = self._generic.finish()
+            return content, [ToolCall(n, a) for n, a in calls]
         held, self._held = self._held, ""
         return parse(held, self.names) if self._calling else (held, [])
 
