@@ -29,7 +29,9 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.background import BackgroundTask
 
+from ..fim import FimRequest
 from . import openai_schema as oai
+from .infill import fim_prompt, ollama_fim
 from .openai_schema import APIError
 from .pool import LocalModel, find_model
 
@@ -371,6 +373,8 @@ def mount(app: FastAPI, state) -> None:
                 raise APIError(400, f"\"{name}\" does not support tools (its chat template does not take them)",
                                param="tools")
             params = sampling_params(options, constraint)
+            if isinstance(prompt, FimRequest):
+                prompt = await fim_prompt(target, prompt, [params])
             kwargs = {} if think is None else {"enable_thinking": think}
             if tools:
                 kwargs["tools"] = tools[1]
@@ -459,16 +463,18 @@ def mount(app: FastAPI, state) -> None:
     async def generate(body: GenerateRequest, request: Request):
         state.metrics.http_requests += 1
         _refuse_unsupported(body, bool(body.images))
-        for name in ("suffix", "template", "context"):
+        for name in ("template", "context"):
             if getattr(body, name):
                 raise APIError(400, f"{name} is not supported by this server", param=name)
         keep_alive = parse_keep_alive(body.keep_alive)
         if not body.model:
             raise APIError(400, "model is required", param="model")
-        if not body.prompt:
+        if not body.prompt and not body.suffix:
             return await _load_only(body.model, keep_alive, False)
-        if body.raw:
-            prompt: Any = body.prompt
+        if body.suffix:  # fill-in-the-middle, raw or not (the FIM tokens are no chat template)
+            prompt: Any = ollama_fim(body.prompt, body.suffix, body.system)
+        elif body.raw:
+            prompt = body.prompt
         else:
             prompt = ([{"role": "system", "content": body.system}] if body.system else []) + [
                 {"role": "user", "content": body.prompt}]
