@@ -103,7 +103,7 @@ def server(model_dir, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
     with HubMirror({FIM_MODEL: make_repo(model_dir)}) as mirror:
         env.update(HF_HOME=str(tmp_path_factory.mktemp("hf")), HF_ENDPOINT=mirror.url, HF_HUB_DISABLE_TELEMETRY="1")
-        with running("--ctx", "2048", "--kv-memory", "64MiB", "--threads", "1", "--enforce-eager", "--quant",
+        with running("--ctx", "2048", "--kv-memory", "128MiB", "--threads", "1", "--enforce-eager", "--quant",
                      "float32", model=None, env=env) as s:
             r = httpx.post(s.base + "/api/pull", json={"model": FIM_MODEL, "stream": False}, timeout=120)
             assert r.json() == {"status": "success"}, r.text
@@ -309,7 +309,7 @@ def test_a_model_without_fim_tokens_is_a_400_naming_it(server):
 
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2-135m", prompt=PREFIX, suffix=SUFFIX, max_tokens=2)
-    assert e.value.body["param"] == "suffix" and e.value.body["code"] == "model_cannot_infill"
+    assert e.value.body["param"] == "suffix" and e.value.body["code"] == "model_cannot_infill", e.value.body
     assert "smollm2-135m cannot fill in the middle: its tokenizer has no FIM tokens" in e.value.body["message"]
     r = httpx.post(server.base + "/api/generate", json={"model": "smollm2-135m", "prompt": "a", "suffix": "b"},
                    timeout=60)
@@ -350,11 +350,12 @@ def test_keystrokes_hit_the_prefix_cache(server):
 
 @pytest.fixture(scope="module")
 def pinned(model_dir):
-    with running("--ctx", "2048", "--kv-memory", "64MiB", "--threads", "1", "--enforce-eager", "--api-key", KEY,
+    with running("--ctx", "2048", "--kv-memory", "128MiB", "--threads", "1", "--enforce-eager", "--api-key", KEY,
                  model=str(model_dir)) as s:
         yield s
 
 
+@pytest.mark.slow  # a second server (~15 s): `make test-slow`; the default run covers the plain on-demand server
 def test_pinned_with_api_key(pinned, model_dir, hf):
     r = httpx.post(pinned.base + "/infill", json={"input_prefix": PREFIX, "input_suffix": SUFFIX}, timeout=30)
     assert r.status_code == 401
