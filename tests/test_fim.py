@@ -269,6 +269,10 @@ def test_suffix_through_the_clients_is_transformers_greedy(server, model_dir, hf
     # at the top of a file: no text before the hole is still an insertion, not a load-only call
     g = o.generate(model=FIM_MODEL, prompt="", suffix=SUFFIX, options=opts)
     assert g.prompt_eval_count == len(published(hf, "", SUFFIX)) and g.eval_count == 8
+    # Continue reads Ollama's "insert" capability to decide whether a model can fill in the middle
+    caps = {m: httpx.post(server.base + "/api/show", json={"model": m}, timeout=30).json()["capabilities"]
+            for m in (FIM_MODEL, "smollm2-135m")}
+    assert "insert" in caps[FIM_MODEL] and "insert" not in caps["smollm2-135m"]
     r = httpx.post(server.base + "/api/generate", timeout=30, json={
         "model": FIM_MODEL, "prompt": PREFIX, "suffix": SUFFIX, "system": "be brief", "stream": False})
     assert r.status_code == 400 and "system cannot be combined with suffix" in r.json()["error"]

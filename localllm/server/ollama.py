@@ -313,7 +313,8 @@ def mount(app: FastAPI, state) -> None:
         return {"license": "", "modelfile": f"# served by localllm\nFROM {m.path}\n",
                 "parameters": "\n".join(f'stop "{s}"' for s in stops), "template": template,
                 "details": _details(m, info), "model_info": model_info,
-                "capabilities": ["completion", *(["tools"] if "tools" in template else []),
+                "capabilities": ["completion", *(["insert"] if info.get("fill_in_middle") else []),
+                                 *(["tools"] if "tools" in template else []),
                                  *(["thinking"] if reasons(template) else [])],
                 "modified_at": iso(m.modified)}
 
