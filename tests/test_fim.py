@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import ollama
 import pytest
-from hub_mirror import HubMirror, make_repo
+from hub_mirror import QWEN_FIM, HubMirror, make_repo, tiny_coder_checkpoint
 from server_proc import openai_client, running
 
 from localllm import fim
@@ -25,56 +25,14 @@ from localllm.tokenizer import LLMTokenizer
 
 FIM_MODEL = "test-org/tiny-coder"
 KEY = "sk-fim-test"
-# Qwen2.5-Coder's FIM and repository tokens, in the order its vocabulary lists them
-QWEN_FIM = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
 PREFIX = "def add(a, b):\n    return "
 SUFFIX = "\n\nprint(add(1, 2))\n"
 BLOCK = 16  # the KV cache's block size: the prefix cache reuses whole blocks
 
 
-def write_fim_checkpoint(out: Path) -> Path:
-    """A 2-layer Qwen2 written by transformers, with the embedded model's byte-level vocabulary
-    under Qwen2's pre-tokenizer (what transformers' Qwen2Tokenizer applies) plus Qwen2.5-Coder's
-    FIM tokens as special tokens: a coder model's tokenizer in miniature."""
-    import torch
-    import transformers
-    from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
-
-    from localllm.model.gguf import read_gguf
-    from localllm.registry import resolve_model
-    from localllm.tokenizer import _QWEN2_REGEX
-
-    out.mkdir(parents=True)
-    src = LLMTokenizer.from_gguf(read_gguf(resolve_model("smollm2-135m").local_path).metadata)
-    src.save_hf(out)
-    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in QWEN_FIM])
-    tok.save(str(out / "tokenizer.json"))
-    cfg = transformers.Qwen2Config(
-        vocab_size=tok.get_vocab_size(with_added_tokens=True), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        tie_word_embeddings=True, eos_token_id=src.eos_id, bos_token_id=None)
-    model = transformers.Qwen2ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # peaked logits: greedy near-ties would make token-exact comparisons flaky
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if "norm" in name
-                        else 0.1 * torch.randn(p.shape, generator=g))
-            elif "embed" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 2 / p.shape[1] ** 0.5)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    return write_fim_checkpoint(tmp_path_factory.mktemp("fim") / "tiny-coder")
+    return tiny_coder_checkpoint(tmp_path_factory.mktemp("fim") / "tiny-coder")
 
 
 @pytest.fixture(scope="module")
