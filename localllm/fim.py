@@ -96,33 +96,37 @@ def detect(tokenizer: Any) -> FimFormat | None:
     """The FIM format of an LLMTokenizer: the GGUF's declared ids first, else the token names of the
     published formats (FAMILIES). None: the model has no FIM tokens."""
     tok = tokenizer.tok
-    declared: dict[str, int] = dict(getattr(tokenizer, "fim_ids", None) or {})
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    declared = {k: v for k, v in declared.items() if 0 <= v < vocab}
+    declared = {k: v for k, v in (getattr(tokenizer, "fim_ids", None) or {}).items() if 0 <= v < vocab}
     if "prefix" in declared and "suffix" in declared:
-        text = tok.id_to_token(declared["prefix"])
-        fam = next((f for f in FAMILIES if text in f.prefix), None)
-        extra = {}
-        if fam is not None:
-            extra = dict(suffix_first=fam.suffix_first, bare_suffix=fam.bare_suffix, eot_id=_find(tok, fam.eot))
-        middle = declared.get("middle")
-        if fam is not None and not fam.middle:
-            middle = None
-        if middle is None and not (fam is not None and not fam.middle):
-            return None  # a PSM format needs its middle token
-        return FimFormat(fam.name if fam else "generic", declared["prefix"], declared["suffix"], middle,
-                         pad_id=declared.get("pad", _find(tok, fam.pad) if fam else None),
-                         repo_id=declared.get("repo", _find(tok, fam.repo) if fam else None),
-                         file_sep_id=declared.get("file_sep", _find(tok, fam.file_sep) if fam else None),
-                         source="GGUF tokenizer.ggml.fim_*_token_id", **extra)
+        fmt = _declared(tok, declared)
+        if fmt is not None:
+            return fmt
     for fam in FAMILIES:
         pre, suf = _find(tok, fam.prefix), _find(tok, fam.suffix)
         mid = _find(tok, fam.middle) if fam.middle else None
         if pre is None or suf is None or (fam.middle and mid is None):
             continue
-        return FimFormat(fam.name, pre, suf, mid, fam.suffix_first, fam.bare_suffix, _find(tok, fam.pad),
-                         _find(tok, fam.repo), _find(tok, fam.file_sep), _find(tok, fam.eot))
+        return FimFormat(fam.name, pre, suf, mid, fam.suffix_first, fam.bare_suffix,
+                         declared.get("pad", _find(tok, fam.pad)), declared.get("repo", _find(tok, fam.repo)),
+                         declared.get("file_sep", _find(tok, fam.file_sep)), _find(tok, fam.eot))
     return None
+
+
+def _declared(tok, ids: dict[str, int]) -> FimFormat | None:
+    """The format of a GGUF's declared FIM ids; the family (order, spacing) from the prefix token's
+    name, "generic" PSM when no family uses that name."""
+    name = tok.id_to_token(ids["prefix"])
+    fam = next((f for f in FAMILIES if name in f.prefix), None)
+    if fam is None:
+        fam = _Family("generic", (), (), ("?",))
+    middle = ids.get("middle") if fam.middle else None
+    if fam.middle and middle is None:
+        return None  # a prefix-suffix-middle format without its middle token
+    return FimFormat(fam.name, ids["prefix"], ids["suffix"], middle, fam.suffix_first, fam.bare_suffix,
+                     ids.get("pad", _find(tok, fam.pad)), ids.get("repo", _find(tok, fam.repo)),
+                     ids.get("file_sep", _find(tok, fam.file_sep)), _find(tok, fam.eot),
+                     source="GGUF tokenizer.ggml.fim_*_token_id")
 
 
 @dataclass

@@ -198,6 +198,11 @@ def test_gguf_fim_keys(tmp_path):
         ids = fim.render(tok, fmt, fim.FimRequest("ab", "cd"))
         assert ids == [1, names.index("<B>"), *tok.encode("ab"), names.index("<A>"), *tok.encode("cd"),
                        names.index("<C>")]
+    # declared ids of a known family keep that family's order and spacing (CodeLlama's converter writes them)
+    meta = _spm_meta(["▁<PRE>", "▁<SUF>", "▁<MID>", "▁<EOT>"], {"fim_pre": "▁<PRE>", "fim_suf": "▁<SUF>",
+                                                               "fim_mid": "▁<MID>"})
+    fmt = fim.detect(LLMTokenizer.from_gguf(meta))
+    assert (fmt.name, fmt.bare_suffix, fmt.source) == ("codellama", True, "GGUF tokenizer.ggml.fim_*_token_id")
 
 
 # ---- a real server ----------------------------------------------------------------------------------
