@@ -206,18 +206,23 @@ def test_gguf_fim_keys(tmp_path):
 
 
 # ---- a real server ----------------------------------------------------------------------------------
-def _greedy_reference(model_dir: Path, ids: list[int], n: int) -> list[int]:
+@pytest.fixture(scope="module")
+def greedy(model_dir):
+    """transformers' fp32 greedy continuation of token ids: the reference the server must equal."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None)
-    return out[0, len(ids):].tolist()
+
+    def run(ids: list[int], n: int) -> list[int]:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+        return out[0, len(ids):].tolist()
+    return run
 
 
-def test_suffix_through_the_clients_is_transformers_greedy(server, model_dir, hf):
+def test_suffix_through_the_clients_is_transformers_greedy(server, greedy, hf):
     want_ids = published(hf, PREFIX, SUFFIX)
-    ref = hf.decode(_greedy_reference(model_dir, want_ids, 8))
+    ref = hf.decode(greedy(want_ids, 8))
     client = openai_client(server)
     r = client.completions.create(model=FIM_MODEL, prompt=PREFIX, suffix=SUFFIX, max_tokens=8, temperature=0)
     assert r.usage.prompt_tokens == len(want_ids) and r.choices[0].text == ref
@@ -241,13 +246,13 @@ def test_suffix_through_the_clients_is_transformers_greedy(server, model_dir, hf
     assert r.status_code == 400 and "system cannot be combined with suffix" in r.json()["error"]
 
 
-def test_infill_in_llama_cpp_shape(server, model_dir, hf):
+def test_infill_in_llama_cpp_shape(server, greedy, hf):
     extra = [{"filename": "util.py", "text": "import os\n"}]
     enc = hf_text(hf)
     tid = hf.convert_tokens_to_ids
     want_ids = ([tid("<|repo_name|>")] + enc("myproject\n") + [tid("<|file_sep|>")] + enc("util.py\n")
                 + enc("import os\n") + [tid("<|file_sep|>")] + enc("filename\n") + published(hf, PREFIX, SUFFIX))
-    ref = _greedy_reference(model_dir, want_ids, 6)
+    ref = greedy(want_ids, 6)
     body = {"model": FIM_MODEL, "input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": extra,
             "n_predict": 6, "temperature": 0, "cache_prompt": True, "samplers": ["top_k", "infill"]}
     r = httpx.post(server.base + "/infill", json=body, timeout=60)
