@@ -173,7 +173,9 @@ def render(tokenizer: Any, fmt: FimFormat, req: FimRequest) -> list[int]:
     PSM  [BOS] [extra] PRE prefix+prompt SUF suffix MID
     SPM  [BOS] [extra] SUF suffix PRE prefix+prompt        (Codestral: no middle token)
     extra, with the repository tokens: REPO "myproject\\n" (SEP filename "\\n" text)... SEP "filename\\n";
-    without them each file follows "\\n\\n--- snippet ---\\n\\n" (llama.cpp's layout)."""
+    without them each file follows "\\n\\n--- snippet ---\\n\\n" (llama.cpp's layout). The BOS the
+    tokenizer asks for goes first: llama.cpp's format_infill puts the extra files before it, which no
+    model was trained on."""
     def enc(text: str) -> list[int]:
         return _encode(tokenizer, text)
     before = enc(req.prefix) + enc(req.prompt)
