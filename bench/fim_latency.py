@@ -76,6 +76,25 @@ def ours_ttft(url: str, model: str, ids: list[int]) -> float:
     raise RuntimeError("no token streamed")
 
 
+def ours_rate(url: str, model: str, ids: list[int], n: int) -> float:
+    """Decode tokens/s of one infill: between the first and the last streamed token."""
+    body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True}
+    stamps = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
+                stamps.append(time.perf_counter())
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def llama_rate(llm, ids: list[int], n: int) -> float:
+    # llama-cpp-python has no ignore_eos: should it stop early, the rate is of the tokens it made
+    stamps = [time.perf_counter() for _ in llm.create_completion(prompt=ids, max_tokens=n, temperature=0,
+                                                                 stream=True)]
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
 def llama_ttft(llm, ids: list[int]) -> float:
     t0 = time.perf_counter()
     for _ in llm.create_completion(prompt=ids, max_tokens=1, temperature=0, stream=True):
@@ -91,6 +110,7 @@ def main() -> None:
     ap.add_argument("--suffix-tokens", type=int, default=100)
     ap.add_argument("--keystrokes", type=int, default=8)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=32, help="tokens of one infill per run, for tokens/s")
     args = ap.parse_args()
 
     import llama_cpp
@@ -127,6 +147,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"localllm": [], "llama.cpp": []}
         cpu: dict[str, list[float]] = {"localllm": [], "llama.cpp": []}
         cold: dict[str, list[float]] = {"localllm": [], "llama.cpp": []}
+        rate: dict[str, list[float]] = {"localllm": [], "llama.cpp": []}
         prompt_len = 0
         for run in range(args.runs):
             # a different file per run: the first request of a run meets an empty cache on both
@@ -147,6 +168,9 @@ def main() -> None:
                 times["llama.cpp"].append(b)
                 cpu["localllm"].append(c1 - c0)
                 cpu["llama.cpp"].append(p1 - p0)
+            if args.decode_tokens > 1:  # the infill itself, after the last keystroke (its prompt cached)
+                rate["localllm"].append(ours_rate(url, str(path), ids, args.decode_tokens))
+                rate["llama.cpp"].append(llama_rate(llm, ids, args.decode_tokens))
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -162,6 +186,10 @@ def main() -> None:
     print(f"  CPU time per keystroke (server process / llama.cpp's process): {cmed['localllm']:.0f} ms vs "
           f"{cmed['llama.cpp']:.0f} ms, {cmed['localllm'] / cmed['llama.cpp']:.2f}x")
     print(f"  first request of a file (nothing cached): {fill['localllm']:.0f} ms vs {fill['llama.cpp']:.0f} ms")
+    if rate["localllm"]:
+        r = {k: statistics.median(v) for k, v in rate.items()}
+        print(f"  infill decode ({args.decode_tokens} tokens, greedy, ignore_eos): {r['localllm']:.1f} vs "
+              f"{r['llama.cpp']:.1f} tok/s")
 
 
 if __name__ == "__main__":
