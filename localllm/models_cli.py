@@ -122,6 +122,14 @@ def _plan(path: Path) -> str:
         return f"(no plan: {e})"
 
 
+def _fim_format(tok) -> str | None:
+    """The FIM format the tokenizer carries ("qwen (tokenizer special tokens)"), None without one."""
+    from .fim import detect
+
+    fmt = detect(tok)
+    return f"{fmt.name} ({fmt.source})" if fmt else None
+
+
 def describe(model: str | None, prompt: str | None = None, system: str | None = None) -> dict:
     from .chat import render_chat
     from .model.loader import GGUFWeights, open_weights
@@ -163,6 +171,7 @@ def describe(model: str | None, prompt: str | None = None, system: str | None = 
                       "added_to_chat_prompts": tok.add_bos and tok.chat_adds_bos},
         "eos_token": {"id": tok.eos_id, "text": tok.eos_token, "added_to_raw_prompts": tok.add_eos},
         "stop_tokens": [{"id": i, "text": tok.id_to_token(i)} for i in stop_ids],
+        "fill_in_middle": _fim_format(tok),
         "plan": _plan(path),
     })
     if prompt is not None:
@@ -210,6 +219,7 @@ def format_show(info: dict) -> str:
     if info["eos_token"]["added_to_raw_prompts"]:
         add("eos", f"{info['eos_token']['text']!r} (id {info['eos_token']['id']}; added to raw prompts)")
     add("stop tokens", ", ".join(f"{t['text']!r} (id {t['id']})" for t in info["stop_tokens"]))
+    add("fill-in-middle", info.get("fill_in_middle"))
     p = info.get("prompt")
     if p is not None:
         out.append("Prompt")

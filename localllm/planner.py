@@ -42,6 +42,10 @@ KNOWN_SHAPES = {
     "qwen/qwen2.5-0.5b-instruct": (24, 896, 4864, 14, 2, 64, 151936, True),
     "qwen/qwen2.5-1.5b-instruct": (28, 1536, 8960, 12, 2, 128, 151936, True),
     "qwen/qwen2.5-7b-instruct": (28, 3584, 18944, 28, 4, 128, 152064, False),
+    "qwen/qwen2.5-coder-0.5b": (24, 896, 4864, 14, 2, 64, 151936, True),
+    "qwen/qwen2.5-coder-1.5b": (28, 1536, 8960, 12, 2, 128, 151936, True),
+    "qwen/qwen2.5-coder-3b": (36, 2048, 11008, 16, 2, 128, 151936, True),
+    "qwen/qwen2.5-coder-7b": (28, 3584, 18944, 28, 4, 128, 152064, False),
     "meta-llama/llama-3.2-1b-instruct": (16, 2048, 8192, 32, 8, 64, 128256, True),
     "meta-llama/llama-3.2-3b-instruct": (28, 3072, 8192, 24, 8, 128, 128256, True),
     "meta-llama/llama-3.1-8b-instruct": (32, 4096, 14336, 32, 8, 128, 128256, False),
@@ -56,6 +60,7 @@ KNOWN_SHAPES = {
     # mixture of experts: + (experts, experts per token, expert width), every layer sparse
     "mistralai/mixtral-8x7b-instruct-v0.1": (32, 4096, 14336, 32, 8, 128, 32000, False, 8, 2, 14336),
     "qwen/qwen3-30b-a3b": (48, 2048, 6144, 32, 4, 128, 151936, False, 128, 8, 768),
+    "qwen/qwen3-coder-30b-a3b-instruct": (48, 2048, 6144, 32, 4, 128, 151936, False, 128, 8, 768),
     "google/gemma-2-2b-it": (26, 2304, 9216, 8, 4, 256, 256000, True),
     "google/gemma-2-9b-it": (42, 3584, 14336, 16, 8, 256, 256000, True),
     "google/gemma-3-270m-it": (18, 640, 2048, 4, 1, 256, 262144, True),

@@ -41,6 +41,7 @@ class TokenizerInfo:
     chat_adds_bos: bool = False
     template_name: str = "chatml"
     template_source: str = "built-in default: the model ships no chat template"
+    fim_ids: dict[str, int] = field(default_factory=dict)  # a GGUF's declared FIM tokens (fim.GGUF_KEYS)
 
 
 class LLMTokenizer:
@@ -59,6 +60,9 @@ class LLMTokenizer:
             self.eos_ids.add(self.eos_id)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        self.fim_ids = dict(info.fim_ids)
+        self._special_names = [self.tok.id_to_token(i) for i in self.special_ids]
+        self._plain: Tokenizer | None = None  # a copy that reads special-token names as text (encode_plain)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds the BOS / EOS the model asks for
@@ -69,6 +73,17 @@ class LLMTokenizer:
             if self.add_eos and self.eos_id is not None:
                 ids = ids + [self.eos_id]
         return ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` read as text only: a special token's name in it ("<|fim_suffix|>" in a
+        source file) is its characters, never the token (llama.cpp's parse_special=false). No BOS/EOS."""
+        if not any(n and n in text for n in self._special_names):
+            return self.tok.encode(text, add_special_tokens=False).ids
+        if self._plain is None:  # built on first need; a race only builds it twice
+            plain = Tokenizer.from_str(self.tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def encode_chat(self, text: str) -> list[int]:
         """Token ids of a rendered chat prompt. Its template writes the BOS where the model wants
@@ -149,6 +164,9 @@ class LLMTokenizer:
         info.chat_template, info.template_name, info.template_source = choice.template, choice.name, choice.why
         info.add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         info.chat_adds_bos = True
+        from .fim import gguf_fim_ids
+
+        info.fim_ids = gguf_fim_ids(meta)
         return cls(info)
 
     def save_hf(self, out: Path) -> None:

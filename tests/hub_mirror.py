@@ -337,3 +337,47 @@ def tiny_checkpoint_that_says(dest: Path, text: str) -> Path:
             entry.update(content=text, special=False)
     (dest / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False))
     return dest
+
+
+# Qwen2.5-Coder's FIM and repository tokens, in the order its vocabulary lists them
+QWEN_FIM = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+
+
+def tiny_coder_checkpoint(out: Path) -> Path:
+    """A 2-layer Qwen2 written by transformers, with the embedded model's byte-level vocabulary
+    under Qwen2's pre-tokenizer (what transformers' Qwen2Tokenizer applies) plus Qwen2.5-Coder's
+    FIM tokens as special tokens: a coder model's tokenizer in miniature."""
+    import torch
+    import transformers
+    from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
+
+    from localllm.model.gguf import read_gguf
+    from localllm.registry import resolve_model
+    from localllm.tokenizer import _QWEN2_REGEX, LLMTokenizer
+
+    out.mkdir(parents=True)
+    src = LLMTokenizer.from_gguf(read_gguf(resolve_model("smollm2-135m").local_path).metadata)
+    src.save_hf(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.add_special_tokens([AddedToken(n, special=True, normalized=False) for n in QWEN_FIM])
+    tok.save(str(out / "tokenizer.json"))
+    cfg = transformers.Qwen2Config(
+        vocab_size=tok.get_vocab_size(with_added_tokens=True), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        tie_word_embeddings=True, eos_token_id=src.eos_id, bos_token_id=None)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # peaked logits: greedy near-ties would make token-exact comparisons flaky
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if "norm" in name
+                        else 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 2 / p.shape[1] ** 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -76,6 +76,13 @@ EXERCISED_BY = {
     "{\"type\": \"string\"}}, \"required\": [\"city\"]}}}]}'": "test_serve_transcript",
     "cat oai.py": "test_serve_transcript",
     "python oai.py": "test_serve_transcript",
+    "localllm pull qwen2.5-coder-0.5b": "test_fim_example",
+    "curl -sf localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{\"model\": "
+    "\"qwen2.5-coder-0.5b\", \"prompt\": \"def add(a, b):\\n    return \", \"suffix\": "
+    "\"\\n\\nprint(add(1, 2))\\n\", \"max_tokens\": 16, \"temperature\": 0}'": "test_fim_example",
+    "curl -sf localhost:8000/infill -H 'Content-Type: application/json' -d '{\"model\": \"qwen2.5-coder-0.5b\", "
+    "\"input_extra\": [{\"filename\": \"util.py\", \"text\": \"import math\\n\"}], \"input_prefix\": "
+    "\"def area(r):\\n    return \", \"input_suffix\": \"\\n\", \"n_predict\": 16}'": "test_fim_example",
     "python: from localllm import LLM, SamplingParams": "test_python_api",
     "localllm run --dry-run": "test_planner_dry_runs",
     "localllm run llama3.1-8b --dry-run --max-memory 12 --device cpu": "test_planner_dry_runs",
@@ -329,6 +336,47 @@ def test_serve_transcript(sandbox):
         end_builders([env["LOCALLLM_HOME"]])
     log.seek(0)
     check(serve, rc, log.read(), [r"loaded in \d+\.\d s"])
+
+
+@pytest.mark.slow  # a coder checkpoint written by transformers, a server and a pull: tests/test_fim.py covers FIM in CI
+def test_fim_example(sandbox, tmp_path):
+    """The fill-in-the-middle commands as printed, with plain `localllm serve` on port 8000 and the
+    loopback hub mirror holding a 2-layer checkpoint with Qwen2.5-Coder's FIM tokens under the
+    registry's repo id (the hub itself is out of reach here): each must exit 0 (curl -f: no HTTP
+    error) and answer an insertion."""
+    from hub_mirror import HubMirror, make_repo, tiny_coder_checkpoint
+
+    env, cwd = sandbox
+    repo = "Qwen/Qwen2.5-Coder-0.5B"
+    assert port_8000_is_free(), "port 8000 is in use: the README's server example listens there; stop what holds it"
+    with HubMirror({repo: make_repo(tiny_coder_checkpoint(tmp_path / "coder"))}) as mirror:
+        env = {**env, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": mirror.url}
+        log = open(tmp_path / "serve.log", "w+")
+        proc = subprocess.Popen(["bash", "-c", "localllm serve"], env=env, cwd=cwd, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                assert proc.poll() is None and time.monotonic() < deadline, f"the server did not start:\n{log.read()}"
+                try:
+                    if httpx.get("http://127.0.0.1:8000/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.1)
+            for ex in block_of("localllm pull qwen2.5-coder-0.5b"):
+                r = sh(ex, env, cwd)
+                check(ex, r.returncode, r.stdout)
+                if "/v1/completions" in ex.text:
+                    body = json.loads(r.stdout)
+                    assert body["choices"][0]["finish_reason"] in ("stop", "length") and body["usage"]["completion_tokens"]
+                elif "/infill" in ex.text:
+                    body = json.loads(r.stdout)
+                    assert body["stop"] is True and body["tokens_predicted"] >= 1
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+            end_builders([env["LOCALLLM_HOME"]])
 
 
 @pytest.mark.slow

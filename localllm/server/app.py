@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import infill
 from . import openai_schema as oai
 from .generation import Generation
 from .metrics import ServerMetrics
@@ -511,7 +512,7 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
 
     async def _completion(body: oai.CompletionRequest, request: Request, target, release):
         _check_common(body, body.max_tokens, "max_tokens", target.engine.model_config.vocab_size)
-        for param, bad in (("echo", body.echo), ("suffix", body.suffix), ("best_of", (body.best_of or 1) > 1)):
+        for param, bad in (("echo", body.echo), ("best_of", (body.best_of or 1) > 1)):
             if bad:
                 raise APIError(400, f"{param} is not supported by this server", param=param)
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:
@@ -528,6 +529,8 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
                            param="prompt")
         vocab = target.engine.model_config.vocab_size
         params, constraint_param = _params_list(body, body.max_tokens, "max_tokens", body.logprobs, vocab)
+        if body.suffix is not None:  # fill-in-the-middle: each prompt is the text before the hole
+            prompts = [await infill.fim_prompt(target, infill.text_fim(p, body.suffix), params) for p in prompts]
         gen = Generation(state, prompts, params, body.n, "max_tokens", "prompt", target, release,
                          constraint_param=constraint_param)
         await gen.start()
@@ -582,6 +585,7 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
 
     app.include_router(responses.router(state, start_chat))
     app.include_router(anthropic.router(state, start_chat))
+    app.include_router(infill.router)
     return app
 
 

@@ -29,7 +29,9 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.background import BackgroundTask
 
+from ..fim import FimRequest
 from . import openai_schema as oai
+from .infill import fim_prompt, ollama_fim
 from .openai_schema import APIError
 from .pool import LocalModel, find_model
 
@@ -315,7 +317,7 @@ def mount(app: FastAPI, state) -> None:
         return {"license": "", "modelfile": f"# served by localllm\nFROM {m.path}\n",
                 "parameters": "\n".join(f'stop "{s}"' for s in stops), "template": template,
                 "details": _details(m, info), "model_info": model_info,
-                "capabilities": ["completion", "tools",
+                "capabilities": ["completion", *(["insert"] if info.get("fill_in_middle") else []), "tools",
                                  *(["thinking"] if reasons(template) else [])],
                 "modified_at": iso(m.modified)}
 
@@ -381,6 +383,8 @@ def mount(app: FastAPI, state) -> None:
                 constraint = make("tools", "json_schema", generic_tools.schema(tools[0], "auto", answer))
                 constraint_param = "tools"
             params = sampling_params(options, constraint)
+            if isinstance(prompt, FimRequest):
+                prompt = await fim_prompt(target, prompt, [params])
             kwargs = {} if think is None else {"enable_thinking": think}
             if tools and tools[1] is not None:
                 kwargs["tools"] = tools[1]
@@ -469,16 +473,18 @@ def mount(app: FastAPI, state) -> None:
     async def generate(body: GenerateRequest, request: Request):
         state.metrics.http_requests += 1
         _refuse_unsupported(body, bool(body.images))
-        for name in ("suffix", "template", "context"):
+        for name in ("template", "context"):
             if getattr(body, name):
                 raise APIError(400, f"{name} is not supported by this server", param=name)
         keep_alive = parse_keep_alive(body.keep_alive)
         if not body.model:
             raise APIError(400, "model is required", param="model")
-        if not body.prompt:
+        if not body.prompt and not body.suffix:
             return await _load_only(body.model, keep_alive, False)
-        if body.raw:
-            prompt: Any = body.prompt
+        if body.suffix:  # fill-in-the-middle, raw or not (the FIM tokens are no chat template)
+            prompt: Any = ollama_fim(body.prompt, body.suffix, body.system)
+        elif body.raw:
+            prompt = body.prompt
         else:
             prompt = ([{"role": "system", "content": body.system}] if body.system else []) + [
                 {"role": "user", "content": body.prompt}]
