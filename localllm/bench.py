@@ -197,7 +197,7 @@ def run_bench(model: str | None = None, precision: str = "auto", cfg: BenchConfi
               "load_s": load_s, "compiled": not eager}
     max_seqs = max(cfg.batch_sizes)
     ctx = max(max(cfg.prefill_lengths) + 64, cfg.system_prompt_tokens + 200, 512)
-    ctx = min(ctx, loaded.extra["max_model_len"])
+    ctx = min(ctx, loaded.max_model_len)
 
     def engine(**kw) -> LLMEngine:
         base = dict(max_model_len=ctx, num_threads=threads, max_num_seqs=max_seqs,

@@ -219,7 +219,8 @@ def test_pack_gguf_q4_0_scale_overflow():
 def test_gguf_layers_load_straight_into_the_kernel_layout(gguf_path):
     """The real model's fused qkv (q/k rows reordered for RoPE) and down projection: the direct GGUF
     path builds the same kernel buffers as decoding to Int4Weight and packing."""
-    from localllm.model.loader import GGUFWeights, _gguf_q4_linear
+    from localllm.model.gguf_weights import GGUFWeights
+    from localllm.model.loader import _gguf_q4_linear
 
     weights = GGUFWeights(gguf_path)
     for names in (["model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",

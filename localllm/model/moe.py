@@ -15,6 +15,7 @@ group the (token, expert) pairs by expert and run one GEMM per used expert on it
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -23,6 +24,10 @@ from torch import nn
 
 from ..config import ModelConfig
 from .layers import Int4Linear
+
+# one expert's matrix of an MoE layer (HF names: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down_proj)
+EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
 def expert_tensor_names(cfg: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str, str]]]:

@@ -40,9 +40,11 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..model.attention import AttnMeta
+from ..model.hf_weights import HFWeights
 from ..model.llama import DecoderLayer, LlamaModel
-from ..model.loader import HFWeights, load_model, open_weights
+from ..model.loader import load_model
 from ..model.quant_formats import AWQ_ORDER
+from ..model.weights import open_weights
 from .calib_text import CALIBRATION
 
 METHODS = ("rtn", "gptq", "awq")
