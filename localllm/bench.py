@@ -173,7 +173,7 @@ def cold_start(model: str | None, runs: int) -> dict:
 def wait_for_compiled(engine: LLMEngine) -> float | None:
     """Seconds spent waiting for the engine's compiled CPU step (a first run on a model builds it
     in the background; later runs load it), or None when the engine has none."""
-    from .model.compiled import CompiledStep
+    from .engine.compiled_step import CompiledStep
 
     step = engine.runner.captured
     if not isinstance(step, CompiledStep):

@@ -11,11 +11,11 @@ import torch
 from localllm_kernels import cpu_attention
 
 from ..model.attention import AttnMeta
-from ..model.compiled import CompiledStep
 from ..model.llama import LlamaModel
 from ..model.moe import compilable
 from ..sampling import apply_logit_bias, apply_penalties, filter_probs, sample_row, top_logprobs
 from ..structured import allowed, draft_masks
+from .compiled_step import CompiledStep
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
 from .speculative import accept_greedy, accept_sampling
@@ -28,7 +28,7 @@ class ModelRunner:
         """The captured step, when there is one: with graph_batch > 0 on the Triton backend, decode
         steps of up to that many sequences replay CUDA graphs (localllm.engine.cuda_graphs); with
         `compiled` on CPU, decode and verify steps run the AOTInductor package of the forward
-        (localllm.model.compiled), built in the background the first time (with
+        (localllm.engine.compiled_step), built in the background the first time (with
         `background_build`: else only loaded when there)."""
         self.model = model
         self.eos_ids = sorted(eos_ids)
