@@ -166,7 +166,7 @@ class LLMEngine:
         return max(estimate, self._measure_activation_peak())
 
     def _measure_activation_peak(self) -> int:
-        from ..model.attention import AttnMeta
+        from ..model.attention import describe_batch
 
         model, T, bs = self.loaded.model, self.config.max_num_batched_tokens, self.config.block_size
         dev = torch.device(model.device)
@@ -175,11 +175,8 @@ class LLMEngine:
         torch.cuda.reset_peak_memory_stats(dev)
         nblocks = -(-T // bs) + 1
         caches = model.new_kv_cache(nblocks, bs, self.loaded.kv_dtype)
-        slots = torch.arange(bs, bs + T, device=dev)
-        i32 = {"dtype": torch.int32, "device": dev}
-        meta = AttnMeta(slots, torch.arange(1, nblocks, **i32).view(1, -1), torch.tensor([0, T], **i32),
-                        torch.tensor([T], **i32), False, [T], [T], cached_lens=torch.zeros(1, **i32))
-        hidden = model(torch.zeros(T, dtype=torch.long, device=dev), torch.arange(T, device=dev), meta, caches)
+        positions, meta = describe_batch(torch.arange(1, nblocks).view(1, -1), [T], [T], bs, model.attention_backend, dev)
+        hidden = model(torch.zeros(T, dtype=torch.long, device=dev), positions, meta, caches)
         model.logits(hidden[-self.config.max_num_seqs:])
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base

@@ -44,7 +44,7 @@ import torch
 from ..durable import publish
 from ..paths import cache_home
 from . import build_queue
-from .attention import AttnMeta
+from .attention import AttnMeta, describe_batch
 from .layers import Int4Linear
 
 KINDS = ("d1", "v1", "n")
@@ -132,21 +132,19 @@ class _Step(torch.nn.Module):
         return (self.m(ids, positions, meta, list(zip(caches[::2], caches[1::2]))),)
 
 
-def _layout(model, kv_dtype: torch.dtype, lens: list[tuple[int, int]], num_blocks: int):
+def _layout(model, kv_dtype: torch.dtype, lens: list[tuple[int, int]], num_blocks: int,
+            tables: torch.Tensor | None = None):
     """Inputs of a step for sequences of (new tokens, context) on a small paged cache: sequence b
-    owns blocks 1 + b*W .. (block 0 is the null block)."""
+    owns blocks 1 + b*W .. (block 0 is the null block), or row b of `tables`."""
     cfg, bs = model.cfg, 16
-    W = max(2, max(-(-c // bs) for _, c in lens))
-    tables = torch.tensor([[1 + b * W + j for j in range(W)] for b in range(len(lens))])
-    pos = torch.cat([torch.arange(c - n, c) for n, c in lens])
-    row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor([n for n, _ in lens]))
-    slots = tables[row, pos // bs] * bs + pos % bs
+    if tables is None:
+        W = max(2, max(-(-c // bs) for _, c in lens))
+        tables = torch.tensor([[1 + b * W + j for j in range(W)] for b in range(len(lens))])
+    pos, meta = describe_batch(tables, [n for n, _ in lens], [c for _, c in lens], bs)
     ids = (pos * 7919 + 3) % cfg.vocab_size
-    cu = torch.tensor([0] + [n for n, _ in lens]).cumsum(0)
-    ctx = torch.tensor([c for _, c in lens])
     caches = [torch.zeros(num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype)
               for _ in range(2 * cfg.num_layers)]
-    return [ids, pos, slots, tables, cu, ctx], caches
+    return [ids, pos, meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.context_lens], caches
 
 
 EXAMPLES = {"d1": [(1, 13)], "v1": [(3, 15)], "n": [(1, 13), (2, 20)]}
@@ -229,9 +227,7 @@ def _same_as_eager(model, package, kind: str, kv_dtype: torch.dtype) -> bool:
     kv = list(zip(caches[::2], caches[1::2]))
     with torch.inference_mode():
         for b, (n, c) in enumerate(lens):  # the cached prefix of each sequence, eagerly
-            p_args, _ = _layout(model, kv_dtype, [(c - n, c - n)], 1)
-            p_args[3] = tables[b:b + 1]
-            p_args[2] = p_args[3][0, p_args[1] // 16] * 16 + p_args[1] % 16
+            p_args, _ = _layout(model, kv_dtype, [(c - n, c - n)], 1, tables[b:b + 1])
             model(p_args[0], p_args[1], AttnMeta.captured(*p_args[2:]), kv)
         ref = model(ids, pos, AttnMeta.captured(slots, tables, cu, ctx), [(k.clone(), v.clone()) for k, v in kv])
         hidden = package(*args, *caches)[0]
