@@ -50,7 +50,7 @@ class ConvertCache:
 
         # the buffers differ by int4 kernel (ours or torch's), so does the cache
         key = weights_fingerprint(file, torch.__version__, f"v{self.VERSION}", f"dense={dense}",
-                                  f"vnni={cpu_kernel and cpu_int4.load()}")
+                                  f"cpu_int4={cpu_kernel and cpu_int4.load()}")
         self.stem = file.stem
         self.path = cache_home() / "converted" / f"{self.stem}-{key[:16]}.safetensors"
         self.tensors: dict[str, torch.Tensor] = {}

@@ -258,7 +258,7 @@ def _context_length(cfg: ModelConfig, max_model_len: int | None) -> int:
 def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "cpu",
                max_model_len: int | None = None, fast_head: bool = True, cpu_kernels: bool = True) -> ModelHandle:
     """cpu_kernels=False: torch's own int4 kernel on CPU instead of ours (what a CPU without
-    AVX-512 VNNI runs; for comparisons)."""
+    AVX2 runs; for comparisons)."""
     origin = {"path": str(Path(path).resolve()), "precision": precision, "device": device,
               "max_model_len": max_model_len, "fast_head": fast_head, "cpu_kernels": cpu_kernels}
     weights = open_weights(path)
@@ -334,14 +334,14 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     if mode == "int4" and device == "cpu":
         from localllm_kernels import cpu_int4
 
-        isa = cpu_int4.isa_name() if kernel == "vnni" else ""
-        desc = {"vnni": f"int4 weights (our kernel, {isa}, 16-bit matmul inputs), fp32 activations",
+        isa = cpu_int4.isa_name() if kernel == "cpu_int4" else ""
+        desc = {"cpu_int4": f"int4 weights (our kernel, {isa}, 16-bit matmul inputs), fp32 activations",
                 "aten": "int4 weights, bf16 matmul inputs, fp32 activations"}.get(kernel, mode)
         if "int8w" in kinds:  # a GGUF of wider or mixed types, each tensor on its type's kernel
             from localllm_kernels import cpu_int8
 
             types = "/".join(sorted({weights.kind(n) for n in _linear_names(cfg)}))
-            int4 = any(isinstance(m, Int4Linear) and m.kind == "vnni" for layer in layers for m in layer.modules())
+            int4 = any(isinstance(m, Int4Linear) and m.kind == "cpu_int4" for layer in layers for m in layer.modules())
             ours = "int4 and int8-lane" if int4 else "int8-lane"  # (the head's int4 copy aside)
             desc = (f"GGUF {types} weights as stored (our {ours} kernels, {cpu_int8.isa()}, 16-bit matmul inputs), "
                     "fp32 activations")

@@ -122,9 +122,9 @@ class Int4Experts(nn.Module):
 
     @staticmethod
     def fits(gate_up: list[nn.Module], down: list[nn.Module]) -> bool:
-        """Every expert on our VNNI kernel, without bias or input permutation, one group size per matrix."""
+        """Every expert on our int4 kernel, without bias or input permutation, one group size per matrix."""
         layers = [*gate_up, *down]
-        if not all(isinstance(m, Int4Linear) and m.kind == "vnni" and m.bias is None and m.in_perm is None
+        if not all(isinstance(m, Int4Linear) and m.kind == "cpu_int4" and m.bias is None and m.in_perm is None
                    for m in layers):
             return False
         return len({m.group_size for m in gate_up}) == 1 and len({m.group_size for m in down}) == 1
