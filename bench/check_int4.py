@@ -5,7 +5,7 @@
 Teacher-forced on the built-in evaluation text, one token per step as decode runs (so the int4
 layers take their kernel, not the dense prefill path), three loads of the same file:
   fp32  dequantized weights, fp32 everywhere (equals transformers; tests/test_reference.py)
-  vnni  the default CPU path with our AVX-512 VNNI kernel (localllm_kernels.cpu_int4)
+  cpu_int4  the default CPU path with our int4 kernel (localllm_kernels.cpu_int4: AVX-512 VNNI or AVX2)
   aten  the same with torch's int4 kernel (bf16 matmul inputs), the fallback on other CPUs
 For each: perplexity, how often the greedy token (LMHead.greedy, the int4 head plus exact
 re-scoring) equals fp32's argmax, and the logit error against fp32.
@@ -58,11 +58,11 @@ def main() -> None:
     top2 = ref_logits.topk(2, dim=-1).values
     gap = top2[:, 0] - top2[:, 1]
     rows = []
-    for name in ("fp32", "vnni", "aten"):
+    for name in ("fp32", "cpu_int4", "aten"):
         if name == "fp32":
             logits, greedy = ref_logits, ref_top
         else:
-            loaded = load_model(path, "int4", cpu_kernels=name == "vnni")
+            loaded = load_model(path, "int4", cpu_kernels=name == "cpu_int4")
             kind = loaded.model.layers[0].qkv.kind
             if kind != name:
                 print(f"{name}: not available here (got {kind}), skipped")

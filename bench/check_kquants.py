@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 
 from localllm.config import EngineConfig  # noqa: E402
 from localllm.engine.engine import LLMEngine  # noqa: E402
-from localllm.model.loader import load_model, open_weights  # noqa: E402
+from localllm.model.loader import load_model  # noqa: E402
+from localllm.model.weights import open_weights  # noqa: E402
 from localllm.registry import resolve_model  # noqa: E402
 from localllm.sampling import SamplingParams  # noqa: E402
 

@@ -31,7 +31,8 @@ from check_int4 import teacher_forced
 
 from localllm.config import EngineConfig
 from localllm.engine.engine import LLMEngine
-from localllm.model.loader import load_model, open_weights
+from localllm.model.loader import load_model
+from localllm.model.weights import open_weights
 from localllm.quant.calib_text import EVAL
 from localllm.registry import resolve_model
 from localllm.sampling import SamplingParams

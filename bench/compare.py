@@ -98,7 +98,7 @@ class LlamaCppWorker:
         """Every tensor of the file but the embedding (only its rows are read), unless the
         embedding is also the output matrix (MoE expert stacks: the k of E a token uses); f16 K
         and V per token of context."""
-        from localllm.model.loader import open_weights
+        from localllm.model.weights import open_weights
 
         weights = open_weights(self.path)
         cfg, tensors = weights.config, weights.file.tensors
@@ -263,7 +263,7 @@ def prompt_ids(n: int, salt: int) -> list[int]:
 
     global _TOK
     if "_TOK" not in globals():
-        from localllm.model.loader import open_weights
+        from localllm.model.weights import open_weights
 
         _TOK = open_weights(resolve_model(None).local_path if ARGS.model is None else ARGS.model).tokenizer()
     ids = _TOK.encode(TEXT)

@@ -1,6 +1,6 @@
 """Kernels of localllm (installed as ``localllm_kernels``; imports only torch/triton).
 
-Triton GPU kernels, and ``cpu_int4``: the C++ AVX-512 VNNI int4 GEMM used on CPU. Names load on
+Triton GPU kernels, and ``cpu_int4``: the C++ int4 GEMM used on CPU (AVX-512 VNNI or AVX2). Names load on
 first use, so the CPU path (``localllm_kernels.cpu_int4``) never pays for importing triton.
 Under ``TRITON_INTERPRET=1`` (set before a Triton kernel is first used) they run on CPU tensors
 in Triton's interpreter, which is how the unit tests check them on machines without a GPU.

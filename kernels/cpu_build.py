@@ -3,9 +3,9 @@ cpu_attention.
 
 Each source is compiled once per machine with the system C++ compiler ($CXX, default c++) against
 torch's headers into a shared library cached under ~/.cache/localllm/kernels ($LOCALLLM_HOME/kernels
-when that is set, LOCALLLM_KERNEL_CACHE overriding both), named by a hash of the source, torch, the
-flags and anything else the caller names (the CPU's feature flags when it builds with
--march=native). Builds are atomic and durable (concurrent builders each write their own file,
+when that is set, LOCALLLM_KERNEL_CACHE overriding both), named by a hash of the source and the
+headers of ours it includes, torch, the flags and anything else the caller names (the CPU's
+feature flags when it builds with -march=native). Builds are atomic and durable (concurrent builders each write their own file,
 fsync it, then rename it into place) and leave a sidecar with the library's size and sha256; a
 library that does not match its sidecar (cut short, damaged, or built before sidecars) is built
 again before it is loaded: loading a truncated library dies of SIGBUS. A failing compiler makes
@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import platform
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
+_LOCAL_INCLUDE = re.compile(r'\s*#\s*include\s+"([^"]+)"')
 
 
 def cache_dir() -> Path:
@@ -53,10 +55,28 @@ def cpu_flags() -> str:
     return f"{platform.machine()}:{' '.join(sorted(line.split()))}"
 
 
+def build_inputs(source: Path) -> list[Path]:
+    """`source` and the headers of ours it includes (`#include "x.h"`, beside it), theirs too:
+    the files a library is built from."""
+    seen, todo = [], [source]
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.append(f)
+        for line in f.read_text().splitlines():
+            m = _LOCAL_INCLUDE.match(line)
+            if m:
+                todo.append(f.parent / m[1])
+    return seen
+
+
 def library_path(source: Path, flags: list[str], extra: str = "") -> Path:
     """The cached library of `source` built with `flags`; `extra` is anything else its machine code
     depends on (empty: the library runs on any CPU the source itself checks for)."""
-    key = hashlib.sha256(source.read_bytes())
+    key = hashlib.sha256()
+    for f in build_inputs(source):  # a header shared by two kernels rebuilds both when it changes
+        key.update(f.read_bytes())
     key.update(f"{torch.__version__}|{torch._C._GLIBCXX_USE_CXX11_ABI}|{flags}".encode())
     if extra:
         key.update(f"|{extra}".encode())

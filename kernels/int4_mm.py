@@ -11,13 +11,11 @@ Large M: dequantize once to a dense [N, K] weight and use torch's matmul (comput
 """
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FUSED_MAX_M = 64  # above this the dense matmul on a dequantized weight wins
 
 
@@ -109,7 +107,7 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     n, k = _check(qweight, scales, zeros, group_size)
     w = torch.empty(n, k, dtype=scales.dtype, device=qweight.device)
     block_k = group_size
-    block_n = 64 if _INTERPRET else 128
+    block_n = 128
     _int4_dequant_kernel[(triton.cdiv(n, block_n), k // block_k)](
         qweight, scales, zeros, w, n,
         qweight.stride(0), scales.stride(0), w.stride(0),

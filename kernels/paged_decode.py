@@ -11,15 +11,12 @@ With a sliding window the splits share out the context from the first BLOCK_N ti
 """
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .flash_attention import _load_tile, _score_args, _softmax_step, _window_mask
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -176,7 +173,7 @@ def paged_decode_attention(
             max_context_len = min(max_context_len, window + 64)
         num_splits = default_num_splits(batch, num_kv_heads, q.device, max_context_len)
     if block_n is None:
-        block_n = 32 if _INTERPRET or q.element_size() > 2 or d_pad > 128 else 64
+        block_n = 32 if q.element_size() > 2 or d_pad > 128 else 64
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:

@@ -173,7 +173,7 @@ def cold_start(model: str | None, runs: int) -> dict:
 def wait_for_compiled(engine: LLMEngine) -> float | None:
     """Seconds spent waiting for the engine's compiled CPU step (a first run on a model builds it
     in the background; later runs load it), or None when the engine has none."""
-    from .model.compiled import CompiledStep
+    from .engine.compiled_step import CompiledStep
 
     step = engine.runner.captured
     if not isinstance(step, CompiledStep):
@@ -197,7 +197,7 @@ def run_bench(model: str | None = None, precision: str = "auto", cfg: BenchConfi
               "load_s": load_s, "compiled": not eager}
     max_seqs = max(cfg.batch_sizes)
     ctx = max(max(cfg.prefill_lengths) + 64, cfg.system_prompt_tokens + 200, 512)
-    ctx = min(ctx, loaded.extra["max_model_len"])
+    ctx = min(ctx, loaded.max_model_len)
 
     def engine(**kw) -> LLMEngine:
         base = dict(max_model_len=ctx, num_threads=threads, max_num_seqs=max_seqs,

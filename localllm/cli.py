@@ -709,7 +709,7 @@ def chat(
     sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, device, parallel=1)
     engine = open_engine(model, quant, device, config)
-    name = engine.loaded.extra.get("name", model or "")
+    name = engine.loaded.name or model or ""
     interactive = sys.stdin.isatty()
 
     def note(s: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 
@@ -95,6 +96,46 @@ class ModelConfig:
             architecture=arch,
             model_type=cfg.get("model_type", "llama"),
         ), **fields})
+
+    @classmethod
+    def from_gguf(cls, meta: dict, tensors: Collection[str], read_floats: Callable[[str], list[float]]) -> ModelConfig:
+        """A GGUF file's architecture as llama.cpp reads it: its metadata `meta`, the names of its
+        `tensors` (which say tied embeddings, biases, q/k norms, MoE layers) and `read_floats`,
+        a tensor's values by name (LongRoPE's factor sets are tensors). KeyError / TypeError: a
+        required key is missing; ValueError: the file holds what we do not support."""
+        arch = meta.get("general.architecture")
+        if arch not in GGUF_ARCHS:
+            raise ValueError(f"architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
+
+        def m(key, default=None):
+            return meta.get(f"{arch}.{key}", default)
+
+        heads = m("attention.head_count")
+        hidden = m("embedding_length")
+        head_dim = m("attention.key_length") or hidden // heads
+        fields = dict(
+            vocab_size=m("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+            hidden_size=hidden, intermediate_size=m("feed_forward_length"),
+            num_layers=m("block_count"), num_heads=heads,
+            num_kv_heads=m("attention.head_count_kv") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(m("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(m("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in tensors,
+            qkv_bias="blk.0.attn_q.bias" in tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in tensors,
+            partial_rotary_factor=m("rope.dimension_count", head_dim) / head_dim,
+            # Phi-3 only, as from_hf (llama.cpp writes 0 for "none")
+            sliding_window=(m("attention.sliding_window") or None) if arch == "phi3" else None,
+            rope_scaling=_gguf_longrope(m, tensors, read_floats),
+            architecture=GGUF_ARCHS[arch],
+            model_type=arch,
+        ) | (_gguf_gemma_fields(m, arch, heads, hidden, head_dim) if arch.startswith("gemma") else {})
+        if "rope_freqs.weight" in tensors:
+            raise ValueError("GGUF rope_freqs (Llama-3.1 rope scaling) is not supported yet; "
+                             "use the HF checkpoint of this model")
+        return cls(**fields | _gguf_moe_fields(m, arch, fields["num_layers"], tensors))
 
     def window(self, layer: int) -> int | None:
         """The attention window of layer `layer` (None: full causal attention; Phi-4-mini's window
@@ -304,6 +345,74 @@ def _phi3_longrope(cfg: dict, rope: dict) -> dict:
     return {"rope_type": "longrope", "short_factor": [float(x) for x in rope["short_factor"]],
             "long_factor": [float(x) for x in rope["long_factor"]], "original_max_position_embeddings": orig,
             "attention_factor": float(attn)}
+
+
+# GGUF general.architecture -> the HF architecture it holds
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+              "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# llama.cpp sizes Gemma's attention scale by the model: 1/sqrt(hidden / heads) for the 27B models
+# (query_pre_attn_scalar 144 / 168, known by their layer counts), 1/sqrt(head_dim) otherwise
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gguf_moe_fields(m: Callable, arch: str, num_layers: int, tensors: Collection[str]) -> dict:
+    """llama.cpp's MoE metadata: Mixtral is arch 'llama' with experts (their width is
+    feed_forward_length); qwen3moe has expert_feed_forward_length. A layer is sparse where
+    it has a router (ffn_gate_inp); top-k weights renormalised unless expert_weights_norm
+    says otherwise (llama.cpp renormalises for both)."""
+    n = int(m("expert_count", 0) or 0)
+    if not n:
+        return {}
+    inter = m("expert_feed_forward_length") or m("feed_forward_length")
+    fields = {"num_experts": n, "num_experts_per_tok": int(m("expert_used_count")),
+              "moe_intermediate_size": int(inter), "norm_topk_prob": bool(m("expert_weights_norm", True)),
+              "moe_layers": tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(num_layers)),
+              "intermediate_size": int(m("feed_forward_length") or inter)}
+    # HF's names for the model type (to_hf writes it)
+    fields["model_type"] = "mixtral" if arch == "llama" else "qwen3_moe"
+    if arch == "llama":
+        fields["architecture"] = "MixtralForCausalLM"
+    return fields
+
+
+def _gguf_gemma_fields(m: Callable, arch: str, heads: int, hidden: int, head_dim: int) -> dict:
+    """Gemma 2/3 as llama.cpp (0.3.36's) reads them, with its values for absent keys: the
+    window (Gemma 2: 4096; Gemma 3: none, every layer global); which layers slide (the file's
+    attention.sliding_window_pattern, a period or a flag per layer, else every other for
+    Gemma 2, five in six for Gemma 3); the local RoPE base (rope.freq_base_swa, else Gemma
+    2's global one, Gemma 3's 10000); soft-caps (Gemma 2: attention 50, final 30; Gemma 3
+    none on attention, a final one only when the file has it)."""
+    n = m("block_count")
+    gemma2 = arch == "gemma2"
+    window = int(m("attention.sliding_window") or (4096 if gemma2 else 0)) or None
+    pattern = m("attention.sliding_window_pattern") or (2 if gemma2 else 6)
+    slides = pattern if isinstance(pattern, list) else sliding_layers(n, pattern)
+    local_theta = m("rope.freq_base_swa") or (None if gemma2 else 10000.0)
+    kind, factor = m("rope.scaling.type"), m("rope.scaling.factor")
+    return dict(
+        layer_windows=tuple(window if s else None for s in slides),
+        rope_scaling={"rope_type": "linear", "factor": float(factor)} if kind == "linear" and factor else None,
+        rope_local_theta=None if local_theta is None else float(local_theta),
+        query_pre_attn_scalar=float(hidden // heads if n == GEMMA_27B_LAYERS[arch] else head_dim),
+        attn_logit_softcap=float(m("attn_logit_softcapping", 50.0)) if gemma2 else None,
+        final_logit_softcap=float(m("final_logit_softcapping", 30.0 if gemma2 else 0.0)) or None,
+        hidden_act="gelu_tanh", scale_embeddings=True, sandwich_norms=True,
+    )
+
+
+def _gguf_longrope(m: Callable, tensors: Collection[str], read_floats: Callable[[str], list[float]]) -> dict | None:
+    """LongRoPE as llama.cpp's converter stores it: the factor sets as F32 tensors, the
+    original context and the cos/sin factor as metadata."""
+    if "rope_factors_long.weight" not in tensors:
+        return None
+    ctx, orig = int(m("context_length", 4096)), int(m("rope.scaling.original_context_length", 4096))
+    attn = m("rope.scaling.attn_factor")
+    if attn is None:  # the converter's (and transformers') default
+        attn = math.sqrt(1 + math.log(ctx / orig) / math.log(orig)) if ctx > orig else 1.0
+    return {"rope_type": "longrope", "original_max_position_embeddings": orig, "attention_factor": float(attn),
+            "long_factor": read_floats("rope_factors_long.weight"),
+            "short_factor": read_floats("rope_factors_short.weight")}
 
 
 def kv_blocks(tokens: int, block_size: int, contexts: int = 1) -> int:

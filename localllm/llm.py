@@ -74,7 +74,7 @@ def _load(model: str | None, precision: str, device: str, max_model_len: int | N
 
     ref = resolve_model(model)
     loaded = load_model(ensure_local(ref), precision, device, max_model_len)
-    loaded.extra["name"] = ref.name
+    loaded.name = ref.name
     return ref, loaded
 
 

@@ -100,7 +100,7 @@ def local_path(ref: ModelRef) -> Path | None:
 
 
 def _quantization(weights) -> str:
-    from .model.loader import GGUFWeights
+    from .model.gguf_weights import GGUFWeights
 
     if isinstance(weights, GGUFWeights):
         kinds = Counter(t.qtype.name for n, t in weights.file.tensors.items() if len(t.shape) > 1)
@@ -132,7 +132,8 @@ def _fim_format(tok) -> str | None:
 
 def describe(model: str | None, prompt: str | None = None, system: str | None = None) -> dict:
     from .chat import render_chat
-    from .model.loader import GGUFWeights, open_weights
+    from .model.gguf_weights import GGUFWeights
+    from .model.weights import open_weights
 
     ref = resolve_model(model)
     spec = ref.spec

@@ -322,7 +322,7 @@ def _estimated_facts(name: str, params: int, context: int | None) -> ModelFacts:
 def _native_bytes(weights) -> dict[str, int]:
     """Weights of a GGUF / AWQ / GPTQ checkpoint as the loader holds them, per device kind."""
     from .model import gguf_blocks
-    from .model.loader import GGUFWeights
+    from .model.gguf_weights import GGUFWeights
 
     cfg = weights.config
     out = {}
@@ -349,7 +349,8 @@ def _native_bytes(weights) -> dict[str, int]:
 
 
 def facts_for_path(path: str | Path, name: str | None = None, variants: dict | None = None) -> ModelFacts:
-    from .model.loader import GGUFWeights, open_weights
+    from .model.gguf_weights import GGUFWeights
+    from .model.weights import open_weights
 
     w = open_weights(path)  # headers and metadata only
     native = "gguf" if isinstance(w, GGUFWeights) else (w.quant["quant_method"] if w.quant else None)

@@ -132,6 +132,40 @@ def test_kernel_library_check_catches_each_damage(libraries, tmp_path, damage):
     assert cpu_build.check(lib) == "no readable sidecar with its sha256"
 
 
+def test_kernel_libraries_are_named_by_the_headers_they_include_too(tmp_path):
+    """The int4 and int8-lane GEMMs share their activation quantizer (kernels/cpu/act_quant.h): a
+    change to it must rebuild both, so the header is part of each library's name; a header of
+    ours that a source does not include is not."""
+    cpu = Path(cpu_int4.SOURCE).parent
+    for name in ("int4_gemm.cpp", "int8_gemm.cpp", "act_quant.h"):
+        shutil.copy2(cpu / name, tmp_path / name)
+    (tmp_path / "unused.h").write_text("// included by no one\n")
+    sources = [tmp_path / "int4_gemm.cpp", tmp_path / "int8_gemm.cpp"]
+    assert all(cpu_build.build_inputs(s) == [s, tmp_path / "act_quant.h"] for s in sources)
+    before = [cpu_build.library_path(s, ["-O3"]) for s in sources]
+    (tmp_path / "unused.h").write_text("// still included by no one\n")
+    assert [cpu_build.library_path(s, ["-O3"]) for s in sources] == before
+    with open(tmp_path / "act_quant.h", "a") as f:
+        f.write("// a change\n")
+    after = [cpu_build.library_path(s, ["-O3"]) for s in sources]
+    assert all(a != b and a.name.split("-")[0] == b.name.split("-")[0] for a, b in zip(after, before))
+
+
+def test_kernel_libraries_live_under_localllm_home(tmp_path, monkeypatch):
+    """paths.py's promise: LOCALLLM_HOME holds every location, the kernel libraries included
+    (cpu_build spells the rule out itself: kernels import nothing from localllm)."""
+    from localllm.paths import cache_home
+
+    monkeypatch.delenv("LOCALLLM_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "home"))
+    assert cpu_build.cache_dir() == cache_home() / "kernels" == tmp_path / "home" / "kernels"
+    monkeypatch.delenv("LOCALLLM_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cpu_build.cache_dir() == cache_home() / "kernels" == tmp_path / "xdg" / "localllm" / "kernels"
+    monkeypatch.setenv("LOCALLLM_KERNEL_CACHE", str(tmp_path / "kernels"))
+    assert cpu_build.cache_dir() == tmp_path / "kernels"
+
+
 @pytest.fixture(scope="module")
 def tiny_converted(tiny_gguf, tmp_path_factory):
     """The tiny GGUF loaded once (converted) in a home of its own: the cache file's bytes and the

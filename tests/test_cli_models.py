@@ -84,13 +84,13 @@ def test_list_json(cli):
 
 
 def test_show_json_reads_metadata_only(cli, monkeypatch):
-    from localllm.model import loader
+    from localllm.model import gguf_weights, hf_weights, loader
 
     def no_weights(*a, **k):
         raise AssertionError("show must not read weights")
 
-    monkeypatch.setattr(loader.HFWeights, "dense", no_weights)
-    monkeypatch.setattr(loader.GGUFWeights, "dense", no_weights)
+    monkeypatch.setattr(hf_weights.HFWeights, "dense", no_weights)
+    monkeypatch.setattr(gguf_weights.GGUFWeights, "dense", no_weights)
     monkeypatch.setattr(loader, "load_model", no_weights)
     r = cli("show", "tiny", "--json")
     assert r.exit_code == 0, r.output

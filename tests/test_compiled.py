@@ -1,4 +1,5 @@
-"""The compiled CPU step (localllm.model.compiled): the default path of every engine.
+"""The compiled CPU step (localllm.engine.compiled_step, on the packages of localllm.model.compiled):
+the default path of every engine.
 
 CI-cheap: a 2-layer int4 GGUF, so each package compiles in seconds. The module's packages are
 built once, by the real background builder process an engine starts; every test then checks
@@ -19,6 +20,7 @@ import pytest
 from conftest import make_engine
 from test_engine import prompts, run_all
 
+from localllm.engine import compiled_step
 from localllm.model import build_queue, compiled
 from localllm.sampling import SamplingParams
 
@@ -52,19 +54,19 @@ def background_build(tiny_int4):
     notices = []
     handler = logging.Handler()
     handler.emit = lambda record: notices.append(record.getMessage())
-    compiled.log.addHandler(handler)
+    compiled_step.log.addHandler(handler)
     try:
         eng = make_engine(tiny_int4, compile=True)
         notices_at_start = list(notices)
         step = eng.runner.captured
-        assert isinstance(step, compiled.CompiledStep)
+        assert isinstance(step, compiled_step.CompiledStep)
         first = run_all(eng, reqs)
         calls_before = step.steps
         builder = step.builder
         assert step.wait(timeout=900), (compiled.cache_dir() / "build.log").read_text()[-3000:]
         again = run_all(eng, reqs)
     finally:
-        compiled.log.removeHandler(handler)
+        compiled_step.log.removeHandler(handler)
     return {"eager": eager, "first": first, "again": again, "calls_before": calls_before, "step": step,
             "builder": builder, "notices_at_start": notices_at_start, "notices": notices}
 
@@ -134,7 +136,7 @@ def test_damaged_package_is_never_loaded_and_is_built_again(background_build, ti
         path.write_bytes(good[: len(good) // 2])  # a truncated copy
         with pytest.raises(ValueError, match="sha256"):
             compiled.load_package(tiny_int4.model, path)
-        step = compiled.CompiledStep(tiny_int4.model, make_engine(tiny_int4).runner.kv_caches, background=False)
+        step = compiled_step.CompiledStep(tiny_int4.model, make_engine(tiny_int4).runner.kv_caches, background=False)
         assert step._runner("d1") is None and not path.exists()  # deleted, so it gets built again
         assert compiled.build_missing(tiny_int4.model, tiny_int4.kv_dtype) == ["d1"]
         assert compiled.load_package(tiny_int4.model, path) is not None

@@ -10,7 +10,7 @@ from localllm.model import layers
 from localllm.model.int4 import Int4Weight, quantize_rtn
 from localllm.model.layers import Int4Linear, top_indices
 
-needs_vnni = pytest.mark.skipif(not cpu_int4.supported(), reason="this CPU has no AVX2 (with FMA and F16C)")
+needs_kernel = pytest.mark.skipif(not cpu_int4.supported(), reason="this CPU has no AVX2 (with FMA and F16C)")
 
 
 @pytest.fixture(params=["auto", "avx2"])
@@ -41,11 +41,11 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-@needs_vnni
+@needs_kernel
 @pytest.mark.parametrize("n,k,group", [(16, 64, 32), (40, 256, 64), (96, 256, 128), (33, 128, 128)])
 @pytest.mark.parametrize("m", [1, 3, 5, 17])
 @pytest.mark.parametrize("fp16_scales", [True, False])
-def test_vnni_kernel_matches_fp64(n, k, group, m, fp16_scales, isa):
+def test_cpu_int4_kernel_matches_fp64(n, k, group, m, fp16_scales, isa):
     """16-bit activations (two int8 parts): ~50x closer than torch's bf16 path; N is padded to 16 rows."""
     w = rand_weight(n, k, group, fp16_scales, seed=n + k + m)
     qw, qsc = cpu_int4.pack(w.q, w.scales, w.zeros)
@@ -59,7 +59,7 @@ def test_vnni_kernel_matches_fp64(n, k, group, m, fp16_scales, isa):
     assert torch.equal(y[:, n:], torch.zeros_like(y[:, n:]))  # padding rows
 
 
-@needs_vnni
+@needs_kernel
 def test_avx2_path_equals_the_vnni_path_bit_for_bit():
     """Both paths compute the same exact int32 block sums and the same fp32 steps per output lane
     (the activations' group sums in _mm512_reduce_add_ps's order): equal outputs, for every tile
@@ -84,8 +84,8 @@ def test_avx2_path_equals_the_vnni_path_bit_for_bit():
         assert all(torch.equal(a, b) for a, b in zip(first, other))
 
 
-@needs_vnni
-def test_vnni_kernel_edge_inputs():
+@needs_kernel
+def test_cpu_int4_kernel_edge_inputs():
     assert cpu_int4.load()
     w = rand_weight(32, 64, 32, True)
     qw, qsc = cpu_int4.pack(w.q, w.scales, w.zeros)
@@ -105,13 +105,13 @@ def test_vnni_kernel_edge_inputs():
         cpu_int4.int4_gemm(x.double(), qw, qsc, 32)
 
 
-@pytest.mark.parametrize("kind", ["vnni", "aten"])
+@pytest.mark.parametrize("kind", ["cpu_int4", "aten"])
 def test_int4_linear_kernels_and_dense_prefill(kind, monkeypatch):
     """Each CPU kind against fp64 (ours with 16-bit activations; torch's within its bf16 rounding), and
     its dense prefill path (from dense_min_rows rows) against its kernel up to summation order."""
-    if kind == "vnni" and not cpu_int4.supported():
-        pytest.skip("this CPU has no AVX-512 VNNI")
-    monkeypatch.setattr(layers, "_vnni_kernel", lambda *a: kind == "vnni" and cpu_int4.load())
+    if kind == "cpu_int4" and not cpu_int4.supported():
+        pytest.skip("this CPU has no AVX2 (with FMA and F16C)")
+    monkeypatch.setattr(layers, "_cpu_int4_kernel", lambda *a: kind == "cpu_int4" and cpu_int4.load())
     w = quantize_rtn(torch.randn(208, 256, generator=torch.Generator().manual_seed(1)) * 0.05, 64)
     lin = Int4Linear(w, torch.float32, dense=True)
     assert lin.kind == kind and lin.dense is not None
@@ -119,9 +119,9 @@ def test_int4_linear_kernels_and_dense_prefill(kind, monkeypatch):
     small = torch.cat([lin(x[i:i + 7]) for i in range(0, x.shape[0], 7)])  # kernel calls
     big = lin(x)  # dense path
     ref = reference(x, w)
-    tol = 2e-4 if kind == "vnni" else 1e-2
+    tol = 2e-4 if kind == "cpu_int4" else 1e-2
     assert rel_err(small, ref) < tol and rel_err(big, ref) < tol
-    torch.testing.assert_close(big, small, rtol=1e-3 if kind == "vnni" else 8e-3, atol=1e-3 if kind == "vnni" else 1e-2)
+    torch.testing.assert_close(big, small, rtol=1e-3 if kind == "cpu_int4" else 8e-3, atol=1e-3 if kind == "cpu_int4" else 1e-2)
     again = Int4Linear.from_kernel_tensors(lin.kernel_tensors(), lin.out_features, lin.group_size)
     assert again.kind == kind and torch.equal(again(x[:3]), lin(x[:3]))
 
@@ -139,7 +139,7 @@ def test_kernel_switch_and_failed_build(monkeypatch, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@needs_vnni
+@needs_kernel
 @pytest.mark.slow  # ~18 s of rebuilding; test_cache_integrity damages a kernel library in CI's run
 def test_damaged_library_is_rebuilt(tmp_path):
     """A truncated library file in the cache (a crash mid-copy, a full disk) is built again, in a
@@ -190,7 +190,7 @@ def gguf_blocks(n: int, k: int, q4_1: bool, seed: int, big_d: bool = False) -> t
     return raw, Int4Weight(q, d.float().t().contiguous(), zeros.t().contiguous(), 32)
 
 
-@needs_vnni
+@needs_kernel
 @pytest.mark.parametrize("q4_1", [True, False])
 def test_pack_gguf_equals_pack(q4_1):
     """The C++ shuffle from GGUF blocks (several parts, rows permuted, N padded) gives the bytes
@@ -208,23 +208,24 @@ def test_pack_gguf_equals_pack(q4_1):
         cpu_int4.pack_gguf([parts[0][0]], torch.tensor([40]), k)
 
 
-@needs_vnni
+@needs_kernel
 def test_pack_gguf_q4_0_scale_overflow():
     """Q4_0 scales whose offset -8d overflows fp16 are refused (the loader then takes `pack`'s fp32 scales)."""
     raw, _ = gguf_blocks(16, 64, False, seed=3, big_d=True)
     assert cpu_int4.pack_gguf([raw], torch.arange(16), 64) is None
 
 
-@needs_vnni
+@needs_kernel
 def test_gguf_layers_load_straight_into_the_kernel_layout(gguf_path):
     """The real model's fused qkv (q/k rows reordered for RoPE) and down projection: the direct GGUF
     path builds the same kernel buffers as decoding to Int4Weight and packing."""
-    from localllm.model.loader import GGUFWeights, _gguf_q4_linear
+    from localllm.model.gguf_weights import GGUFWeights
+    from localllm.model.loader import _gguf_q4_linear
 
     weights = GGUFWeights(gguf_path)
     for names in (["model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
                    "model.layers.3.self_attn.v_proj.weight"], ["model.layers.0.mlp.down_proj.weight"]):
         fast = _gguf_q4_linear(weights, names, None)
         slow = Int4Linear(Int4Weight.cat([weights.int4(n) for n in names]), torch.float32)
-        assert fast.kind == slow.kind == "vnni"
+        assert fast.kind == slow.kind == "cpu_int4"
         assert torch.equal(fast.qw, slow.qw) and torch.equal(fast.qsc, slow.qsc)

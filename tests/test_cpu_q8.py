@@ -60,7 +60,7 @@ def test_rows_equal_the_expanded_matrix_and_errors():
 def test_embedded_model_reads_its_q8_0_embedding_in_place(int4_model, gguf_path):
     """The GGUF's Q8_0 embedding is not copied: embedding rows, exact logits and greedy picks equal
     those of the fp32 matrix it used to be expanded into."""
-    from localllm.model.loader import open_weights
+    from localllm.model.weights import open_weights
 
     model = int4_model.model
     assert isinstance(model.embed, Q8Matrix) and model.head.exact is model.embed  # tied: one matrix
@@ -98,7 +98,7 @@ def test_small_gguf_tensors_are_read_without_mapping_the_file(gguf_path, tmp_pat
     import shutil
 
     from localllm.model import gguf
-    from localllm.model.loader import open_weights
+    from localllm.model.weights import open_weights
 
     copy = tmp_path / "m.gguf"
     shutil.copy(gguf_path, copy)

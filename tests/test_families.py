@@ -324,7 +324,7 @@ def test_quantizer_writes_a_checkpoint_of_the_family(family, request, tmp_path):
     method = QUANT_METHODS[request.node.callspec.params["family"]]  # (a parametrized method rebuilt the fixture)
     from safetensors import safe_open
 
-    from localllm.model.loader import open_weights
+    from localllm.model.weights import open_weights
     from localllm.quant.quantize import quantize_model
 
     ref_model, hf_dir, _, _, fam = family
@@ -407,7 +407,7 @@ def test_longrope_long_factors_past_the_original_length(family, source):
     ref_model, hf_dir, gguf_file, _, _ = family
     path = hf_dir if source == "hf" else gguf_file
     long, short = load_model(path, "float32"), load_model(path, "float32", max_model_len=PHI4_ORIG)
-    assert long.extra["max_model_len"] == 1024
+    assert long.max_model_len == 1024
     assert not torch.allclose(long.model.rope.cos[:PHI4_ORIG], short.model.rope.cos)  # the sets differ
     prompt = (PROMPT * 10)[:150]
     ours = make_engine(long).score(prompt)
@@ -427,7 +427,7 @@ def test_phi3_sliding_window_past_the_window(family):
         ref = ref_model(torch.tensor([prompt])).logits[0].float()
     for path in (hf_dir, gguf_file):
         loaded = load_model(path, "float32")
-        assert loaded.extra["max_model_len"] == 1024 and loaded.model.layers[0].window == 512
+        assert loaded.max_model_len == 1024 and loaded.model.layers[0].window == 512
         torch.testing.assert_close(make_engine(loaded).score(prompt), ref, atol=2e-4, rtol=1e-4)
     eng = make_engine(load_model(hf_dir, "float32"), max_num_batched_tokens=128)
     *_, out = eng.generate(prompt[:500], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
@@ -602,16 +602,16 @@ def test_gemma_configs_as_published():
 def test_gemma_gguf_attention_scale_follows_llama_cpp():
     """A GGUF has no query_pre_attn_scalar: llama.cpp takes hidden / heads for the 27B models (144
     and 168, known by their layer counts) and head_dim otherwise; so do we."""
-    from localllm.model.loader import GGUFWeights
+    from localllm.config import _gguf_gemma_fields
 
     meta = {"block_count": 46, "attention.sliding_window": 4096, "attn_logit_softcapping": 50.0,
             "final_logit_softcapping": 30.0}
-    f = GGUFWeights._gemma(None, meta.get, "gemma2", 32, 4608, 128)
+    f = _gguf_gemma_fields(meta.get, "gemma2", 32, 4608, 128)
     assert f["query_pre_attn_scalar"] == 144 and f["layer_windows"][:3] == (4096, None, 4096)
-    f = GGUFWeights._gemma(None, (meta | {"block_count": 26}).get, "gemma2", 8, 2304, 256)
+    f = _gguf_gemma_fields((meta | {"block_count": 26}).get, "gemma2", 8, 2304, 256)
     assert f["query_pre_attn_scalar"] == 256
     g3 = {"block_count": 62, "attention.sliding_window": 1024, "rope.scaling.type": "linear", "rope.scaling.factor": 8.0}
-    f = GGUFWeights._gemma(None, g3.get, "gemma3", 32, 5376, 128)
+    f = _gguf_gemma_fields(g3.get, "gemma3", 32, 5376, 128)
     assert f["query_pre_attn_scalar"] == 168 and f["rope_local_theta"] == 10000.0
     assert f["rope_scaling"] == {"rope_type": "linear", "factor": 8.0} and f["layer_windows"][5] is None
 
@@ -622,19 +622,19 @@ def test_gemma_gguf_keys_and_their_absence_read_as_llama_cpp():
     other layer over 4096 with soft-caps 50 / 30; Gemma 3 without a window attends globally and has
     no soft-caps; rope.freq_base_swa sets the local base (else Gemma 3's 10000, Gemma 2's global
     one); attention.sliding_window_pattern may be one flag per layer."""
-    from localllm.model.loader import GGUFWeights
+    from localllm.config import _gguf_gemma_fields
 
-    f = GGUFWeights._gemma(None, {"block_count": 4}.get, "gemma2", 8, 2304, 256)
+    f = _gguf_gemma_fields({"block_count": 4}.get, "gemma2", 8, 2304, 256)
     assert f["layer_windows"] == (4096, None, 4096, None) and f["rope_local_theta"] is None
     assert (f["attn_logit_softcap"], f["final_logit_softcap"]) == (50.0, 30.0)
-    f = GGUFWeights._gemma(None, {"block_count": 4, "rope.freq_base_swa": 20000.0}.get, "gemma2", 8, 2304, 256)
+    f = _gguf_gemma_fields({"block_count": 4, "rope.freq_base_swa": 20000.0}.get, "gemma2", 8, 2304, 256)
     assert f["rope_local_theta"] == 20000.0
-    f = GGUFWeights._gemma(None, {"block_count": 6}.get, "gemma3", 4, 1152, 256)
+    f = _gguf_gemma_fields({"block_count": 6}.get, "gemma3", 4, 1152, 256)
     assert f["layer_windows"] == (None,) * 6 and f["rope_local_theta"] == 10000.0
     assert (f["attn_logit_softcap"], f["final_logit_softcap"]) == (None, None)
     meta = {"block_count": 4, "attention.sliding_window": 512, "attention.sliding_window_pattern": [True, False, True, True],
             "rope.freq_base_swa": 5000.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
-    f = GGUFWeights._gemma(None, meta.get, "gemma3", 4, 1152, 256)
+    f = _gguf_gemma_fields(meta.get, "gemma3", 4, 1152, 256)
     assert f["layer_windows"] == (512, None, 512, 512) and f["rope_local_theta"] == 5000.0
     assert (f["attn_logit_softcap"], f["final_logit_softcap"]) == (None, 30.0)
 

@@ -12,8 +12,9 @@ from localllm_kernels import cpu_int4, cpu_int8
 from test_families import tokenizer_fields
 
 from localllm.model import gguf_blocks
+from localllm.model.convert_cache import ConvertCache
 from localllm.model.layers import ConcatLinear, DenseLinear, Int4Linear, Int8wLinear
-from localllm.model.loader import ConvertCache, load_model
+from localllm.model.loader import load_model
 
 KINDS = list(gguf_blocks.BLOCK_BYTES)
 # the fp16 fields of each block (scales d, and mins / dmin): the byte offsets

@@ -118,3 +118,37 @@ def test_kernels_import_nothing_from_localllm():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             bad += [f"{path.name}: {n}" for n in names if n == "localllm" or n.startswith("localllm.")]
     assert bad == []
+
+
+def test_model_never_imports_the_engine():
+    """The engine drives the model; the model knows nothing of the engine above it."""
+    bad = {m: sorted(t for t in ts if t.startswith("localllm.engine")) for m, ts in import_graph().items()
+           if m.startswith("localllm.model")}
+    assert {m: ts for m, ts in bad.items() if ts} == {}
+
+
+def test_config_imports_nothing_it_configures():
+    """The config objects are passed down to the engine and the model, never the other way."""
+    assert {t for t in import_graph()["localllm.config"] if t.startswith(("localllm.model", "localllm.engine"))} == set()
+
+
+def test_loading_is_split_by_responsibility():
+    """The engine takes the loaded model's handle, not the loader; the weights readers and the
+    conversion cache sit below the loading policy (loader) that uses them."""
+    g = import_graph()
+    engine_imports = set().union(*(ts for m, ts in g.items() if m.startswith("localllm.engine")))
+    assert "localllm.model.handle" in g["localllm.engine.engine"] and "localllm.model.loader" not in engine_imports
+    below = ("localllm.model.gguf_weights", "localllm.model.hf_weights", "localllm.model.weights",
+             "localllm.model.convert_cache", "localllm.model.handle")
+    assert {m: "localllm.model.loader" for m in below if "localllm.model.loader" in g[m]} == {}
+    assert set(below[:4]) <= g["localllm.model.loader"]
+
+
+def test_the_runtime_step_asks_the_package_cache_never_the_builder():
+    """The engine's compiled step (engine/compiled_step) loads packages through the package cache
+    (model/compiled), which queues missing ones; the background builder (model/build_queue)
+    stays stdlib-only, so `localllm ps`, `rm` and the builder process never import torch."""
+    g = import_graph()
+    assert "localllm.model.compiled" in g["localllm.engine.compiled_step"]
+    assert "localllm.model.build_queue" not in g["localllm.engine.compiled_step"]
+    assert g["localllm.model.build_queue"] == {"localllm.paths"}

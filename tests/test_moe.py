@@ -101,7 +101,7 @@ def moe_peaked(model: torch.nn.Module, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer(gguf_path):
-    from localllm.model.loader import open_weights
+    from localllm.model.weights import open_weights
 
     return open_weights(gguf_path).tokenizer()
 
@@ -113,7 +113,7 @@ def family(request, tmp_path_factory, tokenizer, gguf_path):
 
 
 def test_moe_config_and_parameter_counts(family):
-    from localllm.model.loader import open_weights
+    from localllm.model.weights import open_weights
 
     ref_model, hf_dir, gguf_file, _, _ = family
     hf, gg = open_weights(hf_dir).config, open_weights(gguf_file).config
@@ -295,13 +295,13 @@ def test_moe_layers_load_from_the_conversion_cache(family, tmp_path, monkeypatch
     expert on CPUs without VNNI) and routers from the conversion cache: nothing is repacked or read
     from the GGUF's expert tensors, the buffers are the first load's, and so are the logits and
     greedy tokens."""
-    from localllm.model import loader
+    from localllm.model import convert_cache, loader
 
     q4_file = family[3]
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))  # a cache of this test's own
     caches = []
-    open_cache = loader.ConvertCache.open
-    monkeypatch.setattr(loader.ConvertCache, "open", staticmethod(lambda *a: caches.append(open_cache(*a)) or caches[-1]))
+    open_cache = convert_cache.ConvertCache.open
+    monkeypatch.setattr(convert_cache.ConvertCache, "open", staticmethod(lambda *a: caches.append(open_cache(*a)) or caches[-1]))
     cold = load_model(q4_file, "auto")
     assert not caches[0].hit and any(".experts." in k for k in caches[0].tensors)
 

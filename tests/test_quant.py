@@ -36,7 +36,7 @@ def quantized(small_src, tmp_path_factory):
 
 @pytest.mark.parametrize("tag", ["rtn", "gptq", "gptq-plain", "awq"])
 def test_checkpoint_loads_back_bit_exactly(quantized, tag):
-    from localllm.model.loader import open_weights
+    from localllm.model.weights import open_weights
 
     r = quantized[tag]
     assert r.group_size == 64  # 576 = 9 * 64: the largest of 128/64/32 that divides every K

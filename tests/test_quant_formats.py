@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from localllm.model.loader import HFWeights, ModelLoadError
+from localllm.model.errors import ModelLoadError
+from localllm.model.hf_weights import HFWeights
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # restated from the AutoAWQ format, not imported
 K, N, G = 128, 32, 32  # in, out, group: N % 16 == 0 and K % 32 == 0 so the int4 kernel takes it

@@ -34,6 +34,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include "act_quant.h"
+
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
@@ -59,8 +61,9 @@ constexpr int64_t kWeightChunk = 64 * 1024;
 // in flight than the hardware prefetcher does (1 thread, cache-cold 1B-shape layers: 1.15-1.2x)
 constexpr int64_t kPrefetch = 4096;
 
-constexpr int kParts = 2;  // see the top: 3 is as exact as fp32, and slower
-constexpr float kBase = 254.f;  // weight of each part against the next
+using act_quant::kBase;
+using act_quant::kMcAvx2;
+using act_quant::kParts;
 
 // Per activation row and 32-block: 8 x each part's block sum (to center the weights exactly in
 // int32) and the block scale e.
@@ -70,25 +73,9 @@ struct BlockMeta {
   float pad;
 };
 
-// Activations as the kernel reads them, in tiles of kMc rows (the last tile has mt = M % kMc rows
-// when that is not 0): tile t starts at row t * kMc; within a tile, per 32-block, the rows' parts
-// follow each other: parts int8 [.., K/32, mt, kParts, 32], meta [.., K/32, mt], s fp32 [.., G, mt]
-// (group sums). One pointer walks a tile's whole working set in order.
-struct Tiled {
-  int64_t M, K, nb, ng;
-  int64_t tile;  // rows per tile: kMc with AVX-512 VNNI, kMcAvx2 without
-  int8_t* parts;
-  BlockMeta* meta;
-  float* s;
-  int mt(int64_t t) const { return static_cast<int>(std::min<int64_t>(tile, M - t * tile)); }
-  int8_t* tparts(int64_t t) const { return parts + t * tile * kParts * K; }
-  BlockMeta* tmeta(int64_t t) const { return meta + t * tile * nb; }
-  float* ts(int64_t t) const { return s + t * tile * ng; }
-};
-
-// AVX2 has 16 vector registers (AVX-512: 32): tiles of 3 rows (thread CPU time on a 2-core EPYC,
-// 1B shapes at M = 16-64: 3 ~ 4 rows, 2 rows 1.1-1.5x slower)
-constexpr int kMcAvx2 = 3;
+// Activations as the kernel reads them (act_quant.h), in tiles of kMc rows with AVX-512 VNNI,
+// kMcAvx2 without.
+using Tiled = act_quant::Tiled<BlockMeta>;
 
 // The AVX-512 VNNI kernel where the CPU has it, else the AVX2 one (same layouts, same arithmetic:
 // exact int32 block sums, then the same fp32 operations per output lane).
@@ -110,9 +97,7 @@ std::string int4_isa(std::optional<bool> avx2_only) {
 // x [M, K] -> the tiled activations above. Each part is int8; x = e * (p0 + p1/254) per block.
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_rows_512(const float* x, const Tiled& q,
                                                                             int64_t gs, int64_t m0, int64_t m1) {
-  const int64_t K = q.K, nb = q.nb, ng = q.ng, bpg = gs / 32;
-  const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f), base = _mm512_set1_ps(kBase);
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const int64_t K = q.K, nb = q.nb, bpg = gs / 32;
   for (int64_t m = m0; m < m1; ++m) {
     const int64_t t = m / q.tile, i = m % q.tile;
     const int mt = q.mt(t);
@@ -122,31 +107,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_rows_512(cons
     for (int64_t blk = 0; blk < nb; ++blk) {
       const float* xb = x + m * K + blk * 32;
       const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-      // blocks of zeros or denormals (127 / amax would overflow) contribute nothing
-      const bool live = amax > 1e-30f;
-      const __m512 inv = _mm512_set1_ps(live ? 127.f / amax : 0.f);
       BlockMeta& bm = tm[blk * mt + i];
-      bm.e = live ? amax / 127.f : 0.f;
+      int32_t sums[kParts][2];
+      bm.e = act_quant::block_512(v, tp + (blk * mt + i) * kParts * 32, sums);
+      // times 8: folds into the accumulators' start
+      for (int p = 0; p < kParts; ++p) bm.ps[p] = 8 * (sums[p][0] + sums[p][1]);
       float& sg = ts[(blk / bpg) * mt + i];
       if (blk % bpg == 0) sg = 0.f;
       sg += _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
-      int8_t* dst = tp + (blk * mt + i) * kParts * 32;
-      __m512 r[2] = {_mm512_mul_ps(v[0], inv), _mm512_mul_ps(v[1], inv)};
-      for (int p = 0; p < kParts; ++p) {
-        // |r| <= 127, and each remainder (r - round(r)) * 254 again: every part fits int8 (with
-        // 256 a tie at 0.5 would give 128)
-        __m512i qs = _mm512_setzero_si512();
-        for (int h = 0; h < 2; ++h) {
-          __m512 qf = _mm512_roundscale_ps(r[h], kRound);
-          if (p == kParts - 1) qf = _mm512_min_ps(lim, _mm512_max_ps(nlim, qf));
-          const __m512i qi = _mm512_cvtps_epi32(qf);
-          qs = _mm512_add_epi32(qs, qi);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + p * 32 + h * 16), _mm512_cvtsepi32_epi8(qi));
-          r[h] = _mm512_mul_ps(_mm512_sub_ps(r[h], qf), base);
-        }
-        bm.ps[p] = 8 * _mm512_reduce_add_epi32(qs);  // times 8: folds into the accumulators' start
-      }
     }
   }
 }
@@ -163,10 +131,6 @@ __attribute__((target("avx2,fma"))) inline float hsum_as_512(__m256 a, __m256 b)
 __attribute__((target("avx2,fma"))) void quantize_rows_avx2(const float* x, const Tiled& q, int64_t gs, int64_t m0,
                                                            int64_t m1) {
   const int64_t K = q.K, nb = q.nb, bpg = gs / 32;
-  const __m256 lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f), base = _mm256_set1_ps(kBase);
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t m = m0; m < m1; ++m) {
     const int64_t t = m / q.tile, i = m % q.tile;
     const int mt = q.mt(t);
@@ -177,40 +141,14 @@ __attribute__((target("avx2,fma"))) void quantize_rows_avx2(const float* x, cons
       const float* xb = x + m * K + blk * 32;
       __m256 v[4];
       for (int h = 0; h < 4; ++h) v[h] = _mm256_loadu_ps(xb + 8 * h);
-      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-      __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      const float amax = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_shuffle_ps(m4, m4, 1)));
-      const bool live = amax > 1e-30f;
-      const __m256 inv = _mm256_set1_ps(live ? 127.f / amax : 0.f);
       BlockMeta& bm = tm[blk * mt + i];
-      bm.e = live ? amax / 127.f : 0.f;
+      int32_t sums[kParts][2];
+      bm.e = act_quant::block_avx2(v, tp + (blk * mt + i) * kParts * 32, sums);
+      for (int p = 0; p < kParts; ++p) bm.ps[p] = 8 * (sums[p][0] + sums[p][1]);
       float& sg = ts[(blk / bpg) * mt + i];
       if (blk % bpg == 0) sg = 0.f;
       // the 512-bit version's v[0] + v[1]: lanes 0-7 and 8-15 of x[0:16] + x[16:32]
       sg += hsum_as_512(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
-      int8_t* dst = tp + (blk * mt + i) * kParts * 32;
-      __m256 r[4];
-      for (int h = 0; h < 4; ++h) r[h] = _mm256_mul_ps(v[h], inv);
-      for (int p = 0; p < kParts; ++p) {
-        __m256i qi[4];
-        __m256i qs = _mm256_setzero_si256();
-        for (int h = 0; h < 4; ++h) {
-          __m256 qf = _mm256_round_ps(r[h], kRound);
-          if (p == kParts - 1) qf = _mm256_min_ps(lim, _mm256_max_ps(nlim, qf));
-          qi[h] = _mm256_cvtps_epi32(qf);
-          qs = _mm256_add_epi32(qs, qi[h]);
-          r[h] = _mm256_mul_ps(_mm256_sub_ps(r[h], qf), base);
-        }
-        // int32 -> int8 (saturating, the values fit), back in order after the per-lane packs
-        const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + p * 32), _mm256_permutevar8x32_epi32(b, order));
-        __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(qs, 1), _mm256_castsi256_si128(qs));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-        bm.ps[p] = 8 * _mm_cvtsi128_si32(s4);
-      }
     }
   }
 }

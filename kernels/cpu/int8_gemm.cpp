@@ -37,6 +37,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "act_quant.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -54,9 +56,9 @@ namespace {
 
 constexpr int kRows = 16;  // output rows per block
 constexpr int kMc = 6;     // activation rows per tile (AVX-512: 2 * kMc int32 chains, as int4_gemm)
-constexpr int kMcAvx2 = 3;  // AVX2 has 16 vector registers
-constexpr int kParts = 2;
-constexpr float kBase = 254.f;
+using act_quant::kBase;
+using act_quant::kMcAvx2;
+using act_quant::kParts;
 constexpr int64_t kWeightChunk = 64 * 1024;  // ~L2's share of weights that meets every tile (int4_gemm)
 constexpr int64_t kPrefetch = 4096;  // decode streams weights once: ask for them 4 KB ahead
 
@@ -68,18 +70,8 @@ struct Meta {
   float pad;
 };
 
-// The activations in tiles of `tile` rows (see int4_gemm.cpp's Tiled): within a tile, per
-// 32-block, the rows' parts follow each other; s: group sums [G, mt].
-struct Tiled {
-  int64_t M, K, nb, ng, tile;
-  int8_t* parts;
-  Meta* meta;
-  float* s;
-  int mt(int64_t t) const { return static_cast<int>(std::min<int64_t>(tile, M - t * tile)); }
-  int8_t* tparts(int64_t t) const { return parts + t * tile * kParts * K; }
-  Meta* tmeta(int64_t t) const { return meta + t * tile * nb; }
-  float* ts(int64_t t) const { return s + t * tile * ng; }
-};
+// The activations in tiles of `tile` rows (act_quant.h); s: group sums [G, mt].
+using Tiled = act_quant::Tiled<Meta>;
 
 enum class Isa { kVnni, kAvx2, kGeneric };
 
@@ -194,8 +186,6 @@ __attribute__((target("avx512f"))) inline float tree16_512(__m512 v) {
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_512(const float* x, const Tiled& q, int64_t gs,
                                                                        int64_t m0, int64_t m1) {
   const int64_t K = q.K, nb = q.nb;
-  const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f), base = _mm512_set1_ps(kBase);
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t m = m0; m < m1; ++m) {
     const int64_t t = m / q.tile, i = m % q.tile;
     const int mt = q.mt(t);
@@ -205,28 +195,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_512(const flo
     for (int64_t blk = 0; blk < nb; ++blk) {
       const float* xb = x + m * K + blk * 32;
       const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-      const bool live = amax > 1e-30f;
-      const __m512 inv = _mm512_set1_ps(live ? 127.f / amax : 0.f);
       Meta& bm = tm[blk * mt + i];
-      bm.e = live ? amax / 127.f : 0.f;
+      bm.e = act_quant::block_512(v, tp + (blk * mt + i) * kParts * 32, bm.ps);
       if (gs == 16) {
         ts[(2 * blk) * mt + i] = tree16_512(v[0]);
         ts[(2 * blk + 1) * mt + i] = tree16_512(v[1]);
       } else {
         ts[blk * mt + i] = tree16_512(_mm512_add_ps(v[0], v[1]));
-      }
-      int8_t* dst = tp + (blk * mt + i) * kParts * 32;
-      __m512 r[2] = {_mm512_mul_ps(v[0], inv), _mm512_mul_ps(v[1], inv)};
-      for (int p = 0; p < kParts; ++p) {
-        for (int h = 0; h < 2; ++h) {
-          __m512 qf = _mm512_roundscale_ps(r[h], kRound);
-          if (p == kParts - 1) qf = _mm512_min_ps(lim, _mm512_max_ps(nlim, qf));
-          const __m512i qi = _mm512_cvtps_epi32(qf);
-          bm.ps[p][h] = _mm512_reduce_add_epi32(qi);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + p * 32 + h * 16), _mm512_cvtsepi32_epi8(qi));
-          r[h] = _mm512_mul_ps(_mm512_sub_ps(r[h], qf), base);
-        }
       }
     }
   }
@@ -243,10 +218,6 @@ __attribute__((target("avx2,fma"))) inline float tree16_avx2(__m256 a, __m256 b)
 __attribute__((target("avx2,fma"))) void quantize_avx2(const float* x, const Tiled& q, int64_t gs, int64_t m0,
                                                        int64_t m1) {
   const int64_t K = q.K, nb = q.nb;
-  const __m256 lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f), base = _mm256_set1_ps(kBase);
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t m = m0; m < m1; ++m) {
     const int64_t t = m / q.tile, i = m % q.tile;
     const int mt = q.mt(t);
@@ -257,41 +228,13 @@ __attribute__((target("avx2,fma"))) void quantize_avx2(const float* x, const Til
       const float* xb = x + m * K + blk * 32;
       __m256 v[4];
       for (int h = 0; h < 4; ++h) v[h] = _mm256_loadu_ps(xb + 8 * h);
-      const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-      __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      const float amax = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_shuffle_ps(m4, m4, 1)));
-      const bool live = amax > 1e-30f;
-      const __m256 inv = _mm256_set1_ps(live ? 127.f / amax : 0.f);
       Meta& bm = tm[blk * mt + i];
-      bm.e = live ? amax / 127.f : 0.f;
+      bm.e = act_quant::block_avx2(v, tp + (blk * mt + i) * kParts * 32, bm.ps);
       if (gs == 16) {
         ts[(2 * blk) * mt + i] = tree16_avx2(v[0], v[1]);
         ts[(2 * blk + 1) * mt + i] = tree16_avx2(v[2], v[3]);
       } else {
         ts[blk * mt + i] = tree16_avx2(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
-      }
-      int8_t* dst = tp + (blk * mt + i) * kParts * 32;
-      __m256 r[4];
-      for (int h = 0; h < 4; ++h) r[h] = _mm256_mul_ps(v[h], inv);
-      for (int p = 0; p < kParts; ++p) {
-        __m256i qi[4];
-        for (int h = 0; h < 4; ++h) {
-          __m256 qf = _mm256_round_ps(r[h], kRound);
-          if (p == kParts - 1) qf = _mm256_min_ps(lim, _mm256_max_ps(nlim, qf));
-          qi[h] = _mm256_cvtps_epi32(qf);
-          r[h] = _mm256_mul_ps(_mm256_sub_ps(r[h], qf), base);
-        }
-        const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + p * 32), _mm256_permutevar8x32_epi32(b8, order));
-        for (int h = 0; h < 2; ++h) {  // the 16-halves' integer sums
-          __m256i s8 = _mm256_add_epi32(qi[2 * h], qi[2 * h + 1]);
-          __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(s8, 1), _mm256_castsi256_si128(s8));
-          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-          s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-          bm.ps[p][h] = _mm_cvtsi128_si32(s4);
-        }
       }
     }
   }

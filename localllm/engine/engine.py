@@ -13,7 +13,7 @@ import torch
 
 from ..config import EngineConfig, kv_blocks, kv_tokens
 from ..hardware import available_memory
-from ..model.loader import LoadedModel
+from ..model.handle import ModelHandle
 from ..sampling import SamplingParams
 from ..structured import Grammars
 from ..tokenizer import IncrementalDetokenizer
@@ -98,7 +98,7 @@ def _matcher_error(matcher) -> str:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, draft: LoadedModel | None = None):
+    def __init__(self, loaded: ModelHandle, config: EngineConfig | None = None, draft: ModelHandle | None = None):
         self.loaded = loaded
         config = config or EngineConfig()
         if config.max_num_batched_tokens is None:
@@ -106,8 +106,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
-        self.max_model_len = min(config.max_model_len or loaded.extra["max_model_len"],
-                                 loaded.extra["max_model_len"])
+        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
@@ -167,7 +166,7 @@ class LLMEngine:
         return max(estimate, self._measure_activation_peak())
 
     def _measure_activation_peak(self) -> int:
-        from ..model.attention import AttnMeta
+        from ..model.attention import describe_batch
 
         model, T, bs = self.loaded.model, self.config.max_num_batched_tokens, self.config.block_size
         dev = torch.device(model.device)
@@ -176,11 +175,8 @@ class LLMEngine:
         torch.cuda.reset_peak_memory_stats(dev)
         nblocks = -(-T // bs) + 1
         caches = model.new_kv_cache(nblocks, bs, self.loaded.kv_dtype)
-        slots = torch.arange(bs, bs + T, device=dev)
-        i32 = {"dtype": torch.int32, "device": dev}
-        meta = AttnMeta(slots, torch.arange(1, nblocks, **i32).view(1, -1), torch.tensor([0, T], **i32),
-                        torch.tensor([T], **i32), False, [T], [T], cached_lens=torch.zeros(1, **i32))
-        hidden = model(torch.zeros(T, dtype=torch.long, device=dev), torch.arange(T, device=dev), meta, caches)
+        positions, meta = describe_batch(torch.arange(1, nblocks).view(1, -1), [T], [T], bs, model.attention_backend, dev)
+        hidden = model(torch.zeros(T, dtype=torch.long, device=dev), positions, meta, caches)
         model.logits(hidden[-self.config.max_num_seqs:])
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
@@ -197,11 +193,11 @@ class LLMEngine:
         width = -(-(self.max_model_len + cfg.num_speculative_tokens + 1) // cfg.block_size)
         return min(cfg.max_num_seqs, cfg.max_graph_batch), width
 
-    def _make_proposer(self, draft: LoadedModel | None):
+    def _make_proposer(self, draft: ModelHandle | None):
         spec = self.config.speculative
         if draft is not None:
             if draft.tokenizer.fingerprint() != self.tokenizer.fingerprint():
-                raise ValueError(f"draft model {draft.extra.get('name', draft.source)} does not share the target's "
+                raise ValueError(f"draft model {draft.name or draft.source} does not share the target's "
                                  "tokenizer (vocabulary or token ids differ); pick a draft from the same family")
             bm = BlockManager(self.num_blocks, self.config.block_size, enable_prefix_caching=False)
             runner = ModelRunner(draft.model, self.config.block_size, self.num_blocks, draft.kv_dtype, draft.eos_ids,

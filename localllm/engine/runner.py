@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 from localllm_kernels import cpu_attention
 
-from ..model.attention import AttnMeta
-from ..model.compiled import CompiledStep
+from ..model.attention import AttnMeta, describe_batch
 from ..model.llama import LlamaModel
 from ..model.moe import compilable
 from ..sampling import apply_logit_bias, apply_penalties, filter_probs, sample_row, top_logprobs
 from ..structured import allowed, draft_masks
+from .compiled_step import CompiledStep
 from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
 from .speculative import accept_greedy, accept_sampling
@@ -28,7 +28,7 @@ class ModelRunner:
         """The captured step, when there is one: with graph_batch > 0 on the Triton backend, decode
         steps of up to that many sequences replay CUDA graphs (localllm.engine.cuda_graphs); with
         `compiled` on CPU, decode and verify steps run the AOTInductor package of the forward
-        (localllm.model.compiled), built in the background the first time (with
+        (localllm.engine.compiled_step), built in the background the first time (with
         `background_build`: else only loaded when there)."""
         self.model = model
         self.eos_ids = sorted(eos_ids)
@@ -55,30 +55,17 @@ class ModelRunner:
             self.captured.busy(busy)
 
     def prepare(self, seqs: list[Sequence], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
-        bs = self.block_size
-        ids, pos, ctx_lens, tables = [], [], [], []
+        ids, ctx_lens, tables = [], [], []
         for seq, n in zip(seqs, counts):
             first = seq.num_computed_tokens
             ids.extend(seq.token_ids[first:first + n])
-            pos.extend(range(first, first + n))
             ctx_lens.append(first + n)
             tables.append(seq.block_table)
         max_blocks = max(len(t) for t in tables)
         bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
-        positions = torch.tensor(pos, dtype=torch.int64)
-        row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(counts))
-        slot_mapping = bt[row, positions // bs] * bs + positions % bs
-        cu = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
-        ctx = torch.tensor(ctx_lens, dtype=torch.int64)
-        decode_only = all(n == 1 for n in counts)
         dev = self.device
-        if self.model.attention_backend == "triton":  # the kernels take int32 descriptions
-            meta = AttnMeta(slot_mapping.to(dev), bt.to(dev, torch.int32), cu.to(dev, torch.int32),
-                            ctx.to(dev, torch.int32), decode_only, list(counts), ctx_lens,
-                            cached_lens=(ctx - torch.tensor(counts)).to(dev, torch.int32))
-        else:
-            meta = AttnMeta(slot_mapping, bt, cu, ctx, decode_only, list(counts), ctx_lens)
-        return torch.tensor(ids, dtype=torch.int64, device=dev), positions.to(dev), meta
+        positions, meta = describe_batch(bt, list(counts), ctx_lens, self.block_size, self.model.attention_backend, dev)
+        return torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta
 
     @torch.inference_mode()
     def forward_hidden(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:

@@ -43,6 +43,28 @@ class AttnMeta:
         return self.q_lens is not None and all(c > n for n, c in zip(self.q_lens, self.ctx_lens))
 
 
+def describe_batch(block_tables: torch.Tensor, q_lens: list[int], ctx_lens: list[int], block_size: int,
+                   backend: str = "torch", device: str | torch.device = "cpu") -> tuple[torch.Tensor, AttnMeta]:
+    """(positions of the new tokens, their AttnMeta) for a flattened batch: sequence b has its
+    last q_lens[b] of ctx_lens[b] tokens (cached + new) new, its cache blocks in row b of
+    `block_tables` (int64 [B, W] on CPU, padded with the null block 0). The runner, the compiled
+    step's export, the engine's memory probe and the quantizer all describe batches with this, so
+    a slot means the same everywhere. The Triton kernels take int32 descriptions on the device."""
+    positions = torch.tensor([p for n, c in zip(q_lens, ctx_lens) for p in range(c - n, c)], dtype=torch.int64)
+    row = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    slots = block_tables[row, positions // block_size] * block_size + positions % block_size
+    cu = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int64)
+    decode_only = all(n == 1 for n in q_lens)
+    if backend == "triton":
+        meta = AttnMeta(slots.to(device), block_tables.to(device, torch.int32), cu.to(device, torch.int32),
+                        ctx.to(device, torch.int32), decode_only, list(q_lens), list(ctx_lens),
+                        cached_lens=(ctx - torch.tensor(q_lens)).to(device, torch.int32))
+    else:
+        meta = AttnMeta(slots, block_tables, cu, ctx, decode_only, list(q_lens), list(ctx_lens))
+    return positions.to(device), meta
+
+
 def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttnMeta, scale: float, window: int | None = None,
                     softcap: float | None = None) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""The compiled CPU step: the model's one forward (`LlamaModel.forward`: every layer, attention
-over the paged cache through our paged-attention op), exported once and compiled ahead of time
-by AOTInductor into a C++ package.
+"""The compiled CPU step's packages: the model's one forward (`LlamaModel.forward`: every layer,
+attention over the paged cache through our paged-attention op), exported once and compiled ahead
+of time by AOTInductor into a C++ package, and the on-disk cache of those packages (keys, paths,
+checks, removal, the job a background build runs). The engine's runtime step that uses them is
+localllm.engine.compiled_step.CompiledStep; the background builder is localllm.model.build_queue.
 
 Why: at batch 1 the eager step is ~300 small aten calls per token plus Python; on 2 cores that
 overhead is as large as the matmuls. One compiled graph fuses the elementwise work (norms, RoPE,
@@ -31,7 +33,6 @@ import fcntl
 import functools
 import hashlib
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -43,13 +44,10 @@ import torch
 from ..durable import publish
 from ..paths import cache_home
 from . import build_queue
-from .attention import AttnMeta
+from .attention import AttnMeta, describe_batch
 from .layers import Int4Linear
 
-log = logging.getLogger(__name__)
-
 KINDS = ("d1", "v1", "n")
-CHECK_EVERY_S = 1.0  # how often a running engine looks for a package that is being built
 
 
 def max_rows(model) -> int:
@@ -134,21 +132,19 @@ class _Step(torch.nn.Module):
         return (self.m(ids, positions, meta, list(zip(caches[::2], caches[1::2]))),)
 
 
-def _layout(model, kv_dtype: torch.dtype, lens: list[tuple[int, int]], num_blocks: int):
+def _layout(model, kv_dtype: torch.dtype, lens: list[tuple[int, int]], num_blocks: int,
+            tables: torch.Tensor | None = None):
     """Inputs of a step for sequences of (new tokens, context) on a small paged cache: sequence b
-    owns blocks 1 + b*W .. (block 0 is the null block)."""
+    owns blocks 1 + b*W .. (block 0 is the null block), or row b of `tables`."""
     cfg, bs = model.cfg, 16
-    W = max(2, max(-(-c // bs) for _, c in lens))
-    tables = torch.tensor([[1 + b * W + j for j in range(W)] for b in range(len(lens))])
-    pos = torch.cat([torch.arange(c - n, c) for n, c in lens])
-    row = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor([n for n, _ in lens]))
-    slots = tables[row, pos // bs] * bs + pos % bs
+    if tables is None:
+        W = max(2, max(-(-c // bs) for _, c in lens))
+        tables = torch.tensor([[1 + b * W + j for j in range(W)] for b in range(len(lens))])
+    pos, meta = describe_batch(tables, [n for n, _ in lens], [c for _, c in lens], bs)
     ids = (pos * 7919 + 3) % cfg.vocab_size
-    cu = torch.tensor([0] + [n for n, _ in lens]).cumsum(0)
-    ctx = torch.tensor([c for _, c in lens])
     caches = [torch.zeros(num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype)
               for _ in range(2 * cfg.num_layers)]
-    return [ids, pos, slots, tables, cu, ctx], caches
+    return [ids, pos, meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.context_lens], caches
 
 
 EXAMPLES = {"d1": [(1, 13)], "v1": [(3, 15)], "n": [(1, 13), (2, 20)]}
@@ -214,7 +210,7 @@ def _compile_without_weights(ep, model, path: Path, kind: str, kv_dtype: torch.d
     torch._inductor.aoti_compile_and_package(
         ep, package_path=str(path), inductor_configs={"aot_inductor.package_constants_in_so": False})
     names = set(_tensors(model))
-    fqns = _Package(path).get_constant_fqns()
+    fqns = Package(path).get_constant_fqns()
     missing = sorted((n for n in fqns if n not in names), key=lambda n: int(n.removeprefix("constant") or -1))
     if len(missing) != len(groups) or not all(n.startswith("constant") for n in missing):
         return None
@@ -231,9 +227,7 @@ def _same_as_eager(model, package, kind: str, kv_dtype: torch.dtype) -> bool:
     kv = list(zip(caches[::2], caches[1::2]))
     with torch.inference_mode():
         for b, (n, c) in enumerate(lens):  # the cached prefix of each sequence, eagerly
-            p_args, _ = _layout(model, kv_dtype, [(c - n, c - n)], 1)
-            p_args[3] = tables[b:b + 1]
-            p_args[2] = p_args[3][0, p_args[1] // 16] * 16 + p_args[1] % 16
+            p_args, _ = _layout(model, kv_dtype, [(c - n, c - n)], 1, tables[b:b + 1])
             model(p_args[0], p_args[1], AttnMeta.captured(*p_args[2:]), kv)
         ref = model(ids, pos, AttnMeta.captured(slots, tables, cu, ctx), [(k.clone(), v.clone()) for k, v in kv])
         hidden = package(*args, *caches)[0]
@@ -248,7 +242,7 @@ def _tensors(model) -> dict[str, torch.Tensor]:
     return dict(step.named_parameters(remove_duplicate=False)) | dict(step.named_buffers(remove_duplicate=False))
 
 
-class _Package:
+class Package:
     """An AOTI package run through torch's C++ loader directly, with flat tensor lists: going
     through torch._inductor.aoti_load_package imports Inductor's Python package (~1.5 s of every
     load) and its wrapper re-parses the call spec on every call."""
@@ -266,8 +260,8 @@ class _Package:
         return self.loader.boxed_run(list(tensors))
 
 
-def _load(model, path: Path, scalars: dict[str, int] | None) -> _Package:
-    runner = _Package(path)
+def _load(model, path: Path, scalars: dict[str, int] | None) -> Package:
+    runner = Package(path)
     tensors = _tensors(model)
     if scalars is not None:  # a package without weights: it runs on the model's own tensors
         tensors.update({name: torch.tensor(v, dtype=torch.int64) for name, v in scalars.items()})
@@ -277,7 +271,7 @@ def _load(model, path: Path, scalars: dict[str, int] | None) -> _Package:
     return runner
 
 
-def load_package(model, path: Path) -> _Package:
+def load_package(model, path: Path) -> Package:
     """The package at `path`, checked against its sidecar; ValueError when either is damaged."""
     try:
         side = json.loads(path.with_suffix(".json").read_text())
@@ -293,7 +287,7 @@ def _sources(side: dict) -> list[str]:
     return list(side.get("sources") or ([side["source"]] if side.get("source") else []))
 
 
-def _note_source(path: Path, source: str | None) -> None:
+def note_source(path: Path, source: str | None) -> None:
     """Record in the sidecar that the model file `source` uses this package (for `rm`); a lost
     update (two processes at once) costs at most that `rm` of the other model keeps it."""
     side_path = path.with_suffix(".json")
@@ -411,146 +405,38 @@ def _peak_rss_mib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
 
 
-# ---- the runner's captured step -----------------------------------------------------------------
-class CompiledStep:
-    """The runner's captured step on CPU: run() -> hidden states, or None for a step it
-    does not cover (the runner then runs the eager forward). Steps covered: every sequence has a
-    cached prefix (decode, speculative verify, prefix-hit extend) and at most max_rows() new
-    tokens in all. `background`: a missing package is queued for the background builder once
-    (chat, serve; a one-shot run only with --build); until it is on disk those steps run eagerly."""
+# ---- what the runtime step (localllm.engine.compiled_step) asks of the cache --------------------
+def remove_package(path: Path) -> None:
+    """Delete a damaged package and its sidecar, so that it is built again (never loaded)."""
+    path.unlink(missing_ok=True)
+    path.with_suffix(".json").unlink(missing_ok=True)
 
-    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], background: bool = True):
-        self.model, self.kv_caches = model, kv_caches
-        self.caches = [t for kv in kv_caches for t in kv]
-        self.kv_dtype = kv_caches[0][0].dtype
-        self.max_rows = max_rows(model)
-        self.background = background
-        self._runners: dict[str, _Package] = {}
-        self._next_look: dict[str, float] = {}
-        self.requested = False  # a build was queued by this engine
-        self.builder: subprocess.Popen | None = None  # the builder process this engine started, if it did
-        self.failed: str | None = None
-        self.steps = 0  # steps served by a package
-        self.kinds_used: set[str] = set()
-        self._busy = build_queue.BusyFlag()
-        self._announced = False
-        d1 = package_path(model, "d1", self.kv_dtype)
-        if model.origin and d1 is not None and not d1.is_file():
-            # said now, before an answer streams: from the first decode step it lands mid-answer
-            if not background:
-                # once per model: a user who runs the same file every day is told once, not every time
-                hinted = cache_dir() / "hinted" / job_key(model, self.kv_dtype)
-                if not hinted.exists():
-                    log.warning("no compiled step for this model yet: decode runs eagerly; `localllm run --build` "
-                                "(or a chat or serve) builds it once in the background")
-                    try:
-                        hinted.parent.mkdir(parents=True, exist_ok=True)
-                        hinted.touch()
-                    except OSError:  # a read-only cache: the hint again next time, no harm
-                        pass
-            else:  # queued already (by another engine, or a builder that died) or about to be
-                self._announce()
 
-    def _queued(self) -> bool:
-        key = job_key(self.model, self.kv_dtype)
-        return any(j.key == key for j in build_queue.jobs())
+def queue_build(model, kv_dtype: torch.dtype) -> subprocess.Popen | None:
+    """Queue this model's missing packages for the background builder and make sure one runs;
+    -> the builder process when this call started it."""
+    build_queue.enqueue(job_key(model, kv_dtype), job_spec(model, kv_dtype))
+    return build_queue.ensure_builder()
 
-    def _announce(self) -> None:
-        if not self._announced:
-            self._announced = True
-            log.warning("building the compiled step for this model in the background (a few minutes of CPU "
-                        "while no answer is being generated, once per model; answers use the eager step "
-                        "until then) into %s; `localllm ps` shows it", cache_dir())
 
-    def _runner(self, kind: str) -> _Package | None:
-        runner = self._runners.get(kind)
-        if runner is not None:
-            return runner
-        now = time.monotonic()
-        if now < self._next_look.get(kind, 0.0):
-            return None
-        self._next_look[kind] = now + CHECK_EVERY_S
-        path = package_path(self.model, kind, self.kv_dtype)
-        if path is None:
-            return None
-        if path.is_file():
-            try:
-                self._runners[kind] = runner = load_package(self.model, path)
-                _note_source(path, self.model.origin.get("path") if self.model.origin else None)
-                return runner
-            except Exception as e:  # damaged: never trusted, built again
-                log.warning("compiled package %s is damaged (%s); building it again", path.name, e)
-                path.unlink(missing_ok=True)
-                path.with_suffix(".json").unlink(missing_ok=True)
-        self._request_build()
-        return None
+def build_queued(model, kv_dtype: torch.dtype) -> bool:
+    """A job for this model's packages is in the queue."""
+    key = job_key(model, kv_dtype)
+    return any(j.key == key for j in build_queue.jobs())
 
-    def _request_build(self) -> None:
-        """Queue this model's missing packages (once) and make sure the builder runs."""
-        if not self.background or self.requested or not self.model.origin:
-            return
-        paths = [package_path(self.model, k, self.kv_dtype) for k in KINDS]
-        if all(p is not None and p.is_file() for p in paths):
-            return
-        self.requested = True
-        self._announce()
-        build_queue.enqueue(job_key(self.model, self.kv_dtype), job_spec(self.model, self.kv_dtype))
-        self.builder = build_queue.ensure_builder() or self.builder
 
-    def busy(self, busy: bool) -> None:
-        """The engine has work (True) or has none left (False). The background build runs only
-        while no engine of this home generates: beside a decode, even at SCHED_IDLE, it cut
-        eager decode from 47 to 2.7 tok/s on 2 cores (OpenMP's spinning threads lose their CPUs;
-        bench/build_slowdown.py). So a busy engine holds the shared busy lock and stops the
-        builder's worker; the last one to finish continues it (see build_queue): a chat builds
-        while the user reads and types, a server between requests."""
-        self._busy.set(busy)
+def builder_running() -> bool:
+    return build_queue.builder_pid() is not None
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta):
-        T = ids.shape[0]
-        if self.failed or T > self.max_rows or not meta.all_cached:
-            return None
-        kind = kind_of(len(meta.q_lens), T)
-        runner = self._runner(kind)
-        if runner is None:
-            return None
-        tables = meta.block_tables
-        if tables.shape[1] < 2:  # the packages take tables of 2+ columns: pad with the null block
-            tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[1]))
-        try:
-            out = runner(ids, positions, meta.slot_mapping, tables, meta.cu_seqlens_q, meta.context_lens,
-                         *self.caches)
-        except Exception as e:  # a compiler problem must not take the engine down
-            self.failed = f"{type(e).__name__}: {e}"
-            log.warning("compiled step disabled, using eager: %s", self.failed)
-            return None
-        self.steps += 1
-        self.kinds_used.add(kind)
-        return out[0]
 
-    @property
-    def ready(self) -> bool:
-        return "d1" in self._runners
+def busy_flag() -> build_queue.BusyFlag:
+    """The flag an engine raises while it generates: the background build waits meanwhile."""
+    return build_queue.BusyFlag()
 
-    def wait(self, kinds: tuple[str, ...] = KINDS, timeout: float = 900.0) -> bool:
-        """Block until the packages of `kinds` are loaded (benchmarks, tests), queueing the
-        build when nobody builds them; False on timeout or when builds keep failing."""
-        deadline, tries = time.monotonic() + timeout, 0
-        self.busy(False)
-        while time.monotonic() < deadline:
-            for k in kinds:
-                self._next_look.pop(k, None)
-                self._runner(k)
-            if all(k in self._runners for k in kinds):
-                return True
-            ours = self.builder is not None and self.builder.poll() is None  # (still taking its lock)
-            if not self._queued() or (build_queue.builder_pid() is None and not ours):  # nobody will build it
-                if tries == 2 or not self.background:
-                    return False
-                self.requested, tries = False, tries + 1
-                self._request_build()
-            time.sleep(0.2)
-        return False
+
+def hint_path(model, kv_dtype: torch.dtype) -> Path:
+    """Marks that a one-shot run was told once that this model has no package yet."""
+    return cache_dir() / "hinted" / job_key(model, kv_dtype)
 
 
 if __name__ == "__main__":

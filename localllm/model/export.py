@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import checkpoint_linears
-from .loader import open_weights
 from .moe import expert_tensor_names
+from .weights import open_weights
 
 
 def hf_tensor_names(num_layers: int, tied: bool, qkv_bias: bool, qk_norm: bool = False,

@@ -24,10 +24,10 @@ class DenseLinear(nn.Module):
 
 # From this many rows (prefill, big batches) an fp32 GEMM on the dequantized weight beats the
 # int4 kernels, whose cost grows linearly with the rows. 2 cores, SmolLM2 layer shapes, per layer:
-# torch's kernel 16 rows 0.92 ms vs fp32 0.98, 32 rows 1.7 vs 1.3, 512 rows 28.6 vs 12.6; our VNNI
+# torch's kernel 16 rows 0.92 ms vs fp32 0.98, 32 rows 1.7 vs 1.3, 512 rows 28.6 vs 12.6; our int4
 # kernel 32 rows 1.0 vs 1.7, 128 rows 3.9 vs 4.0, 512 rows 16.4 vs 14.3.
 DENSE_MIN_ROWS = 32
-VNNI_DENSE_MIN_ROWS = 160
+CPU_INT4_DENSE_MIN_ROWS = 160
 
 
 def kernel_dequantize(w: Int4Weight) -> torch.Tensor:
@@ -40,7 +40,7 @@ def kernel_dequantize(w: Int4Weight) -> torch.Tensor:
     return ((w.q.view(n, k // g, g).float() - 8.0) * s + z).reshape(n, k)
 
 
-def _vnni_kernel(n: int, k: int, group_size: int) -> bool:
+def _cpu_int4_kernel(n: int, k: int, group_size: int) -> bool:
     from localllm_kernels import cpu_int4
 
     return cpu_int4.fits(n, k, group_size) and cpu_int4.load()
@@ -49,11 +49,11 @@ def _vnni_kernel(n: int, k: int, group_size: int) -> bool:
 class Int4Linear(nn.Module):
     """Weight-only int4.
 
-    On CPU, `kind` is "vnni" where our kernel runs (localllm_kernels.cpu_int4, AVX-512 VNNI or AVX2: fp32
+    On CPU, `kind` is "cpu_int4" where our kernel runs (localllm_kernels.cpu_int4, AVX-512 VNNI or AVX2: fp32
     in and out, activations rounded to 16 bits inside, scales exact), else "aten": torch's int4pack
     kernel, fed bf16 (with fp32 activations it takes a path 5-30x slower) with bf16 scales. With
     `dense`, calls of `dense_min_rows` rows or more run an fp32 GEMM on a dequantized copy instead:
-    exact for "vnni" (the kernel's 16-bit activations are the only difference), rounded as torch's
+    exact for "cpu_int4" (the kernel's 16-bit activations are the only difference), rounded as torch's
     kernel rounds for "aten" (the same numbers up to summation order). On CUDA: our Triton kernel."""
 
     def __init__(self, w: Int4Weight, act_dtype: torch.dtype, bias: torch.Tensor | None = None,
@@ -64,11 +64,11 @@ class Int4Linear(nn.Module):
         self.cuda_path = device.startswith("cuda") if triton is None else triton
         n, k = w.shape
         self.out_features, self.group_size = n, w.group_size
-        self.kind = ("triton" if self.cuda_path else "vnni" if cpu_kernel and _vnni_kernel(n, k, w.group_size)
+        self.kind = ("triton" if self.cuda_path else "cpu_int4" if cpu_kernel and _cpu_int4_kernel(n, k, w.group_size)
                      else "aten")
-        self.dense_min_rows = VNNI_DENSE_MIN_ROWS if self.kind == "vnni" else DENSE_MIN_ROWS
+        self.dense_min_rows = CPU_INT4_DENSE_MIN_ROWS if self.kind == "cpu_int4" else DENSE_MIN_ROWS
         copy = dense and not self.cuda_path and w.in_perm is None
-        self.register_buffer("dense", None if not copy else w.dequantize() if self.kind == "vnni"
+        self.register_buffer("dense", None if not copy else w.dequantize() if self.kind == "cpu_int4"
                              else kernel_dequantize(w))
         self.dense_mapped = False
         self.bias = None if bias is None else nn.Parameter(bias.to(act_dtype), requires_grad=False)
@@ -78,7 +78,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("qweight", w.packed().to(device))
             self.register_buffer("scales", w.scales.to(device, act_dtype))
             self.register_buffer("zeros", w.zeros.to(device, act_dtype))
-        elif self.kind == "vnni":
+        elif self.kind == "cpu_int4":
             from localllm_kernels import cpu_int4
 
             qw, qsc = cpu_int4.pack(w.q, w.scales, w.zeros)
@@ -92,7 +92,7 @@ class Int4Linear(nn.Module):
 
     def kernel_tensors(self) -> dict[str, torch.Tensor]:
         """The converted CPU buffers, by name: what the loader's conversion cache stores."""
-        names = ("qw", "qsc") if self.kind == "vnni" else ("packed", "scales_zeros")
+        names = ("qw", "qsc") if self.kind == "cpu_int4" else ("packed", "scales_zeros")
         return {n: getattr(self, n) for n in names}
 
     @classmethod
@@ -101,12 +101,12 @@ class Int4Linear(nn.Module):
         """A CPU layer from already converted buffers (the loader's conversion cache)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self.kind = "vnni" if "qw" in tensors else "aten"
-        if self.kind == "vnni":
+        self.kind = "cpu_int4" if "qw" in tensors else "aten"
+        if self.kind == "cpu_int4":
             from localllm_kernels import cpu_int4
 
-            cpu_int4.load()  # registers the op (the cache holds vnni buffers only where it loads)
-        self.dense_min_rows = VNNI_DENSE_MIN_ROWS if self.kind == "vnni" else DENSE_MIN_ROWS
+            cpu_int4.load()  # registers the op (the cache holds its buffers only where it loads)
+        self.dense_min_rows = CPU_INT4_DENSE_MIN_ROWS if self.kind == "cpu_int4" else DENSE_MIN_ROWS
         self.register_buffer("dense", dense)
         # the cache's dense copy is a file-backed mmap: copied into anonymous memory on first use
         # (GEMMs on it ran 25% slower; copying at load would cost every cold start 0.1-0.4 s)
@@ -131,11 +131,11 @@ class Int4Linear(nn.Module):
         elif self.dense is not None and x2.shape[0] >= self.dense_min_rows:
             if self.dense_mapped and not torch.compiler.is_compiling():
                 self.dense, self.dense_mapped = self.dense.clone(), False
-            if self.kind == "vnni":
+            if self.kind == "cpu_int4":
                 y = F.linear(x2.float(), self.dense).to(x.dtype)
             else:
                 y = F.linear(x2.to(torch.bfloat16).float(), self.dense).to(torch.bfloat16).to(x.dtype)
-        elif self.kind == "vnni":
+        elif self.kind == "cpu_int4":
             y = torch.ops.localllm.int4_gemm(x2.float(), self.qw, self.qsc, self.group_size)
             y = (y if y.shape[1] == self.out_features else y[:, :self.out_features]).to(x.dtype)
         else:

@@ -15,6 +15,7 @@ group the (token, expert) pairs by expert and run one GEMM per used expert on it
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -23,6 +24,10 @@ from torch import nn
 
 from ..config import ModelConfig
 from .layers import Int4Linear
+
+# one expert's matrix of an MoE layer (HF names: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down_proj)
+EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
 def expert_tensor_names(cfg: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str, str]]]:
@@ -117,9 +122,9 @@ class Int4Experts(nn.Module):
 
     @staticmethod
     def fits(gate_up: list[nn.Module], down: list[nn.Module]) -> bool:
-        """Every expert on our VNNI kernel, without bias or input permutation, one group size per matrix."""
+        """Every expert on our int4 kernel, without bias or input permutation, one group size per matrix."""
         layers = [*gate_up, *down]
-        if not all(isinstance(m, Int4Linear) and m.kind == "vnni" and m.bias is None and m.in_perm is None
+        if not all(isinstance(m, Int4Linear) and m.kind == "cpu_int4" and m.bias is None and m.in_perm is None
                    for m in layers):
             return False
         return len({m.group_size for m in gate_up}) == 1 and len({m.group_size for m in down}) == 1

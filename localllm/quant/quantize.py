@@ -39,10 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..model.attention import AttnMeta
+from ..model.attention import describe_batch
+from ..model.hf_weights import HFWeights
 from ..model.llama import DecoderLayer, LlamaModel
-from ..model.loader import HFWeights, load_model, open_weights
+from ..model.loader import load_model
 from ..model.quant_formats import AWQ_ORDER
+from ..model.weights import open_weights
 from .calib_text import CALIBRATION
 
 METHODS = ("rtn", "gptq", "awq")
@@ -236,11 +238,8 @@ class Calibration:
         B, T = ids.shape
         nb = -(-T // block_size)
         self.model, self.ids = model, ids
-        self.positions = torch.arange(T).repeat(B)
         tables = 1 + torch.arange(B * nb).view(B, nb)  # block 0 is the null block
-        rows = torch.arange(B).repeat_interleave(T)
-        slots = tables[rows, self.positions // block_size] * block_size + self.positions % block_size
-        self.meta = AttnMeta(slots, tables, torch.arange(B + 1) * T, torch.full((B,), T), T == 1, [T] * B, [T] * B)
+        self.positions, self.meta = describe_batch(tables, [T] * B, [T] * B, block_size)
         c = model.cfg
         shape = (1 + B * nb, block_size, c.num_kv_heads, c.head_dim)
         self.kv = (torch.zeros(shape), torch.zeros(shape))

@@ -1,0 +1,173 @@
+"""The conversion cache: what loading a GGUF on CPU computes, saved once per file and reused."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import cache_file
+from .errors import ModelLoadError
+from .gguf_weights import GGUFWeights
+from .layers import ConcatLinear, Int4Linear, Int8wLinear
+from .moe import Int4Experts, LoopExperts
+
+log = logging.getLogger(__name__)
+
+
+def weights_fingerprint(path: str | os.PathLike, *how) -> str:
+    """Identity of a checkpoint on disk (path, size and mtime of each file) plus how it was loaded:
+    the key of everything derived from the weights and cached between processes."""
+    path = Path(path).resolve()
+    files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    h.update("|".join(map(str, how)).encode())
+    return h.hexdigest()
+
+
+class ConvertCache:
+    """What loading a GGUF on CPU computes (int4pack repacks, MoE layers' stacked experts, the fp32
+    embedding, the int4 copy of the head) saved once per file as safetensors under ~/.cache/localllm/converted, keyed by the
+    file's path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md).
+    Written durably with a crc32 of every tensor (cache_file); a file that does not match is
+    converted again, never used."""
+
+    # 5: MoE experts (Int4Experts' stacks or each looped expert) and routers; 6: crc32s; 7: GGUF types
+    # beyond Q4_0/Q4_1 on our kernels (Int8wLinear, ConcatLinear of mixed parts), none re-quantized
+    VERSION = 7
+
+    def __init__(self, file: Path, dense: bool = False, cpu_kernel: bool = True):
+        from localllm_kernels import cpu_int4
+
+        from ..paths import cache_home
+
+        # the buffers differ by int4 kernel (ours or torch's), so does the cache
+        key = weights_fingerprint(file, torch.__version__, f"v{self.VERSION}", f"dense={dense}",
+                                  f"cpu_int4={cpu_kernel and cpu_int4.load()}")
+        self.stem = file.stem
+        self.path = cache_home() / "converted" / f"{self.stem}-{key[:16]}.safetensors"
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.hit = False
+        self._check: cache_file.Check | None = None
+        if self.path.is_file():
+            try:  # the tensors' crc32s are checked in threads while the loader builds from them
+                self.tensors, self._check = cache_file.open_checked(self.path, torch.get_num_threads())
+                self.hit = True
+            except cache_file.DamagedFile as e:  # truncated, or from before checksums: convert, overwrite
+                log.warning("the conversion cache %s is damaged (%s): converting again", self.path, e)
+
+    @staticmethod
+    def open(path, weights, mode: str, device: str, dense: bool, cpu_kernel: bool) -> ConvertCache | None:
+        if not (isinstance(weights, GGUFWeights) and mode == "int4" and device == "cpu"):
+            return None
+        return ConvertCache(Path(path), dense, cpu_kernel)
+
+    def linear(self, key: str, build):
+        """The cached Int4Linear `key`, or build() (remembered when it is a plain Int4Linear)."""
+        m = self._cached_linear(key)
+        if m is None:
+            m = build()
+            if self._keepable(m):
+                self._keep_linear(key, m)
+        return m
+
+    def experts(self, key: str, n: int, inter: int, build) -> nn.Module:
+        """The cached experts `key` of an MoE layer (Int4Experts from its stacks, or LoopExperts from
+        each expert's Int4Linears), or build() (remembered when all of it is int4)."""
+        t = self.tensors
+        if self.hit and f"{key}.w1" in t:
+            return Int4Experts(*(t[f"{key}.{b}"] for b in ("w1", "s1", "w2", "s2")), int(t[f"{key}.group1"]),
+                               int(t[f"{key}.group2"]), inter)
+        keys = [f"{key}.{e}.{part}" for e in range(n) for part in ("gate_up", "down")]
+        linears = [self._cached_linear(k) for k in keys] if self.hit else [None]
+        if all(x is not None for x in linears):
+            return LoopExperts(linears[0::2], linears[1::2])
+        m = build()
+        if isinstance(m, Int4Experts):
+            t.update({f"{key}.{b}": getattr(m, b) for b in ("w1", "s1", "w2", "s2")})
+            t.update({f"{key}.group1": torch.tensor(m.group1), f"{key}.group2": torch.tensor(m.group2)})
+        elif isinstance(m, LoopExperts):
+            linears = [x for pair in zip(m.gate_up, m.down) for x in pair]
+            if all(self._keepable(x) for x in linears):
+                for k, x in zip(keys, linears):
+                    self._keep_linear(k, x)
+        return m
+
+    def _cached_linear(self, key: str) -> nn.Module | None:
+        t = self.tensors
+        if self.hit and f"{key}.parts" in t:  # a ConcatLinear
+            parts = [self._cached_linear(f"{key}.part{i}") for i in range(int(t[f"{key}.parts"]))]
+            return None if any(p is None for p in parts) else ConcatLinear(parts)
+        if not (self.hit and f"{key}.group" in t):
+            return None
+        if f"{key}.qw8" in t:
+            return Int8wLinear(t[f"{key}.qw8"], t[f"{key}.qsc8"], int(t[f"{key}.n"]), int(t[f"{key}.group"]),
+                               int(t[f"{key}.zero"]), t.get(f"{key}.bias"))
+        names = ("qw", "qsc") if f"{key}.qw" in t else ("packed", "scales_zeros")
+        return Int4Linear.from_kernel_tensors({n: t[f"{key}.{n}"] for n in names}, int(t[f"{key}.n"]),
+                                              int(t[f"{key}.group"]), t.get(f"{key}.bias"), t.get(f"{key}.dense"))
+
+    @staticmethod
+    def _keepable(m) -> bool:
+        if isinstance(m, ConcatLinear):
+            return all(ConvertCache._keepable(p) for p in m.parts)
+        return isinstance(m, Int8wLinear) or (isinstance(m, Int4Linear) and m.in_perm is None and not m.cuda_path)
+
+    def _keep_linear(self, key: str, m: nn.Module) -> None:
+        t = self.tensors
+        if isinstance(m, ConcatLinear):
+            t[f"{key}.parts"] = torch.tensor(len(m.parts))
+            for i, p in enumerate(m.parts):
+                self._keep_linear(f"{key}.part{i}", p)
+            return
+        t.update({f"{key}.{n}": v for n, v in m.kernel_tensors().items()})
+        t.update({f"{key}.group": torch.tensor(m.group_size), f"{key}.n": torch.tensor(m.out_features)})
+        if isinstance(m, Int8wLinear):
+            t[f"{key}.zero"] = torch.tensor(m.zero)
+        if m.bias is not None:
+            t[f"{key}.bias"] = m.bias.data
+        if getattr(m, "dense", None) is not None:
+            t[f"{key}.dense"] = m.dense
+
+    def tensor(self, key: str, build) -> torch.Tensor:
+        if self.hit and key in self.tensors:
+            return self.tensors[key]
+        self.tensors[key] = t = build()
+        return t
+
+    def intact(self) -> bool:
+        """Waits for the check of a cached file: False when it is damaged (then removed, so that
+        loading again converts the weights anew), True otherwise."""
+        if self._check is None:
+            return True
+        why, self._check = self._check.wait(), None
+        if why is None:
+            return True
+        log.warning("the conversion cache %s is damaged (%s): converting again", self.path, why)
+        self.tensors, self.hit = {}, False
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as e:  # else loading again would read it again
+            raise ModelLoadError(f"the conversion cache {self.path} is damaged ({why}) and cannot be "
+                                 f"removed: {e}") from None
+        return False
+
+    def save(self) -> None:
+        if self.hit:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            cache_file.save(self.tensors, self.path, torch.get_num_threads())
+            for old in self.path.parent.glob(f"{self.stem}-*.safetensors"):  # stale versions of this file
+                if old != self.path:
+                    old.unlink(missing_ok=True)
+        except OSError:  # a read-only home: convert every time
+            pass
+

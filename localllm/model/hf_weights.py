@@ -1,0 +1,158 @@
+"""A Hugging Face checkpoint directory's weights (config.json + safetensors shards)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..paths import safe_relative_name
+from ..tokenizer import LLMTokenizer
+from . import quant_formats  # AWQ / GPTQ
+from .errors import ModelLoadError
+from .int4 import Int4Weight
+from .moe import EXPERT_NAME, EXPERT_PART
+
+
+class HFWeights:
+    """A Hugging Face model directory's safetensors weights (pickles are never read), AWQ / GPTQ
+    packed modules included (quant_formats)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)")
+        try:
+            self.raw_config = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{cfg_file}: invalid JSON ({e})") from None
+        try:
+            self.config = ModelConfig.from_hf(self.raw_config)
+        except (KeyError, ValueError) as e:
+            raise ModelLoadError(f"{cfg_file}: {e}") from None
+        self.quant = quant_formats.read_quant_config(path, self.raw_config)
+        self.files = self._weight_files()
+        self.index = self._index()
+
+    def _weight_files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ModelLoadError(f"{index}: invalid index ({e})") from None
+            bad = [n for n in names if not safe_relative_name(n)]
+            if bad:  # the index comes from the hub too: a shard is a file in this folder, never ../x
+                raise ModelLoadError(f"{index}: shard name {bad[0]!r} is not a file name inside {self.path}")
+            files = [self.path / n for n in names]
+            missing = [str(f) for f in files if not f.is_file()]
+            if missing:
+                raise ModelLoadError(f"{self.path}: shard(s) listed in the index are missing: {', '.join(missing)}")
+            return files
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            pickles = [p.name for p in self.path.glob("*.bin")] + [p.name for p in self.path.glob("*.pth")]
+            hint = f" (found {', '.join(pickles)}: pickle checkpoints are never loaded)" if pickles else ""
+            raise ModelLoadError(f"{self.path}: no *.safetensors weights{hint}")
+        return files
+
+    def _index(self) -> dict:
+        from safetensors import safe_open
+
+        index = {}
+        for f in self.files:
+            try:
+                end = _safetensors_data_end(f)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ModelLoadError(f"{f}: corrupt safetensors header ({e})") from None
+            if end > f.stat().st_size:
+                raise ModelLoadError(f"{f}: truncated safetensors file (needs {end} bytes, has {f.stat().st_size})")
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    index.update(dict.fromkeys(h.keys(), f))
+            except Exception as e:
+                raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
+        # a multimodal checkpoint (Gemma 3 4B+) holds the text model under a prefix: older
+        # transformers wrote language_model.model.*, newer model.language_model.*
+        self.stored = {}
+        for prefix in ("model.language_model.", "language_model.model."):
+            if "model.embed_tokens.weight" not in index and prefix + "embed_tokens.weight" in index:
+                self.stored = {"model." + k[len(prefix):]: k for k in index if k.startswith(prefix)}
+                index.update({ours: index[k] for ours, k in self.stored.items()})
+        return index
+
+    def has(self, name: str) -> bool:
+        return name in self.index
+
+    def _fused_expert(self, name: str) -> torch.Tensor | None:
+        """Expert layouts as transformers 5 holds them in memory (and writes them when its
+        conversion is off): the experts fused per layer under mlp.experts, gate_up_proj
+        [E, 2I, H] (gate rows, then up) and down_proj [E, H, I]; the router as mlp.gate."""
+        from safetensors import safe_open
+
+        ex = EXPERT_NAME.fullmatch(name)
+        router = re.fullmatch(r"(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight", name)
+        if router:
+            return self.dense(f"{router[1]}.mlp.gate.weight") if self.has(f"{router[1]}.mlp.gate.weight") else None
+        if not ex:
+            return None
+        part = EXPERT_PART[ex[3]]
+        fused = f"model.layers.{ex[1]}.mlp.experts.{'down_proj' if part == 'down' else 'gate_up_proj'}"
+        if fused not in self.index:
+            return None
+        with safe_open(str(self.index[fused]), framework="pt") as h:
+            w = h.get_slice(fused)[int(ex[2])]  # this expert's rows only
+        half = w.shape[0] // 2
+        return w if part == "down" else w[:half] if part == "gate" else w[half:]
+
+    def dense(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        f = self.index.get(name)
+        if f is None:
+            fused = self._fused_expert(name)
+            if fused is not None:
+                return fused
+        if f is None and self.quant is not None and name.endswith(".weight") and \
+                self.has(name[: -len("weight")] + "qweight"):
+            return quant_formats.load_dense(self, name)  # a packed int4 module, dequantized
+        if f is None:
+            raise ModelLoadError(f"{self.path}: tensor {name} is missing")
+        with safe_open(str(f), framework="pt") as h:
+            return h.get_tensor(self.stored.get(name, name))
+
+    def int4(self, name: str) -> Int4Weight | None:
+        if self.quant is None:
+            return None
+        return quant_formats.load_int4(self, name)
+
+    def tokenizer(self) -> LLMTokenizer:
+        try:
+            return LLMTokenizer.from_dir(self.path, self.extra_eos_ids())
+        except (FileNotFoundError, ValueError) as e:
+            raise ModelLoadError(str(e)) from None
+
+    def extra_eos_ids(self) -> set[int]:
+        gen = self.path / "generation_config.json"
+        ids = set()
+        if gen.is_file():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        eos = self.raw_config.get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return {int(i) for i in ids}
+
+
+def _safetensors_data_end(f: Path) -> int:
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if n > f.stat().st_size:
+            raise ValueError(f"header length {n} exceeds the file")
+        header = json.loads(fh.read(n))
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    return 8 + n + (max(ends) if ends else 0)
+
