@@ -169,12 +169,14 @@ class LlamaModel(nn.Module):
         # Gemma: embeddings times sqrt(hidden), rounded to the activation dtype as transformers does
         self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5, dtype=act_dtype).item()
                             if cfg.scale_embeddings else None)
-        self.use_attention(default_backend(device), fused_cpu=device == "cpu" and act_dtype == torch.float32)
+        self.use_attention(default_backend(device))
         self.fingerprint, self.origin = fingerprint, origin
 
-    def use_attention(self, backend: str, fused_cpu: bool = False) -> None:
+    def use_attention(self, backend: str, fused_cpu: bool = True) -> None:
         """Pick the backend ("torch" | "triton"); the runner builds the matching metadata.
-        fused_cpu: on the torch backend, our fused C++ ops where they load (fp32 activations)."""
+        fused_cpu: on the torch backend of a CPU model with fp32 activations, our fused C++ ops
+        where they load (False: the plain torch ops, which tests compare them with)."""
+        fused_cpu = fused_cpu and self.device == "cpu" and self.act_dtype == torch.float32
         self.ops, self.attention_backend = Ops.for_backend(backend, fused_cpu), backend
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
