@@ -121,15 +121,18 @@ def job_key(model, kv_dtype: torch.dtype) -> str:
 # ---- the exported function ----------------------------------------------------------------------
 class _Step(torch.nn.Module):
     def __init__(self, model):
+        from .llama import Ops
+
         super().__init__()
         self.m = model
+        self.ops = Ops.for_backend("torch")  # plain torch ops: Inductor fuses them itself
 
     def forward(self, ids, positions, slots, block_tables, cu_seqlens_q, context_lens, *caches):
         meta = AttnMeta.captured(slots, block_tables, cu_seqlens_q, context_lens)
         # the hidden states only: the head runs outside, greedy (int4 rank + exact rescore) or the
         # exact logits a sampled token needs (temperature 0.7 is run's and chat's default): in the
         # graph, every sampled token paid for a greedy head it did not use (1.2 ms on 135M)
-        return (self.m(ids, positions, meta, list(zip(caches[::2], caches[1::2]))),)
+        return (self.m(ids, positions, meta, list(zip(caches[::2], caches[1::2])), self.ops),)
 
 
 def _layout(model, kv_dtype: torch.dtype, lens: list[tuple[int, int]], num_blocks: int,

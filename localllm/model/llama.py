@@ -7,7 +7,8 @@ There is one layer loop (`LlamaModel.forward` over `DecoderLayer.forward`). What
 CPU and GPU is chosen per op once at load (`Ops`): the attention backend and, on the Triton
 path, fused add+RMSNorm, in-place RoPE and SiLU*up kernels. The compiled CPU step
 (localllm.model.compiled) and the CUDA graphs (localllm.engine.cuda_graphs) capture this same
-forward; the quantizer and perplexity run it too.
+forward; the quantizer and perplexity run it too. On CPU with fp32 activations the ops are our
+fused C++ ops (localllm.model.cpu_ops) where they load.
 """
 
 from __future__ import annotations
@@ -59,6 +60,20 @@ def silu_mul_fused(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_and_mul(gate_up)
 
 
+def split_rope_attend(layer: DecoderLayer, qkv: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
+                      kv: tuple[torch.Tensor, torch.Tensor], ops: Ops, rope: RotaryEmbedding, scale: float):
+    """The attention block between the qkv and o projections: split, per-head q/k norms, RoPE,
+    attention over the paged cache (which writes k and v into it). -> [T, H * D]."""
+    T = qkv.shape[0]
+    q, k, v = qkv.split(layer.split, dim=-1)
+    q, k = q.view(T, layer.H, layer.D), k.view(T, layer.KVH, layer.D)
+    if layer.q_norm is not None:
+        q, k = layer.q_norm(q), layer.k_norm(k)
+    q, k = ops.rope(positions, q, k, rope)
+    return ops.attention(q, k, v.view(T, layer.KVH, layer.D), kv[0], kv[1], meta, scale, layer.window,
+                         layer.softcap)
+
+
 def rope_fused(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding):
     from localllm_kernels import apply_rope
 
@@ -77,15 +92,24 @@ class Ops:
     add_norm: Callable  # (x, residual | None, norm) -> (normed, new residual)
     rope: Callable  # (positions, q, k, rope) -> (q, k)
     act: Callable  # gate_up -> silu(gate) * up
+    gelu_act: Callable = gelu_tanh_mul  # gate_up -> gelu_tanh(gate) * up (Gemma)
+    attend: Callable = split_rope_attend  # (layer, qkv, positions, meta, kv, ops, rope, scale) -> [T, H*D]
 
     @classmethod
-    def for_backend(cls, backend: str) -> Ops:
-        """"torch": plain torch ops (the CPU path). "triton": our kernels for attention and, since
-        ~10 launches per layer instead of ~37 is most of a small-batch GPU step, for add+RMSNorm,
+    def for_backend(cls, backend: str, fused_cpu: bool = False) -> Ops:
+        """"torch": plain torch ops (the CPU path); with `fused_cpu`, our fused C++ ops where they
+        load (localllm.model.cpu_ops: at batch 1 the ~20 small torch calls per layer around the
+        GEMMs cost more than the GEMMs). "triton": our kernels for attention and, since ~10
+        launches per layer instead of ~37 is most of a small-batch GPU step, for add+RMSNorm,
         RoPE and SiLU*up too (same math; the residual is kept in the activation dtype)."""
         if backend == "triton":
             return cls(make_attention(backend), add_norm_fused, rope_fused, silu_mul_fused)
-        return cls(make_attention(backend), add_norm, rope_torch, silu_mul)
+        plain = cls(make_attention(backend), add_norm, rope_torch, silu_mul)
+        if fused_cpu:
+            from .cpu_ops import fused_cpu_ops
+
+            return fused_cpu_ops(plain)
+        return plain
 
 
 class DecoderLayer(nn.Module):
@@ -111,22 +135,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttnMeta,
                 kv: tuple[torch.Tensor, torch.Tensor], ops: Ops, rope: RotaryEmbedding, scale: float):
         """-> (MLP output, residual stream): the caller adds them in the next add_norm."""
-        T = x.shape[0]
         h, residual = ops.add_norm(x, residual, self.input_norm)
-        q, k, v = self.qkv(h).split(self.split, dim=-1)
-        q, k = q.view(T, self.H, self.D), k.view(T, self.KVH, self.D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rope(positions, q, k, rope)
-        a = self.o(ops.attention(q, k, v.view(T, self.KVH, self.D), kv[0], kv[1], meta, scale,
-                                 self.window, self.softcap))
+        a = self.o(ops.attend(self, self.qkv(h), positions, meta, kv, ops, rope, scale))
         if self.attn_out_norm is not None:
             a = self.attn_out_norm(a)
         h, residual = ops.add_norm(a, residual, self.post_norm)
         if self.moe is not None:
             out = self.moe(h, ops)
         else:
-            out = self.down((gelu_tanh_mul if self.gelu else ops.act)(self.gate_up(h)))
+            out = self.down((ops.gelu_act if self.gelu else ops.act)(self.gate_up(h)))
         if self.mlp_out_norm is not None:
             out = self.mlp_out_norm(out)
         return out, residual
@@ -155,9 +172,12 @@ class LlamaModel(nn.Module):
         self.use_attention(default_backend(device))
         self.fingerprint, self.origin = fingerprint, origin
 
-    def use_attention(self, backend: str) -> None:
-        """Pick the backend ("torch" | "triton"); the runner builds the matching metadata."""
-        self.ops, self.attention_backend = Ops.for_backend(backend), backend
+    def use_attention(self, backend: str, fused_cpu: bool = True) -> None:
+        """Pick the backend ("torch" | "triton"); the runner builds the matching metadata.
+        fused_cpu: on the torch backend of a CPU model with fp32 activations, our fused C++ ops
+        where they load (False: the plain torch ops, which tests compare them with)."""
+        fused_cpu = fused_cpu and self.device == "cpu" and self.act_dtype == torch.float32
+        self.ops, self.attention_backend = Ops.for_backend(backend, fused_cpu), backend
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
         c = self.cfg
@@ -169,15 +189,17 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Hidden states [T, hidden] of a flattened batch of new tokens."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: Ops | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of a flattened batch of new tokens. ops: other implementations
+        of the same ops than the ones chosen at load (the compiled step traces plain torch ops)."""
+        ops = ops or self.ops
         x = self.embed.rows(input_ids).to(self.act_dtype)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, meta, kv, self.ops, self.layer_rope(layer), self.scale)
-        return self.ops.add_norm(x, residual, self.norm)[0]
+            x, residual = layer(x, residual, positions, meta, kv, ops, self.layer_rope(layer), self.scale)
+        return ops.add_norm(x, residual, self.norm)[0]
 
     def layer_rope(self, layer: DecoderLayer) -> RotaryEmbedding:
         return self.rope_local if layer.window and self.rope_local is not None else self.rope
