@@ -178,6 +178,36 @@ class Int8wLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+class W16Linear(nn.Module):
+    """16-bit weights as the checkpoint stores them (bf16 or fp16: GGUF F16/BF16, HF safetensors), on
+    our CPU kernel (localllm_kernels.cpu_bf16): each weight converted exactly to fp32 in registers,
+    fp32 activations and accumulation, so the outputs are an fp32 linear's on the upcast weights
+    up to summation order, from half its bytes (decode reads every weight once a step)."""
+
+    kind = "w16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        from localllm_kernels import cpu_bf16
+
+        super().__init__()
+        cpu_bf16.load()  # registers the op
+        self.out_features = weight.shape[0]
+        self.register_buffer("w", cpu_bf16.pack(weight))
+        self.register_buffer("b", cpu_bf16.pad_bias(bias, self.w.shape[0]))
+
+    def weight16(self) -> torch.Tensor:
+        """The weights [N, K] as stored."""
+        from localllm_kernels import cpu_bf16
+
+        return cpu_bf16.unpack(self.w, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.localllm.w16_gemm(x.reshape(-1, shape[-1]).float(), self.w, self.b)
+        y = (y if y.shape[1] == self.out_features else y[:, :self.out_features]).to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
 class ConcatLinear(nn.Module):
     """Several linears on the same input, outputs concatenated: a fused qkv / gate_up whose parts
     cannot share one int4 matrix (act-order checkpoints with different input permutations, GGUF
