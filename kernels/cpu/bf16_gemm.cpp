@@ -19,10 +19,15 @@
 // differs (tiles of rows x panels), never the order within one. Prefill (more rows than one tile)
 // converts a panel's K-block to fp32 once into a per-thread buffer and runs every row tile on it;
 // the accumulators go through y between K-blocks, which is exact (they are fp32 either way).
+// From 256 rows on (long prefills) the weights are widened to fp32 a chunk at a time and torch's
+// fp32 GEMM runs on them (gemm_blas): faster there than our tiles, its summation order torch's,
+// the same whichever of our paths is chosen.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -314,6 +319,39 @@ void gemm_simd(Isa isa, const float* x, int64_t M, int64_t K, const uint16_t* w,
 }
 #endif
 
+// 32 weights of one panel row -> fp32 (exact)
+void widen32(Isa isa, const uint16_t* src, bool bf16, float* dst) {
+#if defined(__x86_64__)
+  if (isa == Isa::kAvx512) return bf16 ? widen_512<true>(src, 1, dst) : widen_512<false>(src, 1, dst);
+  if (isa == Isa::kAvx2) return bf16 ? widen_avx2<true>(src, 1, dst) : widen_avx2<false>(src, 1, dst);
+#endif
+  for (int j = 0; j < kPanel; ++j) dst[j] = to_f32(src[j], bf16);
+}
+
+// From kBlasRows rows on (long prefills) torch's fp32 GEMM on the weights widened to fp32 a chunk
+// of panels at a time ([K, 256] each, L2-sized) is faster than our tiles: 512 rows of 8192 x 2048
+// on one thread, ~170 ms against ~210-240 (a loaded machine; BENCHMARKS.md). Its summation order is
+// torch's, the same on every path of ours.
+constexpr int64_t kBlasRows = 256;
+constexpr int64_t kBlasPanels = 8;
+
+void gemm_blas(Isa isa, const at::Tensor& xc, const uint16_t* w, bool bf16, int64_t P, const float* bias,
+               at::Tensor& y) {
+  const int64_t K = xc.size(1);
+  std::vector<float> buf(K * kBlasPanels * kPanel);
+  for (int64_t p0 = 0; p0 < P; p0 += kBlasPanels) {
+    const int64_t np = std::min(kBlasPanels, P - p0), cols = np * kPanel;
+    at::parallel_for(0, K, 64, [&](int64_t k0, int64_t k1) {
+      for (int64_t k = k0; k < k1; ++k)
+        for (int64_t p = 0; p < np; ++p) widen32(isa, w + ((p0 + p) * K + k) * kPanel, bf16, &buf[k * cols + p * kPanel]);
+    });
+    const at::Tensor wt = at::from_blob(buf.data(), {K, cols}, xc.options());
+    at::Tensor part = at::mm(xc, wt);
+    if (bias) part.add_(at::from_blob(const_cast<float*>(bias) + p0 * kPanel, {cols}, xc.options()));
+    y.narrow(1, p0 * kPanel, cols).copy_(part);
+  }
+}
+
 at::Tensor w16_gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "w16_gemm: x must be fp32 [M, K]");
   TORCH_CHECK(w.dim() == 3 && w.size(2) == kPanel && w.is_contiguous() &&
@@ -336,6 +374,10 @@ at::Tensor w16_gemm(const at::Tensor& x, const at::Tensor& w, const std::optiona
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const Isa isa = isa_now();
+  if (M >= kBlasRows) {
+    gemm_blas(isa, xc, wp, bf16, P, b, y);
+    return y;
+  }
   std::vector<float> packed;
   if (isa != Isa::kGeneric && M > 1) {
     packed.resize(M * K);
