@@ -329,26 +329,27 @@ void widen32(Isa isa, const uint16_t* src, bool bf16, float* dst) {
 }
 
 // From kBlasRows rows on (long prefills) torch's fp32 GEMM on the weights widened to fp32 a chunk
-// of panels at a time ([K, 256] each, L2-sized) is faster than our tiles: 512 rows of 8192 x 2048
-// on one thread, ~170 ms against ~210-240 (a loaded machine; BENCHMARKS.md). Its summation order is
-// torch's, the same on every path of ours.
+// of panels at a time (~1 MB of fp32 each, 256 columns and up: beside the GEMM's in L2) is faster than our tiles: 512 rows
+// of 8192 x 2048 on one thread, ~150 ms against ~210-240 (a loaded machine; BENCHMARKS.md). Its
+// summation order is torch's, the same on every path of ours.
 constexpr int64_t kBlasRows = 256;
-constexpr int64_t kBlasPanels = 8;
+constexpr int64_t kBlasBytes = 1 << 20;
 
 void gemm_blas(Isa isa, const at::Tensor& xc, const uint16_t* w, bool bf16, int64_t P, const float* bias,
                at::Tensor& y) {
   const int64_t K = xc.size(1);
-  std::vector<float> buf(K * kBlasPanels * kPanel);
-  for (int64_t p0 = 0; p0 < P; p0 += kBlasPanels) {
-    const int64_t np = std::min(kBlasPanels, P - p0), cols = np * kPanel;
+  const int64_t chunk = std::min(P, std::max<int64_t>(8, kBlasBytes / (K * kPanel * 4)));  // panels a call
+  std::vector<float> buf(K * chunk * kPanel);
+  for (int64_t p0 = 0; p0 < P; p0 += chunk) {
+    const int64_t np = std::min(chunk, P - p0), cols = np * kPanel;
     at::parallel_for(0, K, 64, [&](int64_t k0, int64_t k1) {
       for (int64_t k = k0; k < k1; ++k)
         for (int64_t p = 0; p < np; ++p) widen32(isa, w + ((p0 + p) * K + k) * kPanel, bf16, &buf[k * cols + p * kPanel]);
     });
     const at::Tensor wt = at::from_blob(buf.data(), {K, cols}, xc.options());
-    at::Tensor part = at::mm(xc, wt);
-    if (bias) part.add_(at::from_blob(const_cast<float*>(bias) + p0 * kPanel, {cols}, xc.options()));
-    y.narrow(1, p0 * kPanel, cols).copy_(part);
+    at::Tensor out = y.narrow(1, p0 * kPanel, cols);  // written in place (the GEMM takes its row stride)
+    at::mm_out(out, xc, wt);
+    if (bias) out.add_(at::from_blob(const_cast<float*>(bias) + p0 * kPanel, {cols}, xc.options()));
   }
 }
 
