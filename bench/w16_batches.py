@@ -67,6 +67,7 @@ def main() -> None:
         loads[precision] = {"precision": loaded.precision, "load_s": time.perf_counter() - t0,
                             "weights_mb": sum(t.numel() * t.element_size() for t in
                                               list(loaded.model.parameters()) + list(loaded.model.buffers())) / 2**20}
+        print(f"{precision}: {loads[precision]}", flush=True)
         engines[precision] = LLMEngine(loaded, EngineConfig(max_model_len=512, num_threads=args.threads,
                                                             max_num_seqs=16, num_kv_blocks=16 * 8 + 40,
                                                             enable_prefix_caching=False, compile=False))
@@ -76,6 +77,8 @@ def main() -> None:
             r = bench_batches(eng, (1, 16), args.tokens, 1)
             for b in ("1", "16"):
                 rates[p][b].append(r[b]["aggregate_tok_per_s"])
+            print(f"round: {p} {r['1']['aggregate_tok_per_s']:.2f} tok/s at 1 stream, "
+                  f"{r['16']['aggregate_tok_per_s']:.2f} at 16", flush=True)
     result = {p: {**loads[p], **{f"aggregate_{b}": statistics.median(v) for b, v in rates[p].items()},
                   "runs": rates[p]} for p in engines}
     print(f"{'--quant':8} {'weights as held':62} {'MB':>6} {'1 stream':>9} {'16 streams':>11}")

@@ -49,11 +49,11 @@ def main() -> None:
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k)
             reps = args.reps if n * k * m < 2e9 else max(3, args.reps // 3)
-            ref = timed(lambda: F.linear(x, w32), reps)
+            ref = timed(lambda x=x, w=w32: F.linear(x, w), reps)
             ours = []
             for p in paths:
                 cpu_bf16.isa(p)
-                ours.append(timed(lambda: cpu_bf16.w16_gemm(x, packed), reps))
+                ours.append(timed(lambda x=x, w=packed: cpu_bf16.w16_gemm(x, w), reps))
             cpu_bf16.isa("auto")
             print(f"{n:>5}x{k:<5} {m:>5} {ref:>9.3f}ms " + " ".join(f"{o:>9.3f}ms" for o in ours), flush=True)
 
