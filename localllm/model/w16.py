@@ -25,11 +25,11 @@ def kernel_available() -> bool:
 def stored_dtype(weights, name: str) -> torch.dtype | None:
     """The 16-bit dtype `name` is stored in (a GGUF F16/BF16 tensor, an HF bf16/fp16 one); None
     for any other storage (fp32, quantized)."""
-    from .loader import GGUFWeights, HFWeights
-
-    if isinstance(weights, GGUFWeights):
+    # the loader's GGUFWeights (a parsed .file) or HFWeights (a safetensors .index), told apart by
+    # what they hold: this module is imported by the loader, not the other way round
+    if hasattr(weights, "file"):
         return GGUF_KINDS.get(weights.kind(name))
-    if isinstance(weights, HFWeights) and weights.quant is None and name in weights.index:
+    if getattr(weights, "quant", None) is None and name in getattr(weights, "index", {}):
         from safetensors import safe_open
 
         with safe_open(str(weights.index[name]), framework="pt") as h:
@@ -41,9 +41,7 @@ def stored_dtype(weights, name: str) -> torch.dtype | None:
 def tensor16(weights, name: str) -> torch.Tensor:
     """`name`'s values as stored, bf16 or fp16 [N, K], in the row order the loader uses (GGUF
     llama q/k into rotate_half order)."""
-    from .loader import GGUFWeights
-
-    if isinstance(weights, GGUFWeights):
+    if hasattr(weights, "file"):  # GGUFWeights
         t = weights._tensor(name)
         w = torch.from_numpy(weights.file.read(t)).view(GGUF_KINDS[t.qtype.name]).view(*t.shape)
         perm = weights._perm(name)
