@@ -170,6 +170,8 @@ def f16_gguf(tmp_path_factory, gguf_path):
     return out
 
 
+@pytest.mark.slow  # ~20 s (writing the file, two loads): the kernel, the bf16 checkpoint and
+# test_gguf_kquants' mixed file (an F16 tensor on this kernel) cover the path in the default run
 def test_f16_gguf_is_read_in_16_bits(f16_gguf):
     """Each F16 matrix on the kernel holding the file's values; the layers' memory is the file's
     matrices' bytes; the model's scores follow the same file in fp32."""
