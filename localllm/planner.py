@@ -100,6 +100,7 @@ class ModelFacts:
     native_bytes: dict[str, int] = field(default_factory=dict)  # device kind ("cpu"/"cuda") -> bytes
     variants: dict[str, str] = field(default_factory=dict)  # "awq"/"gptq" -> hub repo
     estimated: bool = False  # shapes guessed from the parameter count
+    stored16: str = ""  # "bf16" / "fp16": an HF checkpoint whose linears are stored in 16 bits
 
     @classmethod
     def from_config(cls, name: str, cfg: ModelConfig, **kw) -> ModelFacts:
@@ -169,6 +170,8 @@ def weight_bytes(f: ModelFacts, precision: str, device: str) -> int:
     cpu = device == "cpu"
     if precision in ("auto", "native") and f.native:
         return f.native_bytes.get("cpu" if cpu else "cuda", 0)
+    if precision == "auto" and f.stored16 and cpu:  # the loader's "w16": linears as stored
+        precision = "w16"
     other = f.params - f.linear_params  # embedding, untied head, norms: fp32 on CPU
     other_b = other * (4 if cpu else 2)
     fast_head = int(f.vocab * f.hidden * (0.5 + 4 / 32)) if cpu else 0  # int4 copy for greedy
@@ -176,6 +179,8 @@ def weight_bytes(f: ModelFacts, precision: str, device: str) -> int:
         return f.params * 4
     if precision in ("bfloat16", "float16"):
         return f.linear_params * 2 + other_b
+    if precision == "w16":  # 16-bit linears on our kernel, the exact fp32 embedding, the head's int4 copy
+        return f.linear_params * 2 + other_b + fast_head
     if precision == "int8":
         per = 1.0 if cpu else 2.0  # no GPU int8 kernel: the loader keeps the layer dense
         return int(f.linear_params * per) + other_b + fast_head
@@ -225,6 +230,9 @@ def _candidates(f: ModelFacts, quant: str, device: str) -> list[tuple[str, str |
         return v
     if quant != "auto":
         return [full[quant]]
+    if device == "cpu" and f.stored16:  # its own 16-bit values, fp32 math: as precise as an fp32 copy
+        w16 = ("auto", None, f"16-bit weights ({f.stored16} as stored, our kernel), fp32 activations", None)
+        return [w16, *variants, full["int8"], full["int4"]]
     if device == "cpu":
         return [full["float32"], full["bfloat16"], *variants, full["int8"], full["int4"]]
     return [full["bfloat16"], *variants, full["int4"]]  # int8 has no GPU kernel here
@@ -355,6 +363,13 @@ def facts_for_path(path: str | Path, name: str | None = None, variants: dict | N
     w = open_weights(path)  # headers and metadata only
     native = "gguf" if isinstance(w, GGUFWeights) else (w.quant["quant_method"] if w.quant else None)
     f = ModelFacts.from_config(name or str(path), w.config, native=native, variants=dict(variants or {}))
+    if not native:
+        import torch
+
+        from .model import w16
+
+        first = "model.layers.0." + w.config.checkpoint_linears()["gate_up"][0] + ".weight"
+        f.stored16 = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(w16.stored_dtype(w, first), "")
     if native:
         f.native_bytes = _native_bytes(w)
     return f

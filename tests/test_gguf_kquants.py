@@ -13,7 +13,7 @@ from test_families import tokenizer_fields
 
 from localllm.model import gguf_blocks
 from localllm.model.convert_cache import ConvertCache
-from localllm.model.layers import ConcatLinear, DenseLinear, Int4Linear, Int8wLinear
+from localllm.model.layers import ConcatLinear, Int4Linear, Int8wLinear, W16Linear
 from localllm.model.loader import load_model
 
 KINDS = list(gguf_blocks.BLOCK_BYTES)
@@ -215,6 +215,8 @@ def layer_values(m) -> torch.Tensor:
         return cpu_int8.dequantize(m.qw, m.qsc, m.out_features, m.group_size, m.zero)
     if isinstance(m, Int4Linear):
         return int4_values(m.qw, m.qsc, m.out_features)
+    if isinstance(m, W16Linear):
+        return m.weight16().float()
     return m.weight.detach()
 
 
@@ -231,7 +233,7 @@ def test_mixed_file_runs_each_tensor_on_its_kernel(mixed_gguf):
                              ("1.qkv", l1.qkv), ("1.o", l1.o), ("1.gate_up", l1.gate_up), ("1.down", l1.down))}
     assert kinds == {"0.qkv": ["Int4Linear", "Int8wLinear"], "0.o": ["Int8wLinear"], "0.gate_up": ["Int8wLinear"],
                      "0.down": ["Int8wLinear"], "1.qkv": ["Int4Linear", "Int8wLinear"], "1.o": ["Int8wLinear"],
-                     "1.gate_up": ["Int8wLinear"], "1.down": ["DenseLinear"]}
+                     "1.gate_up": ["Int8wLinear"], "1.down": ["W16Linear"]}
     assert (l0.down.group_size, l0.down.zero, l0.down.qsc.shape[2]) == (16, 32, 1)  # Q6_K: symmetric, 16s
     assert (l0.gate_up.group_size, l0.gate_up.zero, l0.gate_up.qsc.shape[2]) == (32, 128, 2)  # Q5_K + Q8_0
     assert (l1.gate_up.group_size, l1.gate_up.zero) == (16, 4)  # Q3_K + Q2_K
@@ -242,7 +244,7 @@ def test_mixed_file_runs_each_tensor_on_its_kernel(mixed_gguf):
         for f in ("qkv", "o", "gate_up", "down"):
             # equal values (a stack given offsets, Q3_K's with Q2_K's, has d * 4 - 4d = +0 for -0)
             assert torch.equal(layer_values(getattr(lo, f)), layer_values(getattr(ld, f))), f
-    assert isinstance(l1.down, DenseLinear) and l1.down.weight.dtype == torch.float32
+    assert isinstance(l1.down, W16Linear) and l1.down.w.dtype == torch.float16  # F16 kept in 16 bits
     prompt = [1, 504, 3458, 282, 5248, 314, 17, 2, 9, 8822, 1137, 30, 42, 99, 1000, 20000]
     ref = make_engine(dense).score(prompt)
     got = make_engine(ours).score(prompt)

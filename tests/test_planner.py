@@ -179,3 +179,20 @@ def test_cli_dry_run():
     assert "needs >=" in r.output and "only 3.00 GiB available" in r.output
     r = CliRunner().invoke(app, ["run", "smollm2-135m", "--dry-run", "--quant", "int3"])
     assert r.exit_code == 2 and "--quant must be one of" in r.output
+
+
+def test_a_16_bit_checkpoint_keeps_its_weights_on_cpu():
+    """An HF bf16 checkpoint on CPU: its own 16-bit values on our kernel first (fp32 math, as
+    precise as an fp32 copy at half the bytes; the embedding fp32, the head's int4 copy for greedy),
+    then the smaller options; on GPU nothing changes."""
+    f = facts(LLAMA8B, VARIANTS, stored16="bf16")
+    linear, other = f.linear_params, f.params - f.linear_params
+    p = plan(f, dev(CPU, 40), "auto", 8192)
+    assert (p.fits, p.precision, p.variant) == (True, "auto", None)
+    assert p.label == "16-bit weights (bf16 as stored, our kernel), fp32 activations"
+    assert p.weights_bytes == 2 * linear + 4 * other + int(f.vocab * f.hidden * (0.5 + 4 / 32))
+    assert p.kv_bytes == kv_bytes(f, "int4", CPU, 8192)  # a 16-bit KV cache, as beside int4/int8 weights
+    small = plan(f, dev(CPU, 11), "auto", 8192)
+    assert (small.precision, small.variant) == ("int4", "org/m-AWQ") and "16-bit weights" in small.reason
+    assert plan(f, dev(CPU, 40), "fp32", 8192).weights_bytes == 4 * f.params  # --quant fp32: the fp32 copy
+    assert plan(f, dev(GPU, 24), "auto", 8192).precision == "bfloat16"

@@ -167,6 +167,8 @@ def cpu_bytes_per_value(kind: str) -> float:
         return 0.5 + 4 / 32
     if kind == "Q4_K":
         return 0.5 + 8 / 32
+    if kind in ("F16", "BF16"):  # kept as stored on cpu_bf16's kernel (N padded to 32 rows)
+        return 2.0
     if kind not in BLOCK_BYTES:
         return 4.0
     bits = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2}.get(kind, 8)

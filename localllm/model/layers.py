@@ -127,7 +127,7 @@ class Int4Linear(nn.Module):
         """(qw, qsc, group size, out features, rows below which our kernel runs) as one plain
         attribute when this layer takes the one-call decode case: nn.Module's __getattr__ costs
         ~1 us per buffer name, ~10 of them a call, 4 calls a layer."""
-        if self.kind != "vnni" or self.bias is not None or self.in_perm is not None:
+        if self.kind != "cpu_int4" or self.bias is not None or self.in_perm is not None:
             return None
         rows = self.dense_min_rows if self.dense is not None else 1 << 62
         return self.qw, self.qsc, self.group_size, self.out_features, rows
@@ -196,6 +196,36 @@ class Int8wLinear(nn.Module):
         y = (y if y.shape[1] == self.out_features else y[:, :self.out_features]).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class W16Linear(nn.Module):
+    """16-bit weights as the checkpoint stores them (bf16 or fp16: GGUF F16/BF16, HF safetensors), on
+    our CPU kernel (localllm_kernels.cpu_bf16): each weight converted exactly to fp32 in registers,
+    fp32 activations and accumulation, so the outputs are an fp32 linear's on the upcast weights
+    up to summation order, from half its bytes (decode reads every weight once a step)."""
+
+    kind = "w16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        from localllm_kernels import cpu_bf16
+
+        super().__init__()
+        cpu_bf16.load()  # registers the op
+        self.out_features = weight.shape[0]
+        self.register_buffer("w", cpu_bf16.pack(weight))
+        self.register_buffer("b", cpu_bf16.pad_bias(bias, self.w.shape[0]))
+
+    def weight16(self) -> torch.Tensor:
+        """The weights [N, K] as stored."""
+        from localllm_kernels import cpu_bf16
+
+        return cpu_bf16.unpack(self.w, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.localllm.w16_gemm(x.reshape(-1, shape[-1]).float(), self.w, self.b)
+        y = (y if y.shape[1] == self.out_features else y[:, :self.out_features]).to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from . import gguf_blocks
+from . import gguf_blocks, w16
 from .convert_cache import ConvertCache, weights_fingerprint
 from .errors import ModelLoadError
 from .gguf import GGUFError
@@ -36,6 +36,7 @@ from .layers import (
     LMHead,
     Q8Matrix,
     RMSNorm,
+    W16Linear,
 )
 from .llama import DecoderLayer, LlamaModel
 from .moe import MoE, expert_tensor_names, make_experts
@@ -57,11 +58,16 @@ def _resolve_precision(precision: str, weights: Weights, device: str) -> tuple[s
     first = ("model.layers.0." + cfg.checkpoint_linears()["gate_up"][0] + ".weight" if not cfg.is_moe_layer(0)
              else expert_tensor_names(cfg, 0)[1][0][0])
     native_int4 = isinstance(weights, GGUFWeights) and (
-        weights.int4(first) is not None or (device == "cpu" and gguf_blocks.supported(weights.kind(first))))
+        weights.int4(first) is not None or (device == "cpu" and (gguf_blocks.supported(weights.kind(first)) or
+                                                               weights.kind(first) in w16.GGUF_KINDS)))
     quantized = isinstance(weights, HFWeights) and weights.quant is not None
     if precision == "auto":
         if native_int4 or quantized:
             return "int4", (torch.float32 if device == "cpu" else torch.float16)
+        # a bf16/fp16 checkpoint on CPU: its own values on our 16-bit kernel, fp32 math (as "float32"
+        # up to summation order, half the bytes; BENCHMARKS.md); --quant fp32 keeps an fp32 copy
+        if device == "cpu" and w16.stored_dtype(weights, first) is not None and w16.kernel_available():
+            return "w16", torch.float32
         return ("float32", torch.float32) if device == "cpu" else ("bfloat16", torch.bfloat16)
     if precision in DTYPES:
         return precision, DTYPES[precision]
@@ -118,6 +124,8 @@ def _gguf_kernel(kind: str, n: int, k: int) -> str:
     other type with an exact integer decoding) or "dense" (fp32 values: float types, the rest)."""
     from localllm_kernels import cpu_int4, cpu_int8
 
+    if kind in w16.GGUF_KINDS:
+        return "w16" if w16.kernel_available() else "dense"
     if not gguf_blocks.supported(kind):
         return "dense"
     if kind in _INT4_KINDS and cpu_int4.fits(n, k, 32) and cpu_int4.load():
@@ -129,6 +137,8 @@ def _gguf_run_linear(weights: GGUFWeights, names: list[str], kernel: str, bias: 
     """One kernel's linear over consecutive parts of a fused layer (their rows stacked)."""
     if kernel == "dense":
         return DenseLinear(torch.cat([weights.dense(n).float() for n in names]), bias)
+    if kernel == "w16":
+        return w16.linear(weights, names, bias)
     parts = [weights.blocks(n) for n in names]
     n = sum(p.q.shape[0] for p in parts)
     if kernel == "int4":
@@ -180,6 +190,8 @@ def _linear(weights: Weights, names: list[str], mode: str, act_dtype: torch.dtyp
             cpu_kernel: bool = True):
     biases = [n.replace(".weight", ".bias") for n in names]
     bias = torch.cat([weights.dense(b).float() for b in biases]) if all(weights.has(b) for b in biases) else None
+    if mode == "w16":
+        return w16.linear(weights, names, bias)
     if mode == "int4" and device == "cpu" and cpu_kernel and not dense and isinstance(weights, GGUFWeights):
         fast = _gguf_q4_linear(weights, names, bias)
         if fast is not None:
@@ -313,7 +325,7 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
         final_norm = norm("model.norm")
     except (GGUFError, KeyError) as e:
         raise ModelLoadError(f"{path}: {e}") from None
-    fast_greedy = fast_head and mode in ("int4", "int8") and device == "cpu"
+    fast_greedy = fast_head and mode in ("int4", "int8", "w16") and device == "cpu"
     fast = None
     if fast_greedy and cache:
         fast = cache.linear("head_int4", lambda: LMHead(head_w, True, device=device, cpu_kernel=cpu_kernels).fast)
@@ -324,7 +336,8 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     if cache:
         cache.save()
     # which int4 kernel(s) the layers call (also inside ConcatLinear): a compiled graph bakes it in
-    kinds = {m.kind for part in (*layers, head) for m in part.modules() if isinstance(m, (Int4Linear, Int8wLinear))}
+    kinds = {m.kind for part in (*layers, head) for m in part.modules()
+             if isinstance(m, (Int4Linear, Int8wLinear, W16Linear))}
     kernel = "+".join(sorted(kinds)) or None
     fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device, kernel,
                                       type(head_w).__name__)
@@ -337,16 +350,20 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
         isa = cpu_int4.isa_name() if kernel == "cpu_int4" else ""
         desc = {"cpu_int4": f"int4 weights (our kernel, {isa}, 16-bit matmul inputs), fp32 activations",
                 "aten": "int4 weights, bf16 matmul inputs, fp32 activations"}.get(kernel, mode)
-        if "int8w" in kinds:  # a GGUF of wider or mixed types, each tensor on its type's kernel
+        if kinds - {"cpu_int4", "aten"}:  # a GGUF of wider or mixed types, each tensor on its type's kernel
             from localllm_kernels import cpu_int8
 
             types = "/".join(sorted({weights.kind(n) for n in _linear_names(cfg)}))
             int4 = any(isinstance(m, Int4Linear) and m.kind == "cpu_int4" for layer in layers for m in layer.modules())
-            ours = "int4 and int8-lane" if int4 else "int8-lane"  # (the head's int4 copy aside)
-            desc = (f"GGUF {types} weights as stored (our {ours} kernels, {cpu_int8.isa()}, 16-bit matmul inputs), "
-                    "fp32 activations")
+            ours = "/".join(n for n, k in (("int4", int4), ("int8-lane", "int8w" in kinds), ("16-bit", "w16" in kinds))
+                            if k)  # (the head's int4 copy aside)
+            inputs = "16-bit matmul inputs" if int4 or "int8w" in kinds else "fp32 matmul inputs"
+            isa = cpu_int8.isa() if "int8w" in kinds else w16.isa()
+            desc = f"GGUF {types} weights as stored (our {ours} kernels, {isa}, {inputs}), fp32 activations"
+    if mode == "w16":
+        desc = w16.describe(layers)
     # CPU, int4/int8 weights: a 16-bit KV cache reads half the bytes per decode step; measured on
     # the real model against the fp32 cache (bench/check_kv.py): perplexity +0.001%, greedy tokens
     # 599/599 equal. fp16, not bf16 (+0.02%, 3 flips). --quant float32 keeps the exact fp32 cache.
-    kv_dtype = torch.float16 if device == "cpu" and mode in ("int4", "int8") else act_dtype
+    kv_dtype = torch.float16 if device == "cpu" and mode in ("int4", "int8", "w16") else act_dtype
     return ModelHandle(model, tokenizer, cfg, eos, desc, kv_dtype, str(path), max_len)
