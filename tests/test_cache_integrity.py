@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from localllm_kernels import cpu_attention, cpu_build, cpu_int4, cpu_q8
+from localllm_kernels import cpu_attention, cpu_build, cpu_fused, cpu_int4, cpu_q8
 
 from localllm.model import cache_file, compiled
 
@@ -70,8 +70,8 @@ def notices(r: subprocess.CompletedProcess, needle: str) -> list[str]:
 @pytest.fixture(scope="module")
 def libraries() -> list[Path]:
     """This test run's kernel libraries (built with their sidecars where missing or damaged)."""
-    assert cpu_int4.load() and cpu_q8.load() and cpu_attention.load()
-    return [cpu_int4.library_path(), cpu_q8.library_path(), cpu_attention.library_path()]
+    assert cpu_int4.load() and cpu_q8.load() and cpu_attention.load() and cpu_fused.load()
+    return [cpu_int4.library_path(), cpu_q8.library_path(), cpu_attention.library_path(), cpu_fused.library_path()]
 
 
 @pytest.fixture(scope="module")
