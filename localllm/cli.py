@@ -296,7 +296,8 @@ def _stream_answer(engine, request, params, verbose: bool, think: bool | None = 
     terminal its control characters are shown, not obeyed, unless `raw_output` (terminal.py)."""
     from .chat import ChatTemplateError
     from .engine.engine import ContextLengthError
-    from .reasoning import ThinkSplitter, chat_prompt, reasons
+    from .reasoning import chat_prompt, reasons
+    from .reply_stream import ReplyDelta, ReplyStream
     from .structured import ConstraintError
     from .terminal import output_filter
 
@@ -304,40 +305,37 @@ def _stream_answer(engine, request, params, verbose: bool, think: bool | None = 
     shown_as = output_filter(out, raw_output)
     t0 = time.perf_counter()
     first = last = None
-    splitter, shown = None, False
+    reply, shown = ReplyStream(), False  # a plain model: the text is the answer as written
     try:
         if isinstance(request, list) and reasons(engine.tokenizer.chat_template):
             request, inside = chat_prompt(engine, request, think)
-            splitter = ThinkSplitter(inside)
+            reply = ReplyStream(reasoning=True, inside=inside)
         elif think:
             typer.echo("note: this model does not reason (its chat template has no <think> tags); --think "
                        "changes nothing", err=True)
 
-        def write(reasoning: str, answer: str) -> None:
+        def write(part: ReplyDelta) -> None:
             nonlocal shown
-            if reasoning and think:
-                out.write(shown_as(reasoning if shown else "Thinking...\n" + reasoning.lstrip("\n")))
+            if part.reasoning and think:
+                out.write(shown_as(part.reasoning if shown else "Thinking...\n" + part.reasoning.lstrip("\n")))
                 shown = True
-            if answer:
+            if part.content:
                 if shown:
                     out.write("\n...done thinking.\n\n")
                     shown = False
-                out.write(shown_as(answer))
+                out.write(shown_as(part.content))
             out.flush()
 
         for o in engine.generate(request, params):
             if first is None:
                 first = time.perf_counter()
-            if o.delta and splitter:
-                write(*splitter.feed(o.delta))
-            elif o.delta:
-                write("", o.delta)
+            if o.delta:
+                write(reply.feed(o.delta))
             last = o
             if o.finish_reason == "error":  # the --format constraint could not be kept: no answer
                 out.write("\n")
                 raise fail(f"--format: {o.error}")
-        if splitter:
-            write(*splitter.flush())
+        write(reply.finish())
         out.write("\n")
         out.flush()
     except (ContextLengthError, ChatTemplateError) as e:

@@ -20,6 +20,7 @@ from hub_mirror import tiny_checkpoint_with_template
 from server_proc import running
 
 from localllm.chat import render_chat
+from localllm.reply_stream import ReplyStream
 from localllm.server import openai_schema as oai
 
 QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
@@ -84,15 +85,19 @@ def test_ollama_think_reaches_the_template(server, model_dir, prompt_tokens):
 
 # ---- the server's assembly of a reasoning reply, on a scripted stream -------------------------------
 def test_chat_choice_splits_reasoning_from_the_answer():
-    c = oai.chat_choice(0, REPLY, "stop", None, thinking=False)
+    def choice(text: str, inside: bool | None = None) -> dict:  # inside None: not a reasoning model
+        reply = ReplyStream(inside is not None, bool(inside)).whole(text)
+        return oai.chat_choice(0, reply, "stop", None, reasons=inside is not None)
+
+    c = choice(REPLY, inside=False)
     assert c["message"] == {"role": "assistant", "content": "Yes, 7 is prime.",
                             "reasoning_content": "\nSeven has no divisors but 1 and itself.\n"}
     # the template opened <think> in the prompt: the reply starts inside it
-    opened = oai.chat_choice(0, REPLY.removeprefix("<think>"), "stop", None, thinking=True)
+    opened = choice(REPLY.removeprefix("<think>"), inside=True)
     assert opened["message"]["content"] == "Yes, 7 is prime."
-    plain = oai.chat_choice(0, "Yes.", "stop", None, thinking=False)["message"]
+    plain = choice("Yes.", inside=False)["message"]
     assert plain == {"role": "assistant", "content": "Yes.", "reasoning_content": None}
-    assert oai.chat_choice(0, REPLY, "stop", None)["message"] == {"role": "assistant", "content": REPLY}
+    assert choice(REPLY)["message"] == {"role": "assistant", "content": REPLY}
 
 
 class _ScriptedGen:
@@ -123,7 +128,7 @@ def test_streamed_deltas_carry_reasoning_content_then_content(size):
 
     async def run() -> list[dict]:
         return [json.loads(e.removeprefix("data: ")) async for e in
-                _chat_events(_ScriptedGen(deltas), "id", 0, "m", False, False, str, False) if "[DONE]" not in e]
+                _chat_events(_ScriptedGen(deltas), "id", 0, "m", False, False, str, True, False) if "[DONE]" not in e]
     chunks = asyncio.run(run())
     got = [c["choices"][0]["delta"] for c in chunks]
     assert got[0] == {"role": "assistant", "content": ""}

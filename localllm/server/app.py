@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..reply_stream import ReplyStream
 from . import openai_schema as oai
 from .generation import Generation
 from .metrics import ServerMetrics
@@ -161,8 +162,9 @@ def _params_list(body, max_tokens, max_tokens_param, logprobs, vocab: int,
 def _tool_setup(body: oai.ChatCompletionRequest, template: str | None) -> tuple[dict | None, bool, list | None, Any]:
     """(offered tools: name -> parameters, None when no call can come; whether the deprecated
     functions API asked; the tools for the chat template; (field, constraint) forcing a call)."""
+    from .. import tool_calls
     from . import output_format
-    from . import tool_calls as tc
+    from . import tools as tc
 
     legacy = body.functions is not None or body.function_call is not None
     if legacy and (body.tools is not None or body.tool_choice is not None):
@@ -189,7 +191,7 @@ def _tool_setup(body: oai.ChatCompletionRequest, template: str | None) -> tuple[
                             "about them)", param=p_tools)
     forced = None
     if choice != "auto":
-        grammar = tc.forcing_grammar(tools, choice, tc.style_of(template))
+        grammar = tool_calls.forcing_grammar(tools, choice, tool_calls.style_of(template))
         forced = (p_tools, output_format.make(p_tools, "grammar", grammar))  # p_tools: what a compile error names
     return tools, legacy, raw, forced
 
@@ -443,7 +445,7 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
         kwargs = _template_kwargs(body.chat_template_kwargs)
         if template_tools is not None:
             kwargs["tools"] = template_tools
-        from .tool_calls import template_messages
+        from .tools import template_messages
 
         gen = Generation(state, [template_messages(oai.message_dicts(body.messages))], params, body.n, mt_param,
                          "messages", target, release, kwargs, constraint_param)
@@ -454,12 +456,12 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _stream(gen, _chat_events(gen, rid, created, name, include_usage, body.logprobs, token_text,
-                                             inside if thinks else None, tools, legacy))
+                                             thinks, inside, tools, legacy))
         if not await gen.collect(request):  # the client went away
             return Response(status_code=499)
-        choices = [oai.chat_choice(i, o.text, o.finish_reason,
+        choices = [oai.chat_choice(i, ReplyStream(thinks, inside, tools).whole(o.text), o.finish_reason,
                                    oai.chat_logprobs(o.logprobs, token_text) if body.logprobs else None,
-                                   inside if thinks else None, tools, legacy)
+                                   thinks, legacy)
                    for i, o in sorted(gen.finals.items())]
         return oai.chat_response(rid, created, name, choices, gen.usage())
 
@@ -560,14 +562,15 @@ def _usage_null(chunk: dict, include_usage: bool) -> dict:
 
 
 async def _chat_events(gen: Generation, rid: str, created: int, name: str, include_usage: bool, want_lp: bool,
-                       token_text, thinking: bool | None = None, tools: dict | None = None,
+                       token_text, reasons: bool = False, inside: bool = False, tools: dict | None = None,
                        legacy: bool = False) -> AsyncIterator[str]:
     """vLLM's sequence: a role chunk per choice, content deltas, a finish chunk, [usage], [DONE].
-    `thinking` not None: a reasoning model (True: its reply starts inside <think>); its reasoning
-    goes out as reasoning_content deltas, the answer as content; with `tools`, calls as tool_calls."""
+    Each choice's reply goes through a ReplyStream (`reasons`: a reasoning model, `inside`: its
+    reply starts inside <think>): reasoning as reasoning_content deltas, the answer as content,
+    with `tools` the calls as tool_calls."""
     seen = [0] * len(gen.jobs)  # logprob entries already sent, per choice
-    split = thinking is not None or tools is not None
-    splitters = [oai.ChatDeltas(thinking, tools, legacy) for _ in gen.jobs] if split else None
+    replies = [ReplyStream(reasons, inside, tools) for _ in gen.jobs]
+    called = [False] * len(gen.jobs)
     try:
         for i in range(len(gen.jobs)):
             yield _sse(_usage_null(oai.chat_chunk(rid, created, name, i, {"role": "assistant", "content": ""}),
@@ -578,15 +581,16 @@ async def _chat_events(gen: Generation, rid: str, created: int, name: str, inclu
                 entries = out.logprobs[seen[i]:seen[i] + len(out.new_token_ids)]
                 seen[i] += len(entries)
                 lp = oai.chat_logprobs(entries, token_text) if entries else None
-            if splitters is not None:
-                delta = splitters[i].feed(out.delta, out.finished)
-            else:
-                delta = {"content": out.delta} if out.delta else {}
+            part = replies[i].feed(out.delta)
+            if out.finished:
+                part += replies[i].finish()
+            called[i] = called[i] or bool(part.tool_calls)
+            delta = oai.chat_delta(part, legacy)
             if not delta and not out.finished and lp is None:
                 continue  # text held back (partial UTF-8, a possible stop string or reasoning tag)
             reason = out.finish_reason if out.finished else None
-            if splitters is not None:
-                reason = splitters[i].finish_reason(reason)
+            if reason is not None and called[i]:
+                reason = oai.calls_finish_reason(legacy)
             yield _sse(_usage_null(oai.chat_chunk(rid, created, name, i, delta, reason, lp), include_usage))
         if include_usage:
             yield _sse(oai.usage_chunk(rid, created, name, "chat.completion.chunk", gen.usage()))

@@ -29,6 +29,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.background import BackgroundTask
 
+from ..reply_stream import ReplyDelta, ReplyStream
 from . import openai_schema as oai
 from .openai_schema import APIError
 from .pool import LocalModel, find_model
@@ -354,9 +355,8 @@ def mount(app: FastAPI, state) -> None:
                    request: Request, chat: bool, fmt: Any = None, think: bool | None = None,
                    tools: tuple[dict, list] | None = None):
         """`tools`: (name -> parameters, the tools as sent) of a chat that offers some."""
-        from ..reasoning import ThinkSplitter, reasons
+        from ..reasoning import reasons
         from .output_format import ollama_format
-        from .tool_calls import ToolCallStream
 
         constraint = ollama_format(fmt)
         timing = _Timing()
@@ -382,30 +382,16 @@ def mount(app: FastAPI, state) -> None:
             raise
         # as Ollama: with think unset the reply is passed through as the model wrote it
         thinks, inside = gen.reasoning() if think is not None else (False, False)
-        splitter = ThinkSplitter(inside) if thinks else None
-        calls = ToolCallStream(tools[0]) if tools else None
+        reply = ReplyStream(thinks, inside, tools[0] if tools else None)
 
-        def piece(text: str, thinking: str = "", called: list | None = None) -> dict:
-            extra = {"thinking": thinking} if thinking and think else {}
-            if called:  # Ollama's shape: arguments as an object, no ids
-                extra["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in called]
+        def piece(part: ReplyDelta) -> dict:
+            extra = {"thinking": part.reasoning} if part.reasoning and think else {}
+            if part.tool_calls:  # Ollama's shape: arguments as an object, no ids
+                extra["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}}
+                                       for c in part.tool_calls]
             if chat:
-                return {"message": {"role": "assistant", "content": text, **extra}}
-            return {"response": text, **extra}
-
-        def split(text: str, final: bool) -> tuple[str, str, list]:
-            """(reasoning, answer, tool calls) of a delta."""
-            r, a = splitter.feed(text) if splitter else ("", text)
-            if final and splitter:
-                fr, fa = splitter.flush()
-                r, a = r + fr, a + fa
-            called: list = []
-            if calls is not None:
-                a = calls.feed(a)
-                if final:
-                    rest, called = calls.finish()
-                    a += rest
-            return r, a, called
+                return {"message": {"role": "assistant", "content": part.content, **extra}}
+            return {"response": part.content, **extra}
 
         if not stream:
             if not await gen.collect(request):
@@ -413,20 +399,22 @@ def mount(app: FastAPI, state) -> None:
             timing.end = time.perf_counter()
             timing.first = gen.first_token_at or timing.end
             out = gen.finals[0]
-            r, a, called = split(out.text, True)
-            return {"model": name, "created_at": _now_iso(), **piece(a, r, called), **_final(out, timing)}
+            return {"model": name, "created_at": _now_iso(), **piece(reply.whole(out.text)), **_final(out, timing)}
 
         async def events() -> AsyncIterator[str]:
             try:
                 async for _, out in gen.outputs():
                     if timing.first is None and out.new_token_ids:
                         timing.first = time.perf_counter()
-                    r, a, called = split(out.delta, out.finished)
-                    if a or (r and think) or called:
-                        yield _line({"model": name, "created_at": _now_iso(), **piece(a, r, called), "done": False})
+                    part = reply.feed(out.delta)
+                    if out.finished:
+                        part += reply.finish()
+                    if part.content or (part.reasoning and think) or part.tool_calls:
+                        yield _line({"model": name, "created_at": _now_iso(), **piece(part), "done": False})
                     if out.finished:
                         timing.end = time.perf_counter()
-                        yield _line({"model": name, "created_at": _now_iso(), **piece(""), **_final(out, timing)})
+                        yield _line({"model": name, "created_at": _now_iso(), **piece(ReplyDelta()),
+                                     **_final(out, timing)})
             except APIError as e:  # after the headers: an error line, as Ollama sends it
                 state.metrics.errors[e.status] += 1
                 yield _line({"error": e.message})
@@ -443,7 +431,7 @@ def mount(app: FastAPI, state) -> None:
             raise APIError(400, "model is required", param="model")
         if not body.messages:
             return await _load_only(body.model, keep_alive, True)
-        from .tool_calls import ToolError, check_tools, template_messages
+        from .tools import ToolError, check_tools, template_messages
 
         try:
             tools = check_tools(body.tools or [])
