@@ -508,8 +508,8 @@ def serve(
         finally:
             _startup_done()
 
-    cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, max_num_seqs,
-                       int(max_body_mb * (1 << 20)), bind_host=host, allowed_hosts=hosts)
+    cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, int(max_body_mb * (1 << 20)),
+                       bind_host=host, allowed_hosts=hosts)
     pool = ModelPool(PoolConfig(config, quant, device, pinned=Pinned(model_id, aliases, load)),
                      lambda message: typer.echo(message, err=True))
     typer.echo(f"localllm serve: {model_id} on http://{host}:{port}/v1 (loading the model; /health is 503 "
@@ -540,8 +540,8 @@ def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parall
     def log(message: str) -> None:
         typer.echo(message, err=True)
     pool = ModelPool(PoolConfig(config, quant, device, int(mem * (1 << 30)) if mem else None, keep), log)
-    cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, max_num_seqs,
-                       int(max_body_mb * (1 << 20)), bind_host=host, allowed_hosts=hosts)
+    cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, int(max_body_mb * (1 << 20)),
+                       bind_host=host, allowed_hosts=hosts)
     _startup_done()
     typer.echo(f"localllm serve: every local model, on demand, on http://{host}:{port}/v1 and /api (Ollama)"
                f"{' - API key required' if api_key else ''}", err=True)

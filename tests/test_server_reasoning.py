@@ -105,7 +105,7 @@ class _ScriptedGen:
 
     def __init__(self, deltas: list[str]):
         self.deltas, self.jobs = deltas, [None]
-        self.state = SimpleNamespace(metrics=SimpleNamespace(errors={}))
+        self.metrics = SimpleNamespace(errors={})
 
     async def outputs(self):
         for k, d in enumerate(self.deltas):

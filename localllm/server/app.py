@@ -37,10 +37,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..reply_stream import ReplyStream
 from . import openai_schema as oai
-from .generation import Generation
+from .generation import Admission, Generation, ServedModel
 from .metrics import ServerMetrics
 from .openai_schema import APIError
-from .pool import LoadedModel, ModelPool
+from .pool import ModelPool
 
 
 # ---- server state ------------------------------------------------------------------------------
@@ -48,8 +48,7 @@ from .pool import LoadedModel, ModelPool
 class ServerConfig:
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
-    max_queue: int = 256  # requests beyond the engine's batch (max_num_seqs) that may wait
-    max_num_seqs: int = 64
+    max_queue: int = 256  # requests beyond the engine's batch (EngineConfig.max_num_seqs) that may wait
     max_body_bytes: int = 8 << 20  # larger request bodies get a 413
     bind_host: str = "127.0.0.1"  # the --host it listens on (host_guard: loopback-bound servers check Host)
     allowed_hosts: list[str] = field(default_factory=list)  # --allow-host: more Host names ('*': any)
@@ -57,17 +56,16 @@ class ServerConfig:
 
 class ServerState:
     """What every route shares: the config, the model pool (every local model on demand, or a pool
-    of one pinned model: both modes run the same code), counters and metrics."""
+    of one pinned model: both modes run the same code), the admission count and the metrics."""
 
     def __init__(self, cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None]):
         self.cfg = cfg
         self.pool = pool
         self.log = log
-        self.created = oai.now()
-        self.closing = False
         self.metrics = ServerMetrics()
-        self.live = 0  # engine requests admitted or being admitted, not finished (429 check)
+        self.admission = Admission(pool.cfg.engine_config.max_num_seqs, cfg.max_queue, self.metrics)
         self.aloop: asyncio.AbstractEventLoop | None = None
+
 
     def start_loading(self) -> None:
         self.aloop = asyncio.get_running_loop()
@@ -75,19 +73,19 @@ class ServerState:
 
     def begin_shutdown(self) -> None:
         """Called from the signal handler: end in-flight requests now so connections close fast."""
-        self.closing = True
+        self.admission.closing = True
         if self.aloop is not None:
             self.aloop.call_soon_threadsafe(self.pool.begin_shutdown)
 
     def require_ready(self) -> None:
-        if self.closing:
+        if self.admission.closing:
             raise APIError(503, "the server is shutting down", "service_unavailable", code="server_shutting_down")
         if not self.pool.status()[0]:
             raise APIError(503, "the model is still loading; retry shortly", "service_unavailable",
                            code="model_loading", headers={"Retry-After": "1"})
 
     async def acquire(self, name: str | None, keep_alive: float | None = None, num_ctx: int | None = None
-                      ) -> tuple[LoadedModel, Callable[[], None]]:
+                      ) -> tuple[ServedModel, Callable[[], None]]:
         """The model a request names, ready to run (loaded first on demand, with `num_ctx` as its
         context when given; a pinned model keeps the server's --ctx), and the callback that ends
         its use."""
@@ -313,7 +311,7 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
     async def lifespan(app: FastAPI):
         state.start_loading()
         yield
-        state.closing = True
+        state.admission.closing = True
         await state.pool.close()
 
     app = FastAPI(title="localllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -390,16 +388,16 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
         ready, error = state.pool.status()  # on demand: ready at once, models load when asked for
         if error:
             return JSONResponse({"status": "error", "error": error}, status_code=503)
-        if not ready or state.closing:
-            return JSONResponse({"status": "loading" if not state.closing else "shutting down"}, status_code=503)
+        if not ready or state.admission.closing:
+            return JSONResponse({"status": "shutting down" if state.admission.closing else "loading"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
         from .metrics import combined_stats
 
-        loops = [m.loop for m in list(state.pool.loaded.values()) if m.loop is not None]
-        extra = {"num_requests_in_flight": state.live,
+        loops = [e.model.loop for e in list(state.pool.loaded.values()) if e.model is not None]
+        extra = {"num_requests_in_flight": state.admission.live,
                  "num_requests_pending_admission": sum(lp.pending for lp in loops)}
         return PlainTextResponse(state.metrics.render(combined_stats([lp.stats for lp in loops]), extra),
                                  media_type="text/plain; version=0.0.4")
@@ -418,9 +416,9 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
         """Run a /v1 handler on the model the body names; the model stays in use (pool mode)
         until the response ends, or is released here when the handler fails."""
         state.metrics.http_requests += 1
-        target, release = await state.acquire(body.model)
+        served, release = await state.acquire(body.model)
         try:
-            return await handler(body, request, target, release)
+            return await handler(body, request, served, release)
         except BaseException:
             release()
             raise
@@ -429,10 +427,10 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
     async def chat_completions(body: oai.ChatCompletionRequest, request: Request):
         return await _on_model(_chat_completion, body, request)
 
-    async def _chat_completion(body: oai.ChatCompletionRequest, request: Request, target, release):
+    async def _chat_completion(body: oai.ChatCompletionRequest, request: Request, served, release):
         mt_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        vocab = target.engine.model_config.vocab_size
+        vocab = served.engine.model_config.vocab_size
         _check_common(body, max_tokens, mt_param, vocab)
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be between 0 and 20, got {body.top_logprobs}",
@@ -440,18 +438,19 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        tools, legacy, template_tools, forced = _tool_setup(body, target.engine.tokenizer.chat_template)
+        tools, legacy, template_tools, forced = _tool_setup(body, served.engine.tokenizer.chat_template)
         params, constraint_param = _params_list(body, max_tokens, mt_param, logprobs, vocab, forced)
         kwargs = _template_kwargs(body.chat_template_kwargs)
         if template_tools is not None:
             kwargs["tools"] = template_tools
         from .tools import template_messages
 
-        gen = Generation(state, [template_messages(oai.message_dicts(body.messages))], params, body.n, mt_param,
-                         "messages", target, release, kwargs, constraint_param)
+        gen = Generation(served, state.admission, [template_messages(oai.message_dicts(body.messages))], params,
+                         n=body.n, max_tokens_param=mt_param, prompt_param="messages",
+                         constraint_param=constraint_param, template_kwargs=kwargs, on_close=release)
         await gen.start()
-        rid, created, name = oai.new_id("chatcmpl"), oai.now(), target.name
-        token_text = _token_text(target.engine)
+        rid, created, name = oai.new_id("chatcmpl"), oai.now(), served.name
+        token_text = _token_text(served.engine)
         thinks, inside = gen.reasoning()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -469,8 +468,8 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
     async def completions(body: oai.CompletionRequest, request: Request):
         return await _on_model(_completion, body, request)
 
-    async def _completion(body: oai.CompletionRequest, request: Request, target, release):
-        _check_common(body, body.max_tokens, "max_tokens", target.engine.model_config.vocab_size)
+    async def _completion(body: oai.CompletionRequest, request: Request, served, release):
+        _check_common(body, body.max_tokens, "max_tokens", served.engine.model_config.vocab_size)
         for param, bad in (("echo", body.echo), ("suffix", body.suffix), ("best_of", (body.best_of or 1) > 1)):
             if bad:
                 raise APIError(400, f"{param} is not supported by this server", param=param)
@@ -486,13 +485,13 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
         if len(prompts) * body.n > 16:
             raise APIError(400, f"at most 16 choices per request (prompts x n), got {len(prompts) * body.n}",
                            param="prompt")
-        vocab = target.engine.model_config.vocab_size
+        vocab = served.engine.model_config.vocab_size
         params, constraint_param = _params_list(body, body.max_tokens, "max_tokens", body.logprobs, vocab)
-        gen = Generation(state, prompts, params, body.n, "max_tokens", "prompt", target, release,
-                         constraint_param=constraint_param)
+        gen = Generation(served, state.admission, prompts, params, n=body.n, constraint_param=constraint_param,
+                         on_close=release)
         await gen.start()
-        rid, created, name = oai.new_id("cmpl"), oai.now(), target.name
-        token_text = _token_text(target.engine)
+        rid, created, name = oai.new_id("cmpl"), oai.now(), served.name
+        token_text = _token_text(served.engine)
         want_lp = body.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -510,8 +509,8 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
             raise APIError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
         from ..chat import ChatTemplateError
 
-        target, release = await state.acquire(body.model)
-        engine = target.engine
+        served, release = await state.acquire(body.model)
+        engine = served.engine
         try:  # rendering and encoding off the event loop, as for generation requests
             if body.messages is not None:
                 tokens = await asyncio.to_thread(engine.encode_prompt, oai.message_dicts(body.messages))
@@ -526,9 +525,9 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
 
     @app.post("/detokenize")
     async def detokenize(body: oai.DetokenizeRequest):
-        target, release = await state.acquire(body.model)
+        served, release = await state.acquire(body.model)
         try:
-            engine = target.engine
+            engine = served.engine
             vocab = engine.model_config.vocab_size
             bad = [t for t in body.tokens if not 0 <= t < vocab]
             if bad:
@@ -595,7 +594,7 @@ async def _chat_events(gen: Generation, rid: str, created: int, name: str, inclu
         if include_usage:
             yield _sse(oai.usage_chunk(rid, created, name, "chat.completion.chunk", gen.usage()))
     except APIError as e:  # after the headers: an error event, then [DONE]
-        gen.state.metrics.errors[e.status] += 1
+        gen.metrics.errors[e.status] += 1
         yield _sse(e.body())
     finally:
         gen.close()
@@ -623,7 +622,7 @@ async def _completion_events(gen: Generation, rid: str, created: int, name: str,
         if include_usage:
             yield _sse(oai.usage_chunk(rid, created, name, "text_completion", gen.usage()))
     except APIError as e:
-        gen.state.metrics.errors[e.status] += 1
+        gen.metrics.errors[e.status] += 1
         yield _sse(e.body())
     finally:
         gen.close()

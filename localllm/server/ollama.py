@@ -31,6 +31,7 @@ from starlette.background import BackgroundTask
 
 from ..reply_stream import ReplyDelta, ReplyStream
 from . import openai_schema as oai
+from .generation import Generation, ServedModel
 from .openai_schema import APIError
 from .pool import LocalModel, find_model
 
@@ -275,8 +276,6 @@ def _final(out, timing: _Timing) -> dict:
 # ---- the routes -------------------------------------------------------------------------------
 def mount(app: FastAPI, state) -> None:
     """Add Ollama's routes to `app` (a server.create_app app; `state` its ServerState)."""
-    from .generation import Generation
-
     @app.get("/api/version")
     async def version():
         return {"version": VERSION}
@@ -322,15 +321,15 @@ def mount(app: FastAPI, state) -> None:
         rows = []
         models = {m.name: m for m in await state.pool.catalog()}
         for name, e in list(state.pool.loaded.items()):
-            if e.engine is None or name not in models:
+            if e.model is None or name not in models:
                 continue
             expires = (FOREVER if e.keep_alive < 0 else
                        iso(e.expires_at if e.expires_at is not None else time.time() + e.keep_alive))
-            rows.append(_ps_row(models[name], e.engine, e.loop, expires, e.need))
+            rows.append(_ps_row(models[name], e.model, expires, e.need))
         return {"models": rows}
 
-    def _ps_row(m: LocalModel, engine, loop, expires: str, size: int) -> dict:
-        stats = loop.stats if loop is not None else {}
+    def _ps_row(m: LocalModel, served: ServedModel, expires: str, size: int) -> dict:
+        engine, stats = served.engine, served.loop.stats
         return {"name": m.name, "model": m.name, "size": size, "digest": _digest(m), "details": _details(m),
                 "expires_at": expires, "size_vram": 0 if str(engine.loaded.model.device) == "cpu" else size,
                 "context_length": engine.max_model_len,
@@ -360,10 +359,10 @@ def mount(app: FastAPI, state) -> None:
 
         constraint = ollama_format(fmt)
         timing = _Timing()
-        target, release = await state.acquire(name, keep_alive, options.num_ctx if options is not None else None)
+        served, release = await state.acquire(name, keep_alive, options.num_ctx if options is not None else None)
         timing.loaded = time.perf_counter()
         try:
-            template = target.engine.tokenizer.chat_template
+            template = served.engine.tokenizer.chat_template
             if think and not reasons(template):
                 raise APIError(400, f"\"{name}\" does not support thinking (its chat template has no <think> tags)",
                                param="think")
@@ -374,8 +373,9 @@ def mount(app: FastAPI, state) -> None:
             kwargs = {} if think is None else {"enable_thinking": think}
             if tools:
                 kwargs["tools"] = tools[1]
-            gen = Generation(state, [prompt], [params], 1, "num_predict", "messages" if chat else "prompt",
-                             target, release, kwargs, "format")
+            gen = Generation(served, state.admission, [prompt], [params], max_tokens_param="num_predict",
+                             prompt_param="messages" if chat else "prompt", constraint_param="format",
+                             template_kwargs=kwargs, on_close=release)
             await gen.start()
         except BaseException:
             release()
