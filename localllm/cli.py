@@ -478,9 +478,10 @@ def serve(
     hosts = check_allow_hosts(allow_host)
     keep = _keep_alive_seconds(keep_alive)
     mem = max_memory_gib(max_memory, device)
-    from .server.app import ServerConfig, create_app
+    from .server.app import create_app
     from .server.app import serve as run_server
     from .server.pool import ModelPool, Pinned, PoolConfig
+    from .server.state import ServerConfig
 
     if model is None:
         _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx,
@@ -525,9 +526,10 @@ def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parall
                threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts) -> None:
     """`serve` without MODEL: every local model, loaded on demand (server/pool.py)."""
     from .planner import normalize_quant
-    from .server.app import ServerConfig, create_app
+    from .server.app import create_app
     from .server.app import serve as run_server
     from .server.pool import ModelPool, PoolConfig
+    from .server.state import ServerConfig
 
     try:
         normalize_quant(quant)

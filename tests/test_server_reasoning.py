@@ -101,7 +101,7 @@ def test_chat_choice_splits_reasoning_from_the_answer():
 
 
 class _ScriptedGen:
-    """What server._chat_events reads of a Generation, replaying fixed deltas for one choice."""
+    """What openai_routes._chat_events reads of a Generation, replaying fixed deltas for one choice."""
 
     def __init__(self, deltas: list[str]):
         self.deltas, self.jobs = deltas, [None]
@@ -122,7 +122,7 @@ class _ScriptedGen:
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, len(REPLY)])
 def test_streamed_deltas_carry_reasoning_content_then_content(size):
-    from localllm.server.app import _chat_events
+    from localllm.server.openai_routes import _chat_events
 
     deltas = [REPLY[i:i + size] for i in range(0, len(REPLY), size)]
 

@@ -2,7 +2,7 @@
 
 Front ends that speak only Ollama (VS Code's Ollama provider, Open WebUI, Continue, the `ollama`
 clients) probe /api/version, /api/tags and /api/show, then chat through /api/chat or
-/api/generate. These routes run on the same engines as /v1 (serving.Generation), so a prompt
+/api/generate. These routes run on the same engines as /v1 (generation.Generation), so a prompt
 answers with the same tokens on either API. Streams are newline-delimited JSON, durations are in
 nanoseconds and errors are {"error": "..."}, as Ollama sends them. `format` (JSON mode or a
 schema) holds the output to it; `think` reaches the chat template (enable_thinking) and a
@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any, Union
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.background import BackgroundTask
@@ -34,6 +34,7 @@ from . import openai_schema as oai
 from .generation import Generation, ServedModel
 from .openai_schema import APIError
 from .pool import LocalModel, find_model
+from .state import ServerState
 
 VERSION = "0.11.0"  # the Ollama API version we answer like (clients check a minimum)
 FOREVER = "2318-11-30T00:00:00Z"  # what Ollama reports as expires_at for keep_alive < 0
@@ -238,11 +239,11 @@ def _param_size(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-async def _catalog(state) -> list[LocalModel]:
+async def _catalog(state: ServerState) -> list[LocalModel]:
     return await state.pool.catalog()
 
 
-async def _find(state, name: str) -> LocalModel:
+async def _find(state: ServerState, name: str) -> LocalModel:
     models = await _catalog(state)
     m = find_model(models, name)
     if m is None:
@@ -274,19 +275,21 @@ def _final(out, timing: _Timing) -> dict:
 
 
 # ---- the routes -------------------------------------------------------------------------------
-def mount(app: FastAPI, state) -> None:
-    """Add Ollama's routes to `app` (a server.create_app app; `state` its ServerState)."""
-    @app.get("/api/version")
+def router(state: ServerState) -> APIRouter:
+    """Ollama's routes over `state` (the server's model pool, admission and metrics)."""
+    api = APIRouter()
+
+    @api.get("/api/version")
     async def version():
         return {"version": VERSION}
 
-    @app.get("/api/tags")
+    @api.get("/api/tags")
     async def tags():
         state.require_ready()
         return {"models": [{"name": m.name, "model": m.name, "modified_at": iso(m.modified), "size": m.size,
                             "digest": _digest(m), "details": _details(m)} for m in await _catalog(state)]}
 
-    @app.post("/api/show")
+    @api.post("/api/show")
     async def show(body: ModelRequest):
         from ..models_cli import describe
         from ..reasoning import reasons
@@ -315,7 +318,7 @@ def mount(app: FastAPI, state) -> None:
                                  *(["thinking"] if reasons(template) else [])],
                 "modified_at": iso(m.modified)}
 
-    @app.get("/api/ps")
+    @api.get("/api/ps")
     async def ps():
         state.require_ready()
         rows = []
@@ -422,7 +425,7 @@ def mount(app: FastAPI, state) -> None:
                 gen.close()
         return StreamingResponse(events(), media_type="application/x-ndjson", background=BackgroundTask(gen.close))
 
-    @app.post("/api/chat")
+    @api.post("/api/chat")
     async def chat(body: ChatRequest, request: Request):
         state.metrics.http_requests += 1
         _refuse_unsupported(body, any(m.images for m in body.messages))
@@ -443,7 +446,7 @@ def mount(app: FastAPI, state) -> None:
         return await _run(body.model, messages, body.options, keep_alive, body.stream, request, True, body.format,
                           body.think, (tools, body.tools) if tools else None)
 
-    @app.post("/api/generate")
+    @api.post("/api/generate")
     async def generate(body: GenerateRequest, request: Request):
         state.metrics.http_requests += 1
         _refuse_unsupported(body, bool(body.images))
@@ -463,11 +466,11 @@ def mount(app: FastAPI, state) -> None:
         return await _run(body.model, prompt, body.options, keep_alive, body.stream, request, False, body.format,
                           body.think)
 
-    @app.post("/api/pull")
+    @api.post("/api/pull")
     async def pull(body: PullRequest):
         return await _pull(state, body)
 
-    @app.delete("/api/delete")
+    @api.delete("/api/delete")
     async def delete(body: ModelRequest):
         from ..hub import HubError
         from ..models_cli import remove
@@ -491,8 +494,9 @@ def mount(app: FastAPI, state) -> None:
                             "text models: chat, generate, pull, delete)", "not_implemented")
 
     for path in ("/api/create", "/api/push", "/api/copy", "/api/embed", "/api/embeddings", "/api/blobs/{digest}"):
-        app.add_api_route(path, not_served, methods=["POST", "HEAD"] if "blobs" in path else ["POST"],
+        api.add_api_route(path, not_served, methods=["POST", "HEAD"] if "blobs" in path else ["POST"],
                           include_in_schema=False)
+    return api
 
 
 def _line(obj: dict) -> str:
@@ -546,7 +550,7 @@ def _named(name: str, prefix: str = ""):
                             "hub repo id 'org/name')", param="model", code="model_not_found") from None
 
 
-async def _pull(state, body: PullRequest):
+async def _pull(state: ServerState, body: PullRequest):
     from ..hub import HubError, variant_for
     from ..hub import pull as hub_pull
     from ..models_cli import local_path
