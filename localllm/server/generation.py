@@ -38,7 +38,8 @@ class _Pending:
     prompt: list[int]
     params: SamplingParams
     request_id: str
-    sink: Callable[[RequestOutput | BaseException], None]  # called with each RequestOutput, or an exception that ends the request
+    # called with each RequestOutput, or with the exception that ends the request
+    sink: Callable[[RequestOutput | BaseException], None]
     done: Callable[[BaseException | None], None]  # admission result
 
 

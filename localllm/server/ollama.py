@@ -331,100 +331,6 @@ def router(state: ServerState) -> APIRouter:
             rows.append(_ps_row(models[name], e.model, expires, e.need))
         return {"models": rows}
 
-    def _ps_row(m: LocalModel, served: ServedModel, expires: str, size: int) -> dict:
-        engine, stats = served.engine, served.loop.stats
-        return {"name": m.name, "model": m.name, "size": size, "digest": _digest(m), "details": _details(m),
-                "expires_at": expires, "size_vram": 0 if str(engine.loaded.model.device) == "cpu" else size,
-                "context_length": engine.max_model_len,
-                # ours: KV blocks in use (0 when idle: nothing leaked) and in all
-                "kv_blocks_used": stats.get("kv_blocks_used", 0), "kv_blocks_total": stats.get("kv_blocks_total", 0)}
-
-    async def _load_only(name: str, keep_alive: float | None, chat: bool):
-        """An empty chat/generate: load the model (or, with keep_alive 0, unload it), as Ollama does."""
-        if keep_alive == 0 and state.pool.pinned is None:
-            m = await _find(state, name)
-            await state.pool.unload(m.name)
-            reason = "unload"
-        else:
-            _, release = await state.acquire(name, keep_alive)
-            release()
-            reason = "load"
-        body = {"model": name, "created_at": _now_iso(), "done": True, "done_reason": reason}
-        body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
-        return body
-
-    async def _run(name: str, prompt, options: Options | None, keep_alive: float | None, stream: bool,
-                   request: Request, chat: bool, fmt: Any = None, think: bool | None = None,
-                   tools: tuple[dict, list] | None = None):
-        """`tools`: (name -> parameters, the tools as sent) of a chat that offers some."""
-        from ..reasoning import reasons
-        from .output_format import ollama_format
-
-        constraint = ollama_format(fmt)
-        timing = _Timing()
-        served, release = await state.acquire(name, keep_alive, options.num_ctx if options is not None else None)
-        timing.loaded = time.perf_counter()
-        try:
-            template = served.engine.tokenizer.chat_template
-            if think and not reasons(template):
-                raise APIError(400, f"\"{name}\" does not support thinking (its chat template has no <think> tags)",
-                               param="think")
-            if tools and (not template or "tools" not in template):
-                raise APIError(400, f"\"{name}\" does not support tools (its chat template does not take them)",
-                               param="tools")
-            params = sampling_params(options, constraint)
-            kwargs = {} if think is None else {"enable_thinking": think}
-            if tools:
-                kwargs["tools"] = tools[1]
-            gen = Generation(served, state.admission, [prompt], [params], max_tokens_param="num_predict",
-                             prompt_param="messages" if chat else "prompt", constraint_param="format",
-                             template_kwargs=kwargs, on_close=release)
-            await gen.start()
-        except BaseException:
-            release()
-            raise
-        # as Ollama: with think unset the reply is passed through as the model wrote it
-        thinks, inside = gen.reasoning() if think is not None else (False, False)
-        reply = ReplyStream(thinks, inside, tools[0] if tools else None)
-
-        def piece(part: ReplyDelta) -> dict:
-            extra = {"thinking": part.reasoning} if part.reasoning and think else {}
-            if part.tool_calls:  # Ollama's shape: arguments as an object, no ids
-                extra["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}}
-                                       for c in part.tool_calls]
-            if chat:
-                return {"message": {"role": "assistant", "content": part.content, **extra}}
-            return {"response": part.content, **extra}
-
-        if not stream:
-            if not await gen.collect(request):
-                return Response(status_code=499)
-            timing.end = time.perf_counter()
-            timing.first = gen.first_token_at or timing.end
-            out = gen.finals[0]
-            return {"model": name, "created_at": _now_iso(), **piece(reply.whole(out.text)), **_final(out, timing)}
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for _, out in gen.outputs():
-                    if timing.first is None and out.new_token_ids:
-                        timing.first = time.perf_counter()
-                    part = reply.feed(out.delta)
-                    if out.finished:
-                        part += reply.finish()
-                    if part.content or (part.reasoning and think) or part.tool_calls:
-                        yield _line({"model": name, "created_at": _now_iso(), **piece(part), "done": False})
-                    if out.finished:
-                        timing.end = time.perf_counter()
-                        yield _line({"model": name, "created_at": _now_iso(), **piece(ReplyDelta()),
-                                     **_final(out, timing)})
-            except APIError as e:  # after the headers: an error line, as Ollama sends it
-                state.metrics.errors[e.status] += 1
-                yield _line({"error": e.message})
-            finally:
-                gen.close()
-        return StreamingResponse(events(), media_type="application/x-ndjson", background=BackgroundTask(gen.close))
-
     @api.post("/api/chat")
     async def chat(body: ChatRequest, request: Request):
         state.metrics.http_requests += 1
@@ -433,7 +339,7 @@ def router(state: ServerState) -> APIRouter:
         if not body.model:
             raise APIError(400, "model is required", param="model")
         if not body.messages:
-            return await _load_only(body.model, keep_alive, True)
+            return await _load_only(state, body.model, keep_alive, True)
         from .tools import ToolError, check_tools, template_messages
 
         try:
@@ -443,8 +349,8 @@ def router(state: ServerState) -> APIRouter:
         messages = template_messages([
             {"role": m.role, "content": m.content or "", **({"tool_calls": m.tool_calls} if m.tool_calls else {}),
              **({"name": m.tool_name} if m.tool_name else {})} for m in body.messages])
-        return await _run(body.model, messages, body.options, keep_alive, body.stream, request, True, body.format,
-                          body.think, (tools, body.tools) if tools else None)
+        return await _run(state, body.model, messages, body.options, keep_alive, body.stream, request, True,
+                          body.format, body.think, (tools, body.tools) if tools else None)
 
     @api.post("/api/generate")
     async def generate(body: GenerateRequest, request: Request):
@@ -457,13 +363,13 @@ def router(state: ServerState) -> APIRouter:
         if not body.model:
             raise APIError(400, "model is required", param="model")
         if not body.prompt:
-            return await _load_only(body.model, keep_alive, False)
+            return await _load_only(state, body.model, keep_alive, False)
         if body.raw:
             prompt: Any = body.prompt
         else:
             prompt = ([{"role": "system", "content": body.system}] if body.system else []) + [
                 {"role": "user", "content": body.prompt}]
-        return await _run(body.model, prompt, body.options, keep_alive, body.stream, request, False, body.format,
+        return await _run(state, body.model, prompt, body.options, keep_alive, body.stream, request, False, body.format,
                           body.think)
 
     @api.post("/api/pull")
@@ -497,6 +403,103 @@ def router(state: ServerState) -> APIRouter:
         api.add_api_route(path, not_served, methods=["POST", "HEAD"] if "blobs" in path else ["POST"],
                           include_in_schema=False)
     return api
+
+
+def _ps_row(m: LocalModel, served: ServedModel, expires: str, size: int) -> dict:
+    engine, stats = served.engine, served.loop.stats
+    return {"name": m.name, "model": m.name, "size": size, "digest": _digest(m), "details": _details(m),
+            "expires_at": expires, "size_vram": 0 if str(engine.loaded.model.device) == "cpu" else size,
+            "context_length": engine.max_model_len,
+            # ours: KV blocks in use (0 when idle: nothing leaked) and in all
+            "kv_blocks_used": stats.get("kv_blocks_used", 0), "kv_blocks_total": stats.get("kv_blocks_total", 0)}
+
+
+async def _load_only(state: ServerState, name: str, keep_alive: float | None, chat: bool):
+    """An empty chat/generate: load the model (or, with keep_alive 0, unload it), as Ollama does."""
+    if keep_alive == 0 and state.pool.pinned is None:
+        m = await _find(state, name)
+        await state.pool.unload(m.name)
+        reason = "unload"
+    else:
+        _, release = await state.acquire(name, keep_alive)
+        release()
+        reason = "load"
+    body = {"model": name, "created_at": _now_iso(), "done": True, "done_reason": reason}
+    body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+    return body
+
+
+async def _run(state: ServerState, name: str, prompt: str | list[dict], options: Options | None,
+               keep_alive: float | None, stream: bool, request: Request, chat: bool, fmt: Any = None,
+               think: bool | None = None, tools: tuple[dict, list] | None = None):
+    """`tools`: (name -> parameters, the tools as sent) of a chat that offers some."""
+    from ..reasoning import reasons
+    from .output_format import ollama_format
+
+    constraint = ollama_format(fmt)
+    timing = _Timing()
+    served, release = await state.acquire(name, keep_alive, options.num_ctx if options is not None else None)
+    timing.loaded = time.perf_counter()
+    try:
+        template = served.engine.tokenizer.chat_template
+        if think and not reasons(template):
+            raise APIError(400, f"\"{name}\" does not support thinking (its chat template has no <think> tags)",
+                           param="think")
+        if tools and (not template or "tools" not in template):
+            raise APIError(400, f"\"{name}\" does not support tools (its chat template does not take them)",
+                           param="tools")
+        params = sampling_params(options, constraint)
+        kwargs = {} if think is None else {"enable_thinking": think}
+        if tools:
+            kwargs["tools"] = tools[1]
+        gen = Generation(served, state.admission, [prompt], [params], max_tokens_param="num_predict",
+                         prompt_param="messages" if chat else "prompt", constraint_param="format",
+                         template_kwargs=kwargs, on_close=release)
+        await gen.start()
+    except BaseException:
+        release()
+        raise
+    # as Ollama: with think unset the reply is passed through as the model wrote it
+    thinks, inside = gen.reasoning() if think is not None else (False, False)
+    reply = ReplyStream(thinks, inside, tools[0] if tools else None)
+
+    def piece(part: ReplyDelta) -> dict:
+        extra = {"thinking": part.reasoning} if part.reasoning and think else {}
+        if part.tool_calls:  # Ollama's shape: arguments as an object, no ids
+            extra["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}}
+                                   for c in part.tool_calls]
+        if chat:
+            return {"message": {"role": "assistant", "content": part.content, **extra}}
+        return {"response": part.content, **extra}
+
+    if not stream:
+        if not await gen.collect(request):
+            return Response(status_code=499)
+        timing.end = time.perf_counter()
+        timing.first = gen.first_token_at or timing.end
+        out = gen.finals[0]
+        return {"model": name, "created_at": _now_iso(), **piece(reply.whole(out.text)), **_final(out, timing)}
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for _, out in gen.outputs():
+                if timing.first is None and out.new_token_ids:
+                    timing.first = time.perf_counter()
+                part = reply.feed(out.delta)
+                if out.finished:
+                    part += reply.finish()
+                if part.content or (part.reasoning and think) or part.tool_calls:
+                    yield _line({"model": name, "created_at": _now_iso(), **piece(part), "done": False})
+                if out.finished:
+                    timing.end = time.perf_counter()
+                    yield _line({"model": name, "created_at": _now_iso(), **piece(ReplyDelta()),
+                                 **_final(out, timing)})
+        except APIError as e:  # after the headers: an error line, as Ollama sends it
+            state.metrics.errors[e.status] += 1
+            yield _line({"error": e.message})
+        finally:
+            gen.close()
+    return StreamingResponse(events(), media_type="application/x-ndjson", background=BackgroundTask(gen.close))
 
 
 def _line(obj: dict) -> str:

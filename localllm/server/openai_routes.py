@@ -40,98 +40,13 @@ def router(state: ServerState) -> APIRouter:
         state.require_ready()
         return state.pool.model_card(await state.pool.find(model_id))
 
-    async def _on_model(handler: Callable[..., Awaitable[Any]], body: oai._SamplingRequest, request: Request):
-        """Run a /v1 handler on the model the body names; the model stays in use (pool mode)
-        until the response ends, or is released here when the handler fails."""
-        state.metrics.http_requests += 1
-        served, release = await state.acquire(body.model)
-        try:
-            return await handler(body, request, served, release)
-        except BaseException:
-            release()
-            raise
-
     @api.post("/v1/chat/completions")
     async def chat_completions(body: oai.ChatCompletionRequest, request: Request):
-        return await _on_model(_chat_completion, body, request)
-
-    async def _chat_completion(body: oai.ChatCompletionRequest, request: Request, served: ServedModel,
-                               release: Callable[[], None]):
-        mt_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        vocab = served.engine.model_config.vocab_size
-        _check_common(body, max_tokens, mt_param, vocab)
-        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-            raise APIError(400, f"top_logprobs must be between 0 and 20, got {body.top_logprobs}",
-                           param="top_logprobs")
-        if body.top_logprobs and not body.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        tools, legacy, template_tools, forced = _tool_setup(body, served.engine.tokenizer.chat_template)
-        params, constraint_param = _params_list(body, max_tokens, mt_param, logprobs, vocab, forced)
-        kwargs = _template_kwargs(body.chat_template_kwargs)
-        if template_tools is not None:
-            kwargs["tools"] = template_tools
-        from .tools import template_messages
-
-        gen = Generation(served, state.admission, [template_messages(oai.message_dicts(body.messages))], params,
-                         n=body.n, max_tokens_param=mt_param, prompt_param="messages",
-                         constraint_param=constraint_param, template_kwargs=kwargs, on_close=release)
-        await gen.start()
-        rid, created, name = oai.new_id("chatcmpl"), oai.now(), served.name
-        token_text = _token_text(served.engine)
-        thinks, inside = gen.reasoning()
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(gen, _chat_events(gen, rid, created, name, include_usage, body.logprobs, token_text,
-                                             thinks, inside, tools, legacy))
-        if not await gen.collect(request):  # the client went away
-            return Response(status_code=499)
-        choices = [oai.chat_choice(i, ReplyStream(thinks, inside, tools).whole(o.text), o.finish_reason,
-                                   oai.chat_logprobs(o.logprobs, token_text) if body.logprobs else None,
-                                   thinks, legacy)
-                   for i, o in sorted(gen.finals.items())]
-        return oai.chat_response(rid, created, name, choices, gen.usage())
+        return await _on_model(state, _chat_completion, body, request)
 
     @api.post("/v1/completions")
     async def completions(body: oai.CompletionRequest, request: Request):
-        return await _on_model(_completion, body, request)
-
-    async def _completion(body: oai.CompletionRequest, request: Request, served: ServedModel,
-                          release: Callable[[], None]):
-        _check_common(body, body.max_tokens, "max_tokens", served.engine.model_config.vocab_size)
-        for param, bad in (("echo", body.echo), ("suffix", body.suffix), ("best_of", (body.best_of or 1) > 1)):
-            if bad:
-                raise APIError(400, f"{param} is not supported by this server", param=param)
-        if body.logprobs is not None and not 0 <= body.logprobs <= 20:
-            raise APIError(400, f"logprobs must be between 0 and 20, got {body.logprobs}", param="logprobs")
-        prompt = body.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            prompts = [prompt]
-        else:
-            prompts = list(prompt)
-        if not prompts or any(not p for p in prompts):
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        if len(prompts) * body.n > 16:
-            raise APIError(400, f"at most 16 choices per request (prompts x n), got {len(prompts) * body.n}",
-                           param="prompt")
-        vocab = served.engine.model_config.vocab_size
-        params, constraint_param = _params_list(body, body.max_tokens, "max_tokens", body.logprobs, vocab)
-        gen = Generation(served, state.admission, prompts, params, n=body.n, constraint_param=constraint_param,
-                         on_close=release)
-        await gen.start()
-        rid, created, name = oai.new_id("cmpl"), oai.now(), served.name
-        token_text = _token_text(served.engine)
-        want_lp = body.logprobs is not None
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _stream(gen, _completion_events(gen, rid, created, name, include_usage, want_lp, token_text))
-        if not await gen.collect(request):
-            return Response(status_code=499)
-        choices = [oai.completion_choice(i, o.text, o.finish_reason,
-                                         oai.completion_logprobs(o.logprobs, token_text) if want_lp else None)
-                   for i, o in sorted(gen.finals.items())]
-        return oai.completion_response(rid, created, name, choices, gen.usage())
+        return await _on_model(state, _completion, body, request)
 
     @api.post("/tokenize")
     async def tokenize(body: oai.TokenizeRequest):
@@ -167,6 +82,95 @@ def router(state: ServerState) -> APIRouter:
             release()
 
     return api
+
+
+async def _on_model(state: ServerState, handler: Callable[..., Awaitable[Any]], body: oai._SamplingRequest,
+                    request: Request):
+    """Run a /v1 handler on the model the body names; the model stays in use (pool mode)
+    until the response ends, or is released here when the handler fails."""
+    state.metrics.http_requests += 1
+    served, release = await state.acquire(body.model)
+    try:
+        return await handler(state, body, request, served, release)
+    except BaseException:
+        release()
+        raise
+
+
+async def _chat_completion(state: ServerState, body: oai.ChatCompletionRequest, request: Request, served: ServedModel,
+                           release: Callable[[], None]):
+    mt_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    vocab = served.engine.model_config.vocab_size
+    _check_common(body, max_tokens, mt_param, vocab)
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+        raise APIError(400, f"top_logprobs must be between 0 and 20, got {body.top_logprobs}",
+                       param="top_logprobs")
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    tools, legacy, template_tools, forced = _tool_setup(body, served.engine.tokenizer.chat_template)
+    params, constraint_param = _params_list(body, max_tokens, mt_param, logprobs, vocab, forced)
+    kwargs = _template_kwargs(body.chat_template_kwargs)
+    if template_tools is not None:
+        kwargs["tools"] = template_tools
+    from .tools import template_messages
+
+    gen = Generation(served, state.admission, [template_messages(oai.message_dicts(body.messages))], params,
+                     n=body.n, max_tokens_param=mt_param, prompt_param="messages",
+                     constraint_param=constraint_param, template_kwargs=kwargs, on_close=release)
+    await gen.start()
+    rid, created, name = oai.new_id("chatcmpl"), oai.now(), served.name
+    token_text = _token_text(served.engine)
+    thinks, inside = gen.reasoning()
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _stream(gen, _chat_events(gen, rid, created, name, include_usage, body.logprobs, token_text,
+                                         thinks, inside, tools, legacy))
+    if not await gen.collect(request):  # the client went away
+        return Response(status_code=499)
+    choices = [oai.chat_choice(i, ReplyStream(thinks, inside, tools).whole(o.text), o.finish_reason,
+                               oai.chat_logprobs(o.logprobs, token_text) if body.logprobs else None,
+                               thinks, legacy)
+               for i, o in sorted(gen.finals.items())]
+    return oai.chat_response(rid, created, name, choices, gen.usage())
+
+
+async def _completion(state: ServerState, body: oai.CompletionRequest, request: Request, served: ServedModel,
+                      release: Callable[[], None]):
+    _check_common(body, body.max_tokens, "max_tokens", served.engine.model_config.vocab_size)
+    for param, bad in (("echo", body.echo), ("suffix", body.suffix), ("best_of", (body.best_of or 1) > 1)):
+        if bad:
+            raise APIError(400, f"{param} is not supported by this server", param=param)
+    if body.logprobs is not None and not 0 <= body.logprobs <= 20:
+        raise APIError(400, f"logprobs must be between 0 and 20, got {body.logprobs}", param="logprobs")
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(not p for p in prompts):
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if len(prompts) * body.n > 16:
+        raise APIError(400, f"at most 16 choices per request (prompts x n), got {len(prompts) * body.n}",
+                       param="prompt")
+    vocab = served.engine.model_config.vocab_size
+    params, constraint_param = _params_list(body, body.max_tokens, "max_tokens", body.logprobs, vocab)
+    gen = Generation(served, state.admission, prompts, params, n=body.n, constraint_param=constraint_param,
+                     on_close=release)
+    await gen.start()
+    rid, created, name = oai.new_id("cmpl"), oai.now(), served.name
+    token_text = _token_text(served.engine)
+    want_lp = body.logprobs is not None
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _stream(gen, _completion_events(gen, rid, created, name, include_usage, want_lp, token_text))
+    if not await gen.collect(request):
+        return Response(status_code=499)
+    choices = [oai.completion_choice(i, o.text, o.finish_reason,
+                                     oai.completion_logprobs(o.logprobs, token_text) if want_lp else None)
+               for i, o in sorted(gen.finals.items())]
+    return oai.completion_response(rid, created, name, choices, gen.usage())
 
 
 # ---- request -> engine requests ------------------------------------------------------------------
