@@ -169,7 +169,7 @@ def test_replies_are_split_in_one_place():
     reasoning and tool-call splitters it composes are imported nowhere else."""
     assert imported_names("ThinkSplitter") | imported_names("ToolCallStream") == {"localllm.reply_stream"}
     g = import_graph()
-    for low in ("localllm.reply_stream", "localllm.tool_calls", "localllm.reasoning"):
+    for low in ("localllm.reply_stream", "localllm.tool_calls", "localllm.generic_calls", "localllm.reasoning"):
         assert sorted(t for t in g[low] if t.startswith(FRONT_ENDS)) == [], low
     users = {m for m, ts in g.items() if "localllm.reply_stream" in ts}
     assert {"localllm.cli", "localllm.repl", "localllm.server.ollama"} <= users
