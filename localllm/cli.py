@@ -296,7 +296,8 @@ def _stream_answer(engine, request, params, verbose: bool, think: bool | None = 
     terminal its control characters are shown, not obeyed, unless `raw_output` (terminal.py)."""
     from .chat import ChatTemplateError
     from .engine.engine import ContextLengthError
-    from .reasoning import ThinkSplitter, chat_prompt, reasons
+    from .reasoning import chat_prompt, reasons
+    from .reply_stream import ReplyDelta, ReplyStream
     from .structured import ConstraintError
     from .terminal import output_filter
 
@@ -304,40 +305,37 @@ def _stream_answer(engine, request, params, verbose: bool, think: bool | None = 
     shown_as = output_filter(out, raw_output)
     t0 = time.perf_counter()
     first = last = None
-    splitter, shown = None, False
+    reply, shown = ReplyStream(), False  # a plain model: the text is the answer as written
     try:
         if isinstance(request, list) and reasons(engine.tokenizer.chat_template):
             request, inside = chat_prompt(engine, request, think)
-            splitter = ThinkSplitter(inside)
+            reply = ReplyStream(reasoning=True, inside=inside)
         elif think:
             typer.echo("note: this model does not reason (its chat template has no <think> tags); --think "
                        "changes nothing", err=True)
 
-        def write(reasoning: str, answer: str) -> None:
+        def write(part: ReplyDelta) -> None:
             nonlocal shown
-            if reasoning and think:
-                out.write(shown_as(reasoning if shown else "Thinking...\n" + reasoning.lstrip("\n")))
+            if part.reasoning and think:
+                out.write(shown_as(part.reasoning if shown else "Thinking...\n" + part.reasoning.lstrip("\n")))
                 shown = True
-            if answer:
+            if part.content:
                 if shown:
                     out.write("\n...done thinking.\n\n")
                     shown = False
-                out.write(shown_as(answer))
+                out.write(shown_as(part.content))
             out.flush()
 
         for o in engine.generate(request, params):
             if first is None:
                 first = time.perf_counter()
-            if o.delta and splitter:
-                write(*splitter.feed(o.delta))
-            elif o.delta:
-                write("", o.delta)
+            if o.delta:
+                write(reply.feed(o.delta))
             last = o
             if o.finish_reason == "error":  # the --format constraint could not be kept: no answer
                 out.write("\n")
                 raise fail(f"--format: {o.error}")
-        if splitter:
-            write(*splitter.flush())
+        write(reply.finish())
         out.write("\n")
         out.flush()
     except (ContextLengthError, ChatTemplateError) as e:
@@ -480,9 +478,10 @@ def serve(
     hosts = check_allow_hosts(allow_host)
     keep = _keep_alive_seconds(keep_alive)
     mem = max_memory_gib(max_memory, device)
-    from .server.app import ServerConfig, create_app
+    from .server.app import create_app
     from .server.app import serve as run_server
     from .server.pool import ModelPool, Pinned, PoolConfig
+    from .server.state import ServerConfig
 
     if model is None:
         _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx,
@@ -510,8 +509,8 @@ def serve(
         finally:
             _startup_done()
 
-    cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, max_num_seqs,
-                       int(max_body_mb * (1 << 20)), bind_host=host, allowed_hosts=hosts)
+    cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, int(max_body_mb * (1 << 20)),
+                       bind_host=host, allowed_hosts=hosts)
     pool = ModelPool(PoolConfig(config, quant, device, pinned=Pinned(model_id, aliases, load)),
                      lambda message: typer.echo(message, err=True))
     typer.echo(f"localllm serve: {model_id} on http://{host}:{port}/v1 (loading the model; /health is 503 "
@@ -527,9 +526,10 @@ def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parall
                threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts) -> None:
     """`serve` without MODEL: every local model, loaded on demand (server/pool.py)."""
     from .planner import normalize_quant
-    from .server.app import ServerConfig, create_app
+    from .server.app import create_app
     from .server.app import serve as run_server
     from .server.pool import ModelPool, PoolConfig
+    from .server.state import ServerConfig
 
     try:
         normalize_quant(quant)
@@ -542,8 +542,8 @@ def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parall
     def log(message: str) -> None:
         typer.echo(message, err=True)
     pool = ModelPool(PoolConfig(config, quant, device, int(mem * (1 << 30)) if mem else None, keep), log)
-    cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, max_num_seqs,
-                       int(max_body_mb * (1 << 20)), bind_host=host, allowed_hosts=hosts)
+    cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, int(max_body_mb * (1 << 20)),
+                       bind_host=host, allowed_hosts=hosts)
     _startup_done()
     typer.echo(f"localllm serve: every local model, on demand, on http://{host}:{port}/v1 and /api (Ollama)"
                f"{' - API key required' if api_key else ''}", err=True)

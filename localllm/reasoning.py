@@ -38,7 +38,7 @@ class ThinkSplitter:
             if self.thinking:
                 i = buf.find(END)
                 if i < 0:
-                    keep = _partial_tag(buf, END)
+                    keep = partial_tag(buf, END)
                     reasoning.append(buf[:len(buf) - keep])
                     self._held = buf[len(buf) - keep:]
                     break
@@ -69,7 +69,7 @@ class ThinkSplitter:
         return (held, "") if self.thinking else ("", held)
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper beginning of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -83,11 +83,3 @@ def chat_prompt(engine, messages: list[dict], think: bool | None) -> tuple[list[
     ids = engine.encode_prompt(messages, **({} if think is None else {"enable_thinking": think}))
     tail = engine.tokenizer.decode(ids[-16:], skip_special_tokens=False)
     return ids, opened(tail)
-
-
-def split(text: str, thinking: bool = False) -> tuple[str, str]:
-    """A whole reply -> (reasoning, answer)."""
-    s = ThinkSplitter(thinking)
-    r, a = s.feed(text)
-    fr, fa = s.flush()
-    return r + fr, a + fa

@@ -170,17 +170,19 @@ class ChatSession:
         (or on KeyboardInterrupt). The partial answer is kept."""
         from .chat import ChatTemplateError
         from .engine.engine import ContextLengthError
-        from .reasoning import ThinkSplitter, chat_prompt, reasons
+        from .reasoning import chat_prompt, reasons
+        from .reply_stream import ReplyDelta, ReplyStream
 
         self.interrupt.clear()
         stats, text, last = ReplyStats(), "", None
         t0 = time.perf_counter()
         first = None
-        prompt, splitter = self.conversation(), None
+        prompt, reply = self.conversation(), ReplyStream()  # a plain model: the text is the answer
         thought = False  # reasoning has been shown (dimmed: the terminal is still dim)
 
-        def show(reasoning: str, answer: str) -> None:
+        def show(part: ReplyDelta) -> None:
             nonlocal text, thought
+            reasoning, answer = part.reasoning, part.content
             if reasoning and self.think == "on":
                 reasoning = self.shown(reasoning)
                 if not thought:
@@ -198,21 +200,18 @@ class ChatSession:
         try:
             if reasons(getattr(self.engine.tokenizer, "chat_template", None)):
                 prompt, inside = chat_prompt(self.engine, prompt, False if self.think == "off" else None)
-                splitter = ThinkSplitter(inside)
+                reply = ReplyStream(reasoning=True, inside=inside)
             gen = self.engine.generate(prompt, self.params())
             for o in gen:
                 if first is None:
                     first = time.perf_counter()
                 last = o
-                if o.delta and splitter:
-                    show(*splitter.feed(o.delta))
-                elif o.delta:
-                    show("", o.delta)
+                if o.delta:
+                    show(reply.feed(o.delta))
                 if self.interrupt.is_set() and not o.finished:
                     stats.interrupted = True
                     break
-            if splitter:
-                show(*splitter.flush())
+            show(reply.finish())
         except KeyboardInterrupt:
             stats.interrupted = True
         except (ContextLengthError, ChatTemplateError) as e:

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 from server_proc import running
 
-from localllm.server.generic_tools import GenericStream, parse
+from localllm.generic_calls import GenericStream, parse
 from localllm.server.generic_tools import messages as generic_messages
 
 KEY = "sk-agents"

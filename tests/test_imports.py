@@ -152,3 +152,25 @@ def test_the_runtime_step_asks_the_package_cache_never_the_builder():
     assert "localllm.model.compiled" in g["localllm.engine.compiled_step"]
     assert "localllm.model.build_queue" not in g["localllm.engine.compiled_step"]
     assert g["localllm.model.build_queue"] == {"localllm.paths"}
+
+
+def imported_names(name: str) -> set[str]:
+    """The package modules that import `name` by name (`from x import name`), anywhere in their body."""
+    out = set()
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and any(a.name == name for a in node.names):
+                out.add(module_name(path))
+    return out
+
+
+def test_replies_are_split_in_one_place():
+    """Every front end reads a reply through reply_stream.ReplyStream, which sits below them all: the
+    reasoning and tool-call splitters it composes are imported nowhere else."""
+    assert imported_names("ThinkSplitter") | imported_names("ToolCallStream") == {"localllm.reply_stream"}
+    g = import_graph()
+    for low in ("localllm.reply_stream", "localllm.tool_calls", "localllm.generic_calls", "localllm.reasoning"):
+        assert sorted(t for t in g[low] if t.startswith(FRONT_ENDS)) == [], low
+    users = {m for m, ts in g.items() if "localllm.reply_stream" in ts}
+    assert {"localllm.cli", "localllm.repl", "localllm.server.ollama"} <= users
+    assert any(m.startswith("localllm.server.") and m != "localllm.server.ollama" for m in users)  # OpenAI's

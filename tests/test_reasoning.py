@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import make_engine
 
-from localllm.reasoning import ThinkSplitter, opened, reasons, split
+from localllm.reasoning import ThinkSplitter, opened, reasons
+from localllm.reply_stream import ReplyStream
 
 
 def feed_in_pieces(text: str, cuts: list[int], thinking: bool = False) -> tuple[str, str]:
@@ -36,7 +37,8 @@ CASES = [
 
 @pytest.mark.parametrize("text,thinking,reasoning,answer", CASES)
 def test_every_cut_gives_the_same_split(text, thinking, reasoning, answer):
-    assert split(text, thinking) == (reasoning, answer)
+    whole = ReplyStream(reasoning=True, inside=thinking).whole(text)
+    assert (whole.reasoning, whole.content) == (reasoning, answer)
     for i in range(len(text) + 1):  # one cut anywhere, tags included
         assert feed_in_pieces(text, [i], thinking) == (reasoning, answer), i
     rng = random.Random(0)

@@ -20,6 +20,7 @@ from hub_mirror import tiny_checkpoint_with_template
 from server_proc import running
 
 from localllm.chat import render_chat
+from localllm.reply_stream import ReplyDelta, ReplyStream
 from localllm.server import openai_schema as oai
 
 QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
@@ -84,23 +85,27 @@ def test_ollama_think_reaches_the_template(server, model_dir, prompt_tokens):
 
 # ---- the server's assembly of a reasoning reply, on a scripted stream -------------------------------
 def test_chat_choice_splits_reasoning_from_the_answer():
-    c = oai.chat_choice(0, REPLY, "stop", None, thinking=False)
+    def choice(text: str, inside: bool | None = None) -> dict:  # inside None: not a reasoning model
+        reply = ReplyStream(inside is not None, bool(inside)).whole(text)
+        return oai.chat_choice(0, reply, "stop", None, reasons=inside is not None)
+
+    c = choice(REPLY, inside=False)
     assert c["message"] == {"role": "assistant", "content": "Yes, 7 is prime.",
                             "reasoning_content": "\nSeven has no divisors but 1 and itself.\n"}
     # the template opened <think> in the prompt: the reply starts inside it
-    opened = oai.chat_choice(0, REPLY.removeprefix("<think>"), "stop", None, thinking=True)
+    opened = choice(REPLY.removeprefix("<think>"), inside=True)
     assert opened["message"]["content"] == "Yes, 7 is prime."
-    plain = oai.chat_choice(0, "Yes.", "stop", None, thinking=False)["message"]
+    plain = choice("Yes.", inside=False)["message"]
     assert plain == {"role": "assistant", "content": "Yes.", "reasoning_content": None}
-    assert oai.chat_choice(0, REPLY, "stop", None)["message"] == {"role": "assistant", "content": REPLY}
+    assert choice(REPLY)["message"] == {"role": "assistant", "content": REPLY}
 
 
 class _ScriptedGen:
-    """What server._chat_events reads of a Generation, replaying fixed deltas for one choice."""
+    """What openai_routes._chat_events reads of a Generation, replaying fixed deltas for one choice."""
 
     def __init__(self, deltas: list[str]):
         self.deltas, self.jobs = deltas, [None]
-        self.state = SimpleNamespace(metrics=SimpleNamespace(errors={}))
+        self.metrics = SimpleNamespace(errors={})
 
     async def outputs(self):
         for k, d in enumerate(self.deltas):
@@ -117,13 +122,13 @@ class _ScriptedGen:
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, len(REPLY)])
 def test_streamed_deltas_carry_reasoning_content_then_content(size):
-    from localllm.server.app import _chat_events
+    from localllm.server.openai_routes import _chat_events
 
     deltas = [REPLY[i:i + size] for i in range(0, len(REPLY), size)]
 
     async def run() -> list[dict]:
         return [json.loads(e.removeprefix("data: ")) async for e in
-                _chat_events(_ScriptedGen(deltas), "id", 0, "m", False, False, str, False) if "[DONE]" not in e]
+                _chat_events(_ScriptedGen(deltas), "id", 0, "m", False, False, str, True, False) if "[DONE]" not in e]
     chunks = asyncio.run(run())
     got = [c["choices"][0]["delta"] for c in chunks]
     assert got[0] == {"role": "assistant", "content": ""}
@@ -163,11 +168,12 @@ def test_reasoning_replies_become_reasoning_items_and_thinking_blocks(size):
     deltas = [REPLY[i:i + size] for i in range(0, len(REPLY), size)]
     items, blocks = OutputItems(), ContentBlocks()
     events, block_events = [], []
-    splitters = oai.ChatDeltas(False), oai.ChatDeltas(False)
+    splitters = ReplyStream(True, False), ReplyStream(True, False)
     for k, d in enumerate(deltas):
         last = k == len(deltas) - 1
-        events += items.add(splitters[0].feed(d, last))
-        block_events += blocks.add(splitters[1].feed(d, last))
+        parts = [s.feed(d) + (s.finish() if last else ReplyDelta()) for s in splitters]
+        events += items.add(parts[0])
+        block_events += blocks.add(parts[1])
     events += items.finish("completed")
     block_events += blocks.finish()
     thought = "\nSeven has no divisors but 1 and itself.\n"

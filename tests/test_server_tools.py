@@ -18,7 +18,8 @@ from hub_mirror import HubMirror, make_repo, tiny_checkpoint_with_template
 from server_proc import openai_client, running
 
 from localllm.chat import render_chat
-from localllm.server.tool_calls import ToolCallStream, forcing_grammar, parse, template_messages
+from localllm.server.tools import template_messages
+from localllm.tool_calls import ToolCallStream, forcing_grammar, parse
 
 TOOLS_MODEL = "test-org/tiny-tools"
 QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()

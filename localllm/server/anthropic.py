@@ -1,6 +1,6 @@
 """Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens), the one Claude Code and
 every Anthropic-SDK tool speak: a wire format only. A request is translated into the internal
-chat request (a ChatCompletionRequest run by the same start_chat as /v1/chat/completions:
+chat request (a ChatCompletionRequest run by the same openai_routes.start_chat as /v1/chat/completions:
 templates, tools through the template or the generic format, reasoning), and the reply into
 content blocks (thinking, text, tool_use) with Anthropic's stop_reason and usage, streamed as its
 events (message_start, content_block_start/delta/stop, message_delta, message_stop). Errors on
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Union
 
 from fastapi import APIRouter, Request
@@ -20,8 +20,11 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ConfigDict, ValidationError
 from starlette.background import BackgroundTask
 
+from ..reply_stream import ReplyDelta
 from . import openai_schema as oai
+from .openai_routes import start_chat
 from .openai_schema import APIError
+from .state import ServerState
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -194,24 +197,24 @@ def chat_request(req: CountRequest) -> oai.ChatCompletionRequest:
 
 # ---- the reply as content blocks -----------------------------------------------------------------
 class ContentBlocks:
-    """A reply's chat deltas (ChatDeltas) -> Anthropic content blocks, and the stream events each
-    delta causes."""
+    """A reply's parts (ReplyStream's ReplyDelta) -> Anthropic content blocks, and the stream events
+    each part causes."""
 
     def __init__(self):
         self.blocks: list[dict] = []
         self._open: str | None = None  # "thinking" or "text": the block being written
         self.called = False
 
-    def add(self, delta: dict) -> list[dict]:
+    def add(self, delta: ReplyDelta) -> list[dict]:
         events: list[dict] = []
-        if delta.get("reasoning_content"):
-            events += self._write("thinking", delta["reasoning_content"])
-        if delta.get("content"):
-            events += self._write("text", delta["content"])
-        for call in delta.get("tool_calls") or []:
+        if delta.reasoning:
+            events += self._write("thinking", delta.reasoning)
+        if delta.content:
+            events += self._write("text", delta.content)
+        for call in delta.tool_calls:
             events += self._close()
-            fn = call["function"]
-            block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": json.loads(fn["arguments"])}
+            fn = oai.tool_call(call)["function"]  # the arguments as JSON text, for input_json_delta
+            block = {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments}
             index, self.called = len(self.blocks), True
             self.blocks.append(block)
             events += [{"type": "content_block_start", "index": index, "content_block": {**block, "input": {}}},
@@ -265,9 +268,9 @@ def _usage(gen) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": u["prompt_tokens_details"]["cached_tokens"]}
 
 
-def router(state: Any, start_chat: Callable) -> APIRouter:
-    """POST /v1/messages and /v1/messages/count_tokens on `state` (the server's ServerState);
-    `start_chat` is app.start_chat."""
+def router(state: ServerState) -> APIRouter:
+    """POST /v1/messages and /v1/messages/count_tokens on `state` (the server's model pool,
+    admission and metrics)."""
     api = APIRouter()
 
     async def _started(body: CountRequest, start: bool):
@@ -300,8 +303,6 @@ def router(state: Any, start_chat: Callable) -> APIRouter:
 
     @api.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
-        from .openai_schema import ChatDeltas
-
         state.metrics.http_requests += 1
         target, _, chat = await _started(body, start=True)
         gen, mid, name, tok = chat.gen, f"msg_{uuid.uuid4().hex}", target.name, target.engine.tokenizer
@@ -315,21 +316,24 @@ def router(state: Any, start_chat: Callable) -> APIRouter:
                 return Response(status_code=499)
             out = gen.finals[0]
             blocks = ContentBlocks()
-            blocks.add(ChatDeltas(chat.thinking, chat.tools).feed(out.text, True))
+            blocks.add(chat.reply().whole(out.text))
             return message(blocks.blocks, _stop(out, blocks.called, body.stop_sequences, tok), _usage(gen))
 
         async def events() -> AsyncIterator[str]:
             def sse(event: dict) -> str:
                 return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-            blocks, deltas = ContentBlocks(), ChatDeltas(chat.thinking, chat.tools)
+            blocks, reply = ContentBlocks(), chat.reply()
             start_usage = {"input_tokens": len(gen.prompt_ids[0]), "output_tokens": 0,
                            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
             yield sse({"type": "message_start", "message": message([], (None, None), start_usage)})
             try:
                 final = None
                 async for _, out in gen.outputs():
-                    for e in blocks.add(deltas.feed(out.delta, out.finished)):
+                    part = reply.feed(out.delta)
+                    if out.finished:
+                        part += reply.finish()
+                    for e in blocks.add(part):
                         yield sse(e)
                     if out.finished:
                         final = out

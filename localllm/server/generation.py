@@ -1,6 +1,7 @@
-"""The engine side of `localllm serve`: the one thread that owns an engine (EngineLoop) and the
-engine requests behind one HTTP request (Generation). Both the OpenAI routes (app.py) and
-Ollama's (ollama.py) run on these, over one engine or the on-demand pool (pool.py).
+"""The engine side of `localllm serve`: the one thread that owns an engine (EngineLoop), a loaded
+model as requests use it (ServedModel, made by serve_engine for a pinned model and one loaded on
+demand alike), the server-wide admission count (Admission) and the engine requests behind one
+HTTP request (Generation). Every API's routes run on these, over the model pool (pool.py).
 """
 
 from __future__ import annotations
@@ -10,12 +11,21 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Union
 
 from fastapi import Request
 
 from . import openai_schema as oai
+from .metrics import ServerMetrics
 from .openai_schema import APIError
+
+if TYPE_CHECKING:  # for the annotations only: importing the engine loads torch
+    from ..engine.engine import LLMEngine, RequestOutput
+    from ..sampling import SamplingParams
+    from ..tokenizer import LLMTokenizer
+
+
+Prompt = Union[str, list[int], list[dict]]  # text, token ids, or chat messages for the template
 
 
 class ShutdownError(RuntimeError):
@@ -25,23 +35,24 @@ class ShutdownError(RuntimeError):
 # ---- the engine loop thread --------------------------------------------------------------------
 @dataclass
 class _Pending:
-    prompt: Any
-    params: Any
+    prompt: list[int]
+    params: SamplingParams
     request_id: str
-    sink: Callable[[Any], None]  # called with each RequestOutput, or an exception that ends the request
+    # called with each RequestOutput, or with the exception that ends the request
+    sink: Callable[[RequestOutput | BaseException], None]
     done: Callable[[BaseException | None], None]  # admission result
 
 
 class EngineLoop:
     """The one thread that calls engine.add_request / step / abort."""
 
-    def __init__(self, engine, log: Callable[[str], None] = print):
+    def __init__(self, engine: LLMEngine, log: Callable[[str], None] = print):
         self.engine = engine
         self.log = log
         self._cv = threading.Condition()
         self._adds: list[_Pending] = []
         self._aborts: list[str] = []
-        self._sinks: dict[str, Callable[[Any], None]] = {}
+        self._sinks: dict[str, Callable[[RequestOutput | BaseException], None]] = {}
         self._closed = False
         self.stats: dict = engine.cache_stats()  # snapshot, refreshed by the loop thread
         self.pending = 0  # submitted, not yet admitted (read by the 429 check)
@@ -125,49 +136,82 @@ class EngineLoop:
 
 
 
+# ---- a served model and the server's admission count ------------------------------------------
+@dataclass
+class ServedModel:
+    """A loaded model as requests run on it: its engine, the one thread that steps it, and a bound
+    on the bytes one token stands for (prompts it proves too long are refused untokenized)."""
+
+    name: str
+    engine: LLMEngine
+    loop: EngineLoop
+    token_bytes: int | None
+
+
+def serve_engine(name: str, engine: LLMEngine, log: Callable[[str], None]) -> ServedModel:
+    """The one way a ServedModel is made, for a pinned model and one loaded on demand alike; its
+    loop is run by the thread that built the engine (pool.py says why)."""
+    return ServedModel(name, engine, EngineLoop(engine, log), max_token_bytes(engine.tokenizer))
+
+
+@dataclass
+class Admission:
+    """The engine requests in flight server-wide, over every model: at most max_num_seqs (one
+    batch) + max_queue waiting, beyond that a 429; `closing`: the server is stopping, no new ones.
+    `metrics` is what each request reports to (TTFT, latency, finish reasons)."""
+
+    max_num_seqs: int
+    max_queue: int
+    metrics: ServerMetrics
+    live: int = 0
+    closing: bool = False
+
+
 # ---- one HTTP request's engine requests --------------------------------------------------------
 class Generation:
-    """The engine requests behind one HTTP request (one per prompt x n) and their outputs.
-    `state` is the server's ServerState (config, counters, metrics; not imported: app.py sits
-    above this module)."""
+    """The engine requests behind one HTTP request (one per prompt x n) on `model`, and their
+    outputs. `max_tokens_param`, `prompt_param` and `constraint_param` are the request's fields that
+    errors name (each API spells them its own way); `on_close` is called once when the request is
+    over (the pool's release); `template_kwargs` are extra chat template variables (enable_thinking)."""
 
-    def __init__(self, state: Any, prompts: list, params: list, n: int, max_tokens_param: str,
-                 prompt_param: str, target: Any, on_close: Callable[[], None] | None = None,
-                 template_kwargs: dict | None = None, constraint_param: str | None = None):
-        self.state, self.n = state, n
-        self.template_kwargs = template_kwargs or {}  # extra chat template variables (enable_thinking)
-        self.constraint_param = constraint_param  # the request field a constraint came from
+    def __init__(self, model: ServedModel, admission: Admission, prompts: list[Prompt], params: list[SamplingParams], *,
+                 n: int = 1, max_tokens_param: str = "max_tokens", prompt_param: str = "prompt",
+                 constraint_param: str | None = None, template_kwargs: dict | None = None,
+                 on_close: Callable[[], None] | None = None):
+        self.model, self.admission, self.metrics, self.n = model, admission, admission.metrics, n
+        self.template_kwargs = template_kwargs or {}
+        self.constraint_param = constraint_param
         self.prompt_ids: list[list[int]] = []
-        self.target = target  # the pool's LoadedModel: .engine, .loop, .token_bytes
-        self.on_close = on_close  # called once when the request is over (the pool's release)
+        self.on_close = on_close
         self.prompts = prompts
         self.jobs = [(p, params[j]) for p in prompts for j in range(n)]  # choice index = prompt * n + j
         base = oai.new_id("r")
         self.rids = [f"{base}-{i}" for i in range(len(self.jobs))]
         self.queue: asyncio.Queue = asyncio.Queue()
         self.live: set[int] = set()
-        self.finals: dict[int, Any] = {}
+        self.finals: dict[int, RequestOutput] = {}
         self.max_tokens_param, self.prompt_param = max_tokens_param, prompt_param
         self.t0 = time.perf_counter()
         self.first_token = False
         self.first_token_at: float | None = None  # Ollama's prompt_eval/eval split
 
     async def start(self) -> None:
-        state = self.state
-        state.require_ready()
-        loop = self.target.loop
-        cap = state.cfg.max_num_seqs + state.cfg.max_queue
+        adm = self.admission
+        if adm.closing:
+            raise APIError(503, "the server is shutting down", "service_unavailable", code="server_shutting_down")
+        loop = self.model.loop
+        cap = adm.max_num_seqs + adm.max_queue
         if len(self.jobs) > cap:
             raise APIError(400, f"this request needs {len(self.jobs)} sequences (prompts x n) but the server "
                                 f"takes at most {cap} at a time", param="n")
-        if state.live + len(self.jobs) > cap:
-            raise APIError(429, f"the server is busy: {state.live} requests in flight and the queue is full "
-                                f"(--max-queue {state.cfg.max_queue}); retry shortly", "rate_limit_error",
+        if adm.live + len(self.jobs) > cap:
+            raise APIError(429, f"the server is busy: {adm.live} requests in flight and the queue is full "
+                                f"(--max-queue {adm.max_queue}); retry shortly", "rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"})
         aloop = asyncio.get_running_loop()
         for i in range(len(self.jobs)):  # counted from now: tokenizing takes a while
             self.live.add(i)
-            state.live += 1
+            adm.live += 1
         try:
             # off the event loop (and off the engine thread, which would stall every stream)
             ids = [await asyncio.to_thread(self._encode, p) for p in self.prompts]
@@ -175,7 +219,7 @@ class Generation:
             # a constraint compiles here (a worker process, then a thread): never on the event
             # loop, never on the engine's thread (add_request then only copies the matcher)
             for c in dict.fromkeys(p.constraint for _, p in self.jobs if p.constraint is not None):
-                await asyncio.to_thread(self.target.engine.grammars.prepare, c)
+                await asyncio.to_thread(self.model.engine.grammars.prepare, c)
         except BaseException as e:
             self.close()
             if isinstance(e, Exception):
@@ -196,10 +240,10 @@ class Generation:
             self.close()
             raise self._api_error(errors[0])
 
-    def _encode(self, prompt) -> list[int]:
+    def _encode(self, prompt: Prompt) -> list[int]:
         """Prompt (text, token ids or chat messages) -> token ids, in a worker thread. Refuses a
         prompt whose bytes alone prove it is longer than the context, without tokenizing it."""
-        engine, bound = self.target.engine, self.target.token_bytes
+        engine, bound = self.model.engine, self.model.token_bytes
         if bound and not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
             texts = [prompt] if isinstance(prompt, str) else [m.get("content") or "" for m in prompt]
             nbytes = sum(len(t.encode("utf-8")) for t in texts)
@@ -218,7 +262,7 @@ class Generation:
         """(the model may think, its reply starts inside <think>) for the first prompt (chat)."""
         from ..reasoning import opened, reasons
 
-        engine = self.target.engine
+        engine = self.model.engine
         if not reasons(engine.tokenizer.chat_template) or not self.prompt_ids:
             return False, False
         tail = engine.tokenizer.decode(self.prompt_ids[0][-16:], skip_special_tokens=False)
@@ -285,7 +329,7 @@ class Generation:
             return APIError(400, f"{self.prompt_param}: {e}", param=self.prompt_param)
         return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
 
-    async def outputs(self) -> AsyncIterator[tuple[int, Any]]:
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, RequestOutput) until every choice finished (or the client went away)."""
         while len(self.finals) < len(self.jobs):
             i, item = await self.queue.get()
@@ -299,11 +343,11 @@ class Generation:
             if not self.first_token and item.new_token_ids:
                 self.first_token = True
                 self.first_token_at = time.perf_counter()
-                self.state.metrics.ttft.observe(time.perf_counter() - self.t0)
+                self.metrics.ttft.observe(time.perf_counter() - self.t0)
             if item.finished:
                 self.finals[i] = item
             yield i, item
-        self.state.metrics.e2e.observe(time.perf_counter() - self.t0)
+        self.metrics.e2e.observe(time.perf_counter() - self.t0)
 
     async def watch_disconnect(self, request: Request) -> None:
         """For non-streaming answers: abort at once when the client hangs up (streams get this from
@@ -327,15 +371,13 @@ class Generation:
     def _finish(self, i: int, reason: str | None) -> None:
         if i in self.live:
             self.live.discard(i)
-            self.state.live -= 1
-            self.state.metrics.finished[reason or "error"] += 1
+            self.admission.live -= 1
+            self.metrics.finished[reason or "error"] += 1
 
     def close(self) -> None:
         """Abort whatever is still running (client gone, error, shutdown)."""
-        loop = self.target.loop
         for i in list(self.live):
-            if loop is not None:
-                loop.abort(self.rids[i])
+            self.model.loop.abort(self.rids[i])
             self._finish(i, "abort")
         if self.on_close is not None:
             on_close, self.on_close = self.on_close, None
@@ -350,7 +392,7 @@ class Generation:
 
 
 
-def max_token_bytes(tokenizer) -> int | None:
+def max_token_bytes(tokenizer: LLMTokenizer) -> int | None:
     """An upper bound on the input bytes one token can stand for, so that len(bytes) // bound
     tokens at least: the longest vocabulary entry in UTF-8 (byte-level and SentencePiece entries
     take at least as many bytes as the text they match), x3 when a normalizer may shrink the text

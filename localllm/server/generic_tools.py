@@ -5,7 +5,8 @@ a system message, and the reply is held by a grammar to one JSON object, either 
 into tool_calls or content. One call per reply (llama.cpp's non-parallel shape): weak models asked
 for a list repeat the call until max_tokens. Earlier calls and tool results in the conversation are
 rendered as text turns the template accepts (a `tool` turn becomes a user turn when the template
-has no tool role), in the same JSON the model is asked to write.
+has no tool role), in the same JSON the model is asked to write. The replies are read back below
+the server (localllm/generic_calls.py: GenericTools, handed to ReplyStream as its `tools`).
 """
 
 from __future__ import annotations
@@ -18,21 +19,8 @@ from typing import Any
 INSTRUCTION = ("Respond in JSON format, either with `tool_call` (a request to call tools) or with `response` "
                "reply to the user's request")
 # the grammar's separators: compact JSON, as the templates write calls (free whitespace let weak
-# models pad forever); RESPONSE_HEAD is then the exact start of every text answer
+# models pad forever); generic_calls.RESPONSE_HEAD is then the exact start of every text answer
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-RESPONSE_HEAD = '{"response": "'
-
-
-class GenericTools(dict):
-    """The offered tools (name -> parameters schema) of a request answered in the generic format.
-    A dict, so that it travels where the template path's tools do (chat_choice, ChatDeltas,
-    Ollama's stream); tool_calls.parse and ToolCallStream read the generic reply when given one.
-    `answer_schema`: the request's structured-output schema, which the text answer is held to
-    (llama.cpp's `response` takes the json_schema so too)."""
-
-    def __init__(self, tools: dict, answer_schema: dict | None = None):
-        super().__init__(tools)
-        self.answer_schema = answer_schema
 
 
 def takes_tools(template: str | None) -> bool:
@@ -128,86 +116,3 @@ def messages(msgs: list[dict], raw_tools: list[dict] | None, template: str | Non
     else:
         out.insert(0, {"role": "system", "content": tell})
     return out
-
-
-def parse(text: str, names: Any) -> tuple[str, list[tuple[str, dict]]]:
-    """(content, calls as (name, arguments)) of a generic reply; text that is not one (cut by
-    max_tokens) is content."""
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return _cut_answer(text), []
-    if isinstance(obj, dict):
-        call = obj.get("tool_call")
-        if isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments"), dict):
-            return "", [(call["name"], call["arguments"])]
-        if "response" in obj:
-            r = obj["response"]
-            return (r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)), []
-    return text, []
-
-
-def _cut_answer(text: str) -> str:
-    """A text answer cut short (max_tokens): the part of its string that was written."""
-    if not text.startswith(RESPONSE_HEAD):
-        return text
-    return _decode_prefix(text[len(RESPONSE_HEAD):])[0]
-
-
-def _decode_prefix(raw: str) -> tuple[str, int, bool]:
-    """(decoded text, characters of `raw` consumed, closed) of a JSON string body read so far:
-    stops before an escape not yet complete (or a high surrogate whose pair may follow) and at the
-    closing quote."""
-    out, i = [], 0
-    while i < len(raw):
-        ch = raw[i]
-        if ch == '"':
-            return "".join(out), i, True
-        if ch != "\\":
-            out.append(ch)
-            i += 1
-            continue
-        if i + 1 >= len(raw):
-            break
-        if raw[i + 1] != "u":
-            out.append(json.loads(f'"{raw[i:i + 2]}"'))
-            i += 2
-            continue
-        if i + 6 > len(raw):
-            break
-        code = int(raw[i + 2:i + 6], 16)
-        if 0xD800 <= code < 0xDC00:  # a pair: both halves or neither
-            if i + 12 > len(raw):
-                break
-            out.append(json.loads(f'"{raw[i:i + 12]}"'))
-            i += 12
-            continue
-        out.append(chr(code))
-        i += 6
-    return "".join(out), i, False
-
-
-class GenericStream:
-    """A generic reply's deltas -> the answer's text as it is written (the JSON string's body,
-    unescaped); a call is held and parsed at the end (finish)."""
-
-    def __init__(self, names: Any):
-        self.names = names
-        self._text = ""  # everything so far
-        self._sent = 0  # characters of the answer's raw string body already decoded and sent
-        self._closed = False
-
-    def feed(self, text: str) -> str:
-        self._text += text
-        if not self._text.startswith(RESPONSE_HEAD) or self._closed:
-            return ""
-        body = self._text[len(RESPONSE_HEAD) + self._sent:]
-        decoded, used, self._closed = _decode_prefix(body)
-        self._sent += used
-        return decoded
-
-    def finish(self) -> tuple[str, list[tuple[str, dict]]]:
-        """(content still to send, the calls) once the reply has ended."""
-        if self._text.startswith(RESPONSE_HEAD):
-            return "", []  # the answer went out as it came (a cut escape at the very end is dropped)
-        return parse(self._text, self.names)

@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -23,12 +23,16 @@ from starlette.background import BackgroundTask
 
 from ..fim import FimError, FimRequest, detect, render
 from . import openai_schema as oai
+from .generation import Generation, ServedModel
 from .openai_schema import APIError
 
-router = APIRouter()
+if TYPE_CHECKING:  # for the annotations only: it loads torch
+    from ..sampling import SamplingParams
+    from .state import ServerState
 
 
-async def fim_prompt(target: Any, req: FimRequest, params: list, param: str = "suffix") -> list[int]:
+async def fim_prompt(target: ServedModel, req: FimRequest, params: list[SamplingParams], param: str = "suffix"
+                     ) -> list[int]:
     """`req` rendered with the model's FIM tokens (off the event loop: tokenizing a file takes a
     while); each SamplingParams in `params` also stops at the tokens that end an infill. A model
     without FIM tokens is a 400 naming it."""
@@ -139,11 +143,17 @@ def _sse(obj: dict) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
-@router.post("/infill")
-async def infill(body: InfillRequest, request: Request):
-    from .generation import Generation
+def router(state: ServerState) -> APIRouter:
+    """llama.cpp's POST /infill over `state` (the server's model pool, admission and metrics)."""
+    api = APIRouter()
 
-    state = request.app.state.server
+    @api.post("/infill")
+    async def infill_route(body: InfillRequest, request: Request):
+        return await _infill(state, body, request)
+    return api
+
+
+async def _infill(state: ServerState, body: InfillRequest, request: Request):
     state.metrics.http_requests += 1
     target, release = await state.acquire(body.model)
     try:
@@ -158,7 +168,8 @@ async def infill(body: InfillRequest, request: Request):
                          max_prompt_tokens=max(0, ctx - reserve))
         ids = await fim_prompt(target, req, [params], "input_prefix")
         stops = set(params.stop_token_ids) | set(engine.tokenizer.eos_ids)
-        gen = Generation(state, [ids], [params], 1, "n_predict", "input_prefix", target, release)
+        gen = Generation(target, state.admission, [ids], [params], max_tokens_param="n_predict",
+                         prompt_param="input_prefix", on_close=release)
         await gen.start()
     except BaseException:
         release()

@@ -2,7 +2,7 @@
 
 Front ends that speak only Ollama (VS Code's Ollama provider, Open WebUI, Continue, the `ollama`
 clients) probe /api/version, /api/tags and /api/show, then chat through /api/chat or
-/api/generate. These routes run on the same engines as /v1 (serving.Generation), so a prompt
+/api/generate. These routes run on the same engines as /v1 (generation.Generation), so a prompt
 answers with the same tokens on either API. Streams are newline-delimited JSON, durations are in
 nanoseconds and errors are {"error": "..."}, as Ollama sends them. `format` (JSON mode or a
 schema) holds the output to it; `think` reaches the chat template (enable_thinking) and a
@@ -24,16 +24,19 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any, Union
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.background import BackgroundTask
 
 from ..fim import FimRequest
+from ..reply_stream import ReplyDelta, ReplyStream
 from . import openai_schema as oai
+from .generation import Generation, ServedModel
 from .infill import fim_prompt, ollama_fim
 from .openai_schema import APIError
 from .pool import LocalModel, find_model
+from .state import ServerState
 
 VERSION = "0.11.0"  # the Ollama API version we answer like (clients check a minimum)
 FOREVER = "2318-11-30T00:00:00Z"  # what Ollama reports as expires_at for keep_alive < 0
@@ -238,11 +241,11 @@ def _param_size(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-async def _catalog(state) -> list[LocalModel]:
+async def _catalog(state: ServerState) -> list[LocalModel]:
     return await state.pool.catalog()
 
 
-async def _find(state, name: str) -> LocalModel:
+async def _find(state: ServerState, name: str) -> LocalModel:
     models = await _catalog(state)
     m = find_model(models, name)
     if m is None:
@@ -274,21 +277,21 @@ def _final(out, timing: _Timing) -> dict:
 
 
 # ---- the routes -------------------------------------------------------------------------------
-def mount(app: FastAPI, state) -> None:
-    """Add Ollama's routes to `app` (a server.create_app app; `state` its ServerState)."""
-    from .generation import Generation
+def router(state: ServerState) -> APIRouter:
+    """Ollama's routes over `state` (the server's model pool, admission and metrics)."""
+    api = APIRouter()
 
-    @app.get("/api/version")
+    @api.get("/api/version")
     async def version():
         return {"version": VERSION}
 
-    @app.get("/api/tags")
+    @api.get("/api/tags")
     async def tags():
         state.require_ready()
         return {"models": [{"name": m.name, "model": m.name, "modified_at": iso(m.modified), "size": m.size,
                             "digest": _digest(m), "details": _details(m)} for m in await _catalog(state)]}
 
-    @app.post("/api/show")
+    @api.post("/api/show")
     async def show(body: ModelRequest):
         from ..models_cli import describe
         from ..reasoning import reasons
@@ -321,134 +324,20 @@ def mount(app: FastAPI, state) -> None:
                                  *(["thinking"] if reasons(template) else [])],
                 "modified_at": iso(m.modified)}
 
-    @app.get("/api/ps")
+    @api.get("/api/ps")
     async def ps():
         state.require_ready()
         rows = []
         models = {m.name: m for m in await state.pool.catalog()}
         for name, e in list(state.pool.loaded.items()):
-            if e.engine is None or name not in models:
+            if e.model is None or name not in models:
                 continue
             expires = (FOREVER if e.keep_alive < 0 else
                        iso(e.expires_at if e.expires_at is not None else time.time() + e.keep_alive))
-            rows.append(_ps_row(models[name], e.engine, e.loop, expires, e.need))
+            rows.append(_ps_row(models[name], e.model, expires, e.need))
         return {"models": rows}
 
-    def _ps_row(m: LocalModel, engine, loop, expires: str, size: int) -> dict:
-        stats = loop.stats if loop is not None else {}
-        return {"name": m.name, "model": m.name, "size": size, "digest": _digest(m), "details": _details(m),
-                "expires_at": expires, "size_vram": 0 if str(engine.loaded.model.device) == "cpu" else size,
-                "context_length": engine.max_model_len,
-                # ours: KV blocks in use (0 when idle: nothing leaked) and in all
-                "kv_blocks_used": stats.get("kv_blocks_used", 0), "kv_blocks_total": stats.get("kv_blocks_total", 0)}
-
-    async def _load_only(name: str, keep_alive: float | None, chat: bool):
-        """An empty chat/generate: load the model (or, with keep_alive 0, unload it), as Ollama does."""
-        if keep_alive == 0 and state.pool.pinned is None:
-            m = await _find(state, name)
-            await state.pool.unload(m.name)
-            reason = "unload"
-        else:
-            _, release = await state.acquire(name, keep_alive)
-            release()
-            reason = "load"
-        body = {"model": name, "created_at": _now_iso(), "done": True, "done_reason": reason}
-        body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
-        return body
-
-    async def _run(name: str, prompt, options: Options | None, keep_alive: float | None, stream: bool,
-                   request: Request, chat: bool, fmt: Any = None, think: bool | None = None,
-                   tools: tuple[dict, list] | None = None):
-        """`tools`: (name -> parameters, the tools as sent) of a chat that offers some."""
-        from ..reasoning import ThinkSplitter, reasons
-        from . import generic_tools
-        from .output_format import make, ollama_format
-        from .tool_calls import ToolCallStream
-
-        constraint = ollama_format(fmt)
-        timing = _Timing()
-        target, release = await state.acquire(name, keep_alive, options.num_ctx if options is not None else None)
-        timing.loaded = time.perf_counter()
-        try:
-            template = target.engine.tokenizer.chat_template
-            if think and not reasons(template):
-                raise APIError(400, f"\"{name}\" does not support thinking (its chat template has no <think> tags)",
-                               param="think")
-            constraint_param = "format"
-            if chat and not generic_tools.takes_tools(template):  # the tools and tool turns as text turns
-                prompt = generic_tools.messages(prompt, tools[1] if tools else None, template)
-            if tools and not generic_tools.takes_tools(template):  # an answer is held to `format`, if set
-                answer = generic_tools.answer_of(constraint)
-                tools = (generic_tools.GenericTools(tools[0], answer), None)
-                constraint = make("tools", "json_schema", generic_tools.schema(tools[0], "auto", answer))
-                constraint_param = "tools"
-            params = sampling_params(options, constraint)
-            if isinstance(prompt, FimRequest):
-                prompt = await fim_prompt(target, prompt, [params])
-            kwargs = {} if think is None else {"enable_thinking": think}
-            if tools and tools[1] is not None:
-                kwargs["tools"] = tools[1]
-            gen = Generation(state, [prompt], [params], 1, "num_predict", "messages" if chat else "prompt",
-                             target, release, kwargs, constraint_param)
-            await gen.start()
-        except BaseException:
-            release()
-            raise
-        # as Ollama: with think unset the reply is passed through as the model wrote it
-        thinks, inside = gen.reasoning() if think is not None else (False, False)
-        splitter = ThinkSplitter(inside) if thinks else None
-        calls = ToolCallStream(tools[0]) if tools else None
-
-        def piece(text: str, thinking: str = "", called: list | None = None) -> dict:
-            extra = {"thinking": thinking} if thinking and think else {}
-            if called:  # Ollama's shape: arguments as an object, no ids
-                extra["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in called]
-            if chat:
-                return {"message": {"role": "assistant", "content": text, **extra}}
-            return {"response": text, **extra}
-
-        def split(text: str, final: bool) -> tuple[str, str, list]:
-            """(reasoning, answer, tool calls) of a delta."""
-            r, a = splitter.feed(text) if splitter else ("", text)
-            if final and splitter:
-                fr, fa = splitter.flush()
-                r, a = r + fr, a + fa
-            called: list = []
-            if calls is not None:
-                a = calls.feed(a)
-                if final:
-                    rest, called = calls.finish()
-                    a += rest
-            return r, a, called
-
-        if not stream:
-            if not await gen.collect(request):
-                return Response(status_code=499)
-            timing.end = time.perf_counter()
-            timing.first = gen.first_token_at or timing.end
-            out = gen.finals[0]
-            r, a, called = split(out.text, True)
-            return {"model": name, "created_at": _now_iso(), **piece(a, r, called), **_final(out, timing)}
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for _, out in gen.outputs():
-                    if timing.first is None and out.new_token_ids:
-                        timing.first = time.perf_counter()
-                    r, a, called = split(out.delta, out.finished)
-                    if a or (r and think) or called:
-                        yield _line({"model": name, "created_at": _now_iso(), **piece(a, r, called), "done": False})
-                    if out.finished:
-                        timing.end = time.perf_counter()
-                        yield _line({"model": name, "created_at": _now_iso(), **piece(""), **_final(out, timing)})
-            except APIError as e:  # after the headers: an error line, as Ollama sends it
-                state.metrics.errors[e.status] += 1
-                yield _line({"error": e.message})
-            finally:
-                gen.close()
-        return StreamingResponse(events(), media_type="application/x-ndjson", background=BackgroundTask(gen.close))
-
-    @app.post("/api/chat")
+    @api.post("/api/chat")
     async def chat(body: ChatRequest, request: Request):
         state.metrics.http_requests += 1
         _refuse_unsupported(body, any(m.images for m in body.messages))
@@ -456,8 +345,8 @@ def mount(app: FastAPI, state) -> None:
         if not body.model:
             raise APIError(400, "model is required", param="model")
         if not body.messages:
-            return await _load_only(body.model, keep_alive, True)
-        from .tool_calls import ToolError, check_tools, template_messages
+            return await _load_only(state, body.model, keep_alive, True)
+        from .tools import ToolError, check_tools, template_messages
 
         try:
             tools = check_tools(body.tools or [])
@@ -466,10 +355,10 @@ def mount(app: FastAPI, state) -> None:
         messages = template_messages([
             {"role": m.role, "content": m.content or "", **({"tool_calls": m.tool_calls} if m.tool_calls else {}),
              **({"name": m.tool_name} if m.tool_name else {})} for m in body.messages])
-        return await _run(body.model, messages, body.options, keep_alive, body.stream, request, True, body.format,
-                          body.think, (tools, body.tools) if tools else None)
+        return await _run(state, body.model, messages, body.options, keep_alive, body.stream, request, True,
+                          body.format, body.think, (tools, body.tools) if tools else None)
 
-    @app.post("/api/generate")
+    @api.post("/api/generate")
     async def generate(body: GenerateRequest, request: Request):
         state.metrics.http_requests += 1
         _refuse_unsupported(body, bool(body.images))
@@ -480,7 +369,7 @@ def mount(app: FastAPI, state) -> None:
         if not body.model:
             raise APIError(400, "model is required", param="model")
         if not body.prompt and not body.suffix:
-            return await _load_only(body.model, keep_alive, False)
+            return await _load_only(state, body.model, keep_alive, False)
         if body.suffix:  # fill-in-the-middle, raw or not (the FIM tokens are no chat template)
             prompt: Any = ollama_fim(body.prompt, body.suffix, body.system)
         elif body.raw:
@@ -488,14 +377,14 @@ def mount(app: FastAPI, state) -> None:
         else:
             prompt = ([{"role": "system", "content": body.system}] if body.system else []) + [
                 {"role": "user", "content": body.prompt}]
-        return await _run(body.model, prompt, body.options, keep_alive, body.stream, request, False, body.format,
+        return await _run(state, body.model, prompt, body.options, keep_alive, body.stream, request, False, body.format,
                           body.think)
 
-    @app.post("/api/pull")
+    @api.post("/api/pull")
     async def pull(body: PullRequest):
         return await _pull(state, body)
 
-    @app.delete("/api/delete")
+    @api.delete("/api/delete")
     async def delete(body: ModelRequest):
         from ..hub import HubError
         from ..models_cli import remove
@@ -519,8 +408,115 @@ def mount(app: FastAPI, state) -> None:
                             "text models: chat, generate, pull, delete)", "not_implemented")
 
     for path in ("/api/create", "/api/push", "/api/copy", "/api/embed", "/api/embeddings", "/api/blobs/{digest}"):
-        app.add_api_route(path, not_served, methods=["POST", "HEAD"] if "blobs" in path else ["POST"],
+        api.add_api_route(path, not_served, methods=["POST", "HEAD"] if "blobs" in path else ["POST"],
                           include_in_schema=False)
+    return api
+
+
+def _ps_row(m: LocalModel, served: ServedModel, expires: str, size: int) -> dict:
+    engine, stats = served.engine, served.loop.stats
+    return {"name": m.name, "model": m.name, "size": size, "digest": _digest(m), "details": _details(m),
+            "expires_at": expires, "size_vram": 0 if str(engine.loaded.model.device) == "cpu" else size,
+            "context_length": engine.max_model_len,
+            # ours: KV blocks in use (0 when idle: nothing leaked) and in all
+            "kv_blocks_used": stats.get("kv_blocks_used", 0), "kv_blocks_total": stats.get("kv_blocks_total", 0)}
+
+
+async def _load_only(state: ServerState, name: str, keep_alive: float | None, chat: bool):
+    """An empty chat/generate: load the model (or, with keep_alive 0, unload it), as Ollama does."""
+    if keep_alive == 0 and state.pool.pinned is None:
+        m = await _find(state, name)
+        await state.pool.unload(m.name)
+        reason = "unload"
+    else:
+        _, release = await state.acquire(name, keep_alive)
+        release()
+        reason = "load"
+    body = {"model": name, "created_at": _now_iso(), "done": True, "done_reason": reason}
+    body.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+    return body
+
+
+async def _run(state: ServerState, name: str, prompt: str | list[dict] | FimRequest, options: Options | None,
+               keep_alive: float | None, stream: bool, request: Request, chat: bool, fmt: Any = None,
+               think: bool | None = None, tools: tuple[dict, list] | None = None):
+    """`tools`: (name -> parameters, the tools as sent) of a chat that offers some."""
+    from ..generic_calls import GenericTools
+    from ..reasoning import reasons
+    from . import generic_tools
+    from .output_format import make, ollama_format
+
+    constraint = ollama_format(fmt)
+    timing = _Timing()
+    served, release = await state.acquire(name, keep_alive, options.num_ctx if options is not None else None)
+    timing.loaded = time.perf_counter()
+    try:
+        template = served.engine.tokenizer.chat_template
+        if think and not reasons(template):
+            raise APIError(400, f"\"{name}\" does not support thinking (its chat template has no <think> tags)",
+                           param="think")
+        constraint_param = "format"
+        if chat and not generic_tools.takes_tools(template):  # the tools and tool turns as text turns
+            prompt = generic_tools.messages(prompt, tools[1] if tools else None, template)
+        if tools and not generic_tools.takes_tools(template):  # an answer is held to `format`, if set
+            answer = generic_tools.answer_of(constraint)
+            tools = (GenericTools(tools[0], answer), None)
+            constraint = make("tools", "json_schema", generic_tools.schema(tools[0], "auto", answer))
+            constraint_param = "tools"
+        params = sampling_params(options, constraint)
+        if isinstance(prompt, FimRequest):
+            prompt = await fim_prompt(served, prompt, [params])
+        kwargs = {} if think is None else {"enable_thinking": think}
+        if tools and tools[1] is not None:
+            kwargs["tools"] = tools[1]
+        gen = Generation(served, state.admission, [prompt], [params], max_tokens_param="num_predict",
+                         prompt_param="messages" if chat else "prompt", constraint_param=constraint_param,
+                         template_kwargs=kwargs, on_close=release)
+        await gen.start()
+    except BaseException:
+        release()
+        raise
+    # as Ollama: with think unset the reply is passed through as the model wrote it
+    thinks, inside = gen.reasoning() if think is not None else (False, False)
+    reply = ReplyStream(thinks, inside, tools[0] if tools else None)
+
+    def piece(part: ReplyDelta) -> dict:
+        extra = {"thinking": part.reasoning} if part.reasoning and think else {}
+        if part.tool_calls:  # Ollama's shape: arguments as an object, no ids
+            extra["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}}
+                                   for c in part.tool_calls]
+        if chat:
+            return {"message": {"role": "assistant", "content": part.content, **extra}}
+        return {"response": part.content, **extra}
+
+    if not stream:
+        if not await gen.collect(request):
+            return Response(status_code=499)
+        timing.end = time.perf_counter()
+        timing.first = gen.first_token_at or timing.end
+        out = gen.finals[0]
+        return {"model": name, "created_at": _now_iso(), **piece(reply.whole(out.text)), **_final(out, timing)}
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for _, out in gen.outputs():
+                if timing.first is None and out.new_token_ids:
+                    timing.first = time.perf_counter()
+                part = reply.feed(out.delta)
+                if out.finished:
+                    part += reply.finish()
+                if part.content or (part.reasoning and think) or part.tool_calls:
+                    yield _line({"model": name, "created_at": _now_iso(), **piece(part), "done": False})
+                if out.finished:
+                    timing.end = time.perf_counter()
+                    yield _line({"model": name, "created_at": _now_iso(), **piece(ReplyDelta()),
+                                 **_final(out, timing)})
+        except APIError as e:  # after the headers: an error line, as Ollama sends it
+            state.metrics.errors[e.status] += 1
+            yield _line({"error": e.message})
+        finally:
+            gen.close()
+    return StreamingResponse(events(), media_type="application/x-ndjson", background=BackgroundTask(gen.close))
 
 
 def _line(obj: dict) -> str:
@@ -574,7 +570,7 @@ def _named(name: str, prefix: str = ""):
                             "hub repo id 'org/name')", param="model", code="model_not_found") from None
 
 
-async def _pull(state, body: PullRequest):
+async def _pull(state: ServerState, body: PullRequest):
     from ..hub import HubError, variant_for
     from ..hub import pull as hub_pull
     from ..models_cli import local_path

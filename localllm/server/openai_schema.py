@@ -11,12 +11,16 @@ JSON, not encodable text) gets past the request models.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
+
+from ..reply_stream import ReplyDelta
+from ..tool_calls import ToolCall
 
 
 class APIError(Exception):
@@ -241,73 +245,50 @@ def chat_response(rid: str, created: int, model: str, choices: list[dict], use: 
             "choices": choices, "usage": use, "system_fingerprint": None}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None,
-                thinking: bool | None = None, tools: dict | None = None, legacy: bool = False) -> dict:
-    """`thinking` not None: a reasoning model's reply (True: it starts inside <think>), split as
-    vLLM's reasoning parser does into reasoning_content and the answer in content. `tools` (name
-    -> schema): calls of them in the answer become tool_calls (`legacy`: one function_call)."""
-    message: dict = {"role": "assistant", "content": text}
-    if thinking is not None:
-        from ..reasoning import split
-
-        reasoning, text = split(text, thinking)
-        message = {"role": "assistant", "content": text, "reasoning_content": reasoning or None}
-    if tools is not None:
-        from .tool_calls import parse
-
-        content, calls = parse(text, tools)
-        message["content"] = content  # a generic reply's answer is unwrapped from its JSON
-        if calls:
-            message["content"] = content or None
-            message.update(_calls_field(calls, legacy))
-            finish_reason = "function_call" if legacy else "tool_calls"
+def chat_choice(index: int, reply: ReplyDelta, finish_reason: str | None, logprobs: dict | None,
+                reasons: bool = False, legacy: bool = False) -> dict:
+    """A whole reply (reply_stream.ReplyStream.whole) as a choice: `reasons` (a reasoning model)
+    adds reasoning_content as vLLM's reasoning parser does (null when it did not think); calls
+    become tool_calls (`legacy`: the deprecated functions API's one function_call)."""
+    message: dict = {"role": "assistant", "content": reply.content}
+    if reasons:
+        message["reasoning_content"] = reply.reasoning or None
+    if reply.tool_calls:
+        message["content"] = reply.content.strip() or None  # the text around the calls, if any
+        message.update(_calls_field(reply.tool_calls, legacy))
+        finish_reason = calls_finish_reason(legacy)
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def _calls_field(calls: list, legacy: bool, stream: bool = False) -> dict:
+def chat_delta(d: ReplyDelta, legacy: bool = False) -> dict:
+    """A streamed part of a reply as a chat chunk's delta: reasoning_content, content, and the
+    calls (sent whole, with the reply's last delta) as tool_calls."""
+    delta: dict = {}
+    if d.reasoning:
+        delta["reasoning_content"] = d.reasoning
+    if d.content:
+        delta["content"] = d.content
+    if d.tool_calls:
+        delta.update(_calls_field(d.tool_calls, legacy, stream=True))
+    return delta
+
+
+def calls_finish_reason(legacy: bool) -> str:
+    """The finish_reason of a reply that made calls."""
+    return "function_call" if legacy else "tool_calls"
+
+
+def tool_call(call: ToolCall, index: int | None = None) -> dict:
+    """A call as OpenAI spells it: arguments as JSON text; `index` in a streamed delta."""
+    d = {"id": call.id, "type": "function",
+         "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    return d if index is None else {"index": index, **d}
+
+
+def _calls_field(calls: list[ToolCall], legacy: bool, stream: bool = False) -> dict:
     if legacy:  # the deprecated functions API has one call per reply
-        return {"function_call": calls[0].openai()["function"]}
-    return {"tool_calls": [c.openai(k if stream else None) for k, c in enumerate(calls)]}
-
-
-class ChatDeltas:
-    """A reply's text deltas -> chat deltas: a reasoning model's reasoning as reasoning_content
-    (tags removed), the answer as content, and with `tools` the calls it writes as tool_calls
-    (held back from content, sent whole with the last delta). `called`: calls were sent."""
-
-    def __init__(self, thinking: bool | None, tools: dict | None = None, legacy: bool = False):
-        from ..reasoning import ThinkSplitter
-        from .tool_calls import ToolCallStream
-
-        self.splitter = ThinkSplitter(thinking) if thinking is not None else None
-        self.calls = ToolCallStream(tools) if tools is not None else None
-        self.legacy, self.called = legacy, False
-
-    def feed(self, text: str, final: bool) -> dict:
-        reasoning, answer = self.splitter.feed(text) if self.splitter else ("", text)
-        if final and self.splitter:
-            r, a = self.splitter.flush()
-            reasoning, answer = reasoning + r, answer + a
-        calls = []
-        if self.calls is not None:
-            answer = self.calls.feed(answer)
-            if final:
-                rest, calls = self.calls.finish()
-                answer += rest
-        delta: dict = {}
-        if reasoning:
-            delta["reasoning_content"] = reasoning
-        if answer:
-            delta["content"] = answer
-        if calls:
-            self.called = True
-            delta.update(_calls_field(calls, self.legacy, stream=True))
-        return delta
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        if reason is None or not self.called:
-            return reason
-        return "function_call" if self.legacy else "tool_calls"
+        return {"function_call": tool_call(calls[0])["function"]}
+    return {"tool_calls": [tool_call(c, k if stream else None) for k, c in enumerate(calls)]}
 
 
 def completion_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:

@@ -18,10 +18,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ..config import kv_blocks
+from ..config import EngineConfig, kv_blocks
+from .generation import ServedModel, serve_engine
 from .openai_schema import APIError
+
+if TYPE_CHECKING:  # for the annotations only: importing the engine loads torch
+    from ..engine.engine import LLMEngine
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds an idle model stays loaded (Ollama's default: 5m)
 
@@ -75,7 +79,7 @@ class Pinned:
 
     name: str
     aliases: list[str]
-    load: Callable[[], Any]
+    load: Callable[[], LLMEngine]
 
     def local(self) -> LocalModel:
         """The model as /api/tags lists it (its file is there once `load` has pulled it)."""
@@ -95,7 +99,7 @@ class Pinned:
 
 @dataclass
 class PoolConfig:
-    engine_config: Any  # EngineConfig for every model (ctx, kv memory, threads, batch)
+    engine_config: EngineConfig  # for every model (ctx, kv memory, threads, batch)
     quant: str = "auto"
     device: str = "auto"
     max_memory: int | None = None  # bytes for all loaded models together; None: 90% of free memory
@@ -104,15 +108,14 @@ class PoolConfig:
 
 
 @dataclass
-class LoadedModel:
-    """One loaded engine and its loop thread; what serving.Generation runs requests on."""
+class PoolEntry:
+    """A model in the pool, loading or loaded: its ServedModel once ready (what requests run on),
+    and what the pool decides by (memory it needs, requests in flight, when it expires)."""
 
     name: str
     need: int  # planned bytes (weights + KV + runtime)
     ctx: int = 0  # the context it was loaded with
-    engine: Any = None
-    loop: Any = None
-    token_bytes: int | None = None
+    model: ServedModel | None = None  # set once loaded, None again once unloaded
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     error: APIError | None = None
     active: int = 0  # requests in flight
@@ -145,7 +148,7 @@ class ModelPool:
     def __init__(self, cfg: PoolConfig, log: Callable[[str], None],
                  catalog: Callable[[], list[LocalModel]] = local_models):
         self.cfg, self.log, self._catalog = cfg, log, catalog
-        self.loaded: dict[str, LoadedModel] = {}
+        self.loaded: dict[str, PoolEntry] = {}
         self._lock = asyncio.Lock()  # one load decision at a time (memory accounting)
         self._reaper: asyncio.Task | None = None
         self.closing = False
@@ -187,13 +190,13 @@ class ModelPool:
         """/v1/models' entry for `m`; a loaded model also says the context it was loaded with."""
         card = {"id": m.name, "object": "model", "created": int(m.modified), "owned_by": "localllm"}
         entry = self.loaded.get(m.name)
-        if entry is not None and entry.engine is not None:
-            card["max_model_len"] = entry.engine.max_model_len
+        if entry is not None and entry.model is not None:
+            card["max_model_len"] = entry.model.engine.max_model_len
         return card
 
     # ---- acquire / release -----------------------------------------------------------------------
     async def acquire(self, name: str | None, keep_alive: float | None = None, num_ctx: int | None = None
-                      ) -> tuple[LoadedModel, Callable[[], None]]:
+                      ) -> tuple[ServedModel, Callable[[], None]]:
         """The loaded model `name` names (loading it first), counted as in use until release().
         `num_ctx` (Ollama's option): the context to load it with; a model loaded with another
         one is reloaded when idle, as Ollama does (while requests run on it, they share it)."""
@@ -222,9 +225,10 @@ class ModelPool:
         except BaseException:
             self._release(entry)
             raise
-        if entry.error is not None:
+        if entry.error is not None or entry.model is None:  # no model: unloaded by a shutdown meanwhile
             self._release(entry)
-            raise entry.error
+            raise entry.error or APIError(503, "the server is shutting down", "service_unavailable",
+                                          code="server_shutting_down")
         released = False
 
         def release() -> None:
@@ -232,9 +236,9 @@ class ModelPool:
             if not released:
                 released = True
                 self._release(entry)
-        return entry, release
+        return entry.model, release
 
-    def _release(self, entry: LoadedModel) -> None:
+    def _release(self, entry: PoolEntry) -> None:
         entry.active -= 1
         entry.last_used = time.monotonic()
         if entry.active == 0 and entry.error is None:
@@ -255,7 +259,7 @@ class ModelPool:
             raise ValueError(f"num_ctx {num_ctx} exceeds the model's context of {facts.max_context} tokens")
         return plan(facts, device_facts(self.cfg.device), self.cfg.quant, ctx, budget, ec.kv_memory_bytes)
 
-    async def _start_load(self, local: LocalModel, num_ctx: int | None = None) -> LoadedModel:
+    async def _start_load(self, local: LocalModel, num_ctx: int | None = None) -> PoolEntry:
         """Under self._lock: plan, unload LRU idle models until it fits, start the loader thread."""
         from ..planner import PlanError
 
@@ -277,7 +281,7 @@ class ModelPool:
                                     f"({', '.join(self.loaded)}): {p.reason}; retry when they are idle",
                                "service_unavailable", code="model_memory_busy", headers={"Retry-After": "1"})
             raise APIError(400, f"{local.name} cannot be loaded: {p.reason}", param="model", code="model_too_large")
-        entry = LoadedModel(local.name, p.needed_bytes, p.ctx, keep_alive=self.cfg.keep_alive)
+        entry = PoolEntry(local.name, p.needed_bytes, p.ctx, keep_alive=self.cfg.keep_alive)
         self.loaded[local.name] = entry
         aloop = asyncio.get_running_loop()
         ec = self.cfg.engine_config
@@ -289,17 +293,16 @@ class ModelPool:
                          name=f"localllm-engine-{local.name}", daemon=True).start()
         return entry
 
-    def _load_and_run(self, entry: LoadedModel, model: str, precision: str, config, aloop) -> None:
+    def _load_and_run(self, entry: PoolEntry, model: str, precision: str, config: EngineConfig,
+                      aloop: asyncio.AbstractEventLoop) -> None:
         from ..llm import build_engine
 
         self._run_engine(entry, lambda: build_engine(model, precision, self.cfg.device, config), aloop)
 
-    def _run_engine(self, entry: LoadedModel, build: Callable[[], Any], aloop) -> None:
+    def _run_engine(self, entry: PoolEntry, build: Callable[[], LLMEngine], aloop: asyncio.AbstractEventLoop) -> None:
         """The model's thread: builds its engine, then steps it (the only thread that enters torch
         for it, so OpenMP keeps one team whose threads spin between ops; a second calling thread
         gets a second team, and libgomp stops spinning when its threads outnumber the cores)."""
-        from .generation import EngineLoop, max_token_bytes
-
         t0 = time.perf_counter()
         try:
             engine = build()
@@ -309,17 +312,15 @@ class ModelPool:
             return
         if self.closing:
             return
-        entry.token_bytes = max_token_bytes(engine.tokenizer)
-        entry.engine = engine
-        entry.loop = EngineLoop(engine, self.log)
+        served = entry.model = serve_engine(entry.name, engine, self.log)
         entry.load_seconds = time.perf_counter() - t0
         entry.loaded_at = time.time()
         self.log(f"model {entry.name} loaded in {entry.load_seconds:.1f} s (context {engine.max_model_len} tokens, "
                  f"{engine.cache_stats()['kv_blocks_total']} KV blocks){'; ready' if self.pinned else ''}")
         aloop.call_soon_threadsafe(entry.ready.set)
-        entry.loop.run()
+        served.loop.run()
 
-    def _load_failed(self, entry: LoadedModel, err: APIError) -> None:
+    def _load_failed(self, entry: PoolEntry, err: APIError) -> None:
         entry.error = err
         if self.loaded.get(entry.name) is entry:
             del self.loaded[entry.name]
@@ -329,18 +330,18 @@ class ModelPool:
             self.on_fatal()
 
     # ---- unloading -------------------------------------------------------------------------------
-    async def _unload(self, entry: LoadedModel, why: str) -> None:
+    async def _unload(self, entry: PoolEntry, why: str) -> None:
         if self.loaded.get(entry.name) is not entry:
             return
         del self.loaded[entry.name]
         await entry.ready.wait()
-        if entry.loop is not None:
-            await asyncio.to_thread(entry.loop.close)
-        entry.engine = entry.loop = None
+        if entry.model is not None:
+            await asyncio.to_thread(entry.model.loop.close)
+        entry.model = None
         await asyncio.to_thread(gc.collect)  # the engine's tensors go now, not at some later collection
         self.log(f"model {entry.name} unloaded ({why})")
 
-    def _unload_later(self, entry: LoadedModel) -> None:
+    def _unload_later(self, entry: PoolEntry) -> None:
         async def run():
             async with self._lock:
                 if entry.active == 0:
@@ -365,7 +366,7 @@ class ModelPool:
     def start(self) -> None:
         aloop = asyncio.get_running_loop()
         if self.pinned is not None:
-            entry = self.loaded[self.pinned.name] = LoadedModel(self.pinned.name, 0, keep_alive=-1)
+            entry = self.loaded[self.pinned.name] = PoolEntry(self.pinned.name, 0, keep_alive=-1)
             threading.Thread(target=self._run_engine, args=(entry, self.pinned.load, aloop),
                              name="localllm-engine", daemon=True).start()
             return
@@ -392,14 +393,14 @@ class ModelPool:
     def begin_shutdown(self) -> None:
         self.closing = True
         for entry in list(self.loaded.values()):
-            if entry.loop is not None:
-                entry.loop.close(timeout=0)
+            if entry.model is not None:
+                entry.model.loop.close(timeout=0)
 
     async def close(self) -> None:
         self.closing = True
         if self._reaper is not None:
             self._reaper.cancel()
         for entry in list(self.loaded.values()):
-            if entry.loop is not None:
-                await asyncio.to_thread(entry.loop.close)
+            if entry.model is not None:
+                await asyncio.to_thread(entry.model.loop.close)
         self.loaded.clear()

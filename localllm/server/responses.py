@@ -1,6 +1,6 @@
 """OpenAI's Responses API (/v1/responses), the one the OpenAI Agents SDK and Codex speak: a wire
 format only. A request is translated into the internal chat request (a ChatCompletionRequest run
-by the same start_chat as /v1/chat/completions: templates, tools (through the template or the
+by the same openai_routes.start_chat as /v1/chat/completions: templates, tools (through the template or the
 generic format), constrained decoding, reasoning), and the reply into Responses' output items
 (reasoning, message, function_call) and, streamed, its typed events (response.created,
 response.output_item.added, response.output_text.delta, response.function_call_arguments.delta,
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Union
 
 from fastapi import APIRouter, Request
@@ -21,8 +21,11 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ConfigDict, ValidationError
 from starlette.background import BackgroundTask
 
+from ..reply_stream import ReplyDelta
 from . import openai_schema as oai
+from .openai_routes import ChatStart, start_chat
 from .openai_schema import APIError
+from .state import ServerState
 
 
 class ResponsesRequest(oai._Request):
@@ -202,22 +205,23 @@ def chat_request(req: ResponsesRequest) -> oai.ChatCompletionRequest:
 
 # ---- the reply as output items --------------------------------------------------------------------
 class OutputItems:
-    """A reply's chat deltas (ChatDeltas: reasoning_content, content, tool_calls) -> Responses'
-    output items, and the stream events each delta causes (sequence numbers added by the caller)."""
+    """A reply's parts (ReplyStream's ReplyDelta: reasoning, content, tool calls) -> Responses'
+    output items, and the stream events each part causes (sequence numbers added by the caller)."""
 
     def __init__(self):
         self.items: list[dict] = []
         self._open: dict | None = None  # the reasoning or message item being written
         self._text = ""
 
-    def add(self, delta: dict) -> list[dict]:
+    def add(self, delta: ReplyDelta) -> list[dict]:
         events: list[dict] = []
-        if delta.get("reasoning_content"):
-            events += self._write("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            events += self._write("message", delta["content"])
-        for call in delta.get("tool_calls") or []:
+        if delta.reasoning:
+            events += self._write("reasoning", delta.reasoning)
+        if delta.content:
+            events += self._write("message", delta.content)
+        for c in delta.tool_calls:
             events += self._close()
+            call = oai.tool_call(c)  # OpenAI's spelling: the arguments as JSON text
             fn = call["function"]
             item = {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": fn["name"],
                     "arguments": "", "status": "in_progress"}
@@ -312,8 +316,8 @@ def _response(rid: str, created: int, req: ResponsesRequest, model: str, status:
             "user": req.user}
 
 
-def router(state: Any, start_chat: Callable) -> APIRouter:
-    """POST /v1/responses on `state` (the server's ServerState); `start_chat` is app.start_chat."""
+def router(state: ServerState) -> APIRouter:
+    """POST /v1/responses on `state` (the server's model pool, admission and metrics)."""
     api = APIRouter()
 
     @api.post("/v1/responses")
@@ -331,9 +335,7 @@ def router(state: Any, start_chat: Callable) -> APIRouter:
             raise
         return await _answer(body, chat, target, request)
 
-    async def _answer(req: ResponsesRequest, chat, target, request: Request):
-        from .openai_schema import ChatDeltas
-
+    async def _answer(req: ResponsesRequest, chat: ChatStart, target, request: Request):
         gen, rid, created, name = chat.gen, _id("resp"), oai.now(), target.name
         tok = target.engine.tokenizer
 
@@ -349,7 +351,7 @@ def router(state: Any, start_chat: Callable) -> APIRouter:
                 return Response(status_code=499)
             out = gen.finals[0]
             items = OutputItems()
-            items.add(ChatDeltas(chat.thinking, chat.tools).feed(out.text, True))
+            items.add(chat.reply().whole(out.text))
             items.finish("incomplete" if out.finish_reason == "length" else "completed")
             return done(items, out.finish_reason)
 
@@ -362,13 +364,16 @@ def router(state: Any, start_chat: Callable) -> APIRouter:
                 seq += 1
                 return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-            items, deltas, reason = OutputItems(), ChatDeltas(chat.thinking, chat.tools), None
+            items, reply, reason = OutputItems(), chat.reply(), None
             shell = _response(rid, created, req, name, "in_progress", [], None)
             yield sse({"type": "response.created", "response": shell})
             yield sse({"type": "response.in_progress", "response": shell})
             try:
                 async for _, out in gen.outputs():
-                    for e in items.add(deltas.feed(out.delta, out.finished)):
+                    part = reply.feed(out.delta)
+                    if out.finished:
+                        part += reply.finish()
+                    for e in items.add(part):
                         yield sse(e)
                     if out.finished:
                         reason = out.finish_reason

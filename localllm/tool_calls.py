@@ -1,10 +1,13 @@
-"""Tool calling: the tools a request offers (checked), the calls a model wrote parsed out of its
-text, and the grammar that forces a call when the request says it must.
+"""Tool calls as models write them: the calls parsed out of a reply's text (whole, or as it streams),
+the format a chat template teaches its model, and the grammar that forces a call.
 
 Models write calls in their family's format: Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>`,
 Mistral `[TOOL_CALLS] [{"name", "arguments"}]`, Llama 3 a bare JSON object `{"name", "parameters"}`
 (after `<|python_tag|>` or not). All three are recognised whatever the template, but only calls of
-offered tools count: a JSON answer that happens to have a "name" is still an answer.
+offered tools count: a JSON answer that happens to have a "name" is still an answer. A model whose
+template takes no tools writes llama.cpp's generic JSON instead: given a GenericTools as the names,
+parse and ToolCallStream read that (generic_calls.py). Below every front end (reply_stream.py uses
+it); how an API spells a call on the wire is the server's business.
 """
 
 from __future__ import annotations
@@ -12,72 +15,24 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
 
-from . import generic_tools
+from . import generic_calls
+from .reasoning import partial_tag
 
 HERMES, MISTRAL, PYTHON_TAG = "<tool_call>", "[TOOL_CALLS]", "<|python_tag|>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
-class ToolError(ValueError):
-    """A malformed tools / tool_choice field; `param` names it."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
 @dataclass
 class ToolCall:
+    """One call of an offered tool: its name and arguments (an object), with an id of its own that
+    the API answers carry and a tool turn names when it answers the call."""
+
     name: str
     arguments: dict
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def openai(self, index: int | None = None) -> dict:
-        d = {"id": self.id, "type": "function",
-             "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
-        return d if index is None else {"index": index, **d}
-
-
-def check_tools(tools: list, param: str = "tools") -> dict[str, dict]:
-    """OpenAI/Ollama tools [{"type": "function", "function": {"name", "description", "parameters"}}]
-    -> {name: parameters schema}."""
-    out: dict[str, dict] = {}
-    for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise ToolError(param, f"{param}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}")
-        name, params = fn.get("name"), fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
-            raise ToolError(param, f"{param}[{i}].function.name must be 1-64 letters, digits, _ . or -, got {name!r}")
-        if not isinstance(params, dict):
-            raise ToolError(param, f"{param}[{i}].function.parameters must be a JSON schema object")
-        if name in out:
-            raise ToolError(param, f"{param}: two tools are named {name!r}")
-        out[name] = params
-    return out
-
-
-def choice_of(tool_choice: Any, names: dict[str, dict], param: str = "tool_choice") -> str:
-    """tool_choice -> "none" | "auto" | "required" | a tool's name (a named call)."""
-    if tool_choice is None:
-        return "auto" if names else "none"
-    if tool_choice in ("none", "auto"):
-        return tool_choice
-    if tool_choice == "required":
-        if not names:
-            raise ToolError(param, "tool_choice 'required' needs tools")
-        return tool_choice
-    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str):
-        raise ToolError(param, f"{param} must be 'none', 'auto', 'required' or "
-                               "{\"type\": \"function\", \"function\": {\"name\": ...}}")
-    if name not in names:
-        raise ToolError(param, f"{param} names {name!r}, which is not among the tools offered")
-    return name
 
 
 def style_of(template: str | None) -> str:
@@ -104,7 +59,7 @@ def forcing_grammar(tools: dict[str, dict], choice: str, style: str) -> str:
     return f"start: %json {call}"  # one JSON object: parsed as Llama 3's format
 
 
-def _call(obj, names) -> ToolCall | None:
+def _call(obj, names: Collection[str]) -> ToolCall | None:
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -116,7 +71,7 @@ def _call(obj, names) -> ToolCall | None:
     return ToolCall(obj["name"], args) if isinstance(args, dict) else None
 
 
-def _calls(text: str, names) -> list[ToolCall] | None:
+def _calls(text: str, names: Collection[str]) -> list[ToolCall] | None:
     """The calls in a JSON object or list of them, or None if `text` is not that."""
     try:
         obj = json.loads(text)
@@ -127,11 +82,11 @@ def _calls(text: str, names) -> list[ToolCall] | None:
     return calls if calls and all(calls) else None
 
 
-def parse(text: str, names) -> tuple[str, list[ToolCall]]:
+def parse(text: str, names: Collection[str]) -> tuple[str, list[ToolCall]]:
     """(content left, calls) of a reply; no calls: the text unchanged. `names` a GenericTools:
-    the reply is in the generic JSON format (generic_tools)."""
-    if isinstance(names, generic_tools.GenericTools):
-        content, calls = generic_tools.parse(text, names)
+    the reply is in the generic JSON format (generic_calls)."""
+    if isinstance(names, generic_calls.GenericTools):
+        content, calls = generic_calls.parse(text, names)
         return content, [ToolCall(n, a) for n, a in calls]
     if HERMES in text:
         found = [_calls(m.group(1), names) for m in _HERMES_CALL.finditer(text)]
@@ -154,10 +109,10 @@ class ToolCallStream:
     """A reply's text deltas -> the content to stream now; once a call may be starting, the rest is
     held and parsed at the end (finish), so that no call markup ever reaches `content`."""
 
-    def __init__(self, names):
+    def __init__(self, names: Collection[str]):
         self.names = names
-        generic = isinstance(names, generic_tools.GenericTools)
-        self._generic = generic_tools.GenericStream(names) if generic else None
+        generic = isinstance(names, generic_calls.GenericTools)
+        self._generic = generic_calls.GenericStream(names) if generic else None
         self._held = ""
         self._calling = False
         self._started = False  # content other than whitespace was emitted: a bare JSON call is off
@@ -184,7 +139,7 @@ class ToolCallStream:
                 self._calling, self._held = True, buf[i:]
                 self._started = self._started or bool(buf[:i].strip())
                 return buf[:i]
-        keep = max(_partial(buf, HERMES), _partial(buf, MISTRAL))
+        keep = max(partial_tag(buf, HERMES), partial_tag(buf, MISTRAL))
         out, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]
         self._started = self._started or bool(out.strip())
         return out
@@ -196,31 +151,3 @@ class ToolCallStream:
             return content, [ToolCall(n, a) for n, a in calls]
         held, self._held = self._held, ""
         return parse(held, self.names) if self._calling else (held, [])
-
-
-def _partial(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Assistant tool_calls as chat templates read them: arguments as an object (OpenAI sends
-    them as JSON text; transformers' templates write `arguments | tojson`)."""
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls")
-        if calls:
-            fixed = []
-            for c in calls:
-                fn = dict(c.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
-                        pass  # kept as text: templates write a string as is
-                fixed.append({**c, "function": fn})
-            m = {**m, "tool_calls": fixed}
-        out.append(m)
-    return out
