@@ -196,23 +196,23 @@ def gemma2_from_smollm2(gguf_path: Path, fp32_model, out: Path) -> Path:
     """A Gemma 2 checkpoint written by transformers, carrying SmolLM2-135M's trained weights: a
     tiny random Gemma's perplexity is near its vocabulary size, where any quantizer passes (and
     dropping SmolLM2's layers is as degenerate: 4 of 30 kept give ~6e7). Mapped to compute nearly
-    what SmolLM2 does, so quantization matters as on a trained model (fp32 perplexity ~110 on EVAL, RTN +~15%):
-    embeddings divided by Gemma's sqrt(hidden) scale (so the quantizer's first input is wrong by
-    24x where the scale is dropped) and the final norm times it (the tied head); norms stored as
-    Gemma's w for (1 + w); GeGLU for SiLU*up with gate / 1.702 and up * 1.702 (gelu(x) ~
-    x·σ(1.702x)); the sandwich norms on attention and MLP outputs scaled to each one's mean RMS in
-    SmolLM2 over the calibration text (median); Gemma 2's published soft-caps (50, 30) and sliding windows
-    of 128 on every other layer (they bite in 256-token calibration and 512-token EVAL windows)."""
+    what SmolLM2 does, so quantization matters as on a trained model (fp32 perplexity 125 on EVAL,
+    RTN +14%): embeddings divided by Gemma's sqrt(hidden) = 24 (a quantizer that drops the scale
+    sees a first input 24x too small) and the final norm times it (the tied head); norms stored
+    as Gemma's w for (1 + w); GeGLU for SiLU*up with gate / 1.702 and up * 1.702 (gelu(x) ~
+    x·σ(1.702x)); the sandwich norms on attention and MLP outputs scaled to each one's median RMS
+    in SmolLM2 on calibration text; Gemma 2's published soft-caps (50, 30) and sliding windows of
+    128 on every other layer (they bite in 256-token calibration and 512-token EVAL windows)."""
     import transformers
 
     from localllm.model.loader import open_weights
     from localllm.quant.quantize import calibration_ids
 
-    c = open_weights(gguf_path).config
     w = open_weights(gguf_path)
+    c = w.config
     H, L = c.hidden_size, c.num_layers
     rms = {}  # (layer, "o" | "down") -> the median over tokens of the output's RMS (the mean is
-    # swayed by the first tokens' massive activations: fp32 perplexity 510 instead of 120)
+    # swayed by the first tokens' massive activations: fp32 perplexity 510 instead of 125)
     hooks = [getattr(layer, m).register_forward_hook(
         lambda _m, _a, y, k=(i, m): rms.__setitem__(k, y.pow(2).mean(-1).sqrt().median().item()))
         for i, layer in enumerate(fp32_model.model.layers) for m in ("o", "down")]
