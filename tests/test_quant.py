@@ -271,7 +271,8 @@ def test_perplexity_gemma_gptq_within_10_percent_and_better_than_rtn(gemma_ppl):
     """The Llama test's margin and text on a Gemma 2 checkpoint (SmolLM2's weights in Gemma's
     layers, see gemma2_from_smollm2), quantized through the model's own forward. Measured (one
     core): fp32 125.3, RTN 142.8 (+14.0%), GPTQ 136.6 (+9.1%); main's quantizer, whose
-    calibration dropped the embedding scale, gave GPTQ 163.7 (+30.7%, worse than rounding)."""
+    calibration dropped the embedding scale, gave GPTQ 163.7 (+30.7%, worse than rounding).
+    AWQ is not asserted (as in the Llama test): here it gives 144.6 (+15.5%, above RTN), open."""
     p = gemma_ppl
     assert p["gptq"] < p["rtn"], p
     assert p["gptq"] < 1.10 * p["fp32"], p
