@@ -205,7 +205,7 @@ def gemma2_from_smollm2(gguf_path: Path, fp32_model, out: Path) -> Path:
     128 on every other layer (they bite in 256-token calibration and 512-token EVAL windows)."""
     import transformers
 
-    from localllm.model.loader import open_weights
+    from localllm.model.weights import open_weights
     from localllm.quant.quantize import calibration_ids
 
     w = open_weights(gguf_path)
