@@ -7,7 +7,8 @@ There is one layer loop (`LlamaModel.forward` over `DecoderLayer.forward`). What
 CPU and GPU is chosen per op once at load (`Ops`): the attention backend and, on the Triton
 path, fused add+RMSNorm, in-place RoPE and SiLU*up kernels. The compiled CPU step
 (localllm.model.compiled) and the CUDA graphs (localllm.engine.cuda_graphs) capture this same
-forward; the quantizer and perplexity run it too. On CPU with fp32 activations the ops are our
+forward; perplexity runs it too, and the quantizer runs its pieces (`embed_tokens`, `run_layer`,
+`DecoderLayer.mlp`) one layer at a time. On CPU with fp32 activations the ops are our
 fused C++ ops (localllm.model.cpu_ops) where they load.
 """
 
@@ -140,13 +141,21 @@ class DecoderLayer(nn.Module):
         if self.attn_out_norm is not None:
             a = self.attn_out_norm(a)
         h, residual = ops.add_norm(a, residual, self.post_norm)
-        if self.moe is not None:
-            out = self.moe(h, ops)
-        else:
-            out = self.down((ops.gelu_act if self.gelu else ops.act)(self.gate_up(h)))
+        out = self.mlp(h, ops)
         if self.mlp_out_norm is not None:
             out = self.mlp_out_norm(out)
         return out, residual
+
+    def mlp(self, h: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """The MLP block on the normed input h (before Gemma's output norm); public for the
+        quantizer, which judges candidate gate/up weights on it."""
+        if self.moe is not None:
+            return self.moe(h, ops)
+        return self.down(self.act(self.gate_up(h), ops))
+
+    def act(self, gate_up: torch.Tensor, ops: Ops) -> torch.Tensor:
+        """This layer's activation of the fused gate/up output: GeGLU (Gemma) or SiLU*up."""
+        return (ops.gelu_act if self.gelu else ops.act)(gate_up)
 
 
 class LlamaModel(nn.Module):
@@ -193,13 +202,24 @@ class LlamaModel(nn.Module):
         """Hidden states [T, hidden] of a flattened batch of new tokens. ops: other implementations
         of the same ops than the ones chosen at load (the compiled step traces plain torch ops)."""
         ops = ops or self.ops
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = self.run_layer(layer, x, residual, positions, meta, kv, ops)
+        return ops.add_norm(x, residual, self.norm)[0]
+
+    # the pieces of `forward` the quantizer runs one layer at a time, so it spells no math of its own
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first residual stream: embedding rows in the activation dtype, Gemma's scale applied."""
         x = self.embed.rows(input_ids).to(self.act_dtype)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, meta, kv, ops, self.layer_rope(layer), self.scale)
-        return ops.add_norm(x, residual, self.norm)[0]
+        return x
+
+    def run_layer(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                  meta: AttnMeta, kv: tuple[torch.Tensor, torch.Tensor], ops: Ops | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer with this model's ops (or `ops`), RoPE table (local or global) and scale."""
+        return layer(x, residual, positions, meta, kv, ops or self.ops, self.layer_rope(layer), self.scale)
 
     def layer_rope(self, layer: DecoderLayer) -> RotaryEmbedding:
         return self.rope_local if layer.window and self.rope_local is not None else self.rope

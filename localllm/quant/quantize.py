@@ -2,11 +2,12 @@
 checkpoints (config.json with quantization_config, model.safetensors, tokenizer files).
 
 Calibration runs the real model (`load_model(src, "float32")`: fp32 DenseLinear layers), one
-decoder layer at a time through `DecoderLayer.forward` with the model's own ops, over the whole
-calibration set as one flattened batch of sequences (`Calibration`); the inputs of each linear
-are captured with forward hooks, and what a layer's quantization changes is written into that
-layer's weights, so the next layer sees the quantized model's activations (the whole model never
-runs at once):
+decoder layer at a time through the pieces of its own forward (`LlamaModel.embed_tokens`,
+`LlamaModel.run_layer`, `DecoderLayer.mlp`: Gemma's embedding scale, GeGLU and norms included),
+over the whole calibration set as one flattened batch of sequences (`Calibration`); the inputs
+of each linear are captured with forward hooks, and what a layer's quantization changes is
+written into that layer's weights, so the next layer sees the quantized model's activations (the
+whole model never runs at once):
 
 - RTN: per-group min/max rounding, no data.
 - GPTQ (Frantar et al.; the reference `fasterquant`): per linear, H = 2/n X Xᵀ of its inputs,
@@ -230,7 +231,8 @@ class Calibration:
     """The calibration batch as the model's layers take it: B sequences of T tokens flattened to
     [B*T, hidden] rows with their positions, described by one `AttnMeta` (B fresh prompts) over a
     paged KV cache for one layer, which every layer reuses (a layer writes its K/V before it reads
-    them). `run` is `DecoderLayer.forward` with the model's own ops, RoPE table and scale."""
+    them). `embed` and `run` are the model's own pieces of its forward (`LlamaModel.embed_tokens`,
+    `LlamaModel.run_layer`): no family's math is spelled here."""
 
     def __init__(self, model: LlamaModel, ids: torch.Tensor, block_size: int = 16):
         if model.attention_backend != "torch":
@@ -245,12 +247,12 @@ class Calibration:
         self.kv = (torch.zeros(shape), torch.zeros(shape))
 
     def embed(self) -> torch.Tensor:
-        return self.model.embed.rows(self.ids.reshape(-1)).to(self.model.act_dtype)
+        """The first layer's input (Gemma: scaled by sqrt(hidden), as the model's forward does)."""
+        return self.model.embed_tokens(self.ids.reshape(-1))
 
     def run(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None):
         """-> (x, residual) for the next layer, as LlamaModel.forward passes them on."""
-        m = self.model
-        return layer(x, residual, self.positions, self.meta, self.kv, m.ops, m.layer_rope(layer), m.scale)
+        return self.model.run_layer(layer, x, residual, self.positions, self.meta, self.kv)
 
     def run_to(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, module: nn.Module,
                output: bool = False) -> torch.Tensor:
@@ -378,20 +380,20 @@ def _awq_layer(calib: Calibration, layer: DecoderLayer, x: torch.Tensor, residua
         a = a / s
     if clip:
         o.weight.copy_(_awq_clip(o.weight, a, group))
-    # 3) post_attention_layernorm -> gate, up; judged on the MLP output (the layer's own modules
-    # and activation: down(act(gate_up(h))))
+    # 3) post_attention_layernorm -> gate, up; judged on the MLP block's output (the layer's own
+    # `mlp`: Gemma's GeGLU, others' SiLU)
     h2 = calib.run_to(layer, x, residual, gate_up)
 
     def mlp_out(ws):
         with _weight(gate_up, ws[0]):
-            return down(ops.act(gate_up(h2)))
+            return layer.mlp(h2, ops)
 
     s = _awq_search(h2, [gate_up.weight], group, mlp_out)
     layer.post_norm.weight.div_(s)
     gate_up.weight.mul_(s)
     h2 = calib.run_to(layer, x, residual, gate_up)
     # 4) up -> down
-    act = ops.act(gate_up(h2))
+    act = calib.run_to(layer, x, residual, down)
 
     def down_out(ws):
         with _weight(down, ws[0]):
@@ -403,7 +405,7 @@ def _awq_layer(calib: Calibration, layer: DecoderLayer, x: torch.Tensor, residua
     if clip:  # per (row, group): gate and up clip as one matrix. Not q/k: their errors only shift
         # attention scores (AutoAWQ skips them too)
         gate_up.weight.copy_(_awq_clip(gate_up.weight, h2, group))
-        down.weight.copy_(_awq_clip(down.weight, ops.act(gate_up(h2)), group))
+        down.weight.copy_(_awq_clip(down.weight, calib.run_to(layer, x, residual, down), group))
         qkv.weight[v_rows] = _awq_clip(qkv.weight[v_rows], calib.run_to(layer, x, residual, qkv), group)
 
 
