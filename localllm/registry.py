@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import difflib
-import importlib.util
+import logging
 import os
 import re
 import sys
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,18 +65,20 @@ class ModelSpec:
     gguf_file: str | None = None
 
     def embedded_path(self) -> Path | None:
-        """The GGUF shipped inside an installed package, located without importing it."""
+        """The model shipped inside an installed package, located without importing it: its GGUF,
+        or the folder its zipped model directory is unpacked to (once, in the model store)."""
         if not self.embedded:
             return None
-        package, _, rel = self.embedded.partition("/")
+        from .embedded import package_file, unpacked
+
+        path = package_file(self.embedded)
+        if path is None or path.suffix != ".zip":
+            return path
         try:
-            spec = importlib.util.find_spec(package)
-        except (ImportError, ValueError):
+            return unpacked(path, self.name)
+        except (OSError, ValueError, zipfile.BadZipFile) as e:  # the hub's copy is still there to fetch
+            logging.getLogger("localllm").warning("warning: cannot unpack the embedded %s (%s)", self.name, e)
             return None
-        if spec is None or not spec.origin:
-            return None
-        path = Path(spec.origin).parent / rel
-        return path if path.is_file() else None
 
 
 @dataclass
