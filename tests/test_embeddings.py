@@ -2,49 +2,17 @@
 against sentence-transformers, tiny random BERT checkpoints written by transformers against
 transformers (an embedder with CLS pooling, a cross-encoder's sequence-classification logits)."""
 
-import json
 import os
-import shutil
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from embed_reference import SENTENCES, st_model, tiny_bert
 
 from localllm.engine.embedder import Embedder, InputTooLong
 from localllm.model.encoder_loader import encoder_kind, load_encoder
-
-# 50 sentences of every length from one word to far past the model's 256 tokens (cut there)
-SENTENCES = [
-    "Hello", "The cat sat on the mat.", "Paris is the capital of France.", "What is the capital of Germany?",
-    "Berlin is the capital of Germany.", "I love machine learning.", "Deep learning models need lots of data.",
-    "The stock market fell sharply on Monday.", "Interest rates were raised by the central bank.",
-    "She plays the violin beautifully.", "He scored two goals in the final match.",
-    "The recipe calls for two cups of flour and a pinch of salt.", "Quantum computers use qubits.",
-    "A lighthouse guided the ships through the storm.", "Rain is expected tomorrow afternoon.",
-    "Photosynthesis converts sunlight into chemical energy.", "The museum opens at nine in the morning.",
-    "My laptop battery drains too quickly.", "Please restart the server after the update.",
-    "The Great Wall of China is visible from space, or so the myth goes.",
-    "Elephants are the largest land animals.", "The train to Boston was delayed by an hour.",
-    "Vaccines train the immune system to recognise pathogens.", "He forgot his umbrella at the cafe.",
-    "The novel was translated into forty languages.", "Solar panels are becoming cheaper every year.",
-    "A good night's sleep improves memory.", "The company reported record profits this quarter.",
-    "Bees communicate by dancing.", "Mount Everest is the highest mountain above sea level.",
-    "¿Dónde está la biblioteca?", "Das Wetter ist heute schön.", "東京は日本の首都です。",
-    "Emoji test 🚀🔥 with symbols & punctuation!!!", "numbers 3.14159 2.71828 1.41421 and 42",
-    "def add(a, b): return a + b", "SELECT name FROM users WHERE age > 30;",
-    "The mitochondria is the powerhouse of the cell.", "Jazz originated in New Orleans.",
-    "Water boils at 100 degrees Celsius at sea level.",
-    "An apple a day keeps the doctor away, according to an old proverb that many still repeat.",
-    "The committee will meet again next week to discuss the budget proposal in more detail.",
-    " ".join(["The history of the Roman Empire spans many centuries of conquest and decline."] * 3),
-    " ".join(["Machine translation has improved dramatically with neural networks."] * 5),
-    " ".join(["Climate change affects weather patterns, sea levels and ecosystems worldwide."] * 8),
-    " ".join(["word"] * 200), " ".join(["token"] * 300), " ".join(["A very long sentence keeps going."] * 60),
-    "Short.", "The end.",
-]
-assert len(SENTENCES) == 50
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +30,7 @@ def minilm(minilm_dir):
 
 
 def test_minilm_matches_sentence_transformers(minilm, minilm_dir):
-    from sentence_transformers import SentenceTransformer
-
-    st = SentenceTransformer(str(minilm_dir), device="cpu")
+    st = st_model(minilm_dir)
     ref = torch.as_tensor(st.encode(SENTENCES, batch_size=16, convert_to_numpy=True))
     enc = minilm.tokenize(SENTENCES)
     assert max(len(x) for x in enc.ids) == st.max_seq_length == 256  # the long ones were cut where ST cuts
@@ -97,34 +63,10 @@ def test_dimensions_truncate_and_renormalise(minilm):
     assert torch.allclose(small, F.normalize(full[:, :64], dim=-1), atol=1e-6)
 
 
-def _tiny_bert(tmp: Path, minilm_dir: Path, classifier: bool) -> Path:
-    """A random 2-layer BERT written by transformers, with all-MiniLM's tokenizer; the embedder
-    gets sentence-transformers files asking for CLS pooling without normalisation."""
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=128, max_position_embeddings=128, num_labels=1)
-    model = (transformers.BertForSequenceClassification if classifier else transformers.BertModel)(cfg).eval()
-    model.save_pretrained(tmp, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(minilm_dir / f, tmp / f)
-    if not classifier:
-        (tmp / "modules.json").write_text(json.dumps([
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
-        (tmp / "1_Pooling").mkdir()
-        (tmp / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
-                                                                    "pooling_mode_cls_token": True,
-                                                                    "pooling_mode_mean_tokens": False}))
-        (tmp / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 100}))
-    return tmp
-
-
 def test_tiny_bert_cls_pooling_matches_transformers(tmp_path, minilm_dir):
     import transformers
 
-    path = _tiny_bert(tmp_path, minilm_dir, classifier=False)
+    path = tiny_bert(tmp_path, minilm_dir, classifier=False)
     assert encoder_kind(path) == "embedding"
     emb = Embedder(load_encoder(path))
     assert (emb.loaded.pooling.mode, emb.loaded.pooling.normalize, emb.max_model_len) == ("cls", False, 100)
@@ -141,7 +83,7 @@ def test_tiny_bert_cls_pooling_matches_transformers(tmp_path, minilm_dir):
 def test_tiny_cross_encoder_matches_transformers_logits(tmp_path, minilm_dir):
     import transformers
 
-    path = _tiny_bert(tmp_path, minilm_dir, classifier=True)
+    path = tiny_bert(tmp_path, minilm_dir, classifier=True)
     assert encoder_kind(path) == "rerank"
     emb = Embedder(load_encoder(path))
     query = "What is the capital of France?"

@@ -48,11 +48,11 @@ class Embedder:
         self.pair_tokenizer.enable_truncation(self.max_model_len, strategy="longest_first")
 
     # ---- tokenizing ------------------------------------------------------------------------------
-    def tokenize(self, texts: list[str], truncate_inputs: bool = True) -> Encoded:
-        """Each text with the model's special tokens ([CLS] ... [SEP]), cut to max_model_len
-        (truncate_inputs) or refused with InputTooLong."""
+    def tokenize(self, texts: list[str], truncate_inputs: bool = True, limit: int | None = None) -> Encoded:
+        """Each text with the model's special tokens ([CLS] ... [SEP]), cut to max_model_len (or
+        the lower `limit`) when truncate_inputs, else refused with InputTooLong."""
         encs = self.tokenizer.encode_batch(texts)
-        return self._fit([e.ids for e in encs], [e.type_ids for e in encs], truncate_inputs)
+        return self._fit([e.ids for e in encs], [e.type_ids for e in encs], truncate_inputs, limit)
 
     def tokenize_pairs(self, pairs: list[tuple[str, str]], truncate_inputs: bool = True) -> Encoded:
         """(query, document) pairs as a cross-encoder reads them: [CLS] q [SEP] d [SEP] with token
@@ -60,8 +60,9 @@ class Embedder:
         encs = (self.pair_tokenizer if truncate_inputs else self.tokenizer).encode_batch(pairs)
         return self._fit([e.ids for e in encs], [e.type_ids for e in encs], truncate_inputs)
 
-    def _fit(self, ids: list[list[int]], types: list[list[int]], truncate_inputs: bool) -> Encoded:
-        limit = self.max_model_len
+    def _fit(self, ids: list[list[int]], types: list[list[int]], truncate_inputs: bool,
+             limit: int | None = None) -> Encoded:
+        limit = min(limit or self.max_model_len, self.max_model_len)
         for i, x in enumerate(ids):
             if len(x) > limit:
                 if not truncate_inputs:
@@ -70,7 +71,7 @@ class Embedder:
                 ids[i], types[i] = x[:limit - 1] + x[-1:], types[i][:limit - 1] + types[i][-1:]
         return Encoded(ids, types)
 
-    def check_ids(self, ids: list[list[int]], truncate_inputs: bool = True) -> Encoded:
+    def check_ids(self, ids: list[list[int]], truncate_inputs: bool = True, limit: int | None = None) -> Encoded:
         """Token ids given by the client: taken as they are (no special tokens added), checked
         against the vocabulary, cut or refused like text."""
         vocab = self.loaded.config.vocab_size
@@ -80,7 +81,7 @@ class Embedder:
                 raise ValueError(f"token ids must be in 0..{vocab - 1}, got {bad[0]}")
         ids = [list(x) for x in ids]
         enc = Encoded(ids, [[0] * len(x) for x in ids])
-        limit = self.max_model_len
+        limit = min(limit or self.max_model_len, self.max_model_len)
         for i, x in enumerate(enc.ids):
             if len(x) > limit:
                 if not truncate_inputs:
@@ -89,7 +90,7 @@ class Embedder:
         return enc
 
     # ---- running ---------------------------------------------------------------------------------
-    def _batches(self, enc: Encoded) -> list[list[int]]:
+    def batches(self, enc: Encoded) -> list[list[int]]:
         """Indices of the inputs per forward: sorted by length (equal lengths share an attention
         call), at most max_batch_tokens tokens each."""
         order = sorted(range(len(enc.ids)), key=lambda i: len(enc.ids[i]))
@@ -117,7 +118,7 @@ class Embedder:
         if any(len(x) == 0 for x in enc.ids):
             raise ValueError("an input has no tokens")
         out = torch.empty(len(enc.ids), self.dimensions)
-        for idx in self._batches(enc):
+        for idx in self.batches(enc):
             hidden, packed = self._forward(enc, idx)
             out[torch.tensor(idx)] = pool(hidden, packed.lengths, self.loaded.pooling).cpu()
         return truncate(out, dimensions)
@@ -128,7 +129,7 @@ class Embedder:
         if self.model.head is None:
             raise ValueError("this model is not a reranker (it has no classification head)")
         out = torch.empty(len(enc.ids))
-        for idx in self._batches(enc):
+        for idx in self.batches(enc):
             hidden, packed = self._forward(enc, idx)
             logits = self.model.classify(hidden, packed).float().cpu()
             out[torch.tensor(idx)] = torch.sigmoid(logits[:, 0]) if logits.shape[1] == 1 else \

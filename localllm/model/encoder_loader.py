@@ -11,6 +11,7 @@ position limit (transformers' AutoModel plus the usual mean pooling).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,3 +175,31 @@ def load_encoder(path: str | os.PathLike, device: str = "cpu") -> LoadedEncoder:
     pooling, max_len = sentence_transformers_settings(path, cfg)
     params = sum(p.numel() for p in model.parameters())
     return LoadedEncoder(model, load_tokenizer(path), cfg, pooling, max_len, kind, str(path), params)
+
+
+def describe_encoder(path: str | os.PathLike) -> dict:
+    """What `localllm show` and /api/show say about an encoder, from its config and
+    sentence-transformers files (no tensor is read)."""
+    path = Path(path)
+    raw = _json(path / "config.json") or {}
+    try:
+        cfg = BertConfig.from_hf(raw)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
+    pooling, max_len = sentence_transformers_settings(path, cfg)
+    params = 0
+    for f in sorted(path.glob("*.safetensors")):  # the headers' shapes: no tensor is read
+        try:
+            with open(f, "rb") as fh:
+                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{f}: corrupt safetensors header ({e})") from None
+        params += sum(math.prod(v["shape"]) for k, v in header.items()
+                      if k != "__metadata__" and not k.endswith("position_ids"))
+    h, L = cfg.hidden_size, cfg.num_layers
+    return {"format": "safetensors", "architecture": cfg.architecture, "kind": encoder_kind(path),
+            "parameters": params, "context_length": max_len, "embedding_length": h, "layers": L,
+            "heads": cfg.num_heads, "kv_heads": cfg.num_heads, "vocab_size": cfg.vocab_size,
+            "quantization": str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            "pooling": f"{pooling.mode}{', normalized' if pooling.normalize else ''}",
+            "chat_template": None, "stop_tokens": []}

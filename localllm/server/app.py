@@ -85,13 +85,13 @@ class ServerState:
             raise APIError(503, "the model is still loading; retry shortly", "service_unavailable",
                            code="model_loading", headers={"Retry-After": "1"})
 
-    async def acquire(self, name: str | None, keep_alive: float | None = None, num_ctx: int | None = None
-                      ) -> tuple[LoadedModel, Callable[[], None]]:
+    async def acquire(self, name: str | None, keep_alive: float | None = None, num_ctx: int | None = None,
+                      task: str = "generate") -> tuple[LoadedModel, Callable[[], None]]:
         """The model a request names, ready to run (loaded first on demand, with `num_ctx` as its
         context when given; a pinned model keeps the server's --ctx), and the callback that ends
         its use."""
         self.require_ready()
-        return await self.pool.acquire(name, keep_alive, num_ctx)
+        return await self.pool.acquire(name, keep_alive, num_ctx, task)
 
 
 # ---- request -> engine requests ------------------------------------------------------------------
@@ -416,7 +416,7 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
         """Run a /v1 handler on the model the body names; the model stays in use (pool mode)
         until the response ends, or is released here when the handler fails."""
         state.metrics.http_requests += 1
-        target, release = await state.acquire(body.model)
+        target, release = await state.acquire(body.model, task="chat" if "chat" in request.url.path else "generate")
         try:
             return await handler(body, request, target, release)
         except BaseException:
@@ -536,6 +536,9 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
             release()
 
     ollama_api.mount(app, state)
+    from .embeddings import router as embeddings_router
+
+    app.include_router(embeddings_router)  # /v1/embeddings, /api/embed(dings), /v1/rerank, /rerank, /score
     return app
 
 
