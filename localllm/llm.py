@@ -36,6 +36,26 @@ def build_engine(model: str | None = None, precision: str = "auto", device: str 
     return LLMEngine(loaded, config, draft)
 
 
+def build_embedder(model: str | None = None, device: str = "auto"):
+    """An Embedder (engine/embedder.py) on the encoder a MODEL argument names (default: the
+    registry's default embedding model), fetched first if needed. ValueError for a model that is
+    not an embedding model."""
+    from .engine.embedder import Embedder
+    from .hub import ensure_local
+    from .model.encoder_loader import encoder_kind, load_encoder
+    from .registry import load_registry, resolve_model
+
+    registry = load_registry()
+    ref = resolve_model(model or registry.default_embedding, registry)
+    path = ensure_local(ref)
+    kind = encoder_kind(path)
+    if kind != "embedding":
+        what = "a reranker" if kind == "rerank" else "a text generation model"
+        raise ValueError(f"{ref.name} is not an embedding model (it is {what}); embedding models run by localllm: "
+                         f"BERT-family checkpoints such as {registry.default_embedding}")
+    return Embedder(load_encoder(path, pick_device(device)))
+
+
 def _planned(model: str | None, precision: str, device: str, config: EngineConfig, max_memory: float | None):
     """-> (model to load, loader precision, config): the planner's choice for auto/awq/gptq."""
     import dataclasses

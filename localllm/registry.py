@@ -85,6 +85,7 @@ class ModelSpec:
 class Registry:
     models: dict[str, ModelSpec]
     default: str
+    default_embedding: str = "all-minilm"  # `localllm embed` without MODEL
 
     def lookup(self, name: str) -> ModelSpec | None:
         key = name.lower()
@@ -120,7 +121,7 @@ def load_registry(path: str | os.PathLike | None = None) -> Registry:
             draft=d.get("draft"), embedded=d.get("embedded"), awq=v.get("awq"), gptq=v.get("gptq"),
             gguf_repo=gguf.get("repo"), gguf_file=gguf.get("file"),
         )
-    return Registry(models, data.get("default", next(iter(models), "")))
+    return Registry(models, data.get("default", next(iter(models), "")), data.get("default_embedding", "all-minilm"))
 
 
 @dataclass
