@@ -59,6 +59,7 @@ def list_models() -> list[dict]:
     def row(name, repo, variant, status, size, path, spec: ModelSpec | None = None):
         return {"name": name, "repo": repo, "variant": variant, "status": status, "size_bytes": size,
                 "path": str(path) if path else None, "aliases": list(spec.aliases) if spec else [],
+                "kind": spec.kind if spec else None,
                 "default": bool(spec) and spec.name == reg.default}
 
     for spec in reg.models.values():

@@ -63,6 +63,7 @@ class ModelSpec:
     gptq: str | None = None
     gguf_repo: str | None = None
     gguf_file: str | None = None
+    kind: str = "generate"  # "embedding" | "rerank": what the model is for (the server's capability check)
 
     def embedded_path(self) -> Path | None:
         """The model shipped inside an installed package, located without importing it: its GGUF,
@@ -119,7 +120,7 @@ def load_registry(path: str | os.PathLike | None = None) -> Registry:
             name=name, repo=d["repo"], revision=d.get("revision", "main"), family=d.get("family", ""),
             context=d.get("context"), params=d.get("params"), aliases=list(d.get("aliases", [])),
             draft=d.get("draft"), embedded=d.get("embedded"), awq=v.get("awq"), gptq=v.get("gptq"),
-            gguf_repo=gguf.get("repo"), gguf_file=gguf.get("file"),
+            gguf_repo=gguf.get("repo"), gguf_file=gguf.get("file"), kind=d.get("kind", "generate"),
         )
     return Registry(models, data.get("default", next(iter(models), "")), data.get("default_embedding", "all-minilm"))
 

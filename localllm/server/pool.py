@@ -57,7 +57,7 @@ def local_models() -> list[LocalModel]:
             modified = 0.0
         aliases = [*row["aliases"], *([row["repo"]] if row["repo"] != row["name"] else [])]
         out[row["name"]] = LocalModel(row["name"], aliases, path, row["size_bytes"] or 0, modified, row["variant"],
-                                      encoder_kind(path) or "generate")
+                                      encoder_kind(path) or row.get("kind") or "generate")
     return list(out.values())
 
 
