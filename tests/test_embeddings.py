@@ -117,3 +117,22 @@ def test_embedded_model_unpacks_once_atomically(tmp_path, monkeypatch):
     assert resolve_model("all-minilm:l6").local_path == path
     assert os.stat(path / "model.safetensors").st_mtime_ns == mtime
     assert [p.name for p in model_store().iterdir() if p.name.startswith("all-minilm")] == [path.name]
+
+
+def test_gguf_under_llama_cpp_names_matches_sentence_transformers(tmp_path, minilm, minilm_dir):
+    """all-MiniLM written as llama.cpp's converter writes it (bench/make_embed_gguf.py, the gguf
+    package: `bert` tensor names, the WordPiece vocabulary in phantom-space form, pooling_type):
+    the same tokens and, within cosine 0.9999, sentence-transformers' vectors."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from make_embed_gguf import write_bert_gguf
+
+    path = write_bert_gguf(minilm_dir, tmp_path / "all-minilm-f32.gguf")
+    assert encoder_kind(path) == "embedding"
+    emb = Embedder(load_encoder(path))
+    texts = [t for t, ids in zip(SENTENCES, minilm.tokenize(SENTENCES).ids) if len(ids) < 256]  # the GGUF says 512
+    enc = emb.tokenize(texts)
+    assert enc.ids == minilm.tokenize(texts).ids
+    ref = torch.as_tensor(st_model(minilm_dir).encode(texts, batch_size=16, convert_to_numpy=True))
+    assert F.cosine_similarity(emb.embed(enc), ref).min().item() >= 0.9999

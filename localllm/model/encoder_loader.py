@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -29,11 +30,40 @@ ENCODER_ARCHS = {"BertModel": "embedding", "BertForMaskedLM": "embedding", "Bert
                  "BertForSequenceClassification": "rerank"}
 
 
+# llama.cpp's `bert` tensor names (its converter's) -> HF's, without the `bert.` prefix; {i} the layer
+GGUF_BERT_NAMES = {
+    "token_embd.weight": "embeddings.word_embeddings.weight",
+    "token_types.weight": "embeddings.token_type_embeddings.weight",
+    "position_embd.weight": "embeddings.position_embeddings.weight",
+    "token_embd_norm.weight": "embeddings.LayerNorm.weight",
+    "token_embd_norm.bias": "embeddings.LayerNorm.bias",
+}
+GGUF_BERT_LAYER = {
+    "attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
+    "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
+    "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm",
+}
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's llama_pooling_type
+GGUF_ENCODER_ARCHS = {"bert": "embedding"}
+
+
+def _gguf_arch(path: Path) -> str | None:
+    from .gguf import GGUFError, read_gguf
+
+    try:
+        return read_gguf(path).metadata.get("general.architecture")
+    except (GGUFError, OSError):
+        return None
+
+
 def encoder_kind(path: str | os.PathLike | None) -> str | None:
-    """"embedding" or "rerank" for a directory holding an encoder checkpoint we run, else None
-    (a decoder, a GGUF file, no model). Reads config.json only."""
+    """"embedding" or "rerank" for a directory holding an encoder checkpoint we run (or a GGUF of
+    llama.cpp's `bert` architecture), else None (a decoder, no model). Reads config.json (or the
+    GGUF's header) only."""
     if path is None:
         return None
+    if str(path).endswith(".gguf") and Path(path).is_file():
+        return GGUF_ENCODER_ARCHS.get(_gguf_arch(Path(path)) or "")
     cfg = Path(path) / "config.json"
     try:
         archs = json.loads(cfg.read_text()).get("architectures") or []
@@ -133,9 +163,84 @@ class _Tensors:
         return name in self.tensors
 
 
+class _GGUFTensors:
+    """A llama.cpp `bert` GGUF's tensors under HF's names, dequantized to fp32."""
+
+    def __init__(self, path: Path):
+        from .gguf import GGUFError, read_gguf
+
+        try:
+            self.file = read_gguf(path)
+        except GGUFError as e:
+            raise ModelLoadError(str(e)) from None
+        self.path, self.prefix = path, ""
+        self.names = {hf: g for g, hf in GGUF_BERT_NAMES.items()}
+        for g in self.file.tensors:
+            parts = g.split(".")
+            if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_BERT_LAYER:
+                self.names[f"encoder.layer.{parts[1]}.{GGUF_BERT_LAYER[parts[2]]}.{parts[3]}"] = g
+
+    def get(self, name: str, encoder: bool = True) -> torch.Tensor:
+        from .gguf import dequantize
+
+        g = self.names.get(name)
+        t = self.file.tensors.get(g) if g else None
+        if t is None:
+            raise ModelLoadError(f"{self.path}: tensor {g or name} is missing")
+        return torch.from_numpy(np.array(dequantize(t, self.file.read(t)), dtype=np.float32))
+
+
+def _gguf_config(path: Path) -> tuple[BertConfig, dict]:
+    from .gguf import GGUFError, read_gguf
+
+    try:
+        meta = read_gguf(path).metadata
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from None
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ENCODER_ARCHS:
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not an encoder this loader runs "
+                             f"(supported: {', '.join(GGUF_ENCODER_ARCHS)})")
+
+    def m(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+    try:
+        cfg = BertConfig(vocab_size=len(meta["tokenizer.ggml.tokens"]), hidden_size=int(m("embedding_length")),
+                         num_layers=int(m("block_count")), num_heads=int(m("attention.head_count")),
+                         intermediate_size=int(m("feed_forward_length")),
+                         max_position_embeddings=int(m("context_length", 512)),
+                         type_vocab_size=int(meta.get("tokenizer.ggml.token_type_count", 2)),
+                         layer_norm_eps=float(m("attention.layer_norm_epsilon", 1e-12)))
+    except (KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path}: GGUF metadata is missing a required key ({e})") from None
+    return cfg, meta
+
+
+def _load_gguf_encoder(path: Path, device: str) -> LoadedEncoder:
+    """A llama.cpp `bert` GGUF: its pooling_type decides the pooling; vectors are normalised (what
+    Ollama's and llama.cpp's servers return: the file does not say)."""
+    from ..tokenizer import wordpiece_from_gguf
+
+    cfg, meta = _gguf_config(path)
+    pooling_type = int(meta.get("bert.pooling_type", 1))
+    if pooling_type not in GGUF_POOLING:
+        raise ModelLoadError(f"{path}: pooling_type {pooling_type} is not supported (1 mean, 2 cls, 3 last)")
+    model = _build(cfg, _GGUFTensors(path), "embedding", device)
+    try:
+        tok = wordpiece_from_gguf(meta)
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"{path}: GGUF tokenizer metadata: {e}") from None
+    params = sum(p.numel() for p in model.parameters())
+    return LoadedEncoder(model, tok, cfg, Pooling(GGUF_POOLING[pooling_type], True), cfg.max_position_embeddings,
+                         "embedding", str(path), params)
+
+
 def load_encoder(path: str | os.PathLike, device: str = "cpu") -> LoadedEncoder:
-    """A BERT-family checkpoint directory -> LoadedEncoder (fp32 weights: the reference's numbers)."""
+    """A BERT-family checkpoint directory (or a llama.cpp `bert` GGUF) -> LoadedEncoder (fp32
+    weights: the reference's numbers)."""
     path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf_encoder(path, device)
     raw = _json(path / "config.json")
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)")
@@ -147,7 +252,14 @@ def load_encoder(path: str | os.PathLike, device: str = "cpu") -> LoadedEncoder:
         cfg = BertConfig.from_hf(raw)
     except (KeyError, ValueError, TypeError) as e:
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
-    w = _Tensors(path)
+    model = _build(cfg, _Tensors(path), kind, device)
+    pooling, max_len = sentence_transformers_settings(path, cfg)
+    params = sum(p.numel() for p in model.parameters())
+    return LoadedEncoder(model, load_tokenizer(path), cfg, pooling, max_len, kind, str(path), params)
+
+
+def _build(cfg: BertConfig, w, kind: str, device: str) -> BertEncoder:
+    """The encoder from `w`'s tensors under HF's names (a checkpoint's or a GGUF's)."""
 
     def lin(name: str, encoder: bool = True) -> DenseLinear:
         return DenseLinear(w.get(name + ".weight", encoder).to(device), w.get(name + ".bias", encoder).to(device))
@@ -168,19 +280,27 @@ def load_encoder(path: str | os.PathLike, device: str = "cpu") -> LoadedEncoder:
     if kind == "rerank":
         head = ClassifierHead(lin("pooler.dense"), lin("classifier", encoder=False))
     e = "embeddings."
-    model = BertEncoder(cfg, w.get(e + "word_embeddings.weight").to(device),
+    return BertEncoder(cfg, w.get(e + "word_embeddings.weight").to(device),
                         w.get(e + "position_embeddings.weight").to(device),
                         w.get(e + "token_type_embeddings.weight").to(device), norm(e + "LayerNorm"), layers, head,
                         device)
-    pooling, max_len = sentence_transformers_settings(path, cfg)
-    params = sum(p.numel() for p in model.parameters())
-    return LoadedEncoder(model, load_tokenizer(path), cfg, pooling, max_len, kind, str(path), params)
 
 
 def describe_encoder(path: str | os.PathLike) -> dict:
     """What `localllm show` and /api/show say about an encoder, from its config and
     sentence-transformers files (no tensor is read)."""
     path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        cfg, meta = _gguf_config(path)
+        tensors = _GGUFTensors(path).file.tensors
+        return {"format": "gguf", "architecture": "BertModel", "kind": "embedding",
+                "parameters": sum(math.prod(t.shape) for t in tensors.values()),
+                "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
+                "layers": cfg.num_layers, "heads": cfg.num_heads, "kv_heads": cfg.num_heads,
+                "vocab_size": cfg.vocab_size,
+                "quantization": ", ".join(sorted({t.qtype.name for t in tensors.values() if len(t.shape) > 1})),
+                "pooling": f"{GGUF_POOLING.get(int(meta.get('bert.pooling_type', 1)), '?')}, normalized",
+                "chat_template": None, "stop_tokens": []}
     raw = _json(path / "config.json") or {}
     try:
         cfg = BertConfig.from_hf(raw)
