@@ -52,15 +52,22 @@ def st_vectors(path: Path, texts: list[str]) -> torch.Tensor:
     return torch.as_tensor(st_model(path).encode(texts, batch_size=16, convert_to_numpy=True))
 
 
-def tiny_bert(tmp: Path, minilm_dir: Path, classifier: bool) -> Path:
-    """A random 2-layer BERT written by transformers, with all-MiniLM's tokenizer; the embedder
-    gets sentence-transformers files asking for CLS pooling without normalisation."""
+def tiny_bert(tmp: Path, minilm_dir: Path, classifier: bool, family: str = "bert") -> Path:
+    """A random 2-layer BERT (family "bert") or XLM-RoBERTa ("xlm-roberta") written by
+    transformers, with all-MiniLM's tokenizer; the embedder gets sentence-transformers files
+    asking for CLS pooling without normalisation (BERT) or mean pooling (XLM-R)."""
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=128, max_position_embeddings=128, num_labels=1)
-    model = (transformers.BertForSequenceClassification if classifier else transformers.BertModel)(cfg).eval()
+    shape = dict(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=128, max_position_embeddings=130, num_labels=1)
+    if family == "bert":
+        cfg = transformers.BertConfig(**shape)
+        cls = transformers.BertForSequenceClassification if classifier else transformers.BertModel
+    else:  # one token type, positions from pad_token_id + 1 = 2
+        cfg = transformers.XLMRobertaConfig(**shape, type_vocab_size=1, pad_token_id=1)
+        cls = transformers.XLMRobertaForSequenceClassification if classifier else transformers.XLMRobertaModel
+    model = cls(cfg).eval()
     model.save_pretrained(tmp, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(minilm_dir / f, tmp / f)
@@ -68,9 +75,10 @@ def tiny_bert(tmp: Path, minilm_dir: Path, classifier: bool) -> Path:
         (tmp / "modules.json").write_text(json.dumps([
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
-        (tmp / "1_Pooling").mkdir()
+        (tmp / "1_Pooling").mkdir(parents=True)
+        cls_pool = family == "bert"
         (tmp / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
-                                                                    "pooling_mode_cls_token": True,
-                                                                    "pooling_mode_mean_tokens": False}))
+                                                                    "pooling_mode_cls_token": cls_pool,
+                                                                    "pooling_mode_mean_tokens": not cls_pool}))
         (tmp / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 100}))
     return tmp

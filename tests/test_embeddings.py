@@ -91,11 +91,43 @@ def test_tiny_cross_encoder_matches_transformers_logits(tmp_path, minilm_dir):
     ours = emb.score(emb.tokenize_pairs([(query, d) for d in docs]))
     tok = transformers.AutoTokenizer.from_pretrained(path)
     hf = transformers.BertForSequenceClassification.from_pretrained(path).eval()
-    batch = tok([query] * len(docs), docs, padding=True, truncation=True, max_length=128, return_tensors="pt")
+    batch = tok([query] * len(docs), docs, padding=True, truncation=True, max_length=130, return_tensors="pt")
     with torch.no_grad():
         logits = hf(**batch).logits[:, 0]
     assert (ours - torch.sigmoid(logits)).abs().max().item() < 1e-5
-    assert emb.max_model_len == 128
+    assert emb.max_model_len == 130
+
+
+def test_tiny_xlm_roberta_embedder_and_reranker_match_transformers(tmp_path, minilm_dir):
+    """XLM-RoBERTa (bge-m3's and bge-reranker-v2-m3's architecture): positions from
+    pad_token_id + 1, one token type, RoBERTa's classification head."""
+    import transformers
+
+    path = tiny_bert(tmp_path / "emb", minilm_dir, classifier=False, family="xlm-roberta")
+    emb = Embedder(load_encoder(path))
+    assert (emb.loaded.pooling.mode, emb.max_model_len) == ("mean", 100)
+    texts = SENTENCES[:12]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    hf = transformers.XLMRobertaModel.from_pretrained(path).eval()
+    batch = tok(texts, padding=True, truncation=True, max_length=100, return_tensors="pt", return_token_type_ids=False)
+    with torch.no_grad():
+        states = hf(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    ref = (states * mask).sum(1) / mask.sum(1)
+    assert (emb.embed(emb.tokenize(texts)) - ref).abs().max().item() < 1e-4
+
+    path = tiny_bert(tmp_path / "rerank", minilm_dir, classifier=True, family="xlm-roberta")
+    assert encoder_kind(path) == "rerank"
+    emb = Embedder(load_encoder(path))
+    assert emb.max_model_len == 128  # 130 positions less the two the padding takes
+    query, docs = "What is the capital of France?", SENTENCES[:8]
+    hf = transformers.XLMRobertaForSequenceClassification.from_pretrained(path).eval()
+    batch = tok([query] * len(docs), docs, padding=True, truncation=True, max_length=128, return_tensors="pt",
+                return_token_type_ids=False)
+    with torch.no_grad():
+        logits = hf(**batch).logits[:, 0]
+    ours = emb.score(emb.tokenize_pairs([(query, d) for d in docs]))
+    assert (ours - torch.sigmoid(logits)).abs().max().item() < 1e-5
 
 
 def test_embedded_model_unpacks_once_atomically(tmp_path, monkeypatch):

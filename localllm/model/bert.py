@@ -1,7 +1,9 @@
 """One config-driven BERT-family encoder: BERT itself (all-MiniLM, bge, mxbai-embed-large,
-snowflake-arctic-embed, ms-marco cross-encoders). Bidirectional attention, learned absolute
-positions, token types, post-LayerNorm residuals, GELU MLP; optionally the pooler and the
-sequence-classification head of a cross-encoder.
+snowflake-arctic-embed, ms-marco cross-encoders) and (XLM-)RoBERTa (bge-m3, multilingual-e5,
+bge-reranker-v2-m3): the same layers, positions counted from pad_token_id + 1 and one token
+type. Bidirectional attention, learned absolute positions, token types, post-LayerNorm
+residuals, GELU MLP; optionally the sequence-classification head of a cross-encoder (BERT's
+pooler + classifier, RoBERTa's dense + tanh + out_proj).
 
 The forward takes a packed batch: the tokens of every input one after another ([T]) and the
 length of each. The linears run on all T rows at once (no padding to the longest input);
@@ -29,6 +31,9 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+ROBERTA_TYPES = ("roberta", "xlm-roberta")
+
+
 @dataclass(frozen=True)
 class BertConfig:
     vocab_size: int
@@ -43,6 +48,7 @@ class BertConfig:
     num_labels: int = 0  # > 0: a sequence-classification head (a cross-encoder)
     architecture: str = "BertModel"
     model_type: str = "bert"
+    position_offset: int = 0  # RoBERTa: position ids start at pad_token_id + 1
 
     @classmethod
     def from_hf(cls, d: dict) -> BertConfig:
@@ -54,6 +60,7 @@ class BertConfig:
             raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
         arch = (d.get("architectures") or ["BertModel"])[0]
         labels = 0
+        roberta = d.get("model_type") in ROBERTA_TYPES
         if arch.endswith("ForSequenceClassification"):
             labels = int(d.get("num_labels") or len(d.get("id2label") or {}) or 2)
         return cls(vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
@@ -62,7 +69,8 @@ class BertConfig:
                    max_position_embeddings=int(d.get("max_position_embeddings", 512)),
                    type_vocab_size=int(d.get("type_vocab_size", 2)),
                    layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)), hidden_act=act, num_labels=labels,
-                   architecture=arch, model_type=d.get("model_type", "bert"))
+                   architecture=arch, model_type=d.get("model_type", "bert"),
+                   position_offset=int(d.get("pad_token_id", 1)) + 1 if roberta else 0)
 
     @property
     def head_dim(self) -> int:
@@ -139,8 +147,9 @@ class EncoderLayer(nn.Module):
 
 
 class ClassifierHead(nn.Module):
-    """BertForSequenceClassification's head: the pooler (dense + tanh on the [CLS] row), then the
-    classifier linear."""
+    """A sequence-classification head on the first row: BertForSequenceClassification's pooler
+    (dense + tanh) then classifier, or RobertaClassificationHead's dense + tanh then out_proj
+    (the same arithmetic)."""
 
     def __init__(self, pooler: DenseLinear, classifier: DenseLinear):
         super().__init__()
@@ -167,7 +176,9 @@ class BertEncoder(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, packed: Packed) -> torch.Tensor:
         """Hidden states [T, hidden] of the packed inputs (the last layer's output)."""
-        x = self.embed_norm(self.word[input_ids] + self.position[packed.positions] + self.token_type[packed.token_types])
+        types = packed.token_types if self.cfg.type_vocab_size > 1 else torch.zeros_like(packed.token_types)
+        x = self.embed_norm(self.word[input_ids] + self.position[packed.positions + self.cfg.position_offset]
+                            + self.token_type[types])
         for layer in self.layers:
             x = layer(x, packed, self.scale)
         return x

@@ -27,7 +27,9 @@ from .pooling import Pooling
 
 # config.json architectures this loader runs, and what each is for
 ENCODER_ARCHS = {"BertModel": "embedding", "BertForMaskedLM": "embedding", "BertForPreTraining": "embedding",
-                 "BertForSequenceClassification": "rerank"}
+                 "BertForSequenceClassification": "rerank", "XLMRobertaModel": "embedding",
+                 "XLMRobertaForMaskedLM": "embedding", "RobertaModel": "embedding",
+                 "XLMRobertaForSequenceClassification": "rerank", "RobertaForSequenceClassification": "rerank"}
 
 
 # llama.cpp's `bert` tensor names (its converter's) -> HF's, without the `bert.` prefix; {i} the layer
@@ -113,6 +115,7 @@ def sentence_transformers_settings(path: Path, cfg: BertConfig) -> tuple[Pooling
     st = _json(path / "sentence_bert_config.json") or {}
     tc = _json(path / "tokenizer_config.json") or {}
     limit = cfg.max_position_embeddings
+    limit -= cfg.position_offset  # RoBERTa's first positions are the padding's
     max_len = st.get("max_seq_length") or min(int(tc.get("model_max_length") or limit), limit)
     return Pooling(mode, normalize), min(int(max_len), limit)
 
@@ -150,7 +153,8 @@ class _Tensors:
                         self.tensors[k] = h.get_tensor(k)
             except Exception as e:
                 raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
-        self.prefix = "bert." if "bert.embeddings.word_embeddings.weight" in self.tensors else ""
+        self.prefix = next((p for p in ("bert.", "roberta.") if p + "embeddings.word_embeddings.weight" in self.tensors),
+                           "")
 
     def get(self, name: str, encoder: bool = True) -> torch.Tensor:
         key = (self.prefix if encoder else "") + name
@@ -277,7 +281,9 @@ def _build(cfg: BertConfig, w, kind: str, device: str) -> BertEncoder:
         layers.append(EncoderLayer(cfg, qkv, lin(p + "attention.output.dense"), norm(p + "attention.output.LayerNorm"),
                                    lin(p + "intermediate.dense"), lin(p + "output.dense"), norm(p + "output.LayerNorm")))
     head = None
-    if kind == "rerank":
+    if kind == "rerank" and w.has("classifier.out_proj.weight"):  # RoBERTa's head
+        head = ClassifierHead(lin("classifier.dense", encoder=False), lin("classifier.out_proj", encoder=False))
+    elif kind == "rerank":
         head = ClassifierHead(lin("pooler.dense"), lin("classifier", encoder=False))
     e = "embeddings."
     return BertEncoder(cfg, w.get(e + "word_embeddings.weight").to(device),
