@@ -86,6 +86,16 @@ def _state(request: Request):
     return request.app.state.server
 
 
+def _embedding_model(state, name: str | None) -> str | None:
+    """A request without `model` on a server of every local model: the default embedding model
+    (all-minilm), not the default chat model."""
+    if name or state.pool.pinned is not None:
+        return name
+    from ..registry import load_registry
+
+    return load_registry().default_embedding
+
+
 def _num_ctx(options: dict[str, Any] | None) -> int | None:
     """Ollama's options, checked as its chat routes check them; num_ctx caps the input length."""
     if not options:
@@ -171,7 +181,7 @@ async def embeddings(body: EmbeddingRequest, request: Request):
     if not inp or (ids is not None and any(not x for x in ids)):
         raise APIError(400, "input must not be empty", param="input")
     _count(len(texts or ids), "input")
-    target, release = await state.acquire(body.model, task="embed")
+    target, release = await state.acquire(_embedding_model(state, body.model), task="embed")
     try:
         emb = target.engine
         _check_dimensions(body.dimensions, emb.dimensions)
