@@ -46,3 +46,11 @@ def test_errors_are_one_line():
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.strip() == ("Error: smollm2-135m is not an embedding model (it is a text generation model); "
                                 "embedding models run by localllm: BERT-family checkpoints such as all-minilm")
+
+
+def test_run_with_an_embedding_model_says_what_it_is():
+    r = subprocess.run([sys.executable, "-m", "localllm.cli", "run", "all-minilm", "hi"], capture_output=True,
+                       text=True, timeout=180)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == ("Error: all-minilm is an embedding model, not a text generation model: use "
+                                "`localllm embed`, or /v1/embeddings and /api/embed of `localllm serve`")
