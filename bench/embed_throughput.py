@@ -90,7 +90,9 @@ def main() -> None:
     import llama_cpp
 
     n_ctx = max(batches) * a.tokens
-    llm = llama_cpp.Llama(str(gguf_path), embedding=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+    # n_ubatch 2048 (16 sentences per ubatch): a whole batch in one ubatch would hold an 8192 x 8192
+    # score matrix per head (llama.cpp masks across sequences), 3 GiB here
+    llm = llama_cpp.Llama(str(gguf_path), embedding=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, 2048),
                           n_threads=a.threads, n_threads_batch=a.threads, verbose=False)
     assert all(len(llm.tokenize(t.encode())) == a.tokens for t in texts)
 
