@@ -90,9 +90,9 @@ def main() -> None:
     import llama_cpp
 
     n_ctx = max(batches) * a.tokens
-    # n_ubatch 2048 (16 sentences per ubatch): a whole batch in one ubatch would hold an 8192 x 8192
-    # score matrix per head (llama.cpp masks across sequences), 3 GiB here
-    llm = llama_cpp.Llama(str(gguf_path), embedding=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, 2048),
+    # the whole batch in one ubatch: llama.cpp's encoder requires n_ubatch >= the batch's tokens (it
+    # then holds an n_ctx x n_ctx score matrix per head, masking across sequences: ~3 GiB at 64 x 128)
+    llm = llama_cpp.Llama(str(gguf_path), embedding=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                           n_threads=a.threads, n_threads_batch=a.threads, verbose=False)
     assert all(len(llm.tokenize(t.encode())) == a.tokens for t in texts)
 
@@ -112,6 +112,8 @@ def main() -> None:
         for name, fn in engines.items():
             wall, cpu = timed(functools.partial(fn, b), a.runs)
             rows[(name, b)] = (b / wall, cpu / b)
+            print(f"  {name}, batch {b}: {b / wall:.1f} sentences/s, {cpu / b * 1e3:.1f} CPU ms/sentence",
+                  file=sys.stderr, flush=True)  # progress: the table comes at the end
     print(f"{a.tokens}-token sentences, {a.threads} threads, median of {a.runs} calls (torch {torch.__version__}, "
           f"llama-cpp-python {llama_cpp.__version__}); load average {os.getloadavg()[0]:.1f} at the end\n")
     head = "| engine | " + " | ".join(f"batch {b}: sentences/s | CPU ms/sentence" for b in batches) + " |"
