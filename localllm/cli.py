@@ -553,6 +553,66 @@ def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parall
     raise typer.Exit(run_server(create_app(cfg, pool, log), host, port, log_level.lower()))
 
 
+# ---- embed ----------------------------------------------------------------------------------------
+@app.command()
+def embed(
+    args: Annotated[Optional[list[str]], typer.Argument(help="[MODEL] TEXT... (no TEXT: one text per line of stdin)",
+                                                        show_default=False)] = None,
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Embedding model (instead of the first "
+                                                                       "argument; default: all-minilm).")] = None,
+    dimensions: Annotated[Optional[int], typer.Option("--dimensions", help="Keep the first N components, scaled to "
+                                                      "unit length again (Matryoshka).")] = None,
+    truncate: Annotated[bool, typer.Option("--truncate/--no-truncate", help="Cut texts longer than the model "
+                                           "takes (default), or refuse them.")] = True,
+    device: DeviceOpt = "auto",
+    threads: ThreadsOpt = None,
+):
+    """Print one JSON line per text, {"index", "tokens", "embedding"}: `localllm embed "some text"`,
+    `localllm embed all-minilm "a" "b"`, or texts piped one per line (blank lines skipped)."""
+    import json
+
+    from .engine.embedder import InputTooLong
+    from .registry import load_registry, looks_like_model
+
+    words = list(args or [])
+    if model is None and words and (looks_like_model(words[0], load_registry()) or _looks_like_path(words[0])):
+        model = words.pop(0)
+    if threads is not None and threads < 1:
+        raise fail(f"invalid value for --threads: must be >= 1 (leave it out for all cores), got {threads}", 2)
+    if dimensions is not None and dimensions < 1:
+        raise fail(f"invalid value for --dimensions: must be >= 1, got {dimensions}", 2)
+    texts = words or ([line for line in read_stdin().splitlines() if line.strip()] if not sys.stdin.isatty() else [])
+    if not texts:
+        raise fail("no text: pass texts as arguments or pipe them on stdin, one per line "
+                   "(e.g. echo hello | localllm embed)", 2)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    from .hub import HubError
+    from .llm import build_embedder
+
+    try:
+        embedder = build_embedder(model, device)
+    except (ValueError, HubError, OSError) as e:
+        raise fail(str(e)) from None
+    if dimensions is not None and dimensions > embedder.dimensions:
+        raise fail(f"invalid value for --dimensions: the model's vectors have {embedder.dimensions}, got "
+                   f"{dimensions}", 2)
+    try:
+        enc = embedder.tokenize(texts, truncate)
+    except InputTooLong as e:
+        raise fail(f"text {e.index + 1} is {e.n} tokens; the model takes at most {e.limit} (leave out "
+                   "--no-truncate to cut it)") from None
+    vectors = embedder.embed(enc, dimensions)
+    try:
+        for i, (ids, v) in enumerate(zip(enc.ids, vectors)):
+            sys.stdout.write(json.dumps({"index": i, "tokens": len(ids), "embedding": v.tolist()}) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise _broken_pipe() from None
+
+
 # ---- pull / list / show / rm ----------------------------------------------------------------------
 def _ref(model: str | None):
     from .registry import resolve_model
@@ -821,7 +881,7 @@ def _root() -> None:
 # Startup (importing torch, the tokenizer's 10^5 strings, the model) allocates much and frees
 # little, yet the cyclic GC rescans all of it again and again: ~0.15 s of a cold start. The
 # commands that load a model turn it off until their engine is built.
-_LOADING_COMMANDS = ("run", "chat", "serve")
+_LOADING_COMMANDS = ("run", "chat", "serve", "embed")
 
 
 def _startup_done() -> None:

@@ -31,7 +31,9 @@ from .registry import ModelRef, ModelSpec
 # just what a safetensors checkpoint needs: never *.bin / *.pth pickles
 ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
                   "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                  "quant_config.json", "quantize_config.json"]
+                  "quant_config.json", "quantize_config.json",
+                  # an embedding model's pooling, normalisation and input length (sentence-transformers)
+                  "modules.json", "sentence_bert_config.json", "*Pooling/config.json"]
 QUANTS = ("auto", "bf16", "awq", "gptq", "gguf")
 SUPPORTED = "supported: safetensors (bf16/fp16/fp32), AWQ or GPTQ int4 safetensors, GGUF"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")

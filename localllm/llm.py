@@ -17,6 +17,11 @@ def build_engine(model: str | None = None, precision: str = "auto", device: str 
     `max_memory` (GiB) the planner picks precision, pre-quantized variant and context first."""
     config = config or EngineConfig()
     dev = pick_device(device)
+    from .models_cli import local_path
+    from .registry import resolve_model
+
+    ref = resolve_model(model)
+    _refuse_encoder(ref.name, local_path(ref))  # before the planner, which reads decoders' configs only
     base = model
     model, precision, config = _planned(model, precision, dev, config, max_memory)
     ref, loaded = _load(model, precision, dev, config.max_model_len)
@@ -34,6 +39,38 @@ def build_engine(model: str | None = None, precision: str = "auto", device: str 
                                  "pass --draft MODEL or --draft ngram")
         _, draft = _load(spec, "auto", dev, config.max_model_len)
     return LLMEngine(loaded, config, draft)
+
+
+def build_embedder(model: str | None = None, device: str = "auto"):
+    """An Embedder (engine/embedder.py) on the encoder a MODEL argument names (default: the
+    registry's default embedding model), fetched first if needed. ValueError for a model that is
+    not an embedding model."""
+    from .engine.embedder import Embedder
+    from .hub import ensure_local
+    from .model.encoder_loader import encoder_kind, load_encoder
+    from .registry import load_registry, resolve_model
+
+    registry = load_registry()
+    ref = resolve_model(model or registry.default_embedding, registry)
+    path = ensure_local(ref)
+    kind = encoder_kind(path)
+    if kind != "embedding":
+        what = "a reranker" if kind == "rerank" else "a text generation model"
+        raise ValueError(f"{ref.name} is not an embedding model (it is {what}); embedding models run by localllm: "
+                         f"BERT-family checkpoints such as {registry.default_embedding}")
+    return Embedder(load_encoder(path, pick_device(device)))
+
+
+def _refuse_encoder(name: str, path) -> None:
+    """An embedding model or reranker named where a chat model is needed: say what it is for,
+    rather than that its architecture is unknown."""
+    from .model.encoder_loader import encoder_kind
+
+    kind = encoder_kind(path)
+    if kind is not None:
+        use = "`localllm embed`, or /v1/embeddings and /api/embed" if kind == "embedding" else "/v1/rerank"
+        raise ValueError(f"{name} is {'an embedding model' if kind == 'embedding' else 'a reranker'}, not a "
+                         f"text generation model: use {use} of `localllm serve`")
 
 
 def _planned(model: str | None, precision: str, device: str, config: EngineConfig, max_memory: float | None):
@@ -73,7 +110,9 @@ def _load(model: str | None, precision: str, device: str, max_model_len: int | N
     from .registry import resolve_model
 
     ref = resolve_model(model)
-    loaded = load_model(ensure_local(ref), precision, device, max_model_len)
+    path = ensure_local(ref)
+    _refuse_encoder(ref.name, path)
+    loaded = load_model(path, precision, device, max_model_len)
     loaded.name = ref.name
     return ref, loaded
 

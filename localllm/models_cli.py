@@ -47,6 +47,10 @@ def _kind_of(path: Path | None) -> str:
     return str(q.get("quant_method", "safetensors")).lower()
 
 
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def list_models() -> list[dict]:
     reg = load_registry()
     cache = _scan()
@@ -55,6 +59,7 @@ def list_models() -> list[dict]:
     def row(name, repo, variant, status, size, path, spec: ModelSpec | None = None):
         return {"name": name, "repo": repo, "variant": variant, "status": status, "size_bytes": size,
                 "path": str(path) if path else None, "aliases": list(spec.aliases) if spec else [],
+                "kind": spec.kind if spec else None,
                 "default": bool(spec) and spec.name == reg.default}
 
     for spec in reg.models.values():
@@ -62,8 +67,8 @@ def list_models() -> list[dict]:
         emb = spec.embedded_path()
         if emb is not None:
             m = _GGUF_QUANT.search(emb.name)
-            mine.append(row(spec.name, spec.repo, f"gguf-{m.group(1).lower()}" if m else "gguf", "embedded",
-                            emb.stat().st_size, emb, spec))
+            variant = "safetensors" if emb.is_dir() else f"gguf-{m.group(1).lower()}" if m else "gguf"
+            mine.append(row(spec.name, spec.repo, variant, "embedded", _size(emb), emb, spec))
         for v in spec_variants(spec):
             info = cache.pop(v.repo, None)
             if info is not None:
@@ -149,6 +154,11 @@ def describe(model: str | None, prompt: str | None = None, system: str | None = 
         info.update({"parameters": spec.params if spec else None, "context_length": spec.context if spec else None,
                      "architecture": None, "quantization": None, "chat_template": None, "stop_tokens": []})
         return info
+    from .model.encoder_loader import describe_encoder, encoder_kind
+
+    if encoder_kind(path):  # an embedding model or a reranker: no chat template, no generation
+        info.update(describe_encoder(path), size_bytes=_size(path))
+        return info
     weights = open_weights(path)  # headers and metadata only: no tensor is read
     cfg = weights.config
     tok = weights.tokenizer()
@@ -210,6 +220,10 @@ def format_show(info: dict) -> str:
     add("size", human_bytes(info["size_bytes"]))
     add("path", info["path"] + ("  (embedded)" if info["embedded"] else ""))
     add("plan", info.get("plan"))
+    if info.get("kind"):  # an encoder: what it is for and how it pools
+        add("kind", info["kind"])
+        add("pooling", info["pooling"])
+        return "Model\n" + "\n".join(out)
     out.append("Chat")
     add("template", f"{info['chat_template']['family']} ({info['chat_template']['source']})")
     bos = info["bos_token"]

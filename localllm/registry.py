@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import difflib
-import importlib.util
+import logging
 import os
 import re
 import sys
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,26 +63,30 @@ class ModelSpec:
     gptq: str | None = None
     gguf_repo: str | None = None
     gguf_file: str | None = None
+    kind: str = "generate"  # "embedding" | "rerank": what the model is for (the server's capability check)
 
     def embedded_path(self) -> Path | None:
-        """The GGUF shipped inside an installed package, located without importing it."""
+        """The model shipped inside an installed package, located without importing it: its GGUF,
+        or the folder its zipped model directory is unpacked to (once, in the model store)."""
         if not self.embedded:
             return None
-        package, _, rel = self.embedded.partition("/")
+        from .embedded import package_file, unpacked
+
+        path = package_file(self.embedded)
+        if path is None or path.suffix != ".zip":
+            return path
         try:
-            spec = importlib.util.find_spec(package)
-        except (ImportError, ValueError):
+            return unpacked(path, self.name)
+        except (OSError, ValueError, zipfile.BadZipFile) as e:  # the hub's copy is still there to fetch
+            logging.getLogger("localllm").warning("warning: cannot unpack the embedded %s (%s)", self.name, e)
             return None
-        if spec is None or not spec.origin:
-            return None
-        path = Path(spec.origin).parent / rel
-        return path if path.is_file() else None
 
 
 @dataclass
 class Registry:
     models: dict[str, ModelSpec]
     default: str
+    default_embedding: str = "all-minilm"  # `localllm embed` without MODEL
 
     def lookup(self, name: str) -> ModelSpec | None:
         key = name.lower()
@@ -115,9 +120,9 @@ def load_registry(path: str | os.PathLike | None = None) -> Registry:
             name=name, repo=d["repo"], revision=d.get("revision", "main"), family=d.get("family", ""),
             context=d.get("context"), params=d.get("params"), aliases=list(d.get("aliases", [])),
             draft=d.get("draft"), embedded=d.get("embedded"), awq=v.get("awq"), gptq=v.get("gptq"),
-            gguf_repo=gguf.get("repo"), gguf_file=gguf.get("file"),
+            gguf_repo=gguf.get("repo"), gguf_file=gguf.get("file"), kind=d.get("kind", "generate"),
         )
-    return Registry(models, data.get("default", next(iter(models), "")))
+    return Registry(models, data.get("default", next(iter(models), "")), data.get("default_embedding", "all-minilm"))
 
 
 @dataclass

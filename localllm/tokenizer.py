@@ -283,6 +283,36 @@ def _gguf_sentencepiece(meta: dict) -> TokenizerInfo:
     )
 
 
+def wordpiece_from_gguf(meta: dict) -> Tokenizer:
+    """llama.cpp's "bert" vocabulary (WordPiece in phantom-space form: "▁" marks a word-initial
+    piece, a continuation has none) as the `tokenizers` WordPiece BERT checkpoints ship, with
+    [CLS] ... [SEP] added around each text (pairs: [CLS] a [SEP] b [SEP], token types 0 then 1)."""
+    from tokenizers import processors
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    vocab: dict[str, int] = {}
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        piece = t if ty == _CONTROL else t[1:] if t.startswith("\u2581") else "##" + t
+        vocab.setdefault(piece, i)
+    unk = _gguf_token_name(meta, tokens, "tokenizer.ggml.unknown_token_id") or "[UNK]"
+    cls = _gguf_token_name(meta, tokens, "tokenizer.ggml.bos_token_id") or "[CLS]"
+    sep = _gguf_token_name(meta, tokens, "tokenizer.ggml.seperator_token_id") or \
+        _gguf_token_name(meta, tokens, "tokenizer.ggml.eos_token_id") or "[SEP]"
+    tok = Tokenizer(models.WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
+    lower = bool(meta.get("tokenizer.ggml.normalizer.lowercase", True))  # llama.cpp lowercases by default
+    tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                                lowercase=lower)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, tokens.index(cls)), (sep, tokens.index(sep))])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _CONTROL])
+    return tok
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 

@@ -69,7 +69,7 @@ def test_list_json(cli):
     r = cli("list", "--json")
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)
-    assert all(set(row) == {"name", "repo", "variant", "status", "size_bytes", "path", "aliases", "default"}
+    assert all(set(row) == {"name", "repo", "variant", "status", "size_bytes", "path", "aliases", "default", "kind"}
                for row in rows)
     by = {(row["name"], row["variant"]): row for row in rows}
     emb = by[("smollm2-135m", "gguf-q4_1")]

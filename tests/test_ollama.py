@@ -131,7 +131,7 @@ def test_unsupported_fields_and_routes(server, client):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="smollm2:7b", messages=QUESTION)
     assert e.value.status_code == 404
-    for path in ("/api/create", "/api/push", "/api/copy", "/api/embed", "/api/embeddings"):
+    for path in ("/api/create", "/api/push", "/api/copy"):  # the embedding routes: test_server_embeddings.py
         r = httpx.post(server.base + path, json={"model": SMOL}, timeout=10)
         assert r.status_code == 501 and set(r.json()) == {"error"}, (path, r.text)
     r = httpx.post(server.base + "/api/chat", content=b"{not json", timeout=10)

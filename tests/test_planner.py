@@ -153,6 +153,8 @@ def test_known_shapes_match_the_registry():
     from localllm.registry import load_registry
 
     for spec in load_registry().models.values():
+        if spec.kind != "generate":  # embedding models and rerankers are sized from their files, not planned
+            continue
         f = facts(spec.repo.lower())
         assert abs(f.params - spec.params) / spec.params < 1e-4, spec.name  # qwen's qkv biases aside
 

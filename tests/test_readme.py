@@ -104,6 +104,14 @@ EXERCISED_BY = {
     "python bench/build_slowdown.py": "test_benchmarks_block",
     "python bench/serve_decode.py": "test_benchmarks_block",
     "python bench/check_kv.py": "test_benchmarks_block",
+    'localllm embed "The cat sat on the mat." "A kitten rested on the rug."': "test_embed_cli",
+    "localllm serve": "test_embeddings_transcript",
+    "curl -s localhost:8000/api/embed -d '{\"model\": \"all-minilm\", \"input\": [\"The cat sat on the mat.\", "
+    "\"A kitten rested on the rug.\"], \"dimensions\": 4}'": "test_embeddings_transcript",
+    "curl -s localhost:8000/v1/embeddings -H 'Content-Type: application/json' -d '{\"model\": \"all-minilm\", "
+    "\"input\": \"hello\", \"dimensions\": 4}'": "test_embeddings_transcript",
+    "curl -s localhost:8000/api/chat -d '{\"model\": \"all-minilm\", \"messages\": [{\"role\": \"user\", "
+    "\"content\": \"hi\"}]}'": "test_embeddings_transcript",
     "bash bench/gpu_check.sh": "test_gpu_check_block",
     "python bench/gpu_e2e.py --models smollm2-135m --batches 1,8": "test_gpu_check_block",
 }
@@ -377,6 +385,40 @@ def test_fim_example(sandbox, tmp_path):
                 os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(30)
             end_builders([env["LOCALLLM_HOME"]])
+
+
+def test_embed_cli(sandbox):
+    run_block('localllm embed "The cat sat on the mat." "A kitten rested on the rug."', *sandbox)
+
+
+def test_embeddings_transcript(sandbox):
+    """`localllm serve` (port 8000, as the README's curl lines) and the Embeddings section's requests
+    while it runs; its own output is checked once it has stopped."""
+    env, cwd = sandbox
+    exs = block_of("localllm serve")
+    serve, rest = exs[0], exs[1:]
+    assert port_8000_is_free(), "port 8000 is in use: the README's server example listens there; stop what holds it"
+    log = open(cwd / "serve-embed.log", "w+")
+    proc = subprocess.Popen(["bash", "-c", serve.text], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, f"the server did not start:\n{log.read()}"
+            try:
+                if httpx.get("http://127.0.0.1:8000/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        for ex in rest:
+            r = sh(ex, env, cwd)
+            check(ex, r.returncode, r.stdout, [r'(?<="total_duration":)\d+', r'(?<="load_duration":)\d+'])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        rc = proc.wait(30)
+    log.seek(0)
+    check(serve, rc, log.read(), [r"loaded in \d+\.\d s"])
 
 
 @pytest.mark.slow

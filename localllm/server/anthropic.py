@@ -275,7 +275,7 @@ def router(state: ServerState) -> APIRouter:
 
     async def _started(body: CountRequest, start: bool):
         chat_body = chat_request(body)
-        target, release = await state.acquire(chat_body.model)
+        target, release = await state.acquire(chat_body.model, task="chat")
         try:
             return target, release, await start_chat(state, chat_body, target, release, start=start)
         except APIError as e:

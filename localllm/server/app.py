@@ -30,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import anthropic, infill, ollama, openai_routes, responses
+from . import anthropic, embeddings, infill, ollama, openai_routes, responses
 from . import openai_schema as oai
 from .metrics import combined_stats
 from .openai_schema import APIError
@@ -160,7 +160,8 @@ def _service_router(state: ServerState) -> APIRouter:
 # Each API's routes: a module with `router(state: ServerState) -> APIRouter`; a new API is one more
 # line here (its errors are OpenAI-shaped unless _error_body says otherwise).
 _ROUTERS: list[Callable[[ServerState], APIRouter]] = [_service_router, openai_routes.router, responses.router,
-                                                      anthropic.router, ollama.router, infill.router]
+                                                      anthropic.router, ollama.router, infill.router,
+                                                      embeddings.router]
 
 
 def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | None = None) -> FastAPI:

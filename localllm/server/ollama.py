@@ -9,7 +9,7 @@ schema) holds the output to it; `think` reaches the chat template (enable_thinki
 reasoning model's <think> text comes back as `thinking`; `tools` reach the template and the calls
 the model writes come back as message.tool_calls. What we cannot honour (images) is a 400 naming
 the field, never silently dropped;
-routes we do not serve (create, push, copy, embeddings, blobs) are a 501.
+routes we do not serve (create, push, copy, blobs) are a 501; embeddings are embeddings.py's.
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def _arch(name: str | None) -> str:
     """LlamaForCausalLM -> llama (the GGUF-style name Ollama reports)."""
     if not name:
         return ""
-    return re.sub(r"For(CausalLM|ConditionalGeneration)$", "", name).lower()
+    return re.sub(r"For(CausalLM|ConditionalGeneration|SequenceClassification)$|Model$", "", name).lower()
 
 
 def _param_size(n: int) -> str:
@@ -289,7 +289,9 @@ def router(state: ServerState) -> APIRouter:
     async def tags():
         state.require_ready()
         return {"models": [{"name": m.name, "model": m.name, "modified_at": iso(m.modified), "size": m.size,
-                            "digest": _digest(m), "details": _details(m)} for m in await _catalog(state)]}
+                            "digest": _digest(m), "details": _details(m),
+                            "capabilities": ["completion"] if m.kind == "generate" else [m.kind]}
+                           for m in await _catalog(state)]}
 
     @api.post("/api/show")
     async def show(body: ModelRequest):
@@ -320,8 +322,9 @@ def router(state: ServerState) -> APIRouter:
         return {"license": "", "modelfile": f"# served by localllm\nFROM {m.path}\n",
                 "parameters": "\n".join(f'stop "{s}"' for s in stops), "template": template,
                 "details": _details(m, info), "model_info": model_info,
-                "capabilities": ["completion", *(["insert"] if info.get("fill_in_middle") else []), "tools",
-                                 *(["thinking"] if reasons(template) else [])],
+                "capabilities": [info["kind"]] if info.get("kind") else [
+                    "completion", *(["insert"] if info.get("fill_in_middle") else []), "tools",
+                    *(["thinking"] if reasons(template) else [])],
                 "modified_at": iso(m.modified)}
 
     @api.get("/api/ps")
@@ -407,7 +410,7 @@ def router(state: ServerState) -> APIRouter:
         raise APIError(501, f"{request.method} {request.url.path} is not supported by localllm (it serves local "
                             "text models: chat, generate, pull, delete)", "not_implemented")
 
-    for path in ("/api/create", "/api/push", "/api/copy", "/api/embed", "/api/embeddings", "/api/blobs/{digest}"):
+    for path in ("/api/create", "/api/push", "/api/copy", "/api/blobs/{digest}"):
         api.add_api_route(path, not_served, methods=["POST", "HEAD"] if "blobs" in path else ["POST"],
                           include_in_schema=False)
     return api
@@ -429,7 +432,7 @@ async def _load_only(state: ServerState, name: str, keep_alive: float | None, ch
         await state.pool.unload(m.name)
         reason = "unload"
     else:
-        _, release = await state.acquire(name, keep_alive)
+        _, release = await state.acquire(name, keep_alive, task="chat" if chat else "generate")
         release()
         reason = "load"
     body = {"model": name, "created_at": _now_iso(), "done": True, "done_reason": reason}
@@ -448,7 +451,8 @@ async def _run(state: ServerState, name: str, prompt: str | list[dict] | FimRequ
 
     constraint = ollama_format(fmt)
     timing = _Timing()
-    served, release = await state.acquire(name, keep_alive, options.num_ctx if options is not None else None)
+    served, release = await state.acquire(name, keep_alive, options.num_ctx if options is not None else None,
+                                          "chat" if chat else "generate")
     timing.loaded = time.perf_counter()
     try:
         template = served.engine.tokenizer.chat_template

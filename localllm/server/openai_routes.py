@@ -93,7 +93,7 @@ async def _on_model(state: ServerState, handler: Callable[..., Awaitable[Any]], 
     """Run a /v1 handler on the model the body names; the model stays in use (pool mode)
     until the response ends, or is released here when the handler fails."""
     state.metrics.http_requests += 1
-    served, release = await state.acquire(body.model)
+    served, release = await state.acquire(body.model, task="chat" if "chat" in request.url.path else "generate")
     try:
         return await handler(state, body, request, served, release)
     except BaseException:

@@ -26,6 +26,7 @@ from .openai_schema import APIError
 
 if TYPE_CHECKING:  # for the annotations only: importing the engine loads torch
     from ..engine.engine import LLMEngine
+    from .encoder_loop import ServedEncoder
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds an idle model stays loaded (Ollama's default: 5m)
 
@@ -40,12 +41,14 @@ class LocalModel:
     size: int
     modified: float
     variant: str = ""
+    kind: str = "generate"  # "embedding" | "rerank": an encoder (model/encoder_loader.py)
 
 
 def local_models() -> list[LocalModel]:
     """Registry models that are embedded or downloaded, and other models in the HF cache."""
     import os
 
+    from ..model.encoder_loader import encoder_kind
     from ..models_cli import list_models
 
     out: dict[str, LocalModel] = {}
@@ -58,7 +61,8 @@ def local_models() -> list[LocalModel]:
         except OSError:
             modified = 0.0
         aliases = [*row["aliases"], *([row["repo"]] if row["repo"] != row["name"] else [])]
-        out[row["name"]] = LocalModel(row["name"], aliases, path, row["size_bytes"] or 0, modified, row["variant"])
+        out[row["name"]] = LocalModel(row["name"], aliases, path, row["size_bytes"] or 0, modified, row["variant"],
+                                      encoder_kind(path) or row.get("kind") or "generate")
     return list(out.values())
 
 
@@ -94,7 +98,10 @@ class Pinned:
             size = path.stat().st_size if path.is_file() else sum(
                 f.stat().st_size for f in path.iterdir() if f.is_file())
             modified = os.stat(path).st_mtime
-        return LocalModel(self.name, [a for a in self.aliases if a], str(path) if path else None, size, modified)
+        from ..model.encoder_loader import encoder_kind
+
+        return LocalModel(self.name, [a for a in self.aliases if a], str(path) if path else None, size, modified,
+                          kind=encoder_kind(path) or "generate")
 
 
 @dataclass
@@ -115,7 +122,7 @@ class PoolEntry:
     name: str
     need: int  # planned bytes (weights + KV + runtime)
     ctx: int = 0  # the context it was loaded with
-    model: ServedModel | None = None  # set once loaded, None again once unloaded
+    model: ServedModel | ServedEncoder | None = None  # set once loaded, None again once unloaded
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     error: APIError | None = None
     active: int = 0  # requests in flight
@@ -124,6 +131,19 @@ class PoolEntry:
     keep_alive: float = DEFAULT_KEEP_ALIVE
     loaded_at: float = 0.0
     load_seconds: float = 0.0
+
+
+# what each task needs the model to be, and how Ollama words the refusal ("%q does not support chat")
+_TASKS = {"generate": ("generate", "generate"), "chat": ("generate", "chat"), "embed": ("embedding", "embeddings"),
+          "rerank": ("rerank", "reranking")}
+
+
+def check_task(local: LocalModel, name: str, task: str) -> None:
+    need, word = _TASKS[task]
+    if local.kind != need:
+        what = {"embedding": "an embedding model", "rerank": "a reranker"}.get(local.kind, "a text generation model")
+        raise APIError(400, f'"{name}" does not support {word} (it is {what})', param="model",
+                       code="model_capability")
 
 
 def load_error(name: str, e: BaseException) -> APIError:
@@ -142,6 +162,35 @@ def load_error(name: str, e: BaseException) -> APIError:
     if isinstance(e, HubError):  # the download: the hub or the network, not this server
         return APIError(502, text, "upstream_error", code="model_download_failed")
     return APIError(500, text, "internal_error", code="model_load_failed")
+
+
+@dataclass
+class EncoderPlan:
+    """What the pool needs to know to load an encoder: its memory (fp32 weights, the batch's
+    activations) against the budget. No KV cache, no context to choose."""
+
+    fits: bool
+    needed_bytes: int
+    reason: str = ""
+    ctx: int = 0
+    precision: str = "float32"
+    variant: str | None = None
+
+
+ENCODER_RUNTIME_BYTES = 256 << 20  # activations of a forward of MAX_BATCH_TOKENS tokens, and slack
+
+
+def encoder_plan(local: LocalModel, budget: int | None, device: str = "auto") -> EncoderPlan:
+    from ..hardware import available_memory, pick_device
+    from ..model.encoder_loader import describe_encoder
+
+    info = describe_encoder(local.path)
+    need = info["parameters"] * 4 + ENCODER_RUNTIME_BYTES
+    room = budget if budget is not None else int(0.9 * available_memory(pick_device(device)))
+    if need > room:
+        return EncoderPlan(False, need, f"needs {need / 2**30:.2f} GiB, {room / 2**30:.2f} GiB free",
+                           info["context_length"])
+    return EncoderPlan(True, need, "", info["context_length"])
 
 
 class ModelPool:
@@ -195,14 +244,17 @@ class ModelPool:
         return card
 
     # ---- acquire / release -----------------------------------------------------------------------
-    async def acquire(self, name: str | None, keep_alive: float | None = None, num_ctx: int | None = None
-                      ) -> tuple[ServedModel, Callable[[], None]]:
+    async def acquire(self, name: str | None, keep_alive: float | None = None, num_ctx: int | None = None,
+                      task: str = "generate") -> tuple[ServedModel | ServedEncoder, Callable[[], None]]:
         """The loaded model `name` names (loading it first), counted as in use until release().
         `num_ctx` (Ollama's option): the context to load it with; a model loaded with another
-        one is reloaded when idle, as Ollama does (while requests run on it, they share it)."""
+        one is reloaded when idle, as Ollama does (while requests run on it, they share it).
+        `task` ("generate", "chat", "embed", "rerank"): what the request asks of the model; a
+        model that cannot do it is a 400 before anything loads."""
         if self.closing:
             raise APIError(503, "the server is shutting down", "service_unavailable", code="server_shutting_down")
         local = await self.find(name)
+        check_task(local, name or local.name, task)
         if self.pinned is not None:  # loaded at start with the server's --ctx, kept until it stops
             entry = self.loaded.get(local.name)
             if entry is None or not entry.ready.is_set():
@@ -249,6 +301,8 @@ class ModelPool:
 
     # ---- loading ---------------------------------------------------------------------------------
     def _plan(self, local: LocalModel, budget: int | None, num_ctx: int | None = None):
+        if local.kind != "generate":
+            return encoder_plan(local, budget, self.cfg.device)
         from ..planner import DEFAULT_CTX, device_facts, facts_for, plan
 
         facts = facts_for(local.name)
@@ -289,9 +343,37 @@ class ModelPool:
         if budget is not None and not ec.kv_memory_bytes:  # within --max-memory: the KV blocks the plan counted
             config = dataclasses.replace(config, num_kv_blocks=kv_blocks(p.ctx, ec.block_size))
         model = p.variant or local.name
+        if local.kind != "generate":
+            threading.Thread(target=self._run_encoder, args=(entry, local.path, aloop),
+                             name=f"localllm-encoder-{local.name}", daemon=True).start()
+            return entry
         threading.Thread(target=self._load_and_run, args=(entry, model, p.precision, config, aloop),
                          name=f"localllm-engine-{local.name}", daemon=True).start()
         return entry
+
+    def _run_encoder(self, entry: PoolEntry, path: str, aloop) -> None:
+        """An encoder's thread: loads it, then runs its EncoderLoop (as _run_engine for a decoder)."""
+        from ..engine.embedder import Embedder
+        from ..hardware import pick_device
+        from ..model.encoder_loader import load_encoder
+        from .encoder_loop import EncoderLoop, ServedEncoder
+
+        t0 = time.perf_counter()
+        try:
+            embedder = Embedder(load_encoder(path, pick_device(self.cfg.device)))
+        except BaseException as e:  # noqa: BLE001 - answered to every waiting request
+            self.log(f"Error: could not load {entry.name}: {e}")
+            aloop.call_soon_threadsafe(self._load_failed, entry, load_error(entry.name, e))
+            return
+        if self.closing:
+            return
+        served = entry.model = ServedEncoder(entry.name, embedder, EncoderLoop(embedder, self.log))
+        entry.load_seconds = time.perf_counter() - t0
+        entry.loaded_at = time.time()
+        self.log(f"model {entry.name} loaded in {entry.load_seconds:.1f} s ({embedder.kind}, at most "
+                 f"{embedder.max_model_len} tokens per input)")
+        aloop.call_soon_threadsafe(entry.ready.set)
+        served.loop.run()
 
     def _load_and_run(self, entry: PoolEntry, model: str, precision: str, config: EngineConfig,
                       aloop: asyncio.AbstractEventLoop) -> None:

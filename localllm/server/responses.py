@@ -324,7 +324,7 @@ def router(state: ServerState) -> APIRouter:
     async def responses(body: ResponsesRequest, request: Request):
         state.metrics.http_requests += 1
         chat_body = chat_request(body)
-        target, release = await state.acquire(chat_body.model)
+        target, release = await state.acquire(chat_body.model, task="chat")
         try:
             chat = await start_chat(state, chat_body, target, release)
         except APIError as e:

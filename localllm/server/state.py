@@ -7,11 +7,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .generation import Admission, ServedModel
 from .metrics import ServerMetrics
 from .openai_schema import APIError
 from .pool import ModelPool
+
+if TYPE_CHECKING:  # annotations only: the encoder's module loads torch
+    from .encoder_loop import ServedEncoder
 
 
 @dataclass
@@ -55,10 +59,10 @@ class ServerState:
             raise APIError(503, "the model is still loading; retry shortly", "service_unavailable",
                            code="model_loading", headers={"Retry-After": "1"})
 
-    async def acquire(self, name: str | None, keep_alive: float | None = None, num_ctx: int | None = None
-                      ) -> tuple[ServedModel, Callable[[], None]]:
+    async def acquire(self, name: str | None, keep_alive: float | None = None, num_ctx: int | None = None,
+                      task: str = "generate") -> tuple[ServedModel | ServedEncoder, Callable[[], None]]:
         """The model a request names, ready to run (loaded first on demand, with `num_ctx` as its
         context when given; a pinned model keeps the server's --ctx), and the callback that ends
         its use."""
         self.require_ready()
-        return await self.pool.acquire(name, keep_alive, num_ctx)
+        return await self.pool.acquire(name, keep_alive, num_ctx, task)

@@ -1,0 +1,191 @@
+"""One config-driven BERT-family encoder: BERT itself (all-MiniLM, bge, mxbai-embed-large,
+snowflake-arctic-embed, ms-marco cross-encoders) and (XLM-)RoBERTa (bge-m3, multilingual-e5,
+bge-reranker-v2-m3): the same layers, positions counted from pad_token_id + 1 and one token
+type. Bidirectional attention, learned absolute positions, token types, post-LayerNorm
+residuals, GELU MLP; optionally the sequence-classification head of a cross-encoder (BERT's
+pooler + classifier, RoBERTa's dense + tanh + out_proj).
+
+The forward takes a packed batch: the tokens of every input one after another ([T]) and the
+length of each. The linears run on all T rows at once (no padding to the longest input);
+attention is confined to each input by attending per group of equally long inputs (one SDPA
+call per distinct length, inputs of one length batched together).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import DenseLinear
+
+# HF hidden_act -> the function; "gelu" is the exact (erf) GELU BERT was trained with
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+ROBERTA_TYPES = ("roberta", "xlm-roberta")
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_act: str = "gelu"
+    num_labels: int = 0  # > 0: a sequence-classification head (a cross-encoder)
+    architecture: str = "BertModel"
+    model_type: str = "bert"
+    position_offset: int = 0  # RoBERTa: position ids start at pad_token_id + 1
+
+    @classmethod
+    def from_hf(cls, d: dict) -> BertConfig:
+        """A config.json of a BERT checkpoint; ValueError names what it cannot run."""
+        if d.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {d['position_embedding_type']!r} is not supported (absolute only)")
+        act = d.get("hidden_act", "gelu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        arch = (d.get("architectures") or ["BertModel"])[0]
+        labels = 0
+        roberta = d.get("model_type") in ROBERTA_TYPES
+        if arch.endswith("ForSequenceClassification"):
+            labels = int(d.get("num_labels") or len(d.get("id2label") or {}) or 2)
+        return cls(vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
+                   num_layers=int(d["num_hidden_layers"]), num_heads=int(d["num_attention_heads"]),
+                   intermediate_size=int(d["intermediate_size"]),
+                   max_position_embeddings=int(d.get("max_position_embeddings", 512)),
+                   type_vocab_size=int(d.get("type_vocab_size", 2)),
+                   layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)), hidden_act=act, num_labels=labels,
+                   architecture=arch, model_type=d.get("model_type", "bert"),
+                   position_offset=int(d.get("pad_token_id", 1)) + 1 if roberta else 0)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+@dataclass
+class Packed:
+    """A batch of inputs laid end to end: what the forward needs besides the token ids."""
+
+    lengths: list[int]
+    positions: torch.Tensor  # [T] int64: position of each token in its input
+    token_types: torch.Tensor  # [T] int64
+    groups: list[tuple[int, torch.Tensor]]  # (length, row indices [n, length]) per distinct length
+
+    @classmethod
+    def of(cls, lengths: list[int], token_types: list[int] | None = None, device: str = "cpu") -> Packed:
+        T = sum(lengths)
+        positions = torch.cat([torch.arange(n) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.long)
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        by_len: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            by_len.setdefault(n, []).append(starts[i])
+        groups = [(n, (torch.tensor(s)[:, None] + torch.arange(n)[None]).to(device)) for n, s in by_len.items()]
+        types = torch.zeros(T, dtype=torch.long) if token_types is None else torch.tensor(token_types)
+        return cls(lengths, positions.to(device), types.to(device), groups)
+
+    @property
+    def starts(self) -> list[int]:
+        out, s = [], 0
+        for n in self.lengths:
+            out.append(s)
+            s += n
+        return out
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: Packed, scale: float) -> torch.Tensor:
+    """q/k/v [T, H, D] -> [T, H*D]; each token attends to every token of its own input only."""
+    T, H, D = q.shape
+    out = q.new_empty(T, H, D)
+    for _, rows in packed.groups:  # rows [n, L]: n inputs of length L
+        qq, kk, vv = (t[rows].transpose(1, 2) for t in (q, k, v))  # [n, H, L, D]
+        o = F.scaled_dot_product_attention(qq, kk, vv, scale=scale)
+        out[rows] = o.transpose(1, 2)
+    return out.reshape(T, H * D)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: BertConfig, qkv: nn.Module, o: nn.Module, attn_norm: LayerNorm, up: nn.Module,
+                 down: nn.Module, mlp_norm: LayerNorm):
+        super().__init__()
+        self.qkv, self.o, self.attn_norm, self.up, self.down, self.mlp_norm = qkv, o, attn_norm, up, down, mlp_norm
+        self.H, self.D = cfg.num_heads, cfg.head_dim
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor, packed: Packed, scale: float) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv(x).view(T, 3, self.H, self.D).unbind(1)
+        x = self.attn_norm(x + self.o(varlen_attention(q, k, v, packed, scale)))  # post-LN, as BERT
+        return self.mlp_norm(x + self.down(self.act(self.up(x))))
+
+
+class ClassifierHead(nn.Module):
+    """A sequence-classification head on the first row: BertForSequenceClassification's pooler
+    (dense + tanh) then classifier, or RobertaClassificationHead's dense + tanh then out_proj
+    (the same arithmetic)."""
+
+    def __init__(self, pooler: DenseLinear, classifier: DenseLinear):
+        super().__init__()
+        self.pooler, self.classifier = pooler, classifier
+
+    def forward(self, cls_rows: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.tanh(self.pooler(cls_rows)))
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, cfg: BertConfig, word: torch.Tensor, position: torch.Tensor, token_type: torch.Tensor,
+                 embed_norm: LayerNorm, layers: list[EncoderLayer], head: ClassifierHead | None = None,
+                 device: str = "cpu"):
+        super().__init__()
+        self.cfg, self.device = cfg, device
+        self.word = nn.Parameter(word, requires_grad=False)
+        self.position = nn.Parameter(position, requires_grad=False)
+        self.token_type = nn.Parameter(token_type, requires_grad=False)
+        self.embed_norm = embed_norm
+        self.layers = nn.ModuleList(layers)
+        self.head = head
+        self.scale = cfg.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, packed: Packed) -> torch.Tensor:
+        """Hidden states [T, hidden] of the packed inputs (the last layer's output)."""
+        types = packed.token_types if self.cfg.type_vocab_size > 1 else torch.zeros_like(packed.token_types)
+        x = self.embed_norm(self.word[input_ids] + self.position[packed.positions + self.cfg.position_offset]
+                            + self.token_type[types])
+        for layer in self.layers:
+            x = layer(x, packed, self.scale)
+        return x
+
+    @torch.inference_mode()
+    def classify(self, hidden: torch.Tensor, packed: Packed) -> torch.Tensor:
+        """The classification logits [B, num_labels] of each input (its first token: [CLS])."""
+        if self.head is None:
+            raise ValueError("this model has no classification head (not a cross-encoder)")
+        return self.head(hidden[torch.tensor(packed.starts, device=hidden.device)])
