@@ -15,6 +15,7 @@ machine (`pytest -m gpu`); `make test` is the suite itself.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -312,16 +313,13 @@ def port_8000_is_free() -> bool:
     return True
 
 
-def test_serve_transcript(sandbox):
-    """`localllm serve --api-key sk-local` as printed (so on port 8000, which the README's curl
-    lines and oai.py use), then each command of the transcript in order while it runs; its own
-    output is checked once it has stopped (SIGTERM, as Ctrl-C in its terminal)."""
-    env, cwd = sandbox
-    exs = block_of("localllm serve --api-key sk-local")
-    serve, rest = exs[0], exs[1:]
+@contextlib.contextmanager
+def serving(command: str, env: dict, cwd: Path, log_path: Path):
+    """`command` (a README `localllm serve` line) running on port 8000 until the block ends, then
+    SIGTERM (as Ctrl-C in its terminal); yields (the process, its log file) once /health answers."""
     assert port_8000_is_free(), "port 8000 is in use: the README's server example listens there; stop what holds it"
-    log = open(cwd / "serve.log", "w+")
-    proc = subprocess.Popen(["bash", "-c", serve.text], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+    log = open(log_path, "w+")
+    proc = subprocess.Popen(["bash", "-c", command], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
@@ -332,16 +330,28 @@ def test_serve_transcript(sandbox):
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
+        yield proc, log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+        end_builders([env["LOCALLLM_HOME"]])
+
+
+def test_serve_transcript(sandbox):
+    """`localllm serve --api-key sk-local` as printed (so on port 8000, which the README's curl
+    lines and oai.py use), then each command of the transcript in order while it runs; its own
+    output is checked once it has stopped (SIGTERM, as Ctrl-C in its terminal)."""
+    env, cwd = sandbox
+    exs = block_of("localllm serve --api-key sk-local")
+    serve, rest = exs[0], exs[1:]
+    with serving(serve.text, env, cwd, cwd / "serve.log") as (proc, log):
         for ex in rest:
             if ex.key == "cat oai.py":  # the README gives the file by showing it
                 (cwd / "oai.py").write_text("\n".join(ex.output) + "\n")
             r = sh(ex, env, cwd)
             check(ex, r.returncode, r.stdout, [r'(?<="created":)\d+'])
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        rc = proc.wait(30)
-        end_builders([env["LOCALLLM_HOME"]])
+    rc = proc.returncode
     log.seek(0)
     check(serve, rc, log.read(), [r"loaded in \d+\.\d s"])
 
@@ -356,21 +366,9 @@ def test_fim_example(sandbox, tmp_path):
 
     env, cwd = sandbox
     repo = "Qwen/Qwen2.5-Coder-0.5B"
-    assert port_8000_is_free(), "port 8000 is in use: the README's server example listens there; stop what holds it"
     with HubMirror({repo: make_repo(tiny_coder_checkpoint(tmp_path / "coder"))}) as mirror:
         env = {**env, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": mirror.url}
-        log = open(tmp_path / "serve.log", "w+")
-        proc = subprocess.Popen(["bash", "-c", "localllm serve"], env=env, cwd=cwd, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                assert proc.poll() is None and time.monotonic() < deadline, f"the server did not start:\n{log.read()}"
-                try:
-                    if httpx.get("http://127.0.0.1:8000/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.1)
+        with serving("localllm serve", env, cwd, tmp_path / "serve.log"):
             for ex in block_of("localllm pull qwen2.5-coder-0.5b"):
                 r = sh(ex, env, cwd)
                 check(ex, r.returncode, r.stdout)
@@ -380,11 +378,6 @@ def test_fim_example(sandbox, tmp_path):
                 elif "/infill" in ex.text:
                     body = json.loads(r.stdout)
                     assert body["stop"] is True and body["tokens_predicted"] >= 1
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
-            end_builders([env["LOCALLLM_HOME"]])
 
 
 def test_embed_cli(sandbox):
@@ -397,26 +390,11 @@ def test_embeddings_transcript(sandbox):
     env, cwd = sandbox
     exs = block_of("localllm serve")
     serve, rest = exs[0], exs[1:]
-    assert port_8000_is_free(), "port 8000 is in use: the README's server example listens there; stop what holds it"
-    log = open(cwd / "serve-embed.log", "w+")
-    proc = subprocess.Popen(["bash", "-c", serve.text], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, f"the server did not start:\n{log.read()}"
-            try:
-                if httpx.get("http://127.0.0.1:8000/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+    with serving(serve.text, env, cwd, cwd / "serve-embed.log") as (proc, log):
         for ex in rest:
             r = sh(ex, env, cwd)
             check(ex, r.returncode, r.stdout, [r'(?<="total_duration":)\d+', r'(?<="load_duration":)\d+'])
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-        rc = proc.wait(30)
+    rc = proc.returncode
     log.seek(0)
     check(serve, rc, log.read(), [r"loaded in \d+\.\d s"])
 

@@ -80,15 +80,6 @@ _PARAMS = [("response_format.json_schema.schema", "output_config.format.schema")
            ("response_format", "output_config.format"), ("chat_template_kwargs", "thinking")]
 
 
-def _renamed(e: APIError) -> APIError:
-    message, param = e.message, e.param
-    for old, new in _PARAMS:
-        message = message.replace(old, new)
-        if param is not None and param.startswith(old):
-            param = new + param[len(old):]
-    return APIError(e.status, message, e.type, param, e.code, e.headers)
-
-
 def chat_messages(req: CountRequest) -> list[dict]:
     """system + messages -> chat messages: a user turn's tool_result blocks become tool turns (before
     its text), an assistant turn's tool_use blocks its tool_calls; thinking blocks are not carried
@@ -280,7 +271,7 @@ def router(state: ServerState) -> APIRouter:
             return target, release, await start_chat(state, chat_body, target, release, start=start)
         except APIError as e:
             release()
-            raise _renamed(e) from None
+            raise e.renamed(_PARAMS) from None
         except BaseException:
             release()
             raise
@@ -346,7 +337,7 @@ def router(state: ServerState) -> APIRouter:
                     yield sse({"type": "message_stop"})
             except APIError as e:  # after the headers: Anthropic's error event
                 state.metrics.errors[e.status] += 1
-                yield sse(error_body(_renamed(e)))
+                yield sse(error_body(e.renamed(_PARAMS)))
             finally:
                 gen.close()
 

@@ -35,6 +35,16 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def renamed(self, names: list[tuple[str, str]]) -> APIError:
+        """This error in another API's field names ((chat request field, that API's) pairs): the
+        Responses and Anthropic routes run the chat request's checks and name their own fields."""
+        message, param = self.message, self.param
+        for old, new in names:
+            message = message.replace(old, new)
+            if param is not None and param.startswith(old):
+                param = new + param[len(old):]
+        return APIError(self.status, message, self.type, param, self.code, self.headers)
+
 
 # ---- requests ---------------------------------------------------------------------------------
 class _Model(BaseModel):

@@ -63,15 +63,6 @@ _PARAMS = [("response_format.json_schema.schema", "text.format.schema"), ("respo
            ("chat_template_kwargs", "reasoning")]
 
 
-def _renamed(e: APIError) -> APIError:
-    message, param = e.message, e.param
-    for old, new in _PARAMS:
-        message = message.replace(old, new)
-        if param is not None and param.startswith(old):
-            param = new + param[len(old):]
-    return APIError(e.status, message, e.type, param, e.code, e.headers)
-
-
 def _text_of(content: Any, where: str) -> str:
     """A message's content: a string, or input_text/output_text parts joined."""
     if isinstance(content, str):
@@ -200,7 +191,7 @@ def chat_request(req: ResponsesRequest) -> oai.ChatCompletionRequest:
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err.get("loc", ()))
-        raise _renamed(APIError(400, f"{where}: {err.get('msg')}", param=where or None)) from None
+        raise APIError(400, f"{where}: {err.get('msg')}", param=where or None).renamed(_PARAMS) from None
 
 
 # ---- the reply as output items --------------------------------------------------------------------
@@ -329,7 +320,7 @@ def router(state: ServerState) -> APIRouter:
             chat = await start_chat(state, chat_body, target, release)
         except APIError as e:
             release()
-            raise _renamed(e) from None
+            raise e.renamed(_PARAMS) from None
         except BaseException:
             release()
             raise
@@ -383,7 +374,7 @@ def router(state: ServerState) -> APIRouter:
                 yield sse({"type": f"response.{final['status']}", "response": final})
             except APIError as e:  # after the headers: an error event, as OpenAI streams one
                 state.metrics.errors[e.status] += 1
-                e = _renamed(e)
+                e = e.renamed(_PARAMS)
                 yield sse({"type": "error", "code": e.code or e.type, "message": e.message, "param": e.param})
             finally:
                 gen.close()
