@@ -446,3 +446,36 @@ def test_fuzzed_requests_never_5xx(server, path):
 
     check()
     assert statuses.count(200) >= 3 and statuses.count(400) >= 10, statuses  # both paths taken
+
+
+@pytest.mark.slow  # a second server (~20 s on a busy 2-core machine): make test-slow
+def test_speculation_gives_every_api_the_same_replies(client, claude):
+    """`serve smollm2-135m --draft ngram` (a draft pairing is per model, so pinned): a Responses function call, a json_schema answer, an Anthropic tool_use
+    and a generic chat tool call come out token for token as without speculation (greedy: the
+    verified tokens are the target's own), with proposals accepted on the way."""
+    import anthropic
+    import openai
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    tools = [{"name": "get_weather", "description": "Get the current weather in a city", "input_schema": WEATHER}]
+
+    def replies(oc, ac) -> list:
+        call = oc.responses.create(model=MODEL, input=ASK, tools=RESP_TOOLS, temperature=0, max_output_tokens=60)
+        text = oc.responses.create(model=MODEL, input="Name a city as JSON.", temperature=0, max_output_tokens=40,
+                                   text={"format": {"type": "json_schema", "name": "c", "schema": schema}})
+        use = ac.messages.create(model=MODEL, max_tokens=60, tools=tools, messages=[{"role": "user", "content": ASK}],
+                                 extra_body=GREEDY)
+        gen = chat(oc, [{"role": "user", "content": ASK}], tools=CHAT_TOOLS, max_tokens=60)
+        return [(call.output[0].name, call.output[0].arguments), text.output_text,
+                [(b.type, getattr(b, "input", None)) for b in use.content],
+                [(c.function.name, c.function.arguments) for c in gen.choices[0].message.tool_calls or []]]
+
+    plain = replies(client, claude)
+    with running("--threads", "1", "--enforce-eager", "--api-key", KEY, "--draft", "ngram", model=MODEL) as spec:
+        oc = openai.OpenAI(base_url=spec.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        ac = anthropic.Anthropic(base_url=spec.base, api_key=KEY, max_retries=0, timeout=120)
+        assert replies(oc, ac) == plain
+        metrics = httpx.get(spec.base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    accepted = [ln for ln in metrics.splitlines() if ln.startswith("localllm_spec_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) > 0, metrics
