@@ -322,7 +322,12 @@ def tiny_checkpoint_that_says(dest: Path, text: str) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
         shutil.copyfile(src / name, dest / name)
-    tensors = load_file(src / "model.safetensors")
+    # fp32: every logit is an exact tie, which only the exact head breaks as argmax does (lowest
+    # id); a 16-bit checkpoint gets the int4 ranking head, whose candidates among ties are any
+    config = json.loads((dest / "config.json").read_text())
+    config.update({k: "float32" for k in ("torch_dtype", "dtype") if k in config})
+    (dest / "config.json").write_text(json.dumps(config))
+    tensors = {k: v.float() for k, v in load_file(src / "model.safetensors").items()}
     tensors["model.norm.weight"] = torch.zeros_like(tensors["model.norm.weight"])
     save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
     tok = json.loads((src / "tokenizer.json").read_text())

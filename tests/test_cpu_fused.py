@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_engine
+from localllm_kernels import cpu_fused
 from test_engine import prompts, run_all
 
 from localllm.model.layers import RotaryEmbedding
 from localllm.sampling import SamplingParams
-from localllm_kernels import cpu_fused
 
 
 def paths() -> list[str]:

@@ -165,7 +165,6 @@ def test_surrogate_pairs_are_text(server):
 
 # ---- item 8: what we do not honour is refused by name ------------------------------------------------
 @pytest.mark.parametrize("path,field,value", [
-    ("/v1/chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("/v1/chat/completions", "function_call", {"name": "f"}),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
@@ -178,6 +177,15 @@ def test_fields_not_honoured_are_refused_by_name(server, path, field, value):
     body = chat_body() if "chat" in path else {"prompt": "Hi", "max_tokens": 2}
     err = assert_error(post(server, path, {**body, field: value}), 400, param=field)
     assert field in err["message"]
+
+
+def test_deprecated_functions_are_honoured_through_the_generic_format(server):
+    """`functions` was refused here while a template without tools could not be told of them;
+    since the generic tool format (issue #33) the deprecated API is served on every model."""
+    r = post(server, "/v1/chat/completions", chat_body(functions=[{"name": "f", "parameters": {}}], max_tokens=60))
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message.get("function_call") or message["content"], message
 
 
 def test_no_op_values_of_those_fields_are_accepted(server):
