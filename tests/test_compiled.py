@@ -129,6 +129,7 @@ def test_compiled_step_serves_sampling_and_logprobs(background_build, tiny_int4)
     assert eng.runner.captured.steps > 0
 
 
+@pytest.mark.slow  # ~19 s of rebuilding: `make test-slow` (CI's budget; test_cache_integrity damages the other caches in CI)
 def test_damaged_package_is_never_loaded_and_is_built_again(background_build, tiny_int4):
     path = compiled.package_path(tiny_int4.model, "d1", tiny_int4.kv_dtype)
     good = path.read_bytes()

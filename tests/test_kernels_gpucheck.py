@@ -36,6 +36,7 @@ def test_gpu_kernels_dry_run(capsys):
     assert "| decode            | tiny-window-cap w16 cap5 " in out
 
 
+@pytest.mark.slow  # ~10 s of sm_90a compiles with no GPU: `make test-slow` (CI's budget; the dry run stays in CI)
 def test_gpu_kernels_compile_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, str(SCRIPT), "--compile-only", "--quick"], env=env, cwd=ROOT,

@@ -232,6 +232,7 @@ def test_moe_int4_op_matches_the_torch_loop():
         assert ((got - ref).norm() / ref.norm()) < 1e-2  # 16-bit activations inside the kernel
 
 
+@pytest.mark.slow  # ~11 s of compiling: `make test-slow`, outside CI's 20-minute budget
 @pytest.mark.parametrize("family", ["mixtral"], indirect=True)  # one family: each package compiles ~20 s
 def test_compiled_step_covers_int4_moe(family):
     """An int4 MoE model (Q4_1 experts on our int4 kernel) compiles: the d1 package (exported with
