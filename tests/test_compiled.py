@@ -175,6 +175,7 @@ def test_killed_build_leaves_nothing_that_loads(background_build, tiny_int4, hom
             path.with_suffix(".json").write_bytes(saved[1])
 
 
+@pytest.mark.slow  # ~22 s of building a second package: `make test-slow` (test_build_queue checks that rm drops a model's jobs)
 def test_stale_packages_are_removed_and_rm_deletes_a_models_packages(background_build, tiny_int4, tmp_path):
     path = compiled.package_path(tiny_int4.model, "d1", tiny_int4.kv_dtype)
     stale = path.with_name(path.name.rsplit("-", 1)[0] + "-000000000000.pt2")

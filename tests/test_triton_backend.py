@@ -49,7 +49,8 @@ def run_mixed(engine, reqs, lengths):
     return [done[i] for i in ids]
 
 
-@pytest.mark.parametrize("graphs", [False, True])
+# with captured graphs (~13 s interpreted) in `make test-slow`: CI's 20-minute budget
+@pytest.mark.parametrize("graphs", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_triton_backend_equals_torch(tiny_model, graphs):
     # 5 sequences, graph buckets [1, 2, 4]: batches of 3 pad to 4, batches of 5 run eagerly
     # (more than the largest bucket); two prompts share a 40-token prefix (cache hit, extend).
