@@ -55,11 +55,13 @@ class ReplyStream:
         self._think = ThinkSplitter(inside) if reasoning else None
         self._calls = ToolCallStream(tools) if tools is not None else None
 
-    def feed(self, text: str) -> ReplyDelta:
+    def feed(self, text: str, final: bool = False) -> ReplyDelta:
+        """The next delta's parts; `final` (the reply's last delta): finish() included."""
         reasoning, answer = self._think.feed(text) if self._think is not None else ("", text)
         if self._calls is not None:
             answer = self._calls.feed(answer)
-        return ReplyDelta(reasoning, answer)
+        part = ReplyDelta(reasoning, answer)
+        return part + self.finish() if final else part
 
     def finish(self) -> ReplyDelta:
         """The end of the reply: held-back text (an unfinished tag is text, an unclosed <think>
@@ -73,4 +75,4 @@ class ReplyStream:
 
     def whole(self, text: str) -> ReplyDelta:
         """A whole reply at once: feed(text) + finish()."""
-        return self.feed(text) + self.finish()
+        return self.feed(text, final=True)

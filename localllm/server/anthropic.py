@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator
 from typing import Any, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import ConfigDict, ValidationError
-from starlette.background import BackgroundTask
 
 from ..reply_stream import ReplyDelta
 from . import openai_schema as oai
-from .openai_routes import start_chat
+from .generation import sse_response
+from .openai_routes import start_translated_chat
 from .openai_schema import APIError
 from .state import ServerState
 
@@ -265,16 +265,7 @@ def router(state: ServerState) -> APIRouter:
     api = APIRouter()
 
     async def _started(body: CountRequest, start: bool):
-        chat_body = chat_request(body)
-        target, release = await state.acquire(chat_body.model, task="chat")
-        try:
-            return target, release, await start_chat(state, chat_body, target, release, start=start)
-        except APIError as e:
-            release()
-            raise e.renamed(_PARAMS) from None
-        except BaseException:
-            release()
-            raise
+        return await start_translated_chat(state, chat_request(body), _PARAMS, start)
 
     @api.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountRequest):
@@ -321,9 +312,7 @@ def router(state: ServerState) -> APIRouter:
             try:
                 final = None
                 async for _, out in gen.outputs():
-                    part = reply.feed(out.delta)
-                    if out.finished:
-                        part += reply.finish()
+                    part = reply.feed(out.delta, out.finished)
                     for e in blocks.add(part):
                         yield sse(e)
                     if out.finished:
@@ -341,7 +330,6 @@ def router(state: ServerState) -> APIRouter:
             finally:
                 gen.close()
 
-        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(gen.close),
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(gen, events())
 
     return api

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 
 from . import openai_schema as oai
 from .metrics import ServerMetrics
@@ -406,3 +408,8 @@ def max_token_bytes(tokenizer: LLMTokenizer) -> int | None:
     return longest * (1 if tok.normalizer is None else 3) or None
 
 
+def sse_response(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
+    # background=gen.close: runs however the response ends, even when the client left before the
+    # event generator was first iterated (then its own `finally` never runs)
+    return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(gen.close),
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

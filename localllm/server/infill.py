@@ -17,13 +17,12 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.background import BackgroundTask
 
 from ..fim import FimError, FimRequest, detect, render
 from . import openai_schema as oai
-from .generation import Generation, ServedModel
+from .generation import Generation, ServedModel, sse_response
 from .openai_schema import APIError
 
 if TYPE_CHECKING:  # for the annotations only: it loads torch
@@ -195,5 +194,4 @@ async def _infill(state: ServerState, body: InfillRequest, request: Request):
             yield _sse(e.body())
         finally:
             gen.close()
-    return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(gen.close),
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse_response(gen, events())

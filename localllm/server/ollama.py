@@ -506,9 +506,7 @@ async def _run(state: ServerState, name: str, prompt: str | list[dict] | FimRequ
             async for _, out in gen.outputs():
                 if timing.first is None and out.new_token_ids:
                     timing.first = time.perf_counter()
-                part = reply.feed(out.delta)
-                if out.finished:
-                    part += reply.finish()
+                part = reply.feed(out.delta, out.finished)
                 if part.content or (part.reasoning and think) or part.tool_calls:
                     yield _line({"model": name, "created_at": _now_iso(), **piece(part), "done": False})
                 if out.finished:

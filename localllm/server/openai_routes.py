@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import Response
 
 from ..reply_stream import ReplyStream
 from . import infill
 from . import openai_schema as oai
-from .generation import Generation, ServedModel
+from .generation import Generation, ServedModel, sse_response
 from .openai_schema import APIError
 from .state import ServerState
 
@@ -109,7 +108,7 @@ async def _chat_completion(state: ServerState, body: oai.ChatCompletionRequest, 
     token_text = _token_text(served.engine)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(gen, _chat_events(gen, rid, created, name, include_usage, body.logprobs, token_text,
+        return sse_response(gen, _chat_events(gen, rid, created, name, include_usage, body.logprobs, token_text,
                                          thinks, inside, tools, legacy))
     if not await gen.collect(request):  # the client went away
         return Response(status_code=499)
@@ -150,7 +149,7 @@ async def _completion(state: ServerState, body: oai.CompletionRequest, request: 
     want_lp = body.logprobs is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(gen, _completion_events(gen, rid, created, name, include_usage, want_lp, token_text))
+        return sse_response(gen, _completion_events(gen, rid, created, name, include_usage, want_lp, token_text))
     if not await gen.collect(request):
         return Response(status_code=499)
     choices = [oai.completion_choice(i, o.text, o.finish_reason,
@@ -284,6 +283,21 @@ class ChatStart:
         return ReplyStream(self.reasons, self.inside, self.tools)
 
 
+async def start_translated_chat(state: ServerState, body: oai.ChatCompletionRequest, names: list[tuple[str, str]],
+                                start: bool = True) -> tuple[ServedModel, Callable[[], None], ChatStart]:
+    """For an API translated into a chat request (Responses, Anthropic Messages): the model it names,
+    acquired, and start_chat on it; an error names that API's fields (`names`: chat field, its own)."""
+    served, release = await state.acquire(body.model, task="chat")
+    try:
+        return served, release, await start_chat(state, body, served, release, start=start)
+    except APIError as e:
+        release()
+        raise e.renamed(names) from None
+    except BaseException:
+        release()
+        raise
+
+
 async def start_chat(state: ServerState, body: oai.ChatCompletionRequest, served: ServedModel,
                      release: Callable[[], None], start: bool = True) -> ChatStart:
     """Check a chat request, render its messages (the tools through the template, or described for
@@ -343,11 +357,6 @@ def _token_text(engine) -> Callable[[int], str]:
     return lambda tid: tok.decode([tid], skip_special_tokens=False)
 
 
-def _stream(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
-    # background=gen.close: runs however the response ends, even when the client left before the
-    # event generator was first iterated (then its own `finally` never runs)
-    return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(gen.close),
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _usage_null(chunk: dict, include_usage: bool) -> dict:
@@ -378,9 +387,7 @@ async def _chat_events(gen: Generation, rid: str, created: int, name: str, inclu
                 entries = out.logprobs[seen[i]:seen[i] + len(out.new_token_ids)]
                 seen[i] += len(entries)
                 lp = oai.chat_logprobs(entries, token_text) if entries else None
-            part = replies[i].feed(out.delta)
-            if out.finished:
-                part += replies[i].finish()
+            part = replies[i].feed(out.delta, out.finished)
             called[i] = called[i] or bool(part.tool_calls)
             delta = oai.chat_delta(part, legacy)
             if not delta and not out.finished and lp is None:

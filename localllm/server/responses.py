@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator
 from typing import Any, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import ConfigDict, ValidationError
-from starlette.background import BackgroundTask
 
 from ..reply_stream import ReplyDelta
 from . import openai_schema as oai
-from .openai_routes import ChatStart, start_chat
+from .generation import sse_response
+from .openai_routes import ChatStart, start_translated_chat
 from .openai_schema import APIError
 from .state import ServerState
 
@@ -314,16 +314,7 @@ def router(state: ServerState) -> APIRouter:
     @api.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
         state.metrics.http_requests += 1
-        chat_body = chat_request(body)
-        target, release = await state.acquire(chat_body.model, task="chat")
-        try:
-            chat = await start_chat(state, chat_body, target, release)
-        except APIError as e:
-            release()
-            raise e.renamed(_PARAMS) from None
-        except BaseException:
-            release()
-            raise
+        target, _, chat = await start_translated_chat(state, chat_request(body), _PARAMS)
         return await _answer(body, chat, target, request)
 
     async def _answer(req: ResponsesRequest, chat: ChatStart, target, request: Request):
@@ -361,9 +352,7 @@ def router(state: ServerState) -> APIRouter:
             yield sse({"type": "response.in_progress", "response": shell})
             try:
                 async for _, out in gen.outputs():
-                    part = reply.feed(out.delta)
-                    if out.finished:
-                        part += reply.finish()
+                    part = reply.feed(out.delta, out.finished)
                     for e in items.add(part):
                         yield sse(e)
                     if out.finished:
@@ -379,7 +368,6 @@ def router(state: ServerState) -> APIRouter:
             finally:
                 gen.close()
 
-        return StreamingResponse(events(), media_type="text/event-stream", background=BackgroundTask(gen.close),
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(gen, events())
 
     return api
