@@ -423,16 +423,8 @@ class LMHead(nn.Module):
         self.fast = fast  # prebuilt int4 copy (conversion cache)
         if fast_greedy and fast is None:
             v, h = exact.shape
-            group = 32 if h % 32 == 0 else None
-            if group:
-                # in row chunks: the whole fp32 matrix and quantize_rtn's temporaries of it peaked
-                # at 2.7 GB on the first load of a 1B model with a 49k vocabulary
-                w = Int4Weight.cat([quantize_rtn(exact.rows(torch.arange(r, min(r + 4096, v))).float(), group)
-                                    for r in range(0, v, 4096)])
-                # fp16 scales and offsets: fewer bytes for our int4 kernel; this copy only ranks
-                d, m = w.scales.half().float(), (w.zeros - 8 * w.scales).half().float()
-                self.fast = Int4Linear(Int4Weight(w.q, d, m + 8 * d, group), torch.bfloat16, device=device,
-                                       cpu_kernel=cpu_kernel)
+            if h % 32 == 0:
+                self.fast = ranking_head(exact, device, cpu_kernel)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.exact.matmul(h)
@@ -455,6 +447,41 @@ class LMHead(nn.Module):
         if allowed is not None:  # fewer allowed tokens than k: the rest stay out
             exact = exact.masked_fill(~allowed.gather(1, cand), float("-inf"))
         return cand.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1)
+
+
+def _ranking_rows(exact: DenseMatrix | Q8Matrix, r0: int, r1: int) -> Int4Weight:
+    """Rows [r0, r1) of the int4 ranking copy: RTN groups of 32 of the exact rows, scales and
+    offsets rounded to fp16 (fewer bytes for our int4 kernel; this copy only ranks)."""
+    w = quantize_rtn(exact.rows(torch.arange(r0, r1)).float(), 32)
+    d, m = w.scales.half().float(), (w.zeros - 8 * w.scales).half().float()
+    return Int4Weight(w.q, d, m + 8 * d, 32)
+
+
+def ranking_head(exact: DenseMatrix | Q8Matrix, device: str = "cpu", cpu_kernel: bool = True) -> Int4Linear:
+    """The int4 copy of the head that ranks greedy rows (LMHead.fast). On our CPU kernel it is
+    packed 1024 rows at a time into buffers allocated once: the whole matrix's fp32 rows, its
+    RTN temporaries and the unpacked q took ~110 MB of transient peak on the 135M model's first
+    load (2.7 GB on a 1B shape with a 49k vocabulary when done in one piece)."""
+    v, h = exact.shape
+    if device != "cpu" or not (cpu_kernel and _cpu_int4_kernel(v, h, 32)):
+        w = Int4Weight.cat([_ranking_rows(exact, r, min(r + 4096, v)) for r in range(0, v, 4096)])
+        return Int4Linear(w, torch.bfloat16, device=device, cpu_kernel=cpu_kernel)
+    from localllm_kernels import cpu_int4
+
+    step = 1024  # a multiple of the kernel's 16-row blocks: packed chunks are slices of the whole
+    qw = qsc = None
+    for r in range(0, v, step):
+        w = _ranking_rows(exact, r, min(r + step, v))
+        d = w.scales.t()
+        cq, cs = cpu_int4.pack_dm(w.q, d, w.zeros.t() - 8.0 * d)  # m = offset: exact in fp16
+        if qw is None:
+            nb = -(-v // cpu_int4.ROWS)
+            qw, qsc = cq.new_empty(nb, *cq.shape[1:]), torch.empty(nb, *cs.shape[1:], dtype=torch.float32)
+        b = r // cpu_int4.ROWS
+        qw[b:b + cq.shape[0]], qsc[b:b + cs.shape[0]] = cq, cs.float()
+    half = qsc.half()
+    exact16 = torch.isfinite(half).all() and torch.equal(half.float(), qsc)
+    return Int4Linear.from_kernel_tensors({"qw": qw, "qsc": half if exact16 else qsc}, v, 32)
 
 
 def top_indices(x: torch.Tensor, k: int, chunk: int = 32) -> torch.Tensor:
