@@ -260,6 +260,22 @@ def test_mixed_file_runs_each_tensor_on_its_kernel(mixed_gguf):
     assert torch.equal(make_engine(again).score(prompt), got)
 
 
+def test_mixed_file_holds_the_files_bytes_where_the_layout_allows(mixed_gguf):
+    """The 12-type file: the types whose layout is the file's hold its bytes per weight; the planner
+    says what every layer holds."""
+    from test_model_memory import LIKE_FILE, held_by_gguf_tensor, planner_matches_held
+
+    loaded = load_model(mixed_gguf, "auto")
+    per = held_by_gguf_tensor(loaded, mixed_gguf)
+    checked = set()
+    for name, (kind, file_b, held) in per.items():
+        if kind in LIKE_FILE:
+            assert held <= file_b * 1.01, (name, kind, held / file_b)
+            checked.add(kind)
+    assert len(checked) >= 2, checked
+    planner_matches_held(loaded, mixed_gguf)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_planner_bytes_are_the_layouts_bytes(kind):
     """The planner's bytes per weight of each type (gguf_blocks.cpu_bytes_per_value) are what the

@@ -38,6 +38,7 @@ from .layers import (
     Q8Matrix,
     RMSNorm,
     W16Linear,
+    W16Matrix,
 )
 from .llama import DecoderLayer, LlamaModel
 from .moe import MoE, expert_tensor_names, make_experts
@@ -339,13 +340,17 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
         # they are where rounding flips tokens
         head_dtype = torch.float32 if device == "cpu" else act_dtype
 
-        def exact(name: str) -> DenseMatrix | Q8Matrix:
+        def exact(name: str) -> DenseMatrix | Q8Matrix | W16Matrix:
             from localllm_kernels import cpu_q8
 
             if device == "cpu" and isinstance(weights, GGUFWeights) and cpu_q8.load():
                 blocks = weights.q8_blocks(name)
                 if blocks is not None:
                     return Q8Matrix(blocks)
+            # stored in 16 bits (GGUF F16/BF16, HF bf16/fp16): kept so, exact, where our kernel runs
+            if (device == "cpu" and mode in ("int4", "int8", "w16") and w16.stored_dtype(weights, name) in w16.DTYPES
+                    and w16.kernel_available()):
+                return W16Matrix(w16.tensor16(weights, name))
 
             def build():
                 return weights.dense(name).to(device, head_dtype)
