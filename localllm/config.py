@@ -56,8 +56,10 @@ class ModelConfig:
                      "Phi3ForCausalLM", *GEMMA_DEFAULTS, "Gemma3ForConditionalGeneration", *MOE_ARCHS}
         if arch not in supported:
             raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(supported))})")
-        if arch == "Gemma3ForConditionalGeneration":  # the text model of Gemma 3 4B/12B/27B (vision tower unused)
-            arch, cfg = "Gemma3ForCausalLM", {**cfg.get("text_config", {}), "architectures": ["Gemma3ForCausalLM"]}
+        if arch == "Gemma3ForConditionalGeneration":  # the text model of Gemma 3 4B/12B/27B (the tower: model/vision)
+            # transformers reads the tie from the outer config
+            tie = {"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}
+            arch, cfg = "Gemma3ForCausalLM", {**cfg.get("text_config", {}), **tie, "architectures": ["Gemma3ForCausalLM"]}
         gemma = arch in GEMMA_DEFAULTS
         if gemma:  # hub configs omit fields at their defaults
             cfg = {**GEMMA_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None or "softcap" in k}}

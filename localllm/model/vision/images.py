@@ -30,14 +30,14 @@ def decode_image(data: bytes, what: str = "image") -> object:
             img = Image.open(io.BytesIO(data))
             w, h = img.size
             if w * h > MAX_PIXELS:
-                raise ImageInputError(f"{what} is {w}x{h} pixels; at most {MAX_PIXELS} pixels are accepted")
+                raise ImageInputError(f"{what} is too large: {w}x{h} pixels, at most {MAX_PIXELS} are accepted")
             img.load()
     except ImageInputError:
         raise
     except UnidentifiedImageError:
         raise ImageInputError(f"{what} is not an image (PNG, JPEG, WebP, GIF, BMP... expected)") from None
-    except Image.DecompressionBombError:
-        raise ImageInputError(f"{what} has too many pixels (at most {MAX_PIXELS})") from None
+    except Image.DecompressionBombError as e:  # Pillow's own guard, at open (its message has the size)
+        raise ImageInputError(f"{what} is too large: {e}; at most {MAX_PIXELS} pixels are accepted") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise ImageInputError(f"{what} is truncated or corrupt ({e})") from None
     if img.mode != "RGB":
