@@ -30,12 +30,17 @@ def processor_config(path: Path) -> dict:
     return {}
 
 
+def has_vision(config: dict, has: Callable[[str], bool]) -> bool:
+    """The checkpoint holds a vision tower we run (what `localllm show` and /api/show report)."""
+    arch = (config.get("architectures") or [""])[0]
+    return arch in VISION_ARCHS and has("multi_modal_projector.mm_input_projection_weight")
+
+
 def load_vision(path: Path, config: dict, has: Callable[[str], bool], get: Callable[[str], torch.Tensor],
                 token_text: Callable[[int], str], device: str, dtype: torch.dtype):
     """-> the checkpoint's VisionModel, or None (a text-only checkpoint, or a multimodal one
     without its tower). `has` / `get`: the checkpoint's tensors by HF name."""
-    arch = (config.get("architectures") or [""])[0]
-    if arch not in VISION_ARCHS or not has("multi_modal_projector.mm_input_projection_weight"):
+    if not has_vision(config, has):
         return None
     from .gemma3 import Gemma3Vision
 
