@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+import subprocess
+import sys
 
 import httpx
 import ollama
@@ -90,3 +93,46 @@ def test_bad_images_are_400s_naming_the_problem(server, model_dir):
         "model": str(model_dir), "stream": False,
         "messages": [{"role": "user", "content": "Hi", "images": [base64.b64encode(PNG[:100]).decode()]}]})
     assert r.status_code == 400 and "truncated or corrupt" in r.json()["error"], r.text
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "localllm.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env, stdin=subprocess.DEVNULL)
+
+
+def test_cli_run_with_images(model_dir, expected, tmp_path):
+    """`localllm run MODEL --image FILE PROMPT`, and an image path written in the prompt (Ollama's
+    CLI convention): the server's reply. Bad input: one-line errors."""
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(PNG)
+    r = cli("run", str(model_dir), "--temperature", "0", "-n", "12", "--image", str(photo), QUESTION)
+    assert r.returncode == 0 and r.stdout == expected + "\n", r.stderr
+    r = cli("run", str(model_dir), "--temperature", "0", "-n", "12", f"{photo} {QUESTION}")
+    assert r.returncode == 0 and r.stdout == expected + "\n", r.stderr
+    (tmp_path / "bad.png").write_bytes(PNG[:100])
+    r = cli("run", str(model_dir), "-n", "2", "--image", str(tmp_path / "bad.png"), QUESTION)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == \
+        "Error: image 1 is truncated or corrupt (image file is truncated)"
+    r = cli("run", "smollm2-135m", "-n", "2", "--image", str(photo), QUESTION)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        "Error: --image: model smollm2-135m takes no images (a text-only model); use a vision model such as gemma3")
+
+
+def test_repl_image_command(model_dir, expected, tmp_path):
+    from localllm.repl import ChatSession
+
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(PNG)
+    engine = make_engine(load_model(model_dir, "float32"))
+    out, notes = [], []
+    s = ChatSession(engine, "tiny-gemma3", out=out.append, note=notes.append, temperature=0.0, max_tokens=12)
+    s.handle(f"/image {tmp_path / 'missing.png'}")
+    assert notes[-1].startswith("Error: cannot read image")
+    s.handle(f"/image {photo}")
+    assert out[-1] == f"attached {photo} to the next message (1 image(s))\n"
+    s.handle(QUESTION)
+    assert "".join(out).endswith(expected + "\n")
+    assert engine.runner.vision_encodes == 1
+    s.handle("And now?")  # the image stays in the history: not encoded again
+    assert engine.runner.vision_encodes == 1 and s.last.cached_tokens > 16
