@@ -6,7 +6,6 @@ checkpoint (written by transformers): no registry model takes images at test siz
 from __future__ import annotations
 
 import base64
-import io
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import ollama
 import pytest
 from conftest import make_engine
 from server_proc import openai_client, running
-from vision_models import gemma3, png_bytes, random_image
+from vision_models import gemma3, huge_png, png_bytes, random_image
 
 from localllm.model.loader import load_model
 from localllm.sampling import SamplingParams
@@ -77,13 +76,9 @@ def _post_chat(server, model: str, url: str) -> httpx.Response:
 
 
 def test_bad_images_are_400s_naming_the_problem(server, model_dir):
-    from PIL import Image
-
-    huge = io.BytesIO()
-    Image.new("1", (20000, 20000)).save(huge, format="PNG")
     cases = [(data_url(PNG[: len(PNG) // 2]), "truncated or corrupt"),
              (data_url(b"not an image at all"), "is not an image"),
-             (data_url(huge.getvalue()), "too large"),
+             (data_url(huge_png(20000, 20000)), "too large"),
              ("data:image/png;base64,@@@", "not valid base64"),
              ("https://example.com/cat.png", "http(s) URLs is not supported")]
     for url, problem in cases:

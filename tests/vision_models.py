@@ -84,3 +84,58 @@ def png_bytes(image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>",
+                   *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]
+# SmolVLM's chat template as published (HuggingFaceTB/SmolVLM-Instruct)
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'][0]['type'] == "
+    "'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' "
+    "%}{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+
+
+def idefics3(out: Path, tokenizer) -> Path:
+    """Idefics3ForConditionalGeneration (SmolVLM): a 2-layer Llama text model, a 2-layer tower on
+    32x32 tiles (4x4 patches, 64 per tile, 16 tokens after the 2x pixel shuffle), images resized
+    to a longest edge of 64 and split into up to 2x2 tiles and a global one; saved with its
+    Idefics3Processor and SmolVLM's chat template."""
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_hf(out)
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(out)
+    tok.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS})
+    text = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                    eos_token_id=sorted(tokenizer.eos_ids), bos_token_id=tokenizer.bos_id,
+                                    pad_token_id=0)
+    vision = transformers.Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, image_size=32, patch_size=4)
+    cfg = transformers.Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+                                      image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Idefics3ForConditionalGeneration(cfg).eval()
+    peak(model)
+    model.save_pretrained(out)
+    ip = transformers.Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    transformers.Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=16,
+                                   chat_template=SMOLVLM_TEMPLATE).save_pretrained(out)
+    return out
+
+
+def huge_png(width: int, height: int) -> bytes:
+    """A PNG header claiming width x height 1-bit pixels and no pixel data: what a decompression
+    bomb's first bytes say (a decoder must refuse it by its size, before reading any pixels)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)) + \
+        chunk(b"IEND", b"")

@@ -227,6 +227,9 @@ class LLMEngine:
             if self.vision is None and has_images(prompt):
                 raise ImageInputError(f"model {self.loaded.name or Path(self.loaded.source).name} takes no images "
                                       "(a text-only model); send text only, or use a vision model")
+            if self.vision is not None:  # vision templates read content as parts (SmolVLM's only so)
+                prompt = [{**m, "content": [{"type": "text", "text": m["content"]}]}
+                          if isinstance(m.get("content"), str) else m for m in prompt]
             text = render_chat(self.tokenizer.chat_template, prompt, bos_token=self.tokenizer.bos_token,
                                eos_token=self.tokenizer.eos_token, **template_kwargs)
             if has_images(prompt):

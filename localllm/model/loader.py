@@ -377,5 +377,4 @@ def _vision(path, weights: Weights, tokenizer, device: str, act_dtype: torch.dty
         return None
     from .vision.load import load_vision
 
-    return load_vision(Path(path), weights.raw_config, weights.has, weights.dense, tokenizer.tok.id_to_token,
-                       device, act_dtype)
+    return load_vision(Path(path), weights.raw_config, weights.has, weights.dense, tokenizer, device, act_dtype)
