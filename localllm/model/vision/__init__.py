@@ -17,8 +17,13 @@ The interface (Gemma 3 and Idefics3/SmolVLM here; Qwen2.5-VL/Qwen3-VL plug in th
       batched across requests by the runner);
     - `bidirectional: bool`: an image's tokens attend to every token of its own span (Gemma 3's
       token_type_ids mask), not only causally;
-    - `mrope: bool = False` (optional attribute): reserved for Qwen's M-RoPE (3-D positions); the
-      runner reads `getattr(vision, "mrope", False)`.
+    - `mrope: bool = False` (optional attribute): reserved for Qwen's M-RoPE (3-D positions). Not
+      read anywhere yet: M-RoPE positions belong in `ModelRunner.inputs` (runner.py), which has
+      each sequence's spans (`seq.images_in(start, end)`) and their `PixelInputs.extra` (the
+      grid sizes), beside the 1-D positions `describe_batch` gives.
+  A family is chosen by architecture in `load.py` (VISION_ARCHS: the tensor that says the
+  checkpoint holds the vision side); the text model's tensors are found under the checkpoint's
+  prefix by hf_weights.HFWeights, its config by config.ModelConfig.from_hf.
 * The engine's side: `engine.encode_prompt(messages)` renders the chat template with the image
   parts (`{"type": "image", "image": bytes | PIL.Image}` in a message's content list; bytes are
   decoded and checked by `images.decode_image` there, in the worker thread that tokenizes), expands each placeholder, tokenizes and returns an
