@@ -183,3 +183,13 @@ def test_bad_images_name_the_problem():
     with pytest.raises(ImageInputError, match="too large: 9000x9000 pixels"):
         decode_image(huge_png(9000, 9000))  # under Pillow's guard, over ours
     assert decode_image(png).size == (70, 50)
+
+
+def test_image_paths_in_a_prompt(tmp_path):
+    """Ollama's CLI convention: a word that is an existing image file is taken out and attached."""
+    from localllm.model.vision.images import images_in_prompt
+
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(png_bytes(IMAGES[0]))
+    assert images_in_prompt(f"What is in {photo}? And in '{photo}'") == ("What is in ? And in", [str(photo)])
+    assert images_in_prompt(f"What is in {tmp_path / 'none.png'}?") == (f"What is in {tmp_path / 'none.png'}?", [])

@@ -96,6 +96,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300, env=env, stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.slow  # four CLI processes (~20 s); images_in_prompt and the REPL's /image run in the default suite
 def test_cli_run_with_images(model_dir, expected, tmp_path):
     """`localllm run MODEL --image FILE PROMPT`, and an image path written in the prompt (Ollama's
     CLI convention): the server's reply. Bad input: one-line errors."""

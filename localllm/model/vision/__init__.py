@@ -96,8 +96,8 @@ class ImagePrompt:
 
 
 def has_images(messages: list[dict]) -> bool:
-    return any(isinstance(m.get("content"), list) and any(p.get("type") == "image" for p in m["content"])
-               for m in messages)
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for m in messages)
 
 
 def image_spans(ids: list[int], pixels: list[PixelInputs], image_token_id: int, family: str) -> tuple[ImageSpan, ...]:

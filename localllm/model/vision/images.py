@@ -89,7 +89,9 @@ def images_in_prompt(text: str) -> tuple[str, list[str]]:
         words = shlex.split(text, posix=True)
     except ValueError:  # an unbalanced quote: plain words
         words = text.split()
-    paths = [w for w in words if w.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(os.path.expanduser(w))]
+    words = [w.rstrip("?!,;:)") for w in words]  # "what is in ./cat.png?"
+    paths = list(dict.fromkeys(w for w in words if w.lower().endswith(IMAGE_SUFFIXES)
+                               and os.path.isfile(os.path.expanduser(w))))
     for p in paths:
         text = text.replace(f"'{p}'", "").replace(f'"{p}"', "").replace(p, "")
     return " ".join(text.split()) if paths else text, paths
