@@ -53,11 +53,17 @@ class ModelConfig:
     def from_hf(cls, cfg: dict) -> ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                     "Phi3ForCausalLM", *GEMMA_DEFAULTS, "Gemma3ForConditionalGeneration", *MOE_ARCHS}
+                     "Phi3ForCausalLM", *GEMMA_DEFAULTS, "Gemma3ForConditionalGeneration",
+                     "Idefics3ForConditionalGeneration", *MOE_ARCHS}
         if arch not in supported:
             raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(supported))})")
-        if arch == "Gemma3ForConditionalGeneration":  # the text model of Gemma 3 4B/12B/27B (vision tower unused)
-            arch, cfg = "Gemma3ForCausalLM", {**cfg.get("text_config", {}), "architectures": ["Gemma3ForCausalLM"]}
+        if arch == "Gemma3ForConditionalGeneration":  # the text model of Gemma 3 4B/12B/27B (the tower: model/vision)
+            # transformers reads the tie from the outer config
+            tie = {"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}
+            arch, cfg = "Gemma3ForCausalLM", {**cfg.get("text_config", {}), **tie, "architectures": ["Gemma3ForCausalLM"]}
+        if arch == "Idefics3ForConditionalGeneration":  # SmolVLM: a Llama text model (the tower: model/vision)
+            tie = {"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}
+            arch, cfg = "LlamaForCausalLM", {**cfg.get("text_config", {}), **tie, "architectures": ["LlamaForCausalLM"]}
         gemma = arch in GEMMA_DEFAULTS
         if gemma:  # hub configs omit fields at their defaults
             cfg = {**GEMMA_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None or "softcap" in k}}
