@@ -48,16 +48,23 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's MLP width (intermediate_size: the dense layers')
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
     moe_layers: tuple[bool, ...] | None = None  # per layer: an MoE block (else a dense MLP)
+    # Qwen2.5-VL's M-RoPE: rotary frequencies in sections rotated by the temporal, height and
+    # width positions of image tokens (layers.RotaryEmbedding); None: plain RoPE
+    mrope_section: tuple[int, ...] | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                     "Phi3ForCausalLM", *GEMMA_DEFAULTS, "Gemma3ForConditionalGeneration", *MOE_ARCHS}
+                     "Phi3ForCausalLM", *GEMMA_DEFAULTS, "Gemma3ForConditionalGeneration", *MOE_ARCHS,
+                     *MROPE_ARCHS}
         if arch not in supported:
             raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(supported))})")
         if arch == "Gemma3ForConditionalGeneration":  # the text model of Gemma 3 4B/12B/27B (vision tower unused)
             arch, cfg = "Gemma3ForCausalLM", {**cfg.get("text_config", {}), "architectures": ["Gemma3ForCausalLM"]}
+        mrope = None
+        if arch in MROPE_ARCHS:  # Qwen2.5-VL's text model; its vision tower: model/vision/qwen_vl
+            cfg, mrope = _mrope_text_config(cfg)
         gemma = arch in GEMMA_DEFAULTS
         if gemma:  # hub configs omit fields at their defaults
             cfg = {**GEMMA_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None or "softcap" in k}}
@@ -66,7 +73,7 @@ class ModelConfig:
         theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         # transformers 5 moves partial_rotary_factor into rope_parameters, older configs keep it on top
         partial = (rope or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
-        if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
+        if rope and rope.get("rope_type", rope.get("type")) in (None, "default", "mrope"):
             rope = None
         if rope and arch == "Phi3ForCausalLM":
             rope = _phi3_longrope(cfg, rope)
@@ -89,12 +96,13 @@ class ModelConfig:
             rope_scaling=rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=arch in ("Qwen2ForCausalLM", *MROPE_ARCHS) or bool(cfg.get("attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             partial_rotary_factor=float(partial),
             sliding_window=int(window) if window else None,
             architecture=arch,
             model_type=cfg.get("model_type", "llama"),
+            mrope_section=mrope,
         ), **fields})
 
     @classmethod
@@ -229,6 +237,18 @@ class ModelConfig:
 
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+MROPE_ARCHS = ("Qwen2_5_VLForConditionalGeneration",)
+
+
+def _mrope_text_config(cfg: dict) -> tuple[dict, tuple[int, ...]]:
+    """Qwen2.5-VL's text model config and M-RoPE sections: the hub's configs are flat (text fields
+    on top, rope_scaling {type: mrope, mrope_section}), transformers 5 nests them in text_config
+    (rope_parameters {rope_type: default, mrope_section}). The head is tied where either says so."""
+    text = cfg.get("text_config") or {}
+    merged = {**cfg, **text, "model_type": cfg.get("model_type", "qwen2_5_vl"),
+              "tie_word_embeddings": bool(cfg.get("tie_word_embeddings") or text.get("tie_word_embeddings"))}
+    rope = merged.get("rope_parameters") or merged.get("rope_scaling") or {}
+    return merged, tuple(int(n) for n in rope.get("mrope_section") or (16, 24, 24))
 
 
 def _moe_fields(arch: str, cfg: dict) -> dict:

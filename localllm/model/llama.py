@@ -170,7 +170,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm, self.head = norm, head
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype,
-                                    cfg.rotary_dim).to(device)
+                                    cfg.rotary_dim, cfg.mrope_section).to(device)
         # Gemma 3: sliding-window layers rotate with their own base (and no scaling)
         self.rope_local = None if cfg.rope_local_theta is None else RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_local_theta, None, act_dtype, cfg.rotary_dim).to(device)
@@ -218,8 +218,10 @@ class LlamaModel(nn.Module):
     def run_layer(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                   meta: AttnMeta, kv: tuple[torch.Tensor, torch.Tensor], ops: Ops | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer with this model's ops (or `ops`), RoPE table (local or global) and scale."""
-        return layer(x, residual, positions, meta, kv, ops or self.ops, self.layer_rope(layer), self.scale)
+        """One decoder layer with this model's ops (or `ops`), RoPE table (local or global) and scale.
+        positions: [T], or [3, T] M-RoPE positions (Qwen2.5-VL steps with image tokens)."""
+        rope, positions = self.layer_rope(layer).at(positions)
+        return layer(x, residual, positions, meta, kv, ops or self.ops, rope, self.scale)
 
     def layer_rope(self, layer: DecoderLayer) -> RotaryEmbedding:
         return self.rope_local if layer.window and self.rope_local is not None else self.rope
