@@ -47,7 +47,7 @@ def fused_cpu_ops(plain):
     def attend(layer, qkv: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
                kv: tuple[torch.Tensor, torch.Tensor], ops, rope: RotaryEmbedding, scale: float) -> torch.Tensor:
         qn = layer.q_norm
-        if (qkv.dtype != torch.float32 or rope.cos.dtype != torch.float32 or uses_sdpa(meta, layer)
+        if (qkv.dtype != torch.float32 or rope.cos.dtype != torch.float32 or uses_sdpa(meta, layer) or meta.spans
                 or (qn is not None and (qn.weight.dtype != torch.float32 or layer.k_norm.eps != qn.eps))):
             return plain.attend(layer, qkv, positions, meta, kv, plain, rope, scale)
         q = torch.ops.localllm.rope_store(

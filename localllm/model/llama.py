@@ -198,21 +198,27 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: Ops | None = None) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: Ops | None = None,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of a flattened batch of new tokens. ops: other implementations
-        of the same ops than the ones chosen at load (the compiled step traces plain torch ops)."""
+        of the same ops than the ones chosen at load (the compiled step traces plain torch ops).
+        embeds: (rows of the batch, their embeddings): image embeddings in place of those tokens'."""
         ops = ops or self.ops
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed_tokens(input_ids, embeds), None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = self.run_layer(layer, x, residual, positions, meta, kv, ops)
         return ops.add_norm(x, residual, self.norm)[0]
 
     # the pieces of `forward` the quantizer runs one layer at a time, so it spells no math of its own
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The first residual stream: embedding rows in the activation dtype, Gemma's scale applied."""
+    def embed_tokens(self, input_ids: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
+        """The first residual stream: embedding rows in the activation dtype, Gemma's scale applied;
+        `embeds` (rows, values) replace rows after the scale (image embeddings, as transformers)."""
         x = self.embed.rows(input_ids).to(self.act_dtype)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         return x
 
     def run_layer(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,

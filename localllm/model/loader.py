@@ -366,4 +366,16 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     # the real model against the fp32 cache (bench/check_kv.py): perplexity +0.001%, greedy tokens
     # 599/599 equal. fp16, not bf16 (+0.02%, 3 flips). --quant float32 keeps the exact fp32 cache.
     kv_dtype = torch.float16 if device == "cpu" and mode in ("int4", "int8", "w16") else act_dtype
-    return ModelHandle(model, tokenizer, cfg, eos, desc, kv_dtype, str(path), max_len)
+    vision = _vision(path, weights, tokenizer, device, act_dtype)
+    return ModelHandle(model, tokenizer, cfg, eos, desc, kv_dtype, str(path), max_len, vision=vision)
+
+
+def _vision(path, weights: Weights, tokenizer, device: str, act_dtype: torch.dtype):
+    """The vision tower of a vision-language checkpoint, in the activation dtype (fp32 on CPU: the
+    tower runs once per image, so its exactness costs little)."""
+    if not isinstance(weights, HFWeights):
+        return None
+    from .vision.load import load_vision
+
+    return load_vision(Path(path), weights.raw_config, weights.has, weights.dense, tokenizer.tok.id_to_token,
+                       device, act_dtype)

@@ -1,0 +1,49 @@
+"""A checkpoint's vision side, when it has one: which family, its weights and its processor config."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError
+
+# architectures whose checkpoints carry a vision tower we run
+VISION_ARCHS = ("Gemma3ForConditionalGeneration",)
+
+
+def processor_config(path: Path) -> dict:
+    """The image processor's settings: transformers 5 nests them in processor_config.json, older
+    checkpoints (the hub's Gemma 3) have preprocessor_config.json."""
+    for name, key in (("processor_config.json", "image_processor"), ("preprocessor_config.json", None)):
+        f = path / name
+        if f.is_file():
+            try:
+                cfg = json.loads(f.read_text())
+            except json.JSONDecodeError as e:
+                raise ModelLoadError(f"{f}: invalid JSON ({e})") from None
+            cfg = cfg.get(key) if key else cfg
+            if cfg:
+                return cfg
+    return {}
+
+
+def load_vision(path: Path, config: dict, has: Callable[[str], bool], get: Callable[[str], torch.Tensor],
+                token_text: Callable[[int], str], device: str, dtype: torch.dtype):
+    """-> the checkpoint's VisionModel, or None (a text-only checkpoint, or a multimodal one
+    without its tower). `has` / `get`: the checkpoint's tensors by HF name."""
+    arch = (config.get("architectures") or [""])[0]
+    if arch not in VISION_ARCHS or not has("multi_modal_projector.mm_input_projection_weight"):
+        return None
+    from .gemma3 import Gemma3Vision
+
+    prefix = next((p for p in ("vision_tower.vision_model.", "vision_tower.")
+                   if has(p + "embeddings.patch_embedding.weight")), None)
+    if prefix is None:
+        raise ModelLoadError(f"{path}: the vision tower's patch embedding is missing")
+    try:
+        return Gemma3Vision(config, processor_config(path), get, prefix, token_text, device, dtype)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: vision tensor {e} is missing") from None
