@@ -8,21 +8,36 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import make_engine
 from PIL import Image
 
 from localllm.config import ModelConfig
-from localllm.model.attention import describe_batch
-from localllm.model.hf_weights import HFWeights
+from localllm.engine.sequence import Sequence
 from localllm.model.loader import load_model
-from localllm.model.vision.qwen_vl import QwenVisionConfig, load_qwen_vision, mrope_positions
+from localllm.model.vision import ImagePrompt
+from localllm.model.vision.qwen_vl import QwenVisionConfig, mrope_positions
 from localllm.model.vision.qwen_vl_processor import QwenImageProcessing, preprocess
+from localllm.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
 
-IMAGE, VIDEO, START, END = 49150, 49151, 49148, 49149  # placeholder ids inside the real tokenizer's vocabulary
 # small enough for a fast tower, big enough that both images span several attention windows
 PIXELS = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 40)
+QWEN_TOKENS = {"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
+               "image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+# Qwen2.5-VL-Instruct's chat template as published (chat_template.json)
+QWEN_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
 
 
 def images() -> list[Image.Image]:
@@ -32,47 +47,96 @@ def images() -> list[Image.Image]:
             Image.fromarray(rng.integers(0, 256, (200, 64, 4), dtype=np.uint8), "RGBA")]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, fp32_model):
-    """(transformers model, its directory): 2 text layers (head_dim 16, mrope_section 2/3/3), a
-    3-block tower (block 1 full attention, the others windows of 2x2 merged tokens)."""
-    cfg = transformers.Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, window_size=56, out_hidden_size=64,
-                           fullatt_block_indexes=[1]),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+def peak(model: torch.nn.Module) -> None:
+    """Random weights with peaked logits (no greedy near-ties), norms away from 1."""
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # peaked logits (no greedy near-ties), norms away from 1
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name or "ln_q" in name:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 1:
+            elif p.dim() == 1:  # biases
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
-                fan_in = p[0].numel()
-                p.copy_(torch.randn(p.shape, generator=g) * (2 if "language_model" in name else 1) / fan_in ** 0.5)
+                p.copy_(torch.randn(p.shape, generator=g) * (2 if "language_model" in name else 1) / p[0].numel() ** 0.5)
+
+
+class ImageProcessor(transformers.Qwen2_5_VLProcessor):
+    """transformers' Qwen2.5-VL processor without its video processor (which needs torchvision,
+    not installed): the same prompt expansion and image inputs."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token, self.video_token = QWEN_TOKENS["image_token"], QWEN_TOKENS["video_token"]
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        transformers.ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, fp32_model):
+    """(transformers model, its processor, its directory): the real SmolLM2 tokenizer with Qwen's
+    vision tokens added, 2 text layers (head_dim 16, mrope_section 2/3/3), a 3-block tower (block
+    1 full attention, the others windows of 2x2 merged tokens); saved with its Qwen2_5_VLProcessor
+    (Pillow image processor, the published chat template)."""
     out = tmp_path_factory.mktemp("qwen-vl") / "tiny-qwen2.5-vl"
-    model.save_pretrained(out, safe_serialization=True)
+    out.mkdir()
     fp32_model.tokenizer.save_hf(out)
-    return model, out
+    base = transformers.PreTrainedTokenizerFast.from_pretrained(out)
+    base.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS.values()) + ["<|im_start|>", "<|im_end|>"]})
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token=base.bos_token,
+                                               eos_token=base.eos_token, extra_special_tokens=QWEN_TOKENS)
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in QWEN_TOKENS.items()}
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rms_norm_eps=1e-6, bos_token_id=fp32_model.tokenizer.bos_id,
+                         eos_token_id=sorted(fp32_model.tokenizer.eos_ids),
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=56, out_hidden_size=64,
+                           fullatt_block_indexes=[1]),
+        image_token_id=ids["image_token"], video_token_id=ids["video_token"],
+        vision_start_token_id=ids["vision_start_token"], vision_end_token_id=ids["vision_end_token"])
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    peak(model)
+    model.save_pretrained(out, safe_serialization=True)
+    processor = ImageProcessor(image_processor=Qwen2VLImageProcessorPil(**PIXELS), tokenizer=tok,
+                                                 chat_template=QWEN_VL_TEMPLATE)
+    processor.save_pretrained(out)
+    return model, processor, out
 
 
-def reference_inputs(grids: list) -> tuple[list[int], list[int]]:
-    """A prompt with both images (each vision_start, its placeholder run, vision_end) between text
-    tokens, and where each run starts."""
-    ids, starts = [1, 300, 301], []
-    for n, (t, h, w) in enumerate(grids):
-        ids.append(START)
-        starts.append(len(ids))
-        ids += [IMAGE] * (t * h * w // 4) + [END, 400 + n, 401 + n]
-    return ids + [500, 501, 502], starts
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    return load_model(checkpoint[2], "float32")
+
+
+def parts(*items) -> list[dict]:
+    """A user turn of text and image parts: a str is text, anything else an image."""
+    return [{"type": "text", "text": x} if isinstance(x, str) else {"type": "image", "image": x} for x in items]
+
+
+MESSAGES = [{"role": "user", "content": parts(images()[0], "Describe this one", images()[1], "and compare.")}]
+
+
+def reference_inputs(proc, messages: list[dict], imgs: list):
+    """transformers' processor on the same chat: input_ids, pixel_values, image_grid_thw, mm_token_type_ids."""
+    hf = [{**m, "content": [p if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+          if isinstance(m["content"], list) else m for m in messages]
+    text = proc.apply_chat_template(hf, add_generation_prompt=True, tokenize=False)
+    return proc(text=text, images=imgs, return_tensors="pt")
+
+
+def prefill_logits(engine, prompt: ImagePrompt) -> torch.Tensor:
+    """Logits at every prompt position, the prompt as one prefill through the runner."""
+    seq = Sequence("logits", prompt.ids, SamplingParams(), 1)
+    seq.images = prompt.images
+    engine.block_manager.allocate(seq, len(prompt.ids))
+    try:
+        return engine.runner.model.logits(engine.runner.forward_hidden([seq], [len(prompt.ids)])).float()
+    finally:
+        engine.block_manager.free_seq(seq)
 
 
 def test_processor_pixels_equal_transformers():
@@ -94,74 +158,114 @@ def test_processor_settings_from_preprocessor_config():
         QwenImageProcessing().grid(10, 2100)
 
 
-def test_tower_equals_transformers(checkpoint):
-    model, path = checkpoint
-    ref = Qwen2VLImageProcessorPil(**PIXELS)(images=images(), return_tensors="pt")
-    tower = load_qwen_vision(HFWeights(path))
+def test_tower_equals_transformers(checkpoint, loaded):
+    model, proc, _ = checkpoint
+    ref = proc.image_processor(images=images(), return_tensors="pt")
     with torch.no_grad():
         want = model.model.visual(ref["pixel_values"], grid_thw=ref["image_grid_thw"]).pooler_output
-    got = tower(ref["pixel_values"], [tuple(g) for g in ref["image_grid_thw"].tolist()])
+    got = loaded.vision.tower(ref["pixel_values"], [tuple(g) for g in ref["image_grid_thw"].tolist()])
     assert got.shape == want.shape == (15 + 14, 64)
     assert (got - want).abs().max() < 1e-4 * max(1.0, want.abs().max().item())
 
 
-def test_mrope_positions_equal_get_rope_index(checkpoint):
-    model = checkpoint[0]
-    grids = [(1, 6, 10), (1, 14, 4)]
-    ids, starts = reference_inputs(grids)
-    t = torch.tensor([ids])
-    want, delta = model.model.get_rope_index(t, (t == IMAGE).int(), image_grid_thw=torch.tensor(grids))
-    got, d = mrope_positions(len(ids), list(zip(starts, grids)), 2)
-    assert torch.equal(got, want[:, 0]) and d == delta.item() < 0
+def test_pixel_inputs_and_prompt_equal_the_processor(checkpoint, loaded):
+    _, proc, _ = checkpoint
+    ref = reference_inputs(proc, MESSAGES, images())
+    ours = [loaded.vision.prepare(im) for im in images()]
+    assert torch.equal(torch.cat([p.pixel_values for p in ours]), ref["pixel_values"])
+    assert [p.extra["grid"] for p in ours] == [tuple(g) for g in ref["image_grid_thw"].tolist()]
+    prompt = make_engine(loaded).encode_prompt(MESSAGES)
+    assert prompt.ids == ref["input_ids"][0].tolist()
+    types = ref["mm_token_type_ids"][0].tolist()  # the image tokens, in order
+    assert [i for i, t in enumerate(types) if t] == [p for s in prompt.images for p in range(s.offset, s.end)]
+
+
+def test_mrope_positions_equal_get_rope_index(checkpoint, loaded):
+    """The positions of the whole prompt, of any chunk of it and of the tokens after it (index +
+    delta: [T] positions, no image in range) equal transformers' get_rope_index / rope_deltas."""
+    model, proc, _ = checkpoint
+    ref = reference_inputs(proc, MESSAGES, images())
+    want, delta = model.model.get_rope_index(ref["input_ids"], ref["mm_token_type_ids"],
+                                             image_grid_thw=ref["image_grid_thw"])
+    want, delta = want[:, 0], int(delta)
+    prompt = make_engine(loaded).encode_prompt(MESSAGES)
+    T, v = len(prompt.ids), loaded.vision
+    assert delta < 0 and torch.equal(v.positions(prompt.images, 0, T), want)
+    s0, s1 = prompt.images
+    assert torch.equal(v.positions(prompt.images, s0.offset, s1.end - s0.offset), want[:, s0.offset:s1.end])
+    assert torch.equal(v.positions(prompt.images, s1.end, T - s1.end), want[0, s1.end:])  # text after the images
+    assert torch.equal(v.positions(prompt.images, T + 3, 2), torch.arange(T + 3, T + 5) + delta)
     with pytest.raises(ValueError, match="runs past"):
         mrope_positions(10, [(5, (1, 6, 10))], 2)
 
 
-def run_prompt(loaded, embeds: torch.Tensor, positions: torch.Tensor, kv, blocks: torch.Tensor) -> torch.Tensor:
-    """The model's layers on given input embeddings with a fresh cache (what the engine's embed
-    step hands them for a prompt with images) -> logits [T, V]."""
-    m = loaded.model
-    T = embeds.shape[0]
-    _, meta = describe_batch(blocks, [T], [T], 16)
-    x, residual = embeds, None
-    for layer, c in zip(m.layers, kv):
-        x, residual = m.run_layer(layer, x, residual, positions, meta, c)
-    return m.logits(m.ops.add_norm(x, residual, m.norm)[0])
-
-
-def test_language_model_with_images_equals_transformers(checkpoint):
-    """Logits with both images in the prompt within 1e-3 of transformers (our tower's embeddings at
-    the placeholders, [3, T] M-RoPE positions), then 32 greedy tokens equal to its generate(),
-    decoding at text positions + rope delta ([T] positions, the plain RoPE path)."""
-    model, path = checkpoint
-    loaded = load_model(path, "float32")
-    assert loaded.config.mrope_section == (2, 3, 3) and loaded.config.qkv_bias
-    ref_in = Qwen2VLImageProcessorPil(**PIXELS)(images=images(), return_tensors="pt")
-    grids = [tuple(g) for g in ref_in["image_grid_thw"].tolist()]
-    ids, starts = reference_inputs(grids)
-    t = torch.tensor([ids])
+def test_logits_equal_transformers_with_images(checkpoint, loaded):
+    model, proc, _ = checkpoint
+    inputs = reference_inputs(proc, MESSAGES, images())
     with torch.no_grad():
-        want = model(input_ids=t, pixel_values=ref_in["pixel_values"], image_grid_thw=ref_in["image_grid_thw"],
-                     mm_token_type_ids=(t == IMAGE).int()).logits[0]
-        gen = model.generate(input_ids=t, pixel_values=ref_in["pixel_values"], image_grid_thw=ref_in["image_grid_thw"],
-                             mm_token_type_ids=(t == IMAGE).int(), attention_mask=torch.ones_like(t),
-                             max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
-    tower = load_qwen_vision(HFWeights(path))
-    m = loaded.model
-    embeds = m.embed_tokens(t[0])
-    embeds[t[0] == IMAGE] = tower(ref_in["pixel_values"], grids)
-    positions, delta = mrope_positions(len(ids), list(zip(starts, grids)), 2)
-    kv = m.new_kv_cache(16, 16, torch.float32)
-    blocks = torch.arange(1, 16).view(1, -1)
-    logits = run_prompt(loaded, embeds, positions, kv, blocks)
-    assert (logits - want).abs().max() < 1e-3
-    out = [int(logits[-1].argmax())]
-    while len(out) < 32:
-        n = len(ids) + len(out)
-        pos, meta = describe_batch(blocks, [1], [n], 16)
-        hidden = m(torch.tensor(out[-1:]), pos + delta, meta, kv)
-        out.append(int(m.logits(hidden)[-1].argmax()))
-    assert out == gen
+        want = model(**inputs).logits[0]
+        # M-RoPE matters here: the same inputs rotated at plain positions
+        plain = model(**inputs, position_ids=torch.arange(inputs["input_ids"].shape[1])[None]).logits[0]
+    engine = make_engine(loaded)
+    got = prefill_logits(engine, engine.encode_prompt(MESSAGES))
+    assert (got - want).abs().max() < 1e-3
+    assert (plain - want).abs().max() > 1e-2
+
+
+def generate_reference(model, inputs, n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def run_all(engine, requests: dict) -> dict:
+    ids = {engine.add_request(msgs, params): key for key, (msgs, params) in requests.items()}
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[ids[o.request_id]] = o
+    return done
+
+
+def test_greedy_tokens_equal_transformers_batched_with_text(checkpoint, loaded):
+    """32 greedy tokens equal transformers' generate (decode at index + rope delta), in one batch
+    with a text-only request whose tokens equal its own run alone."""
+    model, proc, _ = checkpoint
+    want = generate_reference(model, reference_inputs(proc, MESSAGES, images()), 32)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    engine = make_engine(loaded)
+    text = [{"role": "user", "content": "Say something about the sea."}]
+    alone = [o for o in engine.generate(text, params)][-1].token_ids
+    done = run_all(engine, {"image": (MESSAGES, params), "text": (text, params)})
+    assert engine.stats["max_batch_size"] == 2
+    assert done["image"].token_ids == want
+    assert done["text"].token_ids == alone
+
+
+def test_second_turn_reuses_the_images(checkpoint, loaded):
+    """The next turn keeps both images in its history: no second vision forward, its prompt served
+    from the prefix cache past the images, its tokens equal transformers' on the whole chat."""
+    model, proc, _ = checkpoint
+    engine = make_engine(loaded)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reply = [o for o in engine.generate(MESSAGES, params)][-1]
+    assert engine.runner.vision_encodes == 2
+    turn2 = MESSAGES + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "Which is larger?"}]
+    prompt = engine.encode_prompt(turn2)
+    last = [o for o in engine.generate(turn2, params)][-1]
+    assert engine.runner.vision_encodes == 2
+    assert last.num_cached_tokens >= prompt.images[1].end // 16 * 16 > 0
+    assert last.token_ids == generate_reference(model, reference_inputs(proc, turn2, images()), 8)
+
+
+def test_chunked_prefill_positions_follow_the_images(loaded):
+    """Chunks of 12 tokens (images of 15 and 14 tokens run whole): the chunks' M-RoPE positions
+    are the prompt's, so the tokens equal a one-chunk prefill's."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    whole = [o for o in make_engine(loaded).generate(MESSAGES, params)][-1].token_ids
+    engine = make_engine(loaded, max_num_batched_tokens=12)
+    assert [o for o in engine.generate(MESSAGES, params)][-1].token_ids == whole
 
 
 def test_hub_configs_read_as_transformers():

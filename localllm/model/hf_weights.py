@@ -125,16 +125,6 @@ class HFWeights:
         with safe_open(str(f), framework="pt") as h:
             return h.get_tensor(self.stored.get(name, name))
 
-    def submodule(self, prefixes: tuple[str, ...], names: list[str]) -> dict[str, torch.Tensor]:
-        """`names` under the first of `prefixes` the checkpoint stores them under (a multimodal
-        checkpoint's tower: visual.* as the hub writes it, model.visual.* as transformers 5 holds
-        it), by the names without the prefix."""
-        for prefix in prefixes:
-            if all(prefix + n in self.index for n in names):
-                return {n: self.dense(prefix + n) for n in names}
-        missing = next(n for n in names if not any(p + n in self.index for p in prefixes))
-        raise ModelLoadError(f"{self.path}: tensor {prefixes[0]}{missing} is missing")
-
     def int4(self, name: str) -> Int4Weight | None:
         if self.quant is None:
             return None

@@ -11,7 +11,7 @@ import torch
 from ..errors import ModelLoadError
 
 # architectures whose checkpoints carry a vision tower we run
-VISION_ARCHS = ("Gemma3ForConditionalGeneration",)
+VISION_ARCHS = ("Gemma3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 
 def processor_config(path: Path) -> dict:
@@ -35,6 +35,8 @@ def load_vision(path: Path, config: dict, has: Callable[[str], bool], get: Calla
     """-> the checkpoint's VisionModel, or None (a text-only checkpoint, or a multimodal one
     without its tower). `has` / `get`: the checkpoint's tensors by HF name."""
     arch = (config.get("architectures") or [""])[0]
+    if arch == "Qwen2_5_VLForConditionalGeneration":
+        return _qwen_vl(path, config, has, get, token_text, device, dtype)
     if arch not in VISION_ARCHS or not has("multi_modal_projector.mm_input_projection_weight"):
         return None
     from .gemma3 import Gemma3Vision
@@ -47,3 +49,19 @@ def load_vision(path: Path, config: dict, has: Callable[[str], bool], get: Calla
         return Gemma3Vision(config, processor_config(path), get, prefix, token_text, device, dtype)
     except KeyError as e:
         raise ModelLoadError(f"{path}: vision tensor {e} is missing") from None
+
+
+def _qwen_vl(path: Path, config: dict, has: Callable[[str], bool], get: Callable[[str], torch.Tensor],
+             token_text: Callable[[int], str], device: str, dtype: torch.dtype):
+    """Qwen2.5-VL's tower: visual.* as the hub stores it, model.visual.* as transformers 5 holds it."""
+    from .qwen_vl import QwenVLVision
+
+    prefix = next((p for p in ("visual.", "model.visual.") if has(p + "patch_embed.proj.weight")), None)
+    if prefix is None:
+        return None
+    try:
+        return QwenVLVision(config, processor_config(path), get, prefix, token_text, device, dtype)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: vision tensor {e} is missing") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None

@@ -7,11 +7,15 @@ Qwen2_5_VLModel.get_rope_index."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import ImageSpan, PixelInputs
+from .qwen_vl_processor import QwenImageProcessing, preprocess
 
 
 @dataclass(frozen=True)
@@ -214,17 +218,6 @@ class QwenVisionTower(nn.Module):
         return x[torch.argsort(order)]
 
 
-VISUAL_PREFIXES = ("visual.", "model.visual.")
-
-
-def load_qwen_vision(weights, dtype: torch.dtype = torch.float32, device: str = "cpu") -> QwenVisionTower:
-    """The tower of a Qwen2.5-VL checkpoint (an HFWeights: config.json's vision_config, the
-    visual.* tensors)."""
-    cfg = QwenVisionConfig.from_hf(weights.raw_config.get("vision_config") or {})
-    tensors = weights.submodule(VISUAL_PREFIXES, QwenVisionTower.tensor_names(cfg))
-    return QwenVisionTower(cfg, tensors, dtype).to(device)
-
-
 def mrope_positions(num_tokens: int, images: list[tuple[int, tuple[int, int, int]]], merge: int
                     ) -> tuple[torch.Tensor, int]:
     """M-RoPE positions of a prompt of `num_tokens` tokens whose images' placeholder runs start
@@ -253,3 +246,67 @@ def mrope_positions(num_tokens: int, images: list[tuple[int, tuple[int, int, int
     pos[:, at:] = torch.arange(nxt, nxt + num_tokens - at)
     nxt += num_tokens - at
     return pos, nxt - num_tokens
+
+
+def mrope_range(images: list[tuple[int, tuple[int, int, int]]], start: int, n: int, merge: int) -> torch.Tensor:
+    """The positions of tokens [start, start + n) of a sequence whose images are `images` (as in
+    mrope_positions): [3, n] when an image's tokens lie in the range, else [n] (text rotates the
+    same on the three rows; a [T] step keeps the plain RoPE path, captured decode steps included):
+    the index plus the delta of the images before it."""
+    if not any(o < start + n and o + _tokens(g, merge) > start for o, g in images):
+        return torch.arange(start, start + n) + sum(max(g[1], g[2]) // merge - _tokens(g, merge)
+                                                    for o, g in images if o + _tokens(g, merge) <= start)
+    seen = [(o, g) for o, g in images if o < start + n]
+    end = max(start + n, *(o + _tokens(g, merge) for o, g in seen))
+    return mrope_positions(end, seen, merge)[0][:, start:start + n]
+
+
+def _tokens(grid: tuple[int, int, int], merge: int) -> int:
+    t, h, w = grid
+    return t * h * w // merge ** 2
+
+
+class QwenVLVision:
+    """The `VisionModel` of Qwen2_5_VLForConditionalGeneration (see localllm.model.vision): the
+    processor, the tower, and the M-RoPE positions the runner asks for (`mrope`, `positions`)."""
+
+    family = "qwen2_5_vl"
+    bidirectional = False  # image tokens attend causally, as the text
+    mrope = True
+
+    def __init__(self, config: dict, processor: dict, get: Callable[[str], torch.Tensor], prefix: str,
+                 token_text: Callable[[int], str], device: str, dtype: torch.dtype):
+        """get: the checkpoint's tensors by name; prefix: the tower's (visual. or model.visual.)."""
+        cfg = QwenVisionConfig.from_hf(config.get("vision_config") or {})
+        tensors = {n: get(prefix + n) for n in QwenVisionTower.tensor_names(cfg)}
+        self.tower = QwenVisionTower(cfg, tensors, dtype).to(device)
+        self.device, self.dtype, self.merge = device, dtype, cfg.spatial_merge_size
+        self.processing = QwenImageProcessing.from_hf(processor)
+        if (self.processing.patch_size, self.processing.merge_size, self.processing.temporal_patch_size) != \
+                (cfg.patch_size, cfg.spatial_merge_size, cfg.temporal_patch_size):
+            raise ValueError(f"the image processor's patch/merge/temporal sizes {self.processing} do not match "
+                             f"the vision tower's {cfg}")
+        self.image_token_id = int(config.get("image_token_id", 151655))
+        start = token_text(int(config.get("vision_start_token_id", 151652)))
+        end = token_text(int(config.get("vision_end_token_id", 151653)))
+        self.image_text = token_text(self.image_token_id)
+        self._start_end = start, end
+        self.placeholder = f"{start}{self.image_text}{end}"  # what Qwen's chat template writes per image
+
+    def prepare(self, image) -> PixelInputs:
+        pixels, grid = preprocess(image, self.processing)
+        return PixelInputs(pixels, _tokens(grid, self.merge), {"grid": grid})
+
+    def expand(self, pixels: PixelInputs) -> str:
+        start, end = self._start_end
+        return f"{start}{self.image_text * pixels.n_tokens}{end}"
+
+    @torch.inference_mode()
+    def encode(self, batch: list[PixelInputs]) -> list[torch.Tensor]:
+        out = self.tower(torch.cat([p.pixel_values for p in batch]).to(self.device),
+                         [p.extra["grid"] for p in batch])
+        return list(out.to(self.dtype).split([p.n_tokens for p in batch]))
+
+    def positions(self, images: tuple[ImageSpan, ...], start: int, n: int) -> torch.Tensor:
+        """M-RoPE positions of tokens [start, start + n) of a sequence with these images."""
+        return mrope_range([(im.offset, im.pixels.extra["grid"]) for im in images], start, n, self.merge)
