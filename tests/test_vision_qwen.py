@@ -301,3 +301,37 @@ def test_hub_configs_read_as_transformers():
         assert (v.depth, v.hidden_size, v.num_heads, v.out_hidden_size, v.window_size, v.in_channels) == \
             (rv.depth, rv.hidden_size, rv.num_heads, rv.out_hidden_size, rv.window_size, rv.in_channels)
         assert v.fullatt_block_indexes == tuple(rv.fullatt_block_indexes)
+
+
+def test_mrope_rotation_equals_transformers_on_every_rope_op():
+    """[3, T] positions rotate q/k as transformers' Qwen2_5_VLRotaryEmbedding + apply_rotary_pos_emb,
+    through the torch op and the Triton kernel (interpreted on CPU); [T] positions stay plain RoPE."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
+
+    from localllm.model.layers import RotaryEmbedding
+    from localllm.model.llama import rope_fused, rope_torch
+
+    cfg = transformers.Qwen2_5_VLTextConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                            rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6],
+                                                             "rope_theta": 10000.0})
+    T, H, KVH, D = 7, 4, 2, 32
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g)
+    pos = torch.stack([torch.tensor([0, 1, 2, 2, 2, 5, 6]), torch.tensor([0, 1, 2, 2, 3, 5, 6]),
+                       torch.tensor([0, 1, 2, 3, 2, 5, 6])])
+    cos, sin = hf.Qwen2_5_VLRotaryEmbedding(cfg)(qkv, pos[:, None])
+    q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + KVH) * D].view(T, KVH, D)
+    want_q, want_k = hf.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    rope = RotaryEmbedding(D, 64, 10000.0, None, torch.float32, mrope_section=(4, 6, 6))
+    for op in (rope_torch, rope_fused):
+        table, p = rope.at(pos)
+        got_q, got_k = op(p, q.clone(), k.clone(), table)
+        torch.testing.assert_close(got_q, want_q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_k, want_k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    # text positions: the three rows equal, the same as [T] positions through the plain table
+    text = torch.arange(T)
+    t3, p3 = rope.at(text.expand(3, -1))
+    assert rope.at(text)[0] is rope
+    assert all(torch.equal(a, b) for a, b in zip(rope_torch(p3, q, k, t3), rope_torch(text, q, k, rope)))
+    with pytest.raises(ValueError, match="sums to"):
+        RotaryEmbedding(D, 64, 10000.0, None, torch.float32, mrope_section=(4, 6, 5))
