@@ -62,24 +62,48 @@ def peak(model: torch.nn.Module) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * (2 if "language_model" in name else 1) / p[0].numel() ** 0.5)
 
 
-class ImageProcessor(transformers.Qwen2_5_VLProcessor):
-    """transformers' Qwen2.5-VL processor without its video processor (which needs torchvision,
-    not installed): the same prompt expansion and image inputs."""
+def image_only(base):
+    """transformers' Qwen-VL processor class without its video processor (which needs torchvision,
+    not installed here): the same prompt expansion and image inputs."""
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        self.image_token, self.video_token = QWEN_TOKENS["image_token"], QWEN_TOKENS["video_token"]
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-        transformers.ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+    class ImageProcessor(base):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = QWEN_TOKENS["image_token"], QWEN_TOKENS["video_token"]
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            transformers.ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return ImageProcessor
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, fp32_model):
+# per family: its transformers classes, the tower and the processor's settings. Qwen2.5-VL: 2
+# text layers (qkv biases), a 3-block tower (block 1 full attention, the others windows of 2x2
+# merged tokens). Qwen3-VL: 3 text layers (q/k norms, interleaved M-RoPE), a 3-block tower with a
+# 4x4 position table and deepstack features after blocks 0 and 1 (joining text layers 0 and 1).
+FAMILIES = {
+    "qwen2.5-vl": dict(
+        config=lambda: transformers.Qwen2_5_VLConfig, model=lambda: transformers.Qwen2_5_VLForConditionalGeneration,
+        processor=lambda: transformers.Qwen2_5_VLProcessor, layers=2, rope={}, text={}, pixels=PIXELS,
+        vision=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14, spatial_merge_size=2,
+                    temporal_patch_size=2, window_size=56, out_hidden_size=64, fullatt_block_indexes=[1])),
+    "qwen3-vl": dict(
+        config=lambda: transformers.Qwen3VLConfig, model=lambda: transformers.Qwen3VLForConditionalGeneration,
+        processor=lambda: transformers.Qwen3VLProcessor, layers=3, rope={"mrope_interleaved": True},
+        text={"head_dim": 16},
+        pixels=dict(PIXELS, patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3),
+        vision=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=16, spatial_merge_size=2,
+                    temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                    deepstack_visual_indexes=[0, 1])),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory, fp32_model):
     """(transformers model, its processor, its directory): the real SmolLM2 tokenizer with Qwen's
-    vision tokens added, 2 text layers (head_dim 16, mrope_section 2/3/3), a 3-block tower (block
-    1 full attention, the others windows of 2x2 merged tokens); saved with its Qwen2_5_VLProcessor
-    (Pillow image processor, the published chat template)."""
-    out = tmp_path_factory.mktemp("qwen-vl") / "tiny-qwen2.5-vl"
+    vision tokens added; the family's tiny model (FAMILIES, head_dim 16, mrope_section 2/3/3),
+    saved with its processor (Pillow image processor, Qwen2.5-VL's published chat template)."""
+    fam = FAMILIES[request.param]
+    out = tmp_path_factory.mktemp("qwen-vl") / request.param
     out.mkdir()
     fp32_model.tokenizer.save_hf(out)
     base = transformers.PreTrainedTokenizerFast.from_pretrained(out)
@@ -87,22 +111,21 @@ def checkpoint(tmp_path_factory, fp32_model):
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token=base.bos_token,
                                                eos_token=base.eos_token, extra_special_tokens=QWEN_TOKENS)
     ids = {k: tok.convert_tokens_to_ids(v) for k, v in QWEN_TOKENS.items()}
-    cfg = transformers.Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    cfg = fam["config"]()(
+        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=fam["layers"],
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **fam["text"],
                          rms_norm_eps=1e-6, bos_token_id=fp32_model.tokenizer.bos_id,
                          eos_token_id=sorted(fp32_model.tokenizer.eos_ids),
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, window_size=56, out_hidden_size=64,
-                           fullatt_block_indexes=[1]),
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0,
+                                          **fam["rope"]}),
+        vision_config=fam["vision"],
         image_token_id=ids["image_token"], video_token_id=ids["video_token"],
         vision_start_token_id=ids["vision_start_token"], vision_end_token_id=ids["vision_end_token"])
-    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    model = fam["model"]()(cfg).eval()
     peak(model)
     model.save_pretrained(out, safe_serialization=True)
-    processor = ImageProcessor(image_processor=Qwen2VLImageProcessorPil(**PIXELS), tokenizer=tok,
-                                                 chat_template=QWEN_VL_TEMPLATE)
+    processor = image_only(fam["processor"]())(image_processor=Qwen2VLImageProcessorPil(**fam["pixels"]),
+                                               tokenizer=tok, chat_template=QWEN_VL_TEMPLATE)
     processor.save_pretrained(out)
     return model, processor, out
 
@@ -162,9 +185,13 @@ def test_tower_equals_transformers(checkpoint, loaded):
     model, proc, _ = checkpoint
     ref = proc.image_processor(images=images(), return_tensors="pt")
     with torch.no_grad():
-        want = model.model.visual(ref["pixel_values"], grid_thw=ref["image_grid_thw"]).pooler_output
-    got = loaded.vision.tower(ref["pixel_values"], [tuple(g) for g in ref["image_grid_thw"].tolist()])
-    assert got.shape == want.shape == (15 + 14, 64)
+        out = model.model.visual(ref["pixel_values"], grid_thw=ref["image_grid_thw"])
+    want = out.pooler_output
+    if getattr(out, "deepstack_features", None):  # Qwen3-VL: [tokens, 1 + deepstack, hidden]
+        want = torch.stack([want, *out.deepstack_features], dim=1)
+    grids = [tuple(g) for g in ref["image_grid_thw"].tolist()]
+    got = loaded.vision.tower(ref["pixel_values"], grids)
+    assert got.shape == want.shape and got.shape[0] == sum(t * h * w // 4 for t, h, w in grids)
     assert (got - want).abs().max() < 1e-4 * max(1.0, want.abs().max().item())
 
 

@@ -311,9 +311,12 @@ class RotaryEmbedding(nn.Module):
     short factors for them)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 dtype: torch.dtype, rotary_dim: int | None = None, mrope_section: tuple[int, ...] | None = None):
-        """mrope_section (Qwen2-VL / 2.5-VL's M-RoPE): the rotary frequencies split in sections,
-        section i rotated by row i % 3 (temporal, height, width) of [3, T] positions (see `at`)."""
+                 dtype: torch.dtype, rotary_dim: int | None = None, mrope_section: tuple[int, ...] | None = None,
+                 mrope_interleaved: bool = False):
+        """mrope_section (Qwen2.5-VL's M-RoPE): the rotary frequencies split in sections, section i
+        rotated by row i % 3 (temporal, height, width) of [3, T] positions (see `at`). Interleaved
+        (Qwen3-VL): frequency j by height where j % 3 == 1 and j < 3 * sections[1], by width where
+        j % 3 == 2 and j < 3 * sections[2], else by time."""
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
         inv, attn_factor = rope_inv_freq(self.rotary_dim, theta, scaling, max_positions)
@@ -330,7 +333,13 @@ class RotaryEmbedding(nn.Module):
             if sum(mrope_section) != self.half:
                 raise ValueError(f"mrope_section {list(mrope_section)} sums to {sum(mrope_section)}, "
                                  f"expected rotary_dim / 2 = {self.half}")
-            rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(mrope_section)])
+            if mrope_interleaved:
+                j = torch.arange(self.half)
+                rows = torch.zeros(self.half, dtype=torch.long)
+                for r in (1, 2):
+                    rows[(j % 3 == r) & (j < 3 * mrope_section[r])] = r
+            else:
+                rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(mrope_section)])
             self.register_buffer("mrope_rows", torch.cat([rows, rows]), persistent=False)
 
     def at(self, positions: torch.Tensor) -> tuple[RotaryEmbedding | RopeRows, torch.Tensor]:

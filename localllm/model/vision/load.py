@@ -11,7 +11,8 @@ import torch
 from ..errors import ModelLoadError
 
 # architectures whose checkpoints carry a vision tower we run
-VISION_ARCHS = ("Gemma3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+VISION_ARCHS = ("Gemma3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                "Qwen3VLForConditionalGeneration")
 
 
 def processor_config(path: Path) -> dict:
@@ -35,7 +36,7 @@ def load_vision(path: Path, config: dict, has: Callable[[str], bool], get: Calla
     """-> the checkpoint's VisionModel, or None (a text-only checkpoint, or a multimodal one
     without its tower). `has` / `get`: the checkpoint's tensors by HF name."""
     arch = (config.get("architectures") or [""])[0]
-    if arch == "Qwen2_5_VLForConditionalGeneration":
+    if arch in ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"):
         return _qwen_vl(path, config, has, get, token_text, device, dtype)
     if arch not in VISION_ARCHS or not has("multi_modal_projector.mm_input_projection_weight"):
         return None
@@ -53,7 +54,7 @@ def load_vision(path: Path, config: dict, has: Callable[[str], bool], get: Calla
 
 def _qwen_vl(path: Path, config: dict, has: Callable[[str], bool], get: Callable[[str], torch.Tensor],
              token_text: Callable[[int], str], device: str, dtype: torch.dtype):
-    """Qwen2.5-VL's tower: visual.* as the hub stores it, model.visual.* as transformers 5 holds it."""
+    """Qwen2.5-VL's / Qwen3-VL's tower: visual.* (Qwen2.5-VL's hub files) or model.visual.*."""
     from .qwen_vl import QwenVLVision
 
     prefix = next((p for p in ("visual.", "model.visual.") if has(p + "patch_embed.proj.weight")), None)

@@ -1,9 +1,15 @@
-"""Qwen2.5-VL's vision tower: a ViT over dynamic-resolution images (patches of 14 px, 2D RoPE,
-window attention with full attention at the configured layers, RMSNorm, SwiGLU MLPs) and the
-patch merger that turns each 2x2 block of patches into one language-model token; and the
-M-RoPE text positions (temporal, height, width) the language model rotates image and text
-tokens with. The math is transformers' Qwen2_5_VisionTransformerPretrainedModel and
-Qwen2_5_VLModel.get_rope_index."""
+"""Qwen2.5-VL's and Qwen3-VL's vision towers: ViTs over dynamic-resolution images (2D RoPE over
+patch rows and columns) and the patch merger that turns each 2x2 block of patches into one
+language-model token; and the M-RoPE text positions (temporal, height, width) the language model
+rotates image and text tokens with.
+
+Qwen2.5-VL (transformers' Qwen2_5_VisionTransformerPretrainedModel): 14 px patches, window
+attention with full attention at the configured layers, RMSNorm, SwiGLU MLPs. Qwen3-VL
+(Qwen3VLVisionModel): 16 px patches, a learned position table resampled to each image's grid,
+full attention, LayerNorm, GELU MLPs, and "deepstack": the features after some layers, merged by
+their own mergers, join the language model's residual stream at the image tokens after its
+first layers. Positions: Qwen2_5_VLModel.get_rope_index (the same for Qwen3-VL's images).
+"""
 
 from __future__ import annotations
 
@@ -28,19 +34,24 @@ class QwenVisionConfig:
     patch_size: int = 14
     spatial_merge_size: int = 2
     temporal_patch_size: int = 2
-    window_size: int = 112  # pixels per side of an attention window
+    window_size: int = 112  # pixels per side of an attention window (Qwen2.5-VL)
     out_hidden_size: int = 2048  # the language model's hidden size
     fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
+    qwen3: bool = False  # Qwen3-VL's tower (LayerNorm, GELU MLP, position table, deepstack)
+    num_position_embeddings: int = 0  # Qwen3-VL: the learned position table (a square grid)
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
     @classmethod
-    def from_hf(cls, v: dict) -> QwenVisionConfig:
-        """From config.json's vision_config (the hub's spells in_channels in_chans)."""
-        d = cls()
+    def from_hf(cls, v: dict, qwen3: bool = False) -> QwenVisionConfig:
+        """From config.json's vision_config (Qwen2.5-VL's hub files spell in_channels in_chans),
+        transformers' defaults for what it leaves out."""
+        d = QWEN3_VISION_DEFAULTS if qwen3 else cls()
         rope = v.get("rope_parameters") or {}
-        if v.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"vision_config.hidden_act {v['hidden_act']!r} is not supported (Qwen2.5-VL: silu)")
+        act = v.get("hidden_act", d.hidden_act)
+        if act != d.hidden_act:
+            raise ValueError(f"vision_config.hidden_act {act!r} is not supported (expected {d.hidden_act!r})")
         return cls(depth=int(v.get("depth", d.depth)), hidden_size=int(v.get("hidden_size", d.hidden_size)),
                    intermediate_size=int(v.get("intermediate_size", d.intermediate_size)),
                    num_heads=int(v.get("num_heads", d.num_heads)),
@@ -51,7 +62,10 @@ class QwenVisionConfig:
                    window_size=int(v.get("window_size", d.window_size)),
                    out_hidden_size=int(v.get("out_hidden_size", d.out_hidden_size)),
                    fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", d.fullatt_block_indexes)),
-                   rope_theta=float(rope.get("rope_theta", d.rope_theta)))
+                   hidden_act=act, rope_theta=float(rope.get("rope_theta", d.rope_theta)), qwen3=qwen3,
+                   num_position_embeddings=int(v.get("num_position_embeddings", d.num_position_embeddings)),
+                   deepstack_visual_indexes=tuple(int(i) for i in v.get("deepstack_visual_indexes",
+                                                                          d.deepstack_visual_indexes)))
 
     @property
     def head_dim(self) -> int:
@@ -60,6 +74,13 @@ class QwenVisionConfig:
     @property
     def patch_dim(self) -> int:
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+
+# transformers' Qwen3VLVisionConfig defaults (every layer attends to the whole image)
+QWEN3_VISION_DEFAULTS = QwenVisionConfig(
+    depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16, out_hidden_size=3584,
+    fullatt_block_indexes=tuple(range(27)), hidden_act="gelu_pytorch_tanh", qwen3=True,
+    num_position_embeddings=2304, deepstack_visual_indexes=(8, 16, 24))
 
 
 def patch_positions(grid: tuple[int, int, int], merge: int) -> torch.Tensor:
@@ -114,39 +135,81 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+def linear(t: dict[str, torch.Tensor], *names: str) -> nn.Linear:
+    """The checkpoint's linears `names` (weights and biases) as one, their rows stacked."""
+    w = torch.cat([t[n + ".weight"] for n in names])
+    lin = nn.Linear(w.shape[1], w.shape[0])
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.copy_(torch.cat([t[n + ".bias"] for n in names]))
+    return lin.requires_grad_(False)
+
+
+class Norm(nn.Module):
+    """Qwen2.5-VL's RMSNorm (weight only) or Qwen3-VL's LayerNorm (weight and bias), eps 1e-6."""
+
+    def __init__(self, t: dict[str, torch.Tensor], name: str):
+        super().__init__()
+        self.weight = nn.Parameter(t[name + ".weight"], requires_grad=False)
+        b = t.get(name + ".bias")
+        self.bias = None if b is None else nn.Parameter(b, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return rms_norm(x, self.weight)
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-6)
+
+
 class VisionBlock(nn.Module):
     def __init__(self, cfg: QwenVisionConfig, t: dict[str, torch.Tensor]):
         super().__init__()
-        self.H, self.D = cfg.num_heads, cfg.head_dim
-        self.norm1, self.norm2 = nn.Parameter(t["norm1.weight"]), nn.Parameter(t["norm2.weight"])
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        # gate and up as one matrix: one GEMM
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-        with torch.no_grad():
-            for lin, names in ((self.qkv, ["attn.qkv"]), (self.proj, ["attn.proj"]),
-                               (self.gate_up, ["mlp.gate_proj", "mlp.up_proj"]), (self.down, ["mlp.down_proj"])):
-                lin.weight.copy_(torch.cat([t[n + ".weight"] for n in names]))
-                lin.bias.copy_(torch.cat([t[n + ".bias"] for n in names]))
-        self.requires_grad_(False)
+        self.H, self.D, self.qwen3 = cfg.num_heads, cfg.head_dim, cfg.qwen3
+        self.norm1, self.norm2 = Norm(t, "norm1"), Norm(t, "norm2")
+        self.qkv, self.proj = linear(t, "attn.qkv"), linear(t, "attn.proj")
+        if cfg.qwen3:
+            self.fc1, self.fc2 = linear(t, "mlp.linear_fc1"), linear(t, "mlp.linear_fc2")
+        else:  # gate and up as one matrix: one GEMM
+            self.fc1, self.fc2 = linear(t, "mlp.gate_proj", "mlp.up_proj"), linear(t, "mlp.down_proj")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         S = x.shape[0]
-        q, k, v = self.qkv(rms_norm(x, self.norm1)).view(S, 3, self.H, self.D).unbind(1)
+        q, k, v = self.qkv(self.norm1(x)).view(S, 3, self.H, self.D).unbind(1)
         # RoPE in fp32 as transformers' apply_rotary_pos_emb_vision
         qf, kf = q.float(), k.float()
         q = (qf * cos + rotate_half(qf) * sin).to(x.dtype)
         k = (kf * cos + rotate_half(kf) * sin).to(x.dtype)
         x = x + self.proj(segment_attention(q, k, v, sizes, self.D ** -0.5).reshape(S, -1))
-        g, u = self.gate_up(rms_norm(x, self.norm2)).chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u)
+        h = self.fc1(self.norm2(x))
+        if self.qwen3:
+            return x + self.fc2(F.gelu(h, approximate="tanh"))
+        g, u = h.chunk(2, dim=-1)
+        return x + self.fc2(F.silu(g) * u)
+
+
+class Merger(nn.Module):
+    """Each 2x2 block of patches -> one language-model embedding: norm (per patch, or Qwen3-VL's
+    deepstack mergers over the block), then fc, GELU, fc."""
+
+    def __init__(self, cfg: QwenVisionConfig, t: dict[str, torch.Tensor], prefix: str, norm_after_merge: bool = False):
+        super().__init__()
+        self.width = cfg.hidden_size * cfg.spatial_merge_size ** 2
+        self.norm_after_merge = norm_after_merge
+        if cfg.qwen3:
+            self.norm, self.fc1, self.fc2 = (Norm(t, prefix + "norm"), linear(t, prefix + "linear_fc1"),
+                                             linear(t, prefix + "linear_fc2"))
+        else:
+            self.norm, self.fc1, self.fc2 = Norm(t, prefix + "ln_q"), linear(t, prefix + "mlp.0"), linear(t, prefix + "mlp.2")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.reshape(-1, self.width)) if self.norm_after_merge else self.norm(x).reshape(-1, self.width)
+        return self.fc2(F.gelu(self.fc1(x)))
 
 
 class QwenVisionTower(nn.Module):
     """Pixel values (the processor's flattened patches, images concatenated) and each image's
-    (t, h, w) patch grid -> one embedding per merged 2x2 block [tokens, out_hidden_size], in
-    the order of the image's placeholder tokens."""
+    (t, h, w) patch grid -> one embedding per merged 2x2 block [tokens, out_hidden_size], in the
+    order of the image's placeholder tokens; Qwen3-VL: [tokens, 1 + deepstack layers,
+    out_hidden_size], the merger's output then each deepstack merger's."""
 
     def __init__(self, cfg: QwenVisionConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
         """tensors: the checkpoint's visual.* tensors, the prefix removed."""
@@ -154,17 +217,19 @@ class QwenVisionTower(nn.Module):
         self.cfg, self.dtype = cfg, dtype
         t = {k: v.float() for k, v in tensors.items()}
         # the Conv3d with kernel = stride = one patch is a linear over the flattened patch
-        self.patch_embed = nn.Parameter(t["patch_embed.proj.weight"].reshape(cfg.hidden_size, cfg.patch_dim))
+        self.patch_embed = nn.Linear(cfg.patch_dim, cfg.hidden_size, bias="patch_embed.proj.bias" in t)
+        with torch.no_grad():
+            self.patch_embed.weight.copy_(t["patch_embed.proj.weight"].reshape(cfg.hidden_size, cfg.patch_dim))
+            if self.patch_embed.bias is not None:
+                self.patch_embed.bias.copy_(t["patch_embed.proj.bias"])
+        self.pos_embed = None if not cfg.num_position_embeddings else \
+            nn.Parameter(t["pos_embed.weight"], requires_grad=False)
         self.blocks = nn.ModuleList(
             VisionBlock(cfg, {k[len(f"blocks.{i}."):]: v for k, v in t.items() if k.startswith(f"blocks.{i}.")})
             for i in range(cfg.depth))
-        self.merge_norm = nn.Parameter(t["merger.ln_q.weight"])
-        merged = cfg.hidden_size * cfg.spatial_merge_size ** 2
-        self.merge_fc1, self.merge_fc2 = nn.Linear(merged, merged), nn.Linear(merged, cfg.out_hidden_size)
-        with torch.no_grad():
-            for lin, n in ((self.merge_fc1, "merger.mlp.0"), (self.merge_fc2, "merger.mlp.2")):
-                lin.weight.copy_(t[n + ".weight"])
-                lin.bias.copy_(t[n + ".bias"])
+        self.merger = Merger(cfg, t, "merger.")
+        self.deepstack = nn.ModuleList(Merger(cfg, t, f"deepstack_merger_list.{j}.", norm_after_merge=True)
+                                       for j in range(len(cfg.deepstack_visual_indexes)))
         half = cfg.head_dim // 2  # h and w rotate half of each head each
         self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half),
                              persistent=False)
@@ -175,47 +240,77 @@ class QwenVisionTower(nn.Module):
     @staticmethod
     def tensor_names(cfg: QwenVisionConfig) -> list[str]:
         """The checkpoint's tensors the tower reads, under visual.*, the prefix removed."""
-        per = [f"{m}.{p}" for m in ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-               for p in ("weight", "bias")] + ["norm1.weight", "norm2.weight"]
-        return (["patch_embed.proj.weight", "merger.ln_q.weight"] +
-                [f"merger.mlp.{i}.{p}" for i in (0, 2) for p in ("weight", "bias")] +
-                [f"blocks.{i}.{n}" for i in range(cfg.depth) for n in per])
+        wb = ("weight", "bias")
+        if cfg.qwen3:
+            per = [f"{m}.{p}" for m in ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2", "norm1", "norm2")
+                   for p in wb]
+            merger = ["norm", "linear_fc1", "linear_fc2"]
+            mergers = [f"{m}.{n}.{p}" for m in ["merger", *(f"deepstack_merger_list.{j}" for j in
+                                                           range(len(cfg.deepstack_visual_indexes)))]
+                       for n in merger for p in wb]
+            head = ["patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed.weight"]
+        else:
+            per = [f"{m}.{p}" for m in ("attn.qkv", "attn.proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+                   for p in wb] + ["norm1.weight", "norm2.weight"]
+            mergers = ["merger.ln_q.weight"] + [f"merger.mlp.{i}.{p}" for i in (0, 2) for p in wb]
+            head = ["patch_embed.proj.weight"]
+        return head + mergers + [f"blocks.{i}.{n}" for i in range(cfg.depth) for n in per]
 
     def num_tokens(self, grid: tuple[int, int, int]) -> int:
         t, h, w = grid
         return t * h * w // self.cfg.spatial_merge_size ** 2
 
+    def position_table(self, grids: list[tuple[int, int, int]], pos: torch.Tensor) -> torch.Tensor:
+        """Qwen3-VL: the learned square position table resampled (bilinear, corners aligned) to
+        each image's patch grid, at the patches' (row, col) -> [S, hidden]."""
+        side = int(self.cfg.num_position_embeddings ** 0.5)
+        table = self.pos_embed.float().t().reshape(1, -1, side, side)
+        out, at = [], 0
+        for t, h, w in grids:
+            grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]  # [C, h, w]
+            p = pos[at:at + t * h * w]
+            out.append(grid[:, p[:, 0], p[:, 1]].t())
+            at += t * h * w
+        return torch.cat(out).to(self.dtype)
+
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         c = self.cfg
         m, unit = c.spatial_merge_size, c.spatial_merge_size ** 2
+        full = set(c.fullatt_block_indexes)
+        windowed = any(i not in full for i in range(c.depth))
         window = c.window_size // m // c.patch_size
-        # the tokens reordered window by window (each merge block's patches stay together), the
-        # windows' and the whole images' lengths in patches
+        # Qwen2.5-VL: the tokens reordered window by window (each merge block's patches stay
+        # together); the windows' and the whole images' lengths in patches
         order, windows, images, offset = [], [], [], 0
         for g in grids:
-            o, sizes = window_order(g, m, window)
+            o, sizes = window_order(g, m, window) if windowed else (torch.arange(self.num_tokens(g)), [])
             order.append(o + offset)
             windows += [s * unit for s in sizes if s]
             images += [g[1] * g[2]] * g[0]  # each frame attends to itself
             offset += self.num_tokens(g)
-        order = torch.cat(order).to(self.patch_embed.device)
-        pos = torch.cat([patch_positions(g, m) for g in grids]).to(self.patch_embed.device)
+        order = torch.cat(order).to(self.patch_embed.weight.device)
+        pos = torch.cat([patch_positions(g, m) for g in grids]).to(self.patch_embed.weight.device)
         freqs = pos.unsqueeze(-1).float() * self.inv_freq  # [S, 2, D/4]: rows, cols
         emb = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
         emb = torch.cat([emb, emb], dim=-1).unsqueeze(1)  # [S, 1, D]
 
         def by_window(x: torch.Tensor) -> torch.Tensor:
-            return x.reshape(-1, unit, *x.shape[1:])[order].reshape(x.shape)
+            return x.reshape(-1, unit, *x.shape[1:])[order].reshape(x.shape) if windowed else x
 
-        x = by_window(F.linear(pixel_values.to(self.dtype), self.patch_embed))
-        cos, sin = by_window(emb.cos()), by_window(emb.sin())
-        full = set(c.fullatt_block_indexes)
+        x = self.patch_embed(pixel_values.to(self.dtype))
+        if self.pos_embed is not None:
+            x = x + self.position_table(grids, pos)
+        x, cos, sin = by_window(x), by_window(emb.cos()), by_window(emb.sin())
+        deep = []
         for i, blk in enumerate(self.blocks):
             x = blk(x, cos, sin, images if i in full else windows)
-        x = rms_norm(x, self.merge_norm).reshape(-1, c.hidden_size * unit)
-        x = self.merge_fc2(F.gelu(self.merge_fc1(x)))
-        return x[torch.argsort(order)]
+            if i in c.deepstack_visual_indexes:
+                deep.append(self.deepstack[c.deepstack_visual_indexes.index(i)](x))
+        x = self.merger(x)
+        if deep:
+            x = torch.stack([x, *deep], dim=1)
+        return x[torch.argsort(order)] if windowed else x
 
 
 def mrope_positions(num_tokens: int, images: list[tuple[int, tuple[int, int, int]]], merge: int
@@ -267,17 +362,19 @@ def _tokens(grid: tuple[int, int, int], merge: int) -> int:
 
 
 class QwenVLVision:
-    """The `VisionModel` of Qwen2_5_VLForConditionalGeneration (see localllm.model.vision): the
-    processor, the tower, and the M-RoPE positions the runner asks for (`mrope`, `positions`)."""
+    """The `VisionModel` of Qwen2_5_VLForConditionalGeneration and Qwen3VLForConditionalGeneration
+    (see localllm.model.vision): the processor, the tower, and the M-RoPE positions the runner
+    asks for (`mrope`, `positions`). Qwen3-VL's embeddings carry its deepstack rows (QwenVisionTower)."""
 
-    family = "qwen2_5_vl"
     bidirectional = False  # image tokens attend causally, as the text
     mrope = True
 
     def __init__(self, config: dict, processor: dict, get: Callable[[str], torch.Tensor], prefix: str,
                  token_text: Callable[[int], str], device: str, dtype: torch.dtype):
         """get: the checkpoint's tensors by name; prefix: the tower's (visual. or model.visual.)."""
-        cfg = QwenVisionConfig.from_hf(config.get("vision_config") or {})
+        qwen3 = (config.get("architectures") or [""])[0] == "Qwen3VLForConditionalGeneration"
+        self.family = "qwen3_vl" if qwen3 else "qwen2_5_vl"
+        cfg = QwenVisionConfig.from_hf(config.get("vision_config") or {}, qwen3)
         tensors = {n: get(prefix + n) for n in QwenVisionTower.tensor_names(cfg)}
         self.tower = QwenVisionTower(cfg, tensors, dtype).to(device)
         self.device, self.dtype, self.merge = device, dtype, cfg.spatial_merge_size
