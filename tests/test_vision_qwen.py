@@ -330,6 +330,43 @@ def test_hub_configs_read_as_transformers():
         assert v.fullatt_block_indexes == tuple(rv.fullatt_block_indexes)
 
 
+def test_qwen3_vl_hub_config_reads_as_transformers():
+    """Qwen3-VL-4B-Instruct's config.json as published (nested, rope_scaling with interleaved
+    sections, rope_theta beside it)."""
+    hub = {"architectures": ["Qwen3VLForConditionalGeneration"], "image_token_id": 151655, "model_type": "qwen3_vl",
+           "text_config": {"attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+                           "dtype": "bfloat16", "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+                           "hidden_size": 2560, "initializer_range": 0.02, "intermediate_size": 9728,
+                           "max_position_embeddings": 262144, "model_type": "qwen3_vl_text",
+                           "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+                           "rms_norm_eps": 1e-06, "rope_scaling": {"mrope_interleaved": True,
+                                                                   "mrope_section": [24, 20, 20],
+                                                                   "rope_type": "default"},
+                           "rope_theta": 5000000, "tie_word_embeddings": True, "use_cache": True,
+                           "vocab_size": 151936},
+           "tie_word_embeddings": True, "video_token_id": 151656, "vision_end_token_id": 151653,
+           "vision_start_token_id": 151652,
+           "vision_config": {"deepstack_visual_indexes": [5, 11, 17], "depth": 24, "hidden_act": "gelu_pytorch_tanh",
+                             "hidden_size": 1024, "in_channels": 3, "initializer_range": 0.02,
+                             "intermediate_size": 4096, "model_type": "qwen3_vl", "num_heads": 16,
+                             "num_position_embeddings": 2304, "out_hidden_size": 2560, "patch_size": 16,
+                             "spatial_merge_size": 2, "temporal_patch_size": 2}}
+    ref = transformers.Qwen3VLConfig(**json.loads(json.dumps(hub)))
+    tc, rv = ref.text_config, ref.vision_config
+    c = ModelConfig.from_hf(hub)
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size) == \
+        (tc.hidden_size, tc.num_hidden_layers, tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim,
+         tc.intermediate_size)
+    assert c.rope_theta == tc.rope_parameters["rope_theta"] == 5e6 and c.rope_scaling is None
+    assert c.mrope_section == tuple(tc.rope_parameters["mrope_section"]) and c.mrope_interleaved
+    assert c.qk_norm and not c.qkv_bias and c.tie_word_embeddings
+    v = QwenVisionConfig.from_hf(hub["vision_config"], qwen3=True)
+    assert (v.depth, v.hidden_size, v.num_heads, v.out_hidden_size, v.patch_size, v.num_position_embeddings) == \
+        (rv.depth, rv.hidden_size, rv.num_heads, rv.out_hidden_size, rv.patch_size, rv.num_position_embeddings)
+    assert v.deepstack_visual_indexes == tuple(rv.deepstack_visual_indexes)
+    assert v.fullatt_block_indexes == tuple(range(24))  # every layer full attention
+
+
 def test_mrope_rotation_equals_transformers_on_every_rope_op():
     """[3, T] positions rotate q/k as transformers' Qwen2_5_VLRotaryEmbedding + apply_rotary_pos_emb,
     through the torch op and the Triton kernel (interpreted on CPU); [T] positions stay plain RoPE."""

@@ -52,7 +52,9 @@ class QwenVisionConfig:
         act = v.get("hidden_act", d.hidden_act)
         if act != d.hidden_act:
             raise ValueError(f"vision_config.hidden_act {act!r} is not supported (expected {d.hidden_act!r})")
-        return cls(depth=int(v.get("depth", d.depth)), hidden_size=int(v.get("hidden_size", d.hidden_size)),
+        depth = int(v.get("depth", d.depth))
+        full = v.get("fullatt_block_indexes", range(depth) if qwen3 else d.fullatt_block_indexes)
+        return cls(depth=depth, hidden_size=int(v.get("hidden_size", d.hidden_size)),
                    intermediate_size=int(v.get("intermediate_size", d.intermediate_size)),
                    num_heads=int(v.get("num_heads", d.num_heads)),
                    in_channels=int(v.get("in_channels") or v.get("in_chans") or d.in_channels),
@@ -61,7 +63,7 @@ class QwenVisionConfig:
                    temporal_patch_size=int(v.get("temporal_patch_size", d.temporal_patch_size)),
                    window_size=int(v.get("window_size", d.window_size)),
                    out_hidden_size=int(v.get("out_hidden_size", d.out_hidden_size)),
-                   fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", d.fullatt_block_indexes)),
+                   fullatt_block_indexes=tuple(int(i) for i in full),
                    hidden_act=act, rope_theta=float(rope.get("rope_theta", d.rope_theta)), qwen3=qwen3,
                    num_position_embeddings=int(v.get("num_position_embeddings", d.num_position_embeddings)),
                    deepstack_visual_indexes=tuple(int(i) for i in v.get("deepstack_visual_indexes",
