@@ -61,8 +61,10 @@ class ModelConfig:
                      *MROPE_ARCHS}
         if arch not in supported:
             raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(supported))})")
-        if arch == "Gemma3ForConditionalGeneration":  # the text model of Gemma 3 4B/12B/27B (vision tower unused)
-            arch, cfg = "Gemma3ForCausalLM", {**cfg.get("text_config", {}), "architectures": ["Gemma3ForCausalLM"]}
+        if arch == "Gemma3ForConditionalGeneration":  # the text model of Gemma 3 4B/12B/27B (the tower: model/vision)
+            # transformers reads the tie from the outer config
+            tie = {"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}
+            arch, cfg = "Gemma3ForCausalLM", {**cfg.get("text_config", {}), **tie, "architectures": ["Gemma3ForCausalLM"]}
         mrope, interleaved = None, False
         if arch in MROPE_ARCHS:  # Qwen2.5-VL's / Qwen3-VL's text model; the vision tower: model/vision/qwen_vl
             cfg, mrope, interleaved = _mrope_text_config(cfg)

@@ -242,12 +242,15 @@ class LLMEngine:
     def _with_images(self, text: str, images: list) -> ImagePrompt:
         """A rendered prompt's image placeholders expanded to each image's tokens, tokenized, with
         the images' spans."""
+        from ..model.vision.images import decode_image
+
         v = self.vision
         parts = text.split(v.placeholder)
         if len(parts) - 1 != len(images):
             raise ImageInputError(f"the chat template wrote {len(parts) - 1} image placeholder(s) "
                                   f"({v.placeholder!r}) for {len(images)} image(s)")
-        pixels = [v.prepare(im) for im in images]
+        pixels = [v.prepare(decode_image(im, f"image {i + 1}") if isinstance(im, bytes) else im)
+                  for i, im in enumerate(images)]
         text = parts[0] + "".join(v.expand(p) + rest for p, rest in zip(pixels, parts[1:]))
         ids = self.tokenizer.encode_chat(text)
         return ImagePrompt(ids, image_spans(ids, pixels, v.image_token_id, v.family))

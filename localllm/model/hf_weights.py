@@ -83,6 +83,9 @@ class HFWeights:
             if "model.embed_tokens.weight" not in index and prefix + "embed_tokens.weight" in index:
                 self.stored = {"model." + k[len(prefix):]: k for k in index if k.startswith(prefix)}
                 index.update({ours: index[k] for ours, k in self.stored.items()})
+        if self.stored and "lm_head.weight" not in index and "language_model.lm_head.weight" in index:
+            self.stored["lm_head.weight"] = "language_model.lm_head.weight"  # an untied head, older layout
+            index["lm_head.weight"] = index["language_model.lm_head.weight"]
         return index
 
     def has(self, name: str) -> bool:

@@ -20,8 +20,8 @@ The interface (Gemma 3 and Idefics3/SmolVLM here; Qwen2.5-VL/Qwen3-VL plug in th
     - `mrope: bool = False` (optional attribute): reserved for Qwen's M-RoPE (3-D positions); the
       runner reads `getattr(vision, "mrope", False)`.
 * The engine's side: `engine.encode_prompt(messages)` renders the chat template with the image
-  parts (`{"type": "image", "image": PIL.Image}` in a message's content list, decoded and checked
-  by `images.decode_image` at the front end), expands each placeholder, tokenizes and returns an
+  parts (`{"type": "image", "image": bytes | PIL.Image}` in a message's content list; bytes are
+  decoded and checked by `images.decode_image` there, in the worker thread that tokenizes), expands each placeholder, tokenizes and returns an
   `ImagePrompt` (ids + one `ImageSpan` per image); `add_request` takes it. A `Sequence` carries its
   spans (`seq.images`). The runner encodes each image once (`ModelRunner.image_embeddings`: cached
   by `ImageSpan.hash`, the count of encoded images in `vision_encodes`) and hands the rows to the
@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the front ends import this module's errors and types: no torch at import
+    import torch
 
 
 class ImageInputError(ValueError):
@@ -54,6 +55,8 @@ class PixelInputs:
 
     def digest(self, family: str) -> str:
         """The image's identity for the caches: the exact pixel inputs (and the family)."""
+        import torch
+
         h = hashlib.sha256(family.encode())
         for t in (self.pixel_values, *(v for _, v in sorted(self.extra.items()) if isinstance(v, torch.Tensor))):
             t = t.detach().contiguous().cpu()

@@ -30,14 +30,14 @@ def decode_image(data: bytes, what: str = "image") -> object:
             img = Image.open(io.BytesIO(data))
             w, h = img.size
             if w * h > MAX_PIXELS:
-                raise ImageInputError(f"{what} is {w}x{h} pixels; at most {MAX_PIXELS} pixels are accepted")
+                raise ImageInputError(f"{what} is too large: {w}x{h} pixels, at most {MAX_PIXELS} are accepted")
             img.load()
     except ImageInputError:
         raise
     except UnidentifiedImageError:
         raise ImageInputError(f"{what} is not an image (PNG, JPEG, WebP, GIF, BMP... expected)") from None
-    except Image.DecompressionBombError:
-        raise ImageInputError(f"{what} has too many pixels (at most {MAX_PIXELS})") from None
+    except Image.DecompressionBombError as e:  # Pillow's own guard, at open (its message has the size)
+        raise ImageInputError(f"{what} is too large: {e}; at most {MAX_PIXELS} pixels are accepted") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise ImageInputError(f"{what} is truncated or corrupt ({e})") from None
     if img.mode != "RGB":
@@ -63,3 +63,33 @@ def decode_data_url(url: str, what: str = "image_url") -> bytes:
     if not sep or not head.endswith(";base64"):
         raise ImageInputError(f"{what}: a data: URL must be base64-encoded (data:image/png;base64,...)")
     return decode_base64(body, what)
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp")
+
+
+def read_image_file(path: str) -> bytes:
+    """An image file's bytes (checked when the prompt is encoded); ImageInputError if unreadable."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    try:
+        return p.read_bytes()
+    except OSError as e:
+        raise ImageInputError(f"cannot read image {path}: {e.strerror or e}") from None
+
+
+def images_in_prompt(text: str) -> tuple[str, list[str]]:
+    """Ollama's CLI convention: words of the prompt that are paths of existing image files are
+    taken out of it and attached as images. -> (the prompt without them, their paths)."""
+    import os
+    import shlex
+
+    try:
+        words = shlex.split(text, posix=True)
+    except ValueError:  # an unbalanced quote: plain words
+        words = text.split()
+    paths = [w for w in words if w.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(os.path.expanduser(w))]
+    for p in paths:
+        text = text.replace(f"'{p}'", "").replace(f'"{p}"', "").replace(p, "")
+    return " ".join(text.split()) if paths else text, paths

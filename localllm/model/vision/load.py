@@ -11,8 +11,9 @@ import torch
 from ..errors import ModelLoadError
 
 # architectures whose checkpoints carry a vision tower we run
-VISION_ARCHS = ("Gemma3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                "Qwen3VLForConditionalGeneration")
+QWEN_VL_ARCHS = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+VISION_ARCHS = ("Gemma3ForConditionalGeneration", *QWEN_VL_ARCHS)
+QWEN_VL_PREFIXES = ("visual.", "model.visual.")  # Qwen2.5-VL's hub files, transformers 5 / Qwen3-VL
 
 
 def processor_config(path: Path) -> dict:
@@ -31,15 +32,22 @@ def processor_config(path: Path) -> dict:
     return {}
 
 
+def has_vision(config: dict, has: Callable[[str], bool]) -> bool:
+    """The checkpoint holds a vision tower we run (what `localllm show` and /api/show report)."""
+    arch = (config.get("architectures") or [""])[0]
+    if arch in QWEN_VL_ARCHS:
+        return any(has(p + "patch_embed.proj.weight") for p in QWEN_VL_PREFIXES)
+    return arch in VISION_ARCHS and has("multi_modal_projector.mm_input_projection_weight")
+
+
 def load_vision(path: Path, config: dict, has: Callable[[str], bool], get: Callable[[str], torch.Tensor],
                 token_text: Callable[[int], str], device: str, dtype: torch.dtype):
     """-> the checkpoint's VisionModel, or None (a text-only checkpoint, or a multimodal one
     without its tower). `has` / `get`: the checkpoint's tensors by HF name."""
-    arch = (config.get("architectures") or [""])[0]
-    if arch in ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration"):
-        return _qwen_vl(path, config, has, get, token_text, device, dtype)
-    if arch not in VISION_ARCHS or not has("multi_modal_projector.mm_input_projection_weight"):
+    if not has_vision(config, has):
         return None
+    if (config.get("architectures") or [""])[0] in QWEN_VL_ARCHS:
+        return _qwen_vl(path, config, has, get, token_text, device, dtype)
     from .gemma3 import Gemma3Vision
 
     prefix = next((p for p in ("vision_tower.vision_model.", "vision_tower.")
@@ -54,12 +62,10 @@ def load_vision(path: Path, config: dict, has: Callable[[str], bool], get: Calla
 
 def _qwen_vl(path: Path, config: dict, has: Callable[[str], bool], get: Callable[[str], torch.Tensor],
              token_text: Callable[[int], str], device: str, dtype: torch.dtype):
-    """Qwen2.5-VL's / Qwen3-VL's tower: visual.* (Qwen2.5-VL's hub files) or model.visual.*."""
+    """Qwen2.5-VL's / Qwen3-VL's tower, under one of QWEN_VL_PREFIXES."""
     from .qwen_vl import QwenVLVision
 
-    prefix = next((p for p in ("visual.", "model.visual.") if has(p + "patch_embed.proj.weight")), None)
-    if prefix is None:
-        return None
+    prefix = next(p for p in QWEN_VL_PREFIXES if has(p + "patch_embed.proj.weight"))
     try:
         return QwenVLVision(config, processor_config(path), get, prefix, token_text, device, dtype)
     except KeyError as e:
