@@ -4,6 +4,9 @@ the vision tower, the M-RoPE positions and the language model rotating with them
 decoding with the images in the prompt."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -293,6 +296,21 @@ def test_chunked_prefill_positions_follow_the_images(loaded):
     whole = [o for o in make_engine(loaded).generate(MESSAGES, params)][-1].token_ids
     engine = make_engine(loaded, max_num_batched_tokens=12)
     assert [o for o in engine.generate(MESSAGES, params)][-1].token_ids == whole
+
+
+@pytest.mark.slow  # ~13 s a family: a localllm process each (the front end is tests/test_vision_server.py's)
+def test_cli_run_with_an_image(checkpoint, loaded, tmp_path):
+    """The real `localllm run DIR --image FILE PROMPT` answers as the in-process engine (held to
+    transformers above) on the decoded file."""
+    photo = tmp_path / "photo.png"
+    images()[0].save(photo)
+    question = "What is in this picture?"
+    msgs = [{"role": "user", "content": parts(Image.open(photo).convert("RGB"), question)}]
+    want = [o for o in make_engine(loaded).generate(msgs, SamplingParams(temperature=0, max_tokens=8))][-1].text
+    r = subprocess.run([sys.executable, "-m", "localllm.cli", "run", str(checkpoint[2]), "--temperature", "0",
+                        "-n", "8", "--image", str(photo), question], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0 and r.stdout == want + "\n", r.stderr
 
 
 def test_hub_configs_read_as_transformers():
