@@ -78,7 +78,7 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta
 
     def _mrope_positions(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
-        """Qwen2.5-VL's rotary positions (M-RoPE) of the batch's new tokens: from the vision model
+        """Qwen-VL's rotary positions (M-RoPE) of the batch's new tokens: from the vision model
         for a sequence with images (the tokens after an image sit at their index plus its delta,
         its own tokens at (frame, row, column) offsets), the index otherwise. [3, T] when a chunk
         holds image tokens, else [T] (the plain RoPE path: decode steps stay captured)."""

@@ -313,7 +313,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  dtype: torch.dtype, rotary_dim: int | None = None, mrope_section: tuple[int, ...] | None = None,
                  mrope_interleaved: bool = False):
-        """mrope_section (Qwen2.5-VL's M-RoPE): the rotary frequencies split in sections, section i
+        """mrope_section (Qwen2-VL / 2.5-VL's M-RoPE): the rotary frequencies split in sections, section i
         rotated by row i % 3 (temporal, height, width) of [3, T] positions (see `at`). Interleaved
         (Qwen3-VL): frequency j by height where j % 3 == 1 and j < 3 * sections[1], by width where
         j % 3 == 2 and j < 3 * sections[2], else by time."""

@@ -231,7 +231,7 @@ class LlamaModel(nn.Module):
                   meta: AttnMeta, kv: tuple[torch.Tensor, torch.Tensor], ops: Ops | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer with this model's ops (or `ops`), RoPE table (local or global) and scale.
-        positions: [T], or [3, T] M-RoPE positions (Qwen2.5-VL steps with image tokens)."""
+        positions: [T], or [3, T] M-RoPE positions (Qwen-VL steps with image tokens)."""
         rope, positions = self.layer_rope(layer).at(positions)
         return layer(x, residual, positions, meta, kv, ops or self.ops, rope, self.scale)
 
