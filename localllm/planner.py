@@ -68,6 +68,11 @@ KNOWN_SHAPES = {
     "google/gemma-3-4b-it": (34, 2560, 10240, 8, 4, 256, 262208, True),
     "google/gemma-3-12b-it": (48, 3840, 15360, 16, 8, 256, 262208, True),
     "google/gemma-3-27b-it": (62, 5376, 21504, 32, 16, 128, 262208, True),
+    "qwen/qwen2.5-vl-3b-instruct": (36, 2048, 11008, 16, 2, 128, 151936, True),
+    "qwen/qwen2.5-vl-7b-instruct": (28, 3584, 18944, 28, 4, 128, 152064, False),
+    "qwen/qwen3-vl-2b-instruct": (28, 2048, 6144, 16, 8, 128, 151936, True),
+    "qwen/qwen3-vl-4b-instruct": (36, 2560, 9728, 32, 8, 128, 151936, True),
+    "qwen/qwen3-vl-8b-instruct": (36, 4096, 12288, 32, 8, 128, 151936, False),
 }
 
 

@@ -73,7 +73,20 @@ class ModelRunner:
         bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
         dev = self.device
         positions, meta = describe_batch(bt, list(counts), ctx_lens, self.block_size, self.model.attention_backend, dev)
+        if getattr(self.vision, "mrope", False) and any(s.images for s in seqs):
+            positions = self._mrope_positions(seqs, counts).to(dev)
         return torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta
+
+    def _mrope_positions(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
+        """Qwen-VL's rotary positions (M-RoPE) of the batch's new tokens: from the vision model
+        for a sequence with images (the tokens after an image sit at their index plus its delta,
+        its own tokens at (frame, row, column) offsets), the index otherwise. [3, T] when a chunk
+        holds image tokens, else [T] (the plain RoPE path: decode steps stay captured)."""
+        parts = [self.vision.positions(s.images, s.num_computed_tokens, n) if s.images
+                 else torch.arange(s.num_computed_tokens, s.num_computed_tokens + n) for s, n in zip(seqs, counts)]
+        if all(p.dim() == 1 for p in parts):
+            return torch.cat(parts)
+        return torch.cat([p.expand(3, -1) if p.dim() == 1 else p for p in parts], dim=-1)
 
     def inputs(self, seqs: list[Sequence], counts: list[int]) -> tuple:
         """prepare's (ids, positions, meta) and the image embeddings of the chunk (or None)."""

@@ -311,7 +311,12 @@ class RotaryEmbedding(nn.Module):
     short factors for them)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 dtype: torch.dtype, rotary_dim: int | None = None):
+                 dtype: torch.dtype, rotary_dim: int | None = None, mrope_section: tuple[int, ...] | None = None,
+                 mrope_interleaved: bool = False):
+        """mrope_section (Qwen2-VL / 2.5-VL's M-RoPE): the rotary frequencies split in sections, section i
+        rotated by row i % 3 (temporal, height, width) of [3, T] positions (see `at`). Interleaved
+        (Qwen3-VL): frequency j by height where j % 3 == 1 and j < 3 * sections[1], by width where
+        j % 3 == 2 and j < 3 * sections[2], else by time."""
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
         inv, attn_factor = rope_inv_freq(self.rotary_dim, theta, scaling, max_positions)
@@ -323,6 +328,34 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (emb.sin() * attn_factor).to(dtype), persistent=False)
         self.half = self.rotary_dim // 2
         self.partial = self.rotary_dim < head_dim
+        self.register_buffer("mrope_rows", None, persistent=False)
+        if mrope_section:
+            if sum(mrope_section) != self.half:
+                raise ValueError(f"mrope_section {list(mrope_section)} sums to {sum(mrope_section)}, "
+                                 f"expected rotary_dim / 2 = {self.half}")
+            if mrope_interleaved:
+                j = torch.arange(self.half)
+                rows = torch.zeros(self.half, dtype=torch.long)
+                for r in (1, 2):
+                    rows[(j % 3 == r) & (j < 3 * mrope_section[r])] = r
+            else:
+                rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(mrope_section)])
+            self.register_buffer("mrope_rows", torch.cat([rows, rows]), persistent=False)
+
+    def at(self, positions: torch.Tensor) -> tuple[RotaryEmbedding | RopeRows, torch.Tensor]:
+        """(the table, the positions into it) a step rotates with. Positions [T]: this table. M-RoPE
+        positions [3, T] (a step with image tokens): a table of the step's T rows, each column's
+        angle from its section's row (transformers' mrope recomposition), indexed by 0..T-1, so
+        every RoPE op (torch, Triton, the fused CPU one) runs unchanged. Text-only and decode steps
+        pass [T] positions: with all three rows equal M-RoPE is this plain RoPE."""
+        if positions.dim() == 1:
+            return self, positions
+        if self.mrope_rows is None:
+            raise ValueError("[3, T] positions given to a model without M-RoPE")
+        sel = self.mrope_rows.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        cos = self.cos[positions].gather(0, sel)[0]  # [3, T, rotary_dim] -> [T, rotary_dim]
+        sin = self.sin[positions].gather(0, sel)[0]
+        return RopeRows(cos, sin, self), torch.arange(positions.shape[1], device=positions.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim]
@@ -332,6 +365,16 @@ class RotaryEmbedding(nn.Module):
             return (torch.cat([_rotate(q[..., :r], cos, sin, self.half), q[..., r:]], dim=-1),
                     torch.cat([_rotate(k[..., :r], cos, sin, self.half), k[..., r:]], dim=-1))
         return _rotate(q, cos, sin, self.half), _rotate(k, cos, sin, self.half)
+
+
+class RopeRows:
+    """One step's cos/sin rows in a RotaryEmbedding's place (RotaryEmbedding.at)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, table: RotaryEmbedding):
+        self.cos, self.sin = cos, sin
+        self.rotary_dim, self.half, self.partial = table.rotary_dim, table.half, table.partial
+
+    forward = __call__ = RotaryEmbedding.forward
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:

@@ -170,7 +170,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm, self.head = norm, head
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype,
-                                    cfg.rotary_dim).to(device)
+                                    cfg.rotary_dim, cfg.mrope_section, cfg.mrope_interleaved).to(device)
         # Gemma 3: sliding-window layers rotate with their own base (and no scaling)
         self.rope_local = None if cfg.rope_local_theta is None else RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_local_theta, None, act_dtype, cfg.rotary_dim).to(device)
@@ -202,11 +202,16 @@ class LlamaModel(nn.Module):
                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of a flattened batch of new tokens. ops: other implementations
         of the same ops than the ones chosen at load (the compiled step traces plain torch ops).
-        embeds: (rows of the batch, their embeddings): image embeddings in place of those tokens'."""
+        embeds: (rows of the batch, their embeddings): image embeddings in place of those tokens'.
+        Embeddings [n, 1 + k, hidden] (Qwen3-VL's deepstack): the first in place of the tokens', the
+        others added to their rows' residual stream after each of the first k layers."""
         ops = ops or self.ops
         x, residual = self.embed_tokens(input_ids, embeds), None
-        for layer, kv in zip(self.layers, kv_caches):
+        deep = embeds[1][:, 1:] if embeds is not None and embeds[1].dim() == 3 else None
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x, residual = self.run_layer(layer, x, residual, positions, meta, kv, ops)
+            if deep is not None and i < deep.shape[1]:  # (x joins the residual in the next add_norm)
+                x = x.index_add(0, embeds[0], deep[:, i].to(x.dtype))
         return ops.add_norm(x, residual, self.norm)[0]
 
     # the pieces of `forward` the quantizer runs one layer at a time, so it spells no math of its own
@@ -218,14 +223,17 @@ class LlamaModel(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if embeds is not None:
-            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
+            rows = embeds[1] if embeds[1].dim() == 2 else embeds[1][:, 0]
+            x = x.index_copy(0, embeds[0], rows.to(x.dtype))
         return x
 
     def run_layer(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                   meta: AttnMeta, kv: tuple[torch.Tensor, torch.Tensor], ops: Ops | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer with this model's ops (or `ops`), RoPE table (local or global) and scale."""
-        return layer(x, residual, positions, meta, kv, ops or self.ops, self.layer_rope(layer), self.scale)
+        """One decoder layer with this model's ops (or `ops`), RoPE table (local or global) and scale.
+        positions: [T], or [3, T] M-RoPE positions (Qwen-VL steps with image tokens)."""
+        rope, positions = self.layer_rope(layer).at(positions)
+        return layer(x, residual, positions, meta, kv, ops or self.ops, rope, self.scale)
 
     def layer_rope(self, layer: DecoderLayer) -> RotaryEmbedding:
         return self.rope_local if layer.window and self.rope_local is not None else self.rope

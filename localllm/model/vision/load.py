@@ -14,6 +14,8 @@ from ..errors import ModelLoadError
 # architecture -> the tensor that says its checkpoint holds the vision side
 VISION_ARCHS = {"Gemma3ForConditionalGeneration": "multi_modal_projector.mm_input_projection_weight",
                 "Idefics3ForConditionalGeneration": "model.connector.modality_projection.proj.weight"}
+QWEN_VL_ARCHS = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+QWEN_VL_PREFIXES = ("visual.", "model.visual.")  # Qwen2.5-VL's hub files, transformers 5 / Qwen3-VL
 
 
 def processor_config(path: Path, full: bool = False) -> dict:
@@ -36,6 +38,8 @@ def processor_config(path: Path, full: bool = False) -> dict:
 def has_vision(config: dict, has: Callable[[str], bool]) -> bool:
     """The checkpoint holds a vision tower we run (what `localllm show` and /api/show report)."""
     arch = (config.get("architectures") or [""])[0]
+    if arch in QWEN_VL_ARCHS:
+        return any(has(p + "patch_embed.proj.weight") for p in QWEN_VL_PREFIXES)
     return arch in VISION_ARCHS and has(VISION_ARCHS[arch])
 
 
@@ -47,6 +51,8 @@ def load_vision(path: Path, config: dict, has: Callable[[str], bool], get: Calla
     if not has_vision(config, has):
         return None
     arch = config["architectures"][0]
+    if arch in QWEN_VL_ARCHS:
+        return _qwen_vl(path, config, has, get, tokenizer.tok.id_to_token, device, dtype)
     prefixes = ("model.vision_model.",) if arch == "Idefics3ForConditionalGeneration" else \
         ("vision_tower.vision_model.", "vision_tower.")
     prefix = next((p for p in prefixes if has(p + "embeddings.patch_embedding.weight")), None)
@@ -61,6 +67,20 @@ def load_vision(path: Path, config: dict, has: Callable[[str], bool], get: Calla
         from .gemma3 import Gemma3Vision
 
         return Gemma3Vision(config, processor_config(path), get, prefix, tokenizer.tok.id_to_token, device, dtype)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: vision tensor {e} is missing") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+
+
+def _qwen_vl(path: Path, config: dict, has: Callable[[str], bool], get: Callable[[str], torch.Tensor],
+             token_text: Callable[[int], str], device: str, dtype: torch.dtype):
+    """Qwen2.5-VL's / Qwen3-VL's tower, under one of QWEN_VL_PREFIXES."""
+    from .qwen_vl import QwenVLVision
+
+    prefix = next(p for p in QWEN_VL_PREFIXES if has(p + "patch_embed.proj.weight"))
+    try:
+        return QwenVLVision(config, processor_config(path), get, prefix, token_text, device, dtype)
     except KeyError as e:
         raise ModelLoadError(f"{path}: vision tensor {e} is missing") from None
     except ValueError as e:
