@@ -214,17 +214,9 @@ class LLMEngine:
     def encode_prompt(self, prompt: str | list[int] | list[dict], **template_kwargs) -> list[int]:
         """A string, token ids, or chat messages -> prompt token ids. `template_kwargs` reach the
         chat template (e.g. enable_thinking=False for Qwen3)."""
-        from ..chat import render_chat
+        from ..chat import encode_prompt
 
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            text = render_chat(self.tokenizer.chat_template, prompt, bos_token=self.tokenizer.bos_token,
-                               eos_token=self.tokenizer.eos_token, **template_kwargs)
-            return self.tokenizer.encode_chat(text)
-        if isinstance(prompt, str):  # raw text: the BOS / EOS the model asks for (add_bos / add_eos)
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be integers in 0..{self.model_config.vocab_size - 1}")
-        return list(prompt)
+        return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt, **template_kwargs)
 
     def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
