@@ -329,6 +329,7 @@ def plan(
     ours = ["localllm", "serve", model or name, "--engine", "vllm", "--ctx", str(p.ctx)]
     ours += ["--tensor-parallel", str(s.tp)] if s.tp > 1 else []
     ours += ["--pipeline-parallel", str(s.pp), "--ray-address", "HEAD:6379"] if s.pp > 1 else []
+    ours += ["--data-parallel", str(s.dp)] if s.dp > 1 else []
     ours += ["--quant", s.precision] if s.precision not in ("bfloat16", "float16") else []
     lines = ["  command (vLLM alone):", f"    {line}",
              "  with our front (the OpenAI and Ollama APIs on one port, vLLM as its child):",
@@ -337,8 +338,8 @@ def plan(
         lines += [f"  first, the Ray cluster ({s.pp} nodes): on the head node `ray start --head --port 6379`, on each "
                   "other node `ray start --address HEAD:6379`; run the command on the head node"]
     if s.dp > 1:
-        lines.append(f"  (--data-parallel-size {s.dp}: {s.dp} replicas of {s.gpus} GPU{'s' if s.gpus > 1 else ''}, "
-                     "one API in front; our front passes it through)")
+        lines.append(f"  (data parallel {s.dp}: {s.dp} replicas of {s.gpus} GPU{'s' if s.gpus > 1 else ''} behind one "
+                     "API, vLLM balancing the requests)")
     typer.echo("\n".join(lines))
 
 
@@ -531,6 +532,8 @@ def serve(
                                                                            "replica within a node.")] = 1,
     pipeline_parallel: Annotated[int, typer.Option("--pipeline-parallel", help="--engine vllm: pipeline stages "
                                                                                "(one per node, with Ray).")] = 1,
+    data_parallel: Annotated[int, typer.Option("--data-parallel", help="--engine vllm: replicas of the model "
+                                                                       "(each tensor x pipeline GPUs).")] = 1,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="--engine vllm: the Ray cluster's "
                                                                              "head (HOST:6379) for several nodes.")]
         = None,
@@ -548,7 +551,7 @@ def serve(
     if engine not in ("localllm", "vllm"):
         raise fail(f"invalid value for --engine: {engine!r} is not one of localllm, vllm", 2)
     vllm_flags = {"--tensor-parallel": tensor_parallel != 1, "--pipeline-parallel": pipeline_parallel != 1,
-                  "--ray-address": ray_address, "--engine-url": engine_url}
+                  "--data-parallel": data_parallel != 1, "--ray-address": ray_address, "--engine-url": engine_url}
     if engine != "vllm" and any(vllm_flags.values()):
         raise fail(f"{next(k for k, v in vllm_flags.items() if v)} needs --engine vllm", 2)
 
@@ -594,8 +597,9 @@ def serve(
         from .vllm_args import VLLMArgsError
 
         try:
-            pinned, backend = _vllm_pinned(ref, model_id, aliases, config, quant, device, api_key, tensor_parallel,
-                                           pipeline_parallel, ray_address, engine_url, vllm_bin, port)
+            pinned, backend = _vllm_pinned(ref, model_id, aliases, config, quant, device, api_key,
+                                           (tensor_parallel, pipeline_parallel, data_parallel), ray_address,
+                                           engine_url, vllm_bin, port)
         except VLLMArgsError as e:
             raise fail(str(e), 2) from None
         pool = ModelPool(PoolConfig(config, quant, device, pinned=pinned), lambda message: typer.echo(message, err=True))
@@ -628,7 +632,7 @@ def serve(
 
 
 def _vllm_pinned(ref, model_id: str, aliases: list[str], config, quant: str, device: str, api_key: str | None,
-                 tensor_parallel: int, pipeline_parallel: int, ray_address: str | None, engine_url: str | None,
+                 parallel: tuple[int, int, int], ray_address: str | None, engine_url: str | None,
                  vllm_bin: str | None, port: int):
     """`serve MODEL --engine vllm`: the pinned model whose load fetches it (our downloader), starts
     vLLM's OpenAI server on a free loopback port (or attaches to --engine-url) and waits until it
@@ -646,8 +650,9 @@ def _vllm_pinned(ref, model_id: str, aliases: list[str], config, quant: str, dev
                                                     "gptq") else quant
     cpu = device == "cpu" or (device == "auto" and not _has_cuda())
     names = list(dict.fromkeys([model_id, *[a for a in aliases if a and "/" not in a]]))
-    settings = VLLMSettings(model=str(ref.local_path or ref.repo), served_names=names, tensor_parallel=tensor_parallel,
-                            pipeline_parallel=pipeline_parallel, max_model_len=config.max_model_len,
+    settings = VLLMSettings(model=str(ref.local_path or ref.repo), served_names=names, tensor_parallel=parallel[0],
+                            pipeline_parallel=parallel[1], data_parallel=parallel[2],
+                            max_model_len=config.max_model_len,
                             precision=precision, max_num_seqs=config.max_num_seqs, ray=ray_address is not None,
                             enforce_eager=not config.compile, kv_memory=config.kv_memory_bytes, cpu=cpu,
                             threads=config.num_threads, spec_tokens=config.num_speculative_tokens,

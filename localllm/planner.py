@@ -653,14 +653,14 @@ def describe_gpu_plan(p: GpuPlan) -> str:
     ctxs = sorted({c for _, row in p.table for c in row})
     width = max(len(label) for label, _ in p.table) + 2
     lines.append("  GPUs needed (TP within a node, PP across nodes):")
-    lines.append("    " + "precision".ljust(width) + "".join(f"ctx {c}".ljust(16) for c in ctxs))
+    lines.append(("    " + "precision".ljust(width) + "".join(f"ctx {c}".ljust(16) for c in ctxs)).rstrip())
     for label, row in p.table:
         cells = []
         for c in ctxs:
             s = row.get(c)
             cells.append(("-" if s is None else f"{s.gpus} (TP {s.tp}" + (f" PP {s.pp}" if s.pp > 1 else "") + ")")
                          .ljust(16))
-        lines.append("    " + label.ljust(width) + "".join(cells))
+        lines.append(("    " + label.ljust(width) + "".join(cells)).rstrip())
     lines.append(f"    (-: does not fit {p.fleet.total} GPU{'s' if p.fleet.total > 1 else ''})")
     s = p.chosen
     if s is None:

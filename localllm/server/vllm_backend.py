@@ -103,7 +103,7 @@ class VLLMChild:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         return f"vLLM {how}: {last_error(self.log_path)} (its log: {self.log_path})"
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM to its process group (vLLM's engine processes too), SIGKILL after `timeout`."""
         with self._lock:
             proc = self.proc
@@ -222,9 +222,10 @@ class VLLMBackend:
             self.child.stop()
 
     def describe(self) -> dict:
-        info = self.info
-        return {"engine": "vllm", "url": self.url, "model": self.served_name,
-                **({"log": info.log} if info is not None and info.log else {})}
+        out = {"engine": "vllm", "url": self.url, "model": self.served_name}
+        if self.child is not None and self.child.proc is not None:
+            out.update(pid=self.child.proc.pid, log=str(self.child.log_path))
+        return out
 
     # -- the front's requests (on the server's event loop) --
     def client(self) -> httpx.AsyncClient:
