@@ -680,6 +680,7 @@ def _vllm_pinned(ref, model_id: str, aliases: list[str], config, quant: str, dev
         from .registry import resolve_model
 
         try:
+            precision = _vllm_precision(ref, settings)
             variant = {"awq": ref.spec.awq, "gptq": ref.spec.gptq}.get(precision) if ref.spec else None
             if precision in ("awq", "gptq") and not variant:
                 raise VLLMArgsError(f"{model_id} has no {precision.upper()} variant in models.toml")
@@ -702,6 +703,25 @@ def _vllm_pinned(ref, model_id: str, aliases: list[str], config, quant: str, dev
         finally:
             _startup_done()
     return Pinned(model_id, aliases, load, backend=backend), backend
+
+
+def _vllm_precision(ref, s) -> str:
+    """--quant auto on GPUs: the planner's choice for this node's GPUs at the split asked for (bf16,
+    fp8 or the registry's AWQ/GPTQ variant); elsewhere the precision as asked."""
+    from .planner import Fleet, PlanError, facts_for, plan_gpus
+
+    local = None if s.cpu or s.precision != "auto" else _local_gpu()
+    if local is None:
+        return s.precision
+    try:
+        p = plan_gpus(facts_for(ref), Fleet(s.tensor_parallel * s.data_parallel, local[0], local[1],
+                                            s.pipeline_parallel), "auto", s.max_model_len)
+    except PlanError:  # size unknown before the download: vLLM takes the checkpoint as it is
+        return s.precision
+    if p.chosen is None:
+        raise PlanError(p.reason)
+    s.precision = p.chosen.precision if p.chosen.precision not in ("awq", "gptq") else "auto"
+    return p.chosen.precision
 
 
 def _has_cuda() -> bool:
