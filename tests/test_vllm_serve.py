@@ -4,7 +4,8 @@ answer is checked against vLLM's own at temperature 0 (asked directly on its por
 reports), cancellation against vLLM's /metrics (its running requests back to 0), and the child's
 end against the process table (no orphan even when we are SIGKILLed).
 
-Slow (vLLM starts in ~1-2 min here, and needs `make setup-vllm`): run by `make test-slow`."""
+Slow (4 min 47 s for the file on the loaded 2-core machine, vLLM's start most of it; it needs
+`make setup-vllm`): run by `make test-slow`."""
 
 import json
 import os
