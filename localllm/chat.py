@@ -67,3 +67,17 @@ def render_chat(template: str | None, messages: list[dict], add_generation_promp
             bos_token=bos_token or "", eos_token=eos_token or "", **kwargs)
     except TemplateError as e:
         raise ChatTemplateError(f"chat template error: {e}") from None
+
+
+def encode_prompt(tokenizer, vocab_size: int, prompt: str | list[int] | list[dict], **template_kwargs) -> list[int]:
+    """A string, token ids, or chat messages -> prompt token ids (for our engine, and for a model
+    vLLM runs behind our front: both render and tokenize here, so every API sees the same tokens)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        text = render_chat(tokenizer.chat_template, prompt, bos_token=tokenizer.bos_token,
+                           eos_token=tokenizer.eos_token, **template_kwargs)
+        return tokenizer.encode_chat(text)
+    if isinstance(prompt, str):  # raw text: the BOS / EOS the model asks for (add_bos / add_eos)
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+        raise ValueError(f"prompt token ids must be integers in 0..{vocab_size - 1}")
+    return list(prompt)

@@ -316,6 +316,70 @@ def print_plan(model: str | None, quant: str, device: str, ctx: int | None, max_
     typer.echo(plan.describe())
 
 
+@app.command()
+def plan(
+    model: ModelArg = None,
+    gpus: Annotated[str, typer.Option("--gpus", help="GPUs per node: COUNT or COUNTxKIND (8xh100, 4xl40s, "
+                                                     "2x80GiB); COUNT alone: this machine's GPU.")] = "1",
+    nodes: Annotated[int, typer.Option("--nodes", help="Nodes of that many GPUs (pipeline parallel across "
+                                                       "them, over Ray).")] = 1,
+    ctx: Annotated[Optional[int], typer.Option("--ctx", help="Context length (default: the model's).")] = None,
+    quant: QuantOpt = "auto",
+):
+    """How many GPUs a model needs at each precision and context, the tensor/pipeline split, and the exact
+    `vllm serve` command (nothing is loaded or downloaded): for models beyond one machine (README: Scaling out)."""
+    from .model.loader import ModelLoadError
+    from .planner import PlanError, describe_gpu_plan, facts_for, parse_gpus, plan_gpus
+    from .registry import resolve_model
+    from .vllm_args import VLLMArgsError, VLLMSettings, command, shell_line
+
+    try:
+        ref = resolve_model(model)
+        fleet = parse_gpus(gpus, nodes, _local_gpu())
+        p = plan_gpus(facts_for(ref), fleet, quant, ctx)
+    except (PlanError, ModelLoadError, FileNotFoundError) as e:
+        raise fail(str(e)) from None
+    except ValueError as e:
+        raise fail(str(e), 2) from None
+    typer.echo(describe_gpu_plan(p))
+    s = p.chosen
+    if s is None:
+        raise typer.Exit(1)
+    name = ref.spec.name if ref.spec else ref.name
+    settings = VLLMSettings(model=s.variant or ref.repo or str(ref.local_path), served_names=[name],
+                            tensor_parallel=s.tp, pipeline_parallel=s.pp, data_parallel=s.dp, max_model_len=p.ctx,
+                            precision=s.precision, ray=s.pp > 1)
+    try:
+        line = shell_line(command(settings))
+    except VLLMArgsError as e:
+        raise fail(str(e), 2) from None
+    ours = ["localllm", "serve", model or name, "--engine", "vllm", "--ctx", str(p.ctx)]
+    ours += ["--tensor-parallel", str(s.tp)] if s.tp > 1 else []
+    ours += ["--pipeline-parallel", str(s.pp), "--ray-address", "HEAD:6379"] if s.pp > 1 else []
+    ours += ["--data-parallel", str(s.dp)] if s.dp > 1 else []
+    ours += ["--quant", s.precision] if s.precision not in ("bfloat16", "float16") else []
+    lines = ["  command (vLLM alone):", f"    {line}",
+             "  with our front (the OpenAI and Ollama APIs on one port, vLLM as its child):",
+             f"    {shell_line(ours)}"]
+    if s.pp > 1:
+        lines += [f"  first, the Ray cluster ({s.pp} nodes): on the head node `ray start --head --port 6379`, on each "
+                  "other node `ray start --address HEAD:6379`; run the command on the head node"]
+    if s.dp > 1:
+        lines.append(f"  (data parallel {s.dp}: {s.dp} replicas of {s.gpus} GPU{'s' if s.gpus > 1 else ''} behind one "
+                     "API, vLLM balancing the requests)")
+    typer.echo("\n".join(lines))
+
+
+def _local_gpu() -> tuple[str, int] | None:
+    """(name, bytes) of this machine's first GPU, for `plan --gpus N` without a kind."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return props.name, props.total_memory
+
+
 def _stream_answer(engine, request, params, verbose: bool, think: bool | None = None,
                    raw_output: bool = False) -> None:
     """Stream the reply to stdout. A reasoning model's reasoning is left out of it unless `think`
@@ -489,10 +553,35 @@ def serve(
     keep_alive: Annotated[str, typer.Option("--keep-alive", help="Without MODEL: how long an idle model stays "
                                                                  "loaded (seconds or 5m, 1h; -1 = forever).")]
         = "5m",
+    engine: Annotated[str, typer.Option("--engine", help="localllm (ours) or vllm: vLLM's OpenAI server as a child "
+                                                         "process behind our front (README: Scaling out).")]
+        = "localllm",
+    tensor_parallel: Annotated[int, typer.Option("--tensor-parallel", help="--engine vllm: GPUs per model "
+                                                                           "replica within a node.")] = 1,
+    pipeline_parallel: Annotated[int, typer.Option("--pipeline-parallel", help="--engine vllm: pipeline stages "
+                                                                               "(one per node, with Ray).")] = 1,
+    data_parallel: Annotated[int, typer.Option("--data-parallel", help="--engine vllm: replicas of the model "
+                                                                       "(each tensor x pipeline GPUs).")] = 1,
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="--engine vllm: the Ray cluster's "
+                                                                             "head (HOST:6379) for several nodes.")]
+        = None,
+    engine_url: Annotated[Optional[str], typer.Option("--engine-url", help="--engine vllm: attach to a vLLM server "
+                                                                           "running there instead of starting one.")]
+        = None,
+    vllm_bin: Annotated[Optional[str], typer.Option("--vllm-bin", envvar="LOCALLLM_VLLM_BIN",
+                                                    help="--engine vllm: the `vllm` executable (default: on PATH).")]
+        = None,
 ):
     """OpenAI- and Ollama-compatible server: /v1/... and /api/... on one port. With MODEL it serves that
     model; without, every local model, loaded on demand (least recently used unloaded to fit --max-memory)."""
     from .registry import resolve_model
+
+    if engine not in ("localllm", "vllm"):
+        raise fail(f"invalid value for --engine: {engine!r} is not one of localllm, vllm", 2)
+    vllm_flags = {"--tensor-parallel": tensor_parallel != 1, "--pipeline-parallel": pipeline_parallel != 1,
+                  "--data-parallel": data_parallel != 1, "--ray-address": ray_address, "--engine-url": engine_url}
+    if engine != "vllm" and any(vllm_flags.values()):
+        raise fail(f"{next(k for k, v in vllm_flags.items() if v)} needs --engine vllm", 2)
 
     if not 0 < port < 65536:
         raise fail(f"--port must be in 1..65535, got {port}", 2)
@@ -511,6 +600,8 @@ def serve(
     from .server.pool import ModelPool, Pinned, PoolConfig
     from .server.state import ServerConfig
 
+    if model is None and engine == "vllm":
+        raise fail("--engine vllm needs a MODEL (vLLM serves one model per server)", 2)
     if model is None:
         _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx,
                    kv_memory, threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts)
@@ -528,6 +619,26 @@ def serve(
         aliases += [Path(ref.name).name, Path(ref.name).stem]
     config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, device,
                            max_num_seqs=max_num_seqs, parallel=parallel)
+    cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, int(max_body_mb * (1 << 20)),
+                       bind_host=host, allowed_hosts=hosts)
+    if engine == "vllm":
+        from .vllm_args import VLLMArgsError
+
+        try:
+            pinned, backend = _vllm_pinned(ref, model_id, aliases, config, quant, device, api_key,
+                                           (tensor_parallel, pipeline_parallel, data_parallel), ray_address,
+                                           engine_url, vllm_bin, port)
+        except VLLMArgsError as e:
+            raise fail(str(e), 2) from None
+        pool = ModelPool(PoolConfig(config, quant, device, pinned=pinned), lambda message: typer.echo(message, err=True))
+        typer.echo(f"localllm serve: {model_id} on http://{host}:{port}/v1 and /api (Ollama), run by vLLM "
+                   f"({engine_url or 'starting it'}; /health is 503 until it is ready)"
+                   f"{' - API key required' if api_key else ''}", err=True)
+        try:
+            code = run_server(create_app(cfg, pool), host, port, log_level.lower())
+        finally:
+            backend.stop()  # whatever ended the server (a failed bind too): the child goes with it
+        raise typer.Exit(code)
 
     def load():
         from .llm import build_engine
@@ -537,8 +648,6 @@ def serve(
         finally:
             _startup_done()
 
-    cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, int(max_body_mb * (1 << 20)),
-                       bind_host=host, allowed_hosts=hosts)
     pool = ModelPool(PoolConfig(config, quant, device, pinned=Pinned(model_id, aliases, load)),
                      lambda message: typer.echo(message, err=True))
     typer.echo(f"localllm serve: {model_id} on http://{host}:{port}/v1 (loading the model; /health is 503 "
@@ -548,6 +657,105 @@ def serve(
         typer.echo(warning, err=True)
     code = run_server(create_app(cfg, pool), host, port, log_level.lower())
     raise typer.Exit(code)
+
+
+def _vllm_pinned(ref, model_id: str, aliases: list[str], config, quant: str, device: str, api_key: str | None,
+                 parallel: tuple[int, int, int], ray_address: str | None, engine_url: str | None,
+                 vllm_bin: str | None, port: int):
+    """`serve MODEL --engine vllm`: the pinned model whose load fetches it (our downloader), starts
+    vLLM's OpenAI server on a free loopback port (or attaches to --engine-url) and waits until it
+    is healthy; and the backend, which the CLI stops whatever ends the server."""
+    import shutil
+    import socket
+
+    from .paths import cache_home
+    from .planner import normalize_quant
+    from .server.pool import Pinned
+    from .server.vllm_backend import VLLMBackend, VLLMChild
+    from .vllm_args import VLLMArgsError, VLLMSettings, check, child_env, launch_argv
+
+    precision = normalize_quant(quant) if quant in ("auto", "bf16", "fp16", "fp32", "int8", "int4", "awq",
+                                                    "gptq") else quant
+    cpu = device == "cpu" or (device == "auto" and not _has_cuda())
+    names = list(dict.fromkeys([model_id, *[a for a in aliases if a and "/" not in a]]))
+    settings = VLLMSettings(model=str(ref.local_path or ref.repo), served_names=names, tensor_parallel=parallel[0],
+                            pipeline_parallel=parallel[1], data_parallel=parallel[2],
+                            max_model_len=config.max_model_len,
+                            precision=precision, max_num_seqs=config.max_num_seqs, ray=ray_address is not None,
+                            enforce_eager=not config.compile, kv_memory=config.kv_memory_bytes, cpu=cpu,
+                            threads=config.num_threads, spec_tokens=config.num_speculative_tokens,
+                            draft="ngram" if config.speculative == "ngram" else None)
+    check(settings)  # flag mistakes now, before anything is fetched
+    child, found = None, None
+    if engine_url is None:
+        found = vllm_bin or shutil.which("vllm")
+        if not found or not os.access(found, os.X_OK):
+            raise fail(f"vLLM is not installed here ({vllm_bin or 'no `vllm` on PATH'}): `make setup-vllm` makes "
+                       "one (.venv-vllm), then pass --vllm-bin .venv-vllm/bin/vllm; on a GPU machine "
+                       "`pip install 'localllm[vllm]'`")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            settings.port = s.getsockname()[1]
+        url = f"http://127.0.0.1:{settings.port}"
+        log_path = cache_home() / "logs" / f"vllm-{port}.log"
+        child = VLLMChild([], child_env(settings, api_key, ray_address), log_path)
+    else:
+        url = engine_url
+    backend = VLLMBackend(url, names[0], api_key, child, lambda m: typer.echo(m, err=True))
+
+    def load():
+        from .hub import ensure_local
+        from .registry import resolve_model
+
+        try:
+            precision = _vllm_precision(ref, settings)
+            variant = {"awq": ref.spec.awq, "gptq": ref.spec.gptq}.get(precision) if ref.spec else None
+            if precision in ("awq", "gptq") and not variant:
+                raise VLLMArgsError(f"{model_id} has no {precision.upper()} variant in models.toml")
+            path = ensure_local(resolve_model(variant) if variant else ref)
+            if path.is_file():
+                raise VLLMArgsError(f"{path.name} is a GGUF file: vLLM serves Hugging Face checkpoints (name the "
+                                    "model's repo or a model directory)")
+            settings.model = str(path)
+            if precision in ("awq", "gptq"):
+                settings.precision = "auto"  # the variant's config says how it is quantized
+            if config.speculative not in (None, "ngram"):
+                draft = ref.spec.draft if config.speculative == "auto" and ref.spec else config.speculative
+                if draft is None:
+                    raise VLLMArgsError(f"no draft model is paired with {model_id} in models.toml; pass --draft "
+                                        "MODEL or --draft ngram")
+                settings.draft = str(ensure_local(resolve_model(draft)))
+            if child is not None:
+                child.argv = launch_argv(settings, found)
+            return backend.start(path)
+        finally:
+            _startup_done()
+    return Pinned(model_id, aliases, load, backend=backend), backend
+
+
+def _vllm_precision(ref, s) -> str:
+    """--quant auto on GPUs: the planner's choice for this node's GPUs at the split asked for (bf16,
+    fp8 or the registry's AWQ/GPTQ variant); elsewhere the precision as asked."""
+    from .planner import Fleet, PlanError, facts_for, plan_gpus
+
+    local = None if s.cpu or s.precision != "auto" else _local_gpu()
+    if local is None:
+        return s.precision
+    try:
+        p = plan_gpus(facts_for(ref), Fleet(s.tensor_parallel * s.data_parallel, local[0], local[1],
+                                            s.pipeline_parallel), "auto", s.max_model_len)
+    except PlanError:  # size unknown before the download: vLLM takes the checkpoint as it is
+        return s.precision
+    if p.chosen is None:
+        raise PlanError(p.reason)
+    s.precision = p.chosen.precision if p.chosen.precision not in ("awq", "gptq") else "auto"
+    return p.chosen.precision
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx, kv_memory,

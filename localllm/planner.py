@@ -49,6 +49,7 @@ KNOWN_SHAPES = {
     "meta-llama/llama-3.2-1b-instruct": (16, 2048, 8192, 32, 8, 64, 128256, True),
     "meta-llama/llama-3.2-3b-instruct": (28, 3072, 8192, 24, 8, 128, 128256, True),
     "meta-llama/llama-3.1-8b-instruct": (32, 4096, 14336, 32, 8, 128, 128256, False),
+    "meta-llama/llama-3.1-70b-instruct": (80, 8192, 28672, 64, 8, 128, 128256, False),
     "mistralai/mistral-7b-instruct-v0.3": (32, 4096, 14336, 32, 8, 128, 32768, False),
     "qwen/qwen3-0.6b": (28, 1024, 3072, 16, 8, 128, 151936, True),
     "qwen/qwen3-1.7b": (28, 2048, 6144, 16, 8, 128, 151936, True),
@@ -107,13 +108,17 @@ class ModelFacts:
     estimated: bool = False  # shapes guessed from the parameter count
     stored16: str = ""  # "bf16" / "fp16": an HF checkpoint whose linears are stored in 16 bits
     matrices16: int = 0  # parameters of its embedding and untied head stored in 16 bits (kept so on CPU)
+    layers: int = 0  # what a tensor/pipeline split must divide (0: unknown, estimated shapes)
+    heads: int = 0
+    kv_heads: int = 0
 
     @classmethod
     def from_config(cls, name: str, cfg: ModelConfig, **kw) -> ModelFacts:
         h = cfg.hidden_size
         return cls(name=name, params=cfg.num_params, linear_params=cfg.linear_params,
                    kv_bytes_per_token=cfg.kv_bytes_per_token(2), max_context=cfg.max_position_embeddings,
-                   hidden=h, intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, **kw)
+                   hidden=h, intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, layers=cfg.num_layers,
+                   heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, **kw)
 
 
 @dataclass
@@ -428,3 +433,256 @@ def plan_for(model=None, quant: str = "auto", max_memory: float | None = None, c
     or downloaded."""
     return plan(facts_for(model), device_facts(device), quant, ctx,
                 int(max_memory * GiB) if max_memory else None, kv_memory)
+
+
+# ---- many GPUs (vLLM: tensor parallel within a node, pipeline parallel across nodes) ------------
+# Memory per GPU as `nvidia-smi` / `rocm-smi` report it (MiB), and whether the kind has bf16 and
+# fp8 kernels in vLLM (compute capability >= 8.0; below it float16 and no fp8).
+GPU_KINDS: dict[str, tuple[int, bool]] = {
+    "b200": (183359, True), "h200": (143771, True), "h100": (81559, True), "a100": (81920, True),
+    "a100-40": (40960, True), "l40s": (46068, True), "a6000": (49140, True), "l4": (23034, True),
+    "a10g": (23028, True), "rtx4090": (24564, True), "rtx3090": (24576, True), "mi300x": (196592, True),
+    "v100": (32768, False), "t4": (15360, False),
+}
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of each GPU it may use
+GPU_RUNTIME_BYTES = 2 * GiB  # per GPU: CUDA context, CUDA graphs, NCCL buffers, allocator slack
+GPU_PREFILL_TOKENS = 8192  # vLLM's default max_num_batched_tokens on a large GPU: one step's activations
+
+
+@dataclass
+class Fleet:
+    """`--gpus N[xKIND] --nodes M`: M nodes of N GPUs of `memory` bytes each."""
+
+    per_node: int
+    kind: str
+    memory: int
+    nodes: int = 1
+    bf16: bool = True
+
+    @property
+    def total(self) -> int:
+        return self.per_node * self.nodes
+
+    def describe(self) -> str:
+        where = f"{self.nodes} nodes x " if self.nodes > 1 else ""
+        return f"{where}{self.per_node} x {self.kind} ({gib(self.memory)} each)"
+
+
+def parse_gpus(text: str, nodes: int = 1, local: tuple[str, int] | None = None) -> Fleet:
+    """'8xh100', '4x80GiB', '2xa100-40', or '4' (this machine's GPU kind: `local` = (name, bytes))
+    -> Fleet; PlanError naming what is wrong."""
+    import re
+
+    if nodes < 1:
+        raise PlanError(f"--nodes must be >= 1, got {nodes}")
+    m = re.fullmatch(r"\s*(\d+)\s*(?:[x*]\s*(\S+))?\s*", text.lower())
+    if m is None or int(m.group(1)) < 1:
+        raise PlanError(f"--gpus {text!r}: expected COUNT or COUNTxKIND (8xh100, 4x80GiB; kinds: "
+                        f"{', '.join(GPU_KINDS)})")
+    count, kind = int(m.group(1)), m.group(2)
+    if kind is None:
+        if local is None:
+            raise PlanError(f"--gpus {text}: this machine has no GPU to take the kind from; say which: "
+                            f"--gpus {count}xh100 or {count}x80GiB (kinds: {', '.join(GPU_KINDS)})")
+        return Fleet(count, local[0], local[1], nodes)
+    if kind in GPU_KINDS:
+        mib, modern = GPU_KINDS[kind]
+        return Fleet(count, kind, mib << 20, nodes, modern)
+    size = re.fullmatch(r"(\d+(?:\.\d+)?)(gib|gb|g)", kind)
+    if size is None:
+        raise PlanError(f"--gpus {text}: unknown GPU kind {kind!r} (one of {', '.join(GPU_KINDS)}, or a memory "
+                        "size such as 80GiB)")
+    scale = 10 ** 9 if size.group(2) == "gb" else GiB
+    return Fleet(count, f"{size.group(1)} GiB GPU" if scale == GiB else f"{size.group(1)} GB GPU",
+                 int(float(size.group(1)) * scale), nodes)
+
+
+@dataclass
+class Split:
+    """One way to run the model on the fleet, per GPU (the fullest one)."""
+
+    precision: str  # "bfloat16" | "float16" | "fp8" | "awq" | "gptq"
+    label: str
+    variant: str | None  # the pre-quantized repo to load (awq/gptq)
+    tp: int
+    pp: int
+    dp: int  # replicas of tp x pp GPUs on one node (vLLM's --data-parallel-size)
+    ctx: int
+    weights: int
+    kv: int  # one ctx-long sequence
+    runtime: int
+    budget: int
+    fits: bool
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def sequences(self) -> int:
+        """Full-length sequences the KV room holds at once (vLLM's 'maximum concurrency')."""
+        return max(0, (self.budget - self.weights - self.runtime) // max(1, self.kv))
+
+
+def _gpu_candidates(f: ModelFacts, quant: str, fleet: Fleet) -> list[tuple[str, str, str | None]]:
+    """(precision, label, variant repo) in order of preference (most precise first)."""
+    if f.native == "gguf":
+        raise PlanError(f"{f.name} is a GGUF file: vLLM serves Hugging Face checkpoints (name the model's repo "
+                        "or a model directory)")
+    if f.native in ("awq", "gptq"):
+        return [(f.native, f"{f.native.upper()} as stored", None)]
+    sixteen = ("bfloat16", "bfloat16", None) if fleet.bf16 else ("float16", "float16", None)
+    fp8 = [("fp8", "fp8 (quantized on load)", None)] if fleet.bf16 else []
+    variants = [(k, f"{k.upper()} variant", f.variants[k]) for k in ("awq", "gptq") if f.variants.get(k)]
+    table = {"bfloat16": [sixteen], "float16": [("float16", "float16", None)], "float32": [("float32", "float32", None)],
+             "awq": [v for v in variants if v[0] == "awq"], "gptq": [v for v in variants if v[0] == "gptq"],
+             "int8": fp8, "auto": [sixteen, *fp8, *variants]}
+    if quant not in table:
+        raise PlanError(f"--quant {quant} has no vLLM counterpart on GPUs (auto, bf16, fp16, fp32, int8 = fp8, "
+                        "awq, gptq)")
+    if not table[quant]:
+        what = "fp8 needs compute capability >= 8.0" if quant == "int8" else "no such variant in models.toml"
+        raise PlanError(f"{f.name}: --quant {quant} is not available on {fleet.kind} ({what})")
+    return table[quant]
+
+
+def _gpu_weights(f: ModelFacts, precision: str) -> tuple[int, int]:
+    """(bytes of the decoder's linears, bytes of the rest) as vLLM holds them on GPUs."""
+    other = (f.params - f.linear_params) * 2  # embedding, head, norms: 16-bit
+    per = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "fp8": 1.0 + 4 / 4096}.get(precision, 0.5 + 4 / 128)
+    return int(f.linear_params * per), other * (2 if precision == "float32" else 1)
+
+
+def _tp_ok(f: ModelFacts, tp: int) -> bool:
+    """vLLM's rule: heads split evenly; KV heads split evenly or replicated evenly."""
+    if not f.heads:
+        return True
+    kvh = f.kv_heads or f.heads
+    return f.heads % tp == 0 and (kvh % tp == 0 or tp % kvh == 0)
+
+
+def split_for(f: ModelFacts, fleet: Fleet, precision: str, label: str, variant: str | None, ctx: int,
+              tp: int, pp: int) -> Split:
+    linear, other = _gpu_weights(f, precision)
+    weights = linear // (tp * pp) + other // tp  # a pipeline stage holds its layers and the embedding or head
+    kvh = f.kv_heads or max(1, f.heads)
+    share = max(1, kvh // tp) / kvh if f.heads else 1 / tp  # KV heads a GPU holds: split, or one replicated
+    kv_tok = f.kv_bytes_per_token * (2 if precision == "float32" else 1)
+    kv = int(kv_tok * share * ctx / pp)
+    act = GPU_PREFILL_TOKENS * (4 * f.hidden + 3 * f.intermediate // tp) * 2 + 256 * f.vocab * 4 // tp
+    runtime = GPU_RUNTIME_BYTES + act
+    budget = int(fleet.memory * GPU_MEMORY_UTILIZATION)
+    dp = fleet.per_node // tp if pp == 1 else 1
+    return Split(precision, label, variant, tp, pp, max(1, dp), ctx, weights, kv, runtime, budget,
+                 weights + kv + runtime <= budget)
+
+
+def gpu_splits(f: ModelFacts, fleet: Fleet, precision: str, label: str, variant: str | None,
+               ctx: int) -> list[Split]:
+    """Every split vLLM can run on the fleet, fewest GPUs first: TP of 1, 2, 4, ... within a node,
+    then (the model still not fitting) TP over a whole node and PP over 2, 3, ... nodes."""
+    out = []
+    tp = 1
+    while tp <= fleet.per_node:
+        if _tp_ok(f, tp):
+            out.append(split_for(f, fleet, precision, label, variant, ctx, tp, 1))
+        tp *= 2
+    full = fleet.per_node if _tp_ok(f, fleet.per_node) else (out[-1].tp if out else 1)
+    if fleet.per_node != full or not any(s.tp == full for s in out):
+        out.append(split_for(f, fleet, precision, label, variant, ctx, full, 1))
+    for pp in range(2, fleet.nodes + 1):
+        if not f.layers or pp <= f.layers:
+            out.append(split_for(f, fleet, precision, label, variant, ctx, full, pp))
+    return out
+
+
+@dataclass
+class GpuPlan:
+    model: str
+    fleet: Fleet
+    ctx: int
+    chosen: Split | None
+    reason: str
+    table: list[tuple[str, dict[int, Split | None]]]  # per precision: ctx -> the fewest-GPU split that fits
+    rejected: list[str] = field(default_factory=list)
+    estimated: bool = False
+
+    @property
+    def fits(self) -> bool:
+        return self.chosen is not None
+
+
+def plan_gpus(f: ModelFacts, fleet: Fleet, quant: str = "auto", ctx: int | None = None) -> GpuPlan:
+    """The most precise precision whose fewest-GPU split fits the fleet at `ctx` (default: the
+    model's whole context), and, for the table, the GPUs each precision needs at a few contexts."""
+    quant = normalize_quant(quant)
+    if ctx is not None and ctx < 1:
+        raise PlanError(f"--ctx must be positive, got {ctx}")
+    n = min(ctx or f.max_context, f.max_context)
+    cands = _gpu_candidates(f, quant, fleet)
+    contexts = sorted({c for c in (4096, 32768, f.max_context, n) if c <= f.max_context})
+    table = []
+    for precision, label, variant in cands:
+        row = {}
+        for c in contexts:
+            row[c] = next((s for s in gpu_splits(f, fleet, precision, label, variant, c) if s.fits), None)
+        table.append((label, row))
+    chosen, rejected = None, []
+    for precision, label, variant in cands:
+        splits = gpu_splits(f, fleet, precision, label, variant, n)
+        fit = next((s for s in splits if s.fits), None)
+        if fit is not None:
+            chosen = fit
+            break
+        big = splits[-1]
+        rejected.append(f"{label} needs {gib(big.weights + big.kv + big.runtime)} per GPU even on "
+                        f"{big.gpus} GPU{'s' if big.gpus > 1 else ''} (TP {big.tp}, PP {big.pp})")
+    if chosen is None:
+        reason = (f"{f.name} does not fit {fleet.describe()} at ctx {n}: {'; '.join(rejected)}; "
+                  f"use more GPUs or nodes, or a smaller --ctx")
+        return GpuPlan(f.name, fleet, n, None, reason, table, rejected, f.estimated)
+    why = f"{chosen.label} fits on {chosen.gpus} GPU{'s' if chosen.gpus > 1 else ''}"
+    why += f" (TP {chosen.tp}" + (f", PP {chosen.pp} over {chosen.pp} nodes" if chosen.pp > 1 else "") + ")"
+    if rejected:
+        why += f"; {'; '.join(rejected)}"
+    elif quant == "auto":
+        why += ", the most precise option"
+    if chosen.dp > 1:
+        why += f"; the node's other GPUs run {chosen.dp - 1} more replica{'s' if chosen.dp > 2 else ''} " \
+               f"(data parallel {chosen.dp})"
+    if chosen.pp < fleet.nodes and chosen.pp > 1 or (chosen.pp == 1 and fleet.nodes > 1):
+        why += f"; it needs {chosen.pp} of the {fleet.nodes} nodes"
+    if ctx and ctx > f.max_context:
+        why += f"; --ctx {ctx} capped at the model's {f.max_context}"
+    return GpuPlan(f.name, fleet, n, chosen, why, table, rejected, f.estimated)
+
+
+def describe_gpu_plan(p: GpuPlan) -> str:
+    """`localllm plan`'s explanation (the command comes from vllm_args, which the CLI appends)."""
+    lines = [f"plan: {p.model} on {p.fleet.describe()}, ctx {p.ctx}, with vLLM"
+             f" ({GPU_MEMORY_UTILIZATION:.0%} of each GPU: --gpu-memory-utilization)"]
+    ctxs = sorted({c for _, row in p.table for c in row})
+    width = max(len(label) for label, _ in p.table) + 2
+    lines.append("  GPUs needed (TP within a node, PP across nodes):")
+    lines.append(("    " + "precision".ljust(width) + "".join(f"ctx {c}".ljust(16) for c in ctxs)).rstrip())
+    for label, row in p.table:
+        cells = []
+        for c in ctxs:
+            s = row.get(c)
+            cells.append(("-" if s is None else f"{s.gpus} (TP {s.tp}" + (f" PP {s.pp}" if s.pp > 1 else "") + ")")
+                         .ljust(16))
+        lines.append(("    " + label.ljust(width) + "".join(cells)).rstrip())
+    lines.append(f"    (-: does not fit {p.fleet.total} GPU{'s' if p.fleet.total > 1 else ''})")
+    s = p.chosen
+    if s is None:
+        lines.append(f"  does not fit: {p.reason}")
+        return "\n".join(lines)
+    lines.append(f"  choice: {s.label}, tensor parallel {s.tp}, pipeline parallel {s.pp}"
+                 + (f", data parallel {s.dp}" if s.dp > 1 else "") + (f" (load {s.variant})" if s.variant else ""))
+    lines.append(f"  per GPU: weights {gib(s.weights)} + KV {gib(s.kv)} for one {s.ctx}-token sequence + runtime "
+                 f"{gib(s.runtime)} = {gib(s.weights + s.kv + s.runtime)} of {gib(s.budget)}; the KV room holds "
+                 f"{s.sequences} such sequences at once")
+    lines.append(f"  why: {p.reason}")
+    if p.estimated:
+        lines.append("  note: shapes estimated from the parameter count (not downloaded yet)")
+    return "\n".join(lines)

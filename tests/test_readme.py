@@ -89,6 +89,7 @@ EXERCISED_BY = {
     "localllm run --dry-run": "test_planner_dry_runs",
     "localllm run llama3.1-8b --dry-run --max-memory 12 --device cpu": "test_planner_dry_runs",
     "localllm run qwen2.5-7b --dry-run --max-memory 6": "test_planner_dry_runs",
+    "localllm plan llama3.1-70b --gpus 8xh100": "test_scaling_out_plan",
     "localllm quantize smollm2-135m --method gptq -o smol-gptq": "test_quantize_transcript",
     'localllm run ./smol-gptq --temperature 0 -n 12 "What is the capital of France?"': "test_quantize_transcript",
     "localllm quantize smollm2-135m --method rtn -o smol-rtn": "test_quantize_transcript",
@@ -236,6 +237,10 @@ def test_speculative_ngram(sandbox):
 def test_planner_dry_runs(sandbox):
     # what is free on this machine; the rest of the plan is fixed by --max-memory
     run_block("localllm run --dry-run", *sandbox, volatile=[r"\d+\.\d\d GiB available"])
+
+
+def test_scaling_out_plan(sandbox):
+    run_block("localllm plan llama3.1-70b --gpus 8xh100", *sandbox)
 
 
 def test_list_show_rm(sandbox):

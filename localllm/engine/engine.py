@@ -219,7 +219,7 @@ class LLMEngine:
         """A string, token ids, or chat messages -> prompt token ids. `template_kwargs` reach the
         chat template (e.g. enable_thinking=False for Qwen3). Messages with image parts
         ({"type": "image", "image": PIL image}) -> an ImagePrompt (ids and the images' spans)."""
-        from ..chat import render_chat
+        from ..chat import encode_prompt, render_chat
 
         if isinstance(prompt, ImagePrompt):
             return prompt
@@ -230,17 +230,12 @@ class LLMEngine:
             if self.vision is not None:  # vision templates read content as parts (SmolVLM's only so)
                 prompt = [{**m, "content": [{"type": "text", "text": m["content"]}]}
                           if isinstance(m.get("content"), str) else m for m in prompt]
-            text = render_chat(self.tokenizer.chat_template, prompt, bos_token=self.tokenizer.bos_token,
-                               eos_token=self.tokenizer.eos_token, **template_kwargs)
             if has_images(prompt):
+                text = render_chat(self.tokenizer.chat_template, prompt, bos_token=self.tokenizer.bos_token,
+                                   eos_token=self.tokenizer.eos_token, **template_kwargs)
                 return self._with_images(text, [p["image"] for m in prompt if isinstance(m.get("content"), list)
                                                 for p in m["content"] if p.get("type") == "image"])
-            return self.tokenizer.encode_chat(text)
-        if isinstance(prompt, str):  # raw text: the BOS / EOS the model asks for (add_bos / add_eos)
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be integers in 0..{self.model_config.vocab_size - 1}")
-        return list(prompt)
+        return encode_prompt(self.tokenizer, self.model_config.vocab_size, prompt, **template_kwargs)
 
     def _with_images(self, text: str, images: list) -> ImagePrompt:
         """A rendered prompt's image placeholders expanded to each image's tokens, tokenized, with

@@ -152,8 +152,12 @@ def _service_router(state: ServerState) -> APIRouter:
         loops = [e.model.loop for e in list(state.pool.loaded.values()) if e.model is not None]
         extra = {"num_requests_in_flight": state.admission.live,
                  "num_requests_pending_admission": sum(lp.pending for lp in loops)}
-        return PlainTextResponse(state.metrics.render(combined_stats([lp.stats for lp in loops]), extra),
-                                 media_type="text/plain; version=0.0.4")
+        backend = state.pool.pinned.backend if state.pool.pinned is not None else None
+        if backend is None:
+            text = state.metrics.render(combined_stats([lp.stats for lp in loops]), extra)
+        else:  # ours (the front's), then the engine's own: vLLM's, named vllm:*
+            text = state.metrics.render(None, extra, models_loaded=len(loops)) + await backend.metrics()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
     return api
 
 
@@ -162,6 +166,13 @@ def _service_router(state: ServerState) -> APIRouter:
 _ROUTERS: list[Callable[[ServerState], APIRouter]] = [_service_router, openai_routes.router, responses.router,
                                                       anthropic.router, ollama.router, infill.router,
                                                       embeddings.router]
+
+
+def _backend_routers() -> list[Callable[[ServerState], APIRouter]]:
+    """A model another server runs (vLLM): its /v1 answers as it is, Ollama's routes translate onto it."""
+    from . import vllm_backend
+
+    return [_service_router, vllm_backend.router, ollama.router]
 
 
 def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | None = None) -> FastAPI:
@@ -175,6 +186,8 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
         yield
         state.admission.closing = True
         await state.pool.close()
+        if pool.pinned is not None and pool.pinned.backend is not None:
+            await pool.pinned.backend.aclose()
 
     app = FastAPI(title="localllm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -242,7 +255,7 @@ def create_app(cfg: ServerConfig, pool: ModelPool, log: Callable[[str], None] | 
         log(f"internal error on {request.url.path}: {type(e).__name__}: {e}")
         return error_response(APIError(500, f"internal error: {type(e).__name__}", "internal_error"), request)
 
-    for make in _ROUTERS:
+    for make in _ROUTERS if pool.pinned is None or pool.pinned.backend is None else _backend_routers():
         app.include_router(make(state))
     return app
 

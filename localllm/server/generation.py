@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -150,12 +150,15 @@ class EngineLoop:
 @dataclass
 class ServedModel:
     """A loaded model as requests run on it: its engine, the one thread that steps it, and a bound
-    on the bytes one token stands for (prompts it proves too long are refused untokenized)."""
+    on the bytes one token stands for (prompts it proves too long are refused untokenized).
+    `backend`: the server that runs it when it is not our engine (vllm_backend: then `engine` and
+    `loop` are its ProxyEngine and ProxyLoop, which the routes use the same way)."""
 
     name: str
     engine: LLMEngine
     loop: EngineLoop
     token_bytes: int | None
+    backend: Any = None
 
 
 def serve_engine(name: str, engine: LLMEngine, log: Callable[[str], None]) -> ServedModel:

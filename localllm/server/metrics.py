@@ -53,8 +53,9 @@ class ServerMetrics:
         self.errors: Counter[int] = Counter()  # error answers by HTTP status
         self.http_requests = 0
 
-    def render(self, engine: dict | None, extra: dict[str, float]) -> str:
-        """engine: a cache_stats() snapshot (None while the model loads); extra: server gauges."""
+    def render(self, engine: dict | None, extra: dict[str, float], models_loaded: int | None = None) -> str:
+        """engine: a cache_stats() snapshot (None while the model loads, or when another server runs
+        it: then `models_loaded` says whether it is up); extra: server gauges."""
         out: list[str] = []
 
         def metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]):
@@ -72,7 +73,7 @@ class ServerMetrics:
         out += self.ttft.render() + self.e2e.render()
         for name, v in extra.items():
             metric(f"localllm_{name}", "gauge", name.replace("_", " ") + ".", [("", v)])
-        loaded = 0 if engine is None else engine.get("models_loaded", 1)
+        loaded = models_loaded if models_loaded is not None else 0 if engine is None else engine.get("models_loaded", 1)
         metric("localllm_model_loaded", "gauge", "Models loaded (1 once a pinned model is ready).", [("", loaded)])
         if engine is not None:
             for name, kind, text, key in _ENGINE_METRICS:

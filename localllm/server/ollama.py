@@ -439,6 +439,10 @@ def router(state: ServerState) -> APIRouter:
 
 def _ps_row(m: LocalModel, served: ServedModel, expires: str, size: int) -> dict:
     engine, stats = served.engine, served.loop.stats
+    if served.backend is not None:  # another server runs it (vLLM): which one, instead of our KV blocks
+        return {"name": m.name, "model": m.name, "size": size, "digest": _digest(m), "details": _details(m),
+                "expires_at": expires, "size_vram": 0, "context_length": engine.max_model_len,
+                "backend": served.backend.describe()}
     return {"name": m.name, "model": m.name, "size": size, "digest": _digest(m), "details": _details(m),
             "expires_at": expires, "size_vram": 0 if str(engine.loaded.model.device) == "cpu" else size,
             "context_length": engine.max_model_len,

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig, kv_blocks
 from .generation import ServedModel, serve_engine
@@ -84,6 +84,9 @@ class Pinned:
     name: str
     aliases: list[str]
     load: Callable[[], LLMEngine]
+    # a server that runs the model instead of our engine (vllm_backend.VLLMBackend): `load` returns
+    # its ProxyEngine, `backend.serve` makes the ServedModel, and its routes answer /v1 (app.py)
+    backend: Any = None
 
     def local(self) -> LocalModel:
         """The model as /api/tags lists it (its file is there once `load` has pulled it)."""
@@ -394,13 +397,18 @@ class ModelPool:
             return
         if self.closing:
             return
-        served = entry.model = serve_engine(entry.name, engine, self.log)
+        backend = self.pinned.backend if self.pinned is not None else None
+        served = entry.model = (backend.serve if backend is not None else serve_engine)(entry.name, engine, self.log)
         entry.load_seconds = time.perf_counter() - t0
         entry.loaded_at = time.time()
+        where = f"{engine.cache_stats()['kv_blocks_total']} KV blocks" if backend is None else f"on {backend.url}"
         self.log(f"model {entry.name} loaded in {entry.load_seconds:.1f} s (context {engine.max_model_len} tokens, "
-                 f"{engine.cache_stats()['kv_blocks_total']} KV blocks){'; ready' if self.pinned else ''}")
+                 f"{where}){'; ready' if self.pinned else ''}")
         aloop.call_soon_threadsafe(entry.ready.set)
-        served.loop.run()
+        failure = served.loop.run()  # a backend's loop ends with its one line when the backend dies
+        if failure and not self.closing:
+            aloop.call_soon_threadsafe(self._load_failed, entry,
+                                       APIError(502, failure, "upstream_error", code="engine_failed"))
 
     def _load_failed(self, entry: PoolEntry, err: APIError) -> None:
         entry.error = err
