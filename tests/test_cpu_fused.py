@@ -183,10 +183,15 @@ def test_one_call_layers_equal_the_ops_one_by_one(tiny_int4, isa, kv_dtype):
         for k, v in kv0:  # the cached prefix: any numbers, the same for both
             k.copy_(torch.randn(k.shape, generator=g))
             v.copy_(torch.randn(v.shape, generator=g))
-        kv1 = [(k.clone(), v.clone()) for k, v in kv0]
-        h0, h1 = m(ids, pos, meta, kv0, one_by_one), m(ids, pos, meta, kv1)
-        assert torch.equal(h0, h1), lens
-        assert all(torch.equal(a, b) for p0, p1 in zip(kv0, kv1) for a, b in zip(p0, p1)), lens
+        for avx2 in (False, True):  # the int4 GEMM's VNNI path (where the CPU has it) and its AVX2 one
+            torch.ops.localllm.int4_isa(avx2)
+            try:
+                kv1, kv2 = ([(k.clone(), v.clone()) for k, v in kv0] for _ in range(2))
+                h0, h1 = m(ids, pos, meta, kv1, one_by_one), m(ids, pos, meta, kv2)
+            finally:
+                torch.ops.localllm.int4_isa(False)
+            assert torch.equal(h0, h1), (lens, avx2)
+            assert all(torch.equal(a, b) for p1, p2 in zip(kv1, kv2) for a, b in zip(p1, p2)), (lens, avx2)
 
 
 def plain_and_fused(loaded, fn):
