@@ -49,7 +49,12 @@ def validate_messages(messages: list[dict]) -> None:
             raise ChatTemplateError(f"messages[{i}] must be an object with 'role' and 'content'")
         if m["role"] not in VALID_ROLES:
             raise ChatTemplateError(f"messages[{i}].role {m['role']!r} is not one of {sorted(VALID_ROLES)}")
-        if not isinstance(m.get("content", ""), str):
+        content = m.get("content", "")
+        if isinstance(content, list):  # content parts: text and images (a vision model's template renders them)
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+                    raise ChatTemplateError(f"messages[{i}].content[{j}] must be a text or image part")
+        elif not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}].content must be a string")
 
 

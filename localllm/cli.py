@@ -232,6 +232,9 @@ def run(
                                         "this command; see `localllm ps`). chat and serve do it by "
                                         "themselves.")] = False,
     compile: CompileOpt = False,
+    image: Annotated[Optional[list[str]], typer.Option(
+        "--image", help="An image file for a vision model (repeatable); a path of an image file in the prompt "
+                        "is attached too, as Ollama does.", show_default=False)] = None,
 ):
     """Answer one prompt and exit: `localllm run [MODEL] PROMPT` or `echo PROMPT | localllm run`."""
     from .registry import load_registry, looks_like_model
@@ -264,11 +267,35 @@ def run(
     config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, device, parallel=1,
                            background_build=build)
     engine = open_engine(model, quant, device, config, max_gib)
+    content = _with_images(engine, prompt, list(image or []), raw)
     if raw:
         request = prompt
     else:
-        request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        request = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
     _stream_answer(engine, request, params, verbose, think, raw_output)
+
+
+def _with_images(engine, prompt: str, files: list[str], raw: bool) -> str | list[dict]:
+    """The user turn's content: the prompt, with the --image files and (for a vision model) the
+    image paths written in it as image parts. One-line errors: a text-only model given --image,
+    an unreadable file, --raw with images."""
+    from .model.vision.images import ImageInputError, images_in_prompt, read_image_file
+
+    if engine.vision is not None:
+        prompt, found = images_in_prompt(prompt)
+        files += found
+    if not files:
+        return prompt
+    name = engine.loaded.name or os.path.basename(engine.loaded.source)
+    if engine.vision is None:
+        raise fail(f"--image: model {name} takes no images (a text-only model); use a vision model such as gemma3")
+    if raw:
+        raise fail("--image needs the chat template: not with --raw", 2)
+    try:
+        images = [{"type": "image", "image": read_image_file(f)} for f in files]
+    except ImageInputError as e:
+        raise fail(str(e)) from None
+    return [*images, {"type": "text", "text": prompt}]
 
 
 def print_plan(model: str | None, quant: str, device: str, ctx: int | None, max_memory: float | None,
@@ -296,6 +323,7 @@ def _stream_answer(engine, request, params, verbose: bool, think: bool | None = 
     terminal its control characters are shown, not obeyed, unless `raw_output` (terminal.py)."""
     from .chat import ChatTemplateError
     from .engine.engine import ContextLengthError
+    from .model.vision import ImageInputError
     from .reasoning import chat_prompt, reasons
     from .reply_stream import ReplyDelta, ReplyStream
     from .structured import ConstraintError
@@ -338,7 +366,7 @@ def _stream_answer(engine, request, params, verbose: bool, think: bool | None = 
         write(reply.finish())
         out.write("\n")
         out.flush()
-    except (ContextLengthError, ChatTemplateError) as e:
+    except (ContextLengthError, ChatTemplateError, ImageInputError) as e:
         raise fail(str(e)) from None
     except ConstraintError as e:  # found when the schema is compiled for the model's tokenizer
         raise fail(f"invalid value for --format: {e}", 2) from None

@@ -48,16 +48,29 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # each expert's MLP width (intermediate_size: the dense layers')
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
     moe_layers: tuple[bool, ...] | None = None  # per layer: an MoE block (else a dense MLP)
+    # Qwen2.5-VL's M-RoPE: rotary frequencies in sections rotated by the temporal, height and
+    # width positions of image tokens (layers.RotaryEmbedding); None: plain RoPE
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL: the sections' frequencies interleaved (t, h, w, t, h, w, ...)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                     "Phi3ForCausalLM", *GEMMA_DEFAULTS, "Gemma3ForConditionalGeneration", *MOE_ARCHS}
+                     "Phi3ForCausalLM", *GEMMA_DEFAULTS, "Gemma3ForConditionalGeneration",
+                     "Idefics3ForConditionalGeneration", *MOE_ARCHS, *MROPE_ARCHS}
         if arch not in supported:
             raise ValueError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(supported))})")
-        if arch == "Gemma3ForConditionalGeneration":  # the text model of Gemma 3 4B/12B/27B (vision tower unused)
-            arch, cfg = "Gemma3ForCausalLM", {**cfg.get("text_config", {}), "architectures": ["Gemma3ForCausalLM"]}
+        if arch == "Gemma3ForConditionalGeneration":  # the text model of Gemma 3 4B/12B/27B (the tower: model/vision)
+            # transformers reads the tie from the outer config
+            tie = {"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}
+            arch, cfg = "Gemma3ForCausalLM", {**cfg.get("text_config", {}), **tie, "architectures": ["Gemma3ForCausalLM"]}
+        if arch == "Idefics3ForConditionalGeneration":  # SmolVLM: a Llama text model (the tower: model/vision)
+            tie = {"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}
+            arch, cfg = "LlamaForCausalLM", {**cfg.get("text_config", {}), **tie, "architectures": ["LlamaForCausalLM"]}
+        mrope, interleaved = None, False
+        if arch in MROPE_ARCHS:  # Qwen2.5-VL's / Qwen3-VL's text model; the vision tower: model/vision/qwen_vl
+            cfg, mrope, interleaved = _mrope_text_config(cfg)
         gemma = arch in GEMMA_DEFAULTS
         if gemma:  # hub configs omit fields at their defaults
             cfg = {**GEMMA_DEFAULTS[arch], **{k: v for k, v in cfg.items() if v is not None or "softcap" in k}}
@@ -66,7 +79,7 @@ class ModelConfig:
         theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         # transformers 5 moves partial_rotary_factor into rope_parameters, older configs keep it on top
         partial = (rope or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0
-        if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
+        if rope and rope.get("rope_type", rope.get("type")) in (None, "default", "mrope"):
             rope = None
         if rope and arch == "Phi3ForCausalLM":
             rope = _phi3_longrope(cfg, rope)
@@ -89,12 +102,14 @@ class ModelConfig:
             rope_scaling=rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qkv_bias=arch in ("Qwen2ForCausalLM", "Qwen2_5_VLForConditionalGeneration")
+            or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3VLForConditionalGeneration"),
             partial_rotary_factor=float(partial),
             sliding_window=int(window) if window else None,
             architecture=arch,
             model_type=cfg.get("model_type", "llama"),
+            mrope_section=mrope, mrope_interleaved=interleaved,
         ), **fields})
 
     @classmethod
@@ -229,6 +244,21 @@ class ModelConfig:
 
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+MROPE_ARCHS = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+
+
+def _mrope_text_config(cfg: dict) -> tuple[dict, tuple[int, ...], bool]:
+    """A Qwen-VL text model's config, M-RoPE sections and layout. Qwen2.5-VL's hub configs are flat
+    (text fields on top, rope_scaling {type: mrope, mrope_section}); transformers 5 and Qwen3-VL
+    nest them in text_config (rope_parameters or rope_scaling {mrope_section, mrope_interleaved}).
+    The head is tied where either level says so. Defaults are transformers'."""
+    text = cfg.get("text_config") or {}
+    merged = {**cfg, **text, "model_type": cfg.get("model_type"),
+              "tie_word_embeddings": bool(cfg.get("tie_word_embeddings") or text.get("tie_word_embeddings"))}
+    rope = merged.get("rope_parameters") or merged.get("rope_scaling") or {}
+    qwen3 = cfg["architectures"][0] == "Qwen3VLForConditionalGeneration"
+    section = rope.get("mrope_section") or ((24, 20, 20) if qwen3 else (16, 24, 24))
+    return merged, tuple(int(n) for n in section), qwen3  # transformers' Qwen3-VL always interleaves
 
 
 def _moe_fields(arch: str, cfg: dict) -> dict:

@@ -32,6 +32,8 @@ from .registry import ModelRef, ModelSpec
 ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
                   "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                   "quant_config.json", "quantize_config.json",
+                  # a vision model's image processor (transformers 5 writes processor_config.json)
+                  "preprocessor_config.json", "processor_config.json",
                   # an embedding model's pooling, normalisation and input length (sentence-transformers)
                   "modules.json", "sentence_bert_config.json", "*Pooling/config.json"]
 QUANTS = ("auto", "bf16", "awq", "gptq", "gguf")

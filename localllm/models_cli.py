@@ -135,6 +135,13 @@ def _fim_format(tok) -> str | None:
     return f"{fmt.name} ({fmt.source})" if fmt else None
 
 
+def _vision(weights) -> bool:
+    from .model.hf_weights import HFWeights
+    from .model.vision.load import has_vision
+
+    return isinstance(weights, HFWeights) and has_vision(weights.raw_config, weights.has)
+
+
 def describe(model: str | None, prompt: str | None = None, system: str | None = None) -> dict:
     from .chat import render_chat
     from .model.gguf_weights import GGUFWeights
@@ -176,6 +183,7 @@ def describe(model: str | None, prompt: str | None = None, system: str | None = 
         "kv_heads": cfg.num_kv_heads,
         "vocab_size": cfg.vocab_size,
         "quantization": _quantization(weights),
+        "vision": _vision(weights),
         "size_bytes": size,
         "chat_template": {"family": tok.template_name, "source": tok.template_source, "template": tok.chat_template},
         "bos_token": {"id": tok.bos_id, "text": tok.bos_token, "added_to_raw_prompts": tok.add_bos,
@@ -216,6 +224,7 @@ def format_show(info: dict) -> str:
     add("embedding", info["embedding_length"])
     add("layers", f"{info['layers']} ({info['heads']} heads, {info['kv_heads']} KV heads)")
     add("quantization", info["quantization"])
+    add("vision", "images in (a vision tower)" if info.get("vision") else None)
     add("format", info["format"])
     add("size", human_bytes(info["size_bytes"]))
     add("path", info["path"] + ("  (embedded)" if info["embedded"] else ""))

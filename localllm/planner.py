@@ -68,6 +68,11 @@ KNOWN_SHAPES = {
     "google/gemma-3-4b-it": (34, 2560, 10240, 8, 4, 256, 262208, True),
     "google/gemma-3-12b-it": (48, 3840, 15360, 16, 8, 256, 262208, True),
     "google/gemma-3-27b-it": (62, 5376, 21504, 32, 16, 128, 262208, True),
+    "qwen/qwen2.5-vl-3b-instruct": (36, 2048, 11008, 16, 2, 128, 151936, True),
+    "qwen/qwen2.5-vl-7b-instruct": (28, 3584, 18944, 28, 4, 128, 152064, False),
+    "qwen/qwen3-vl-2b-instruct": (28, 2048, 6144, 16, 8, 128, 151936, True),
+    "qwen/qwen3-vl-4b-instruct": (36, 2560, 9728, 32, 8, 128, 151936, True),
+    "qwen/qwen3-vl-8b-instruct": (36, 4096, 12288, 32, 8, 128, 151936, False),
 }
 
 
@@ -101,6 +106,7 @@ class ModelFacts:
     variants: dict[str, str] = field(default_factory=dict)  # "awq"/"gptq" -> hub repo
     estimated: bool = False  # shapes guessed from the parameter count
     stored16: str = ""  # "bf16" / "fp16": an HF checkpoint whose linears are stored in 16 bits
+    matrices16: int = 0  # parameters of its embedding and untied head stored in 16 bits (kept so on CPU)
 
     @classmethod
     def from_config(cls, name: str, cfg: ModelConfig, **kw) -> ModelFacts:
@@ -179,8 +185,8 @@ def weight_bytes(f: ModelFacts, precision: str, device: str) -> int:
         return f.params * 4
     if precision in ("bfloat16", "float16"):
         return f.linear_params * 2 + other_b
-    if precision == "w16":  # 16-bit linears on our kernel, the exact fp32 embedding, the head's int4 copy
-        return f.linear_params * 2 + other_b + fast_head
+    if precision == "w16":  # 16-bit linears, embedding and head on our kernel, the head's int4 copy
+        return f.linear_params * 2 + f.matrices16 * 2 + (other - f.matrices16) * 4 + fast_head
     if precision == "int8":
         per = 1.0 if cpu else 2.0  # no GPU int8 kernel: the loader keeps the layer dense
         return int(f.linear_params * per) + other_b + fast_head
@@ -343,7 +349,7 @@ def _native_bytes(weights) -> dict[str, int]:
                 linear = name.startswith("blk.") and len(t.shape) == 2
                 if kind == "cpu" and linear:  # each matrix on its type's kernel (see the loader)
                     total += int(n * gguf_blocks.cpu_bytes_per_value(t.qtype.name))
-                elif kind == "cpu" and t.qtype.name == "Q8_0":  # the embedding / head read in place
+                elif kind == "cpu" and t.qtype.name in ("Q8_0", "F16", "BF16"):  # the embedding / head as stored
                     total += t.nbytes
                 else:
                     total += int(n * (0.5 + 4 / 32)) if linear and t.qtype.name in ("Q4_0", "Q4_1") else n * other
@@ -370,6 +376,11 @@ def facts_for_path(path: str | Path, name: str | None = None, variants: dict | N
 
         first = "model.layers.0." + w.config.checkpoint_linears()["gate_up"][0] + ".weight"
         f.stored16 = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(w16.stored_dtype(w, first), "")
+        if f.stored16:
+            heads = () if w.config.tie_word_embeddings else ("lm_head.weight",)  # a tied head is the embedding
+            tables = [n for n in ("model.embed_tokens.weight", *heads) if n in getattr(w, "index", {})]
+            f.matrices16 = sum(w.config.vocab_size * w.config.hidden_size for n in tables
+                               if w16.stored_dtype(w, n) in w16.DTYPES)
     if native:
         f.native_bytes = _native_bytes(w)
     return f

@@ -81,5 +81,5 @@ def chat_prompt(engine, messages: list[dict], think: bool | None) -> tuple[list[
     """(prompt token ids, whether the reply starts inside the reasoning) of a conversation.
     think=False asks the template not to think (Qwen3's enable_thinking); None: its default."""
     ids = engine.encode_prompt(messages, **({} if think is None else {"enable_thinking": think}))
-    tail = engine.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+    tail = engine.tokenizer.decode(getattr(ids, "ids", ids)[-16:], skip_special_tokens=False)  # (an ImagePrompt's)
     return ids, opened(tail)

@@ -39,6 +39,7 @@ Commands:
   /show                     model and settings
   /stats                    last reply: tokens, TTFT, tokens/s, prompt tokens served from the prefix cache
   /clear                    forget the conversation (keeps the system prompt)
+  /image FILE               attach an image to the next message (vision models; a path in a message works too)
   /save FILE, /load FILE    the conversation as JSON
   /retry                    regenerate the last reply
   /undo                     drop the last exchange
@@ -111,6 +112,7 @@ class ChatSession:
         self.interrupt = InterruptFlag()
         self.last: ReplyStats | None = None
         self._block: list[str] | None = None  # lines of an open \"\"\" block
+        self.images: list[bytes] = []  # attached by /image to the next message
 
     def shown(self, text: str) -> str:
         """Text that is not ours (the model's, a file's, an error's) as it may reach the terminal."""
@@ -147,9 +149,25 @@ class ChatSession:
             return self.command(text)
         if not text.strip():
             return True
-        self.messages.append({"role": "user", "content": text})
+        self.messages.append({"role": "user", "content": self._content(text)})
         self.reply()
         return True
+
+    def _content(self, text: str) -> str | list[dict]:
+        """A message's content: the text, with the /image attachments and (a vision model) the
+        image files named in it as image parts."""
+        from .model.vision.images import ImageInputError, images_in_prompt, read_image_file
+
+        images, self.images = self.images, []
+        if getattr(self.engine, "vision", None) is not None:
+            text, paths = images_in_prompt(text)
+            try:
+                images += [read_image_file(p) for p in paths]
+            except ImageInputError as e:
+                self.note(self.shown(f"Error: {e}; the image was left out") + "\n")
+        if not images:
+            return text
+        return [*({"type": "image", "image": b} for b in images), {"type": "text", "text": text}]
 
     # ---- generation -----------------------------------------------------------------------
     def params(self):
@@ -256,7 +274,7 @@ class ChatSession:
         handler = {
             "/help": self._help, "/?": self._help, "/system": self._system, "/set": self._set,
             "/show": self._show, "/stats": self._stats, "/clear": self._clear, "/save": self._save,
-            "/load": self._load, "/retry": self._retry, "/undo": self._undo,
+            "/load": self._load, "/retry": self._retry, "/undo": self._undo, "/image": self._image,
         }.get(name)
         if handler is None:
             self.note(f"Unknown command '{name}'. Type /? for help\n")
@@ -333,6 +351,24 @@ class ChatSession:
                  f"{s.tokens_per_s:.1f} tok/s | finish: {s.finish_reason}\n"
                  f"session: {total['prompt_tokens']} prompt tokens, hit rate {total['hit_rate']:.0%}\n")
 
+    def _image(self, arg: str) -> None:
+        from .model.vision.images import ImageInputError, decode_image, read_image_file
+
+        if not arg:
+            self.note("usage: /image FILE\n")
+            return
+        if getattr(self.engine, "vision", None) is None:
+            self.note(f"Error: {self.model_name or 'this model'} takes no images (a text-only model)\n")
+            return
+        try:
+            data = read_image_file(arg)
+            decode_image(data, arg)  # a bad file is refused now, not with the next message
+        except ImageInputError as e:
+            self.note(self.shown(f"Error: {e}") + "\n")
+            return
+        self.images.append(data)
+        self.out(f"attached {arg} to the next message ({len(self.images)} image(s))\n")
+
     def _clear(self, arg: str) -> None:
         self.messages.clear()
         self.last = None
@@ -345,7 +381,7 @@ class ChatSession:
         data = {"model": self.model_name, "system": self.system, "settings": self.settings,
                 "messages": self.messages}
         try:
-            Path(arg).expanduser().write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+            Path(arg).expanduser().write_text(json.dumps(data, indent=2, ensure_ascii=False, default=_base64) + "\n")
         except OSError as e:
             self.note(f"cannot save to {arg}: {e.strerror or e}\n")
             return
@@ -397,6 +433,15 @@ class ChatSession:
 
     def stats_dict(self) -> dict | None:
         return asdict(self.last) if self.last else None
+
+
+def _base64(obj) -> str:
+    """An attached image's bytes in a saved conversation."""
+    import base64
+
+    if isinstance(obj, bytes):
+        return base64.b64encode(obj).decode()
+    raise TypeError(f"{type(obj).__name__} is not JSON")
 
 
 def _stdout(s: str) -> None:

@@ -13,7 +13,7 @@ from test_families import gguf_reader
 from test_reference import hf_greedy
 
 from localllm.model import gguf_blocks
-from localllm.model.layers import DenseLinear, W16Linear
+from localllm.model.layers import DenseLinear, W16Linear, W16Matrix
 from localllm.model.loader import load_model
 from localllm.planner import plan_for
 
@@ -129,7 +129,9 @@ def test_bf16_checkpoint_runs_on_the_kernel_with_transformers_fp32_tokens(bf16_d
     cfg = loaded.config
     assert held == 2 * cfg.linear_params  # every N of this model is a multiple of 32: no padding
     other = cfg.num_params - cfg.linear_params
-    assert p.weights_bytes == 2 * cfg.linear_params + 4 * other + int(cfg.vocab_size * cfg.hidden_size * (0.5 + 4 / 32))
+    table = cfg.vocab_size * cfg.hidden_size  # the tied embedding, kept in bf16 (W16Matrix)
+    assert isinstance(loaded.model.embed, W16Matrix) and loaded.model.head.exact is loaded.model.embed
+    assert p.weights_bytes == 2 * cfg.linear_params + 2 * table + 4 * (other - table) + int(table * (0.5 + 4 / 32))
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(bf16_dir), dtype=torch.float32).eval()
     eng = make_engine(loaded)
     from localllm.sampling import SamplingParams

@@ -231,18 +231,22 @@ def test_mixed_file_runs_each_tensor_on_its_kernel(mixed_gguf):
     kinds = {name: [type(p).__name__ for p in (m.parts if isinstance(m, ConcatLinear) else [m])]
              for name, m in (("0.qkv", l0.qkv), ("0.o", l0.o), ("0.gate_up", l0.gate_up), ("0.down", l0.down),
                              ("1.qkv", l1.qkv), ("1.o", l1.o), ("1.gate_up", l1.gate_up), ("1.down", l1.down))}
-    assert kinds == {"0.qkv": ["Int4Linear", "Int8wLinear"], "0.o": ["Int8wLinear"], "0.gate_up": ["Int8wLinear"],
-                     "0.down": ["Int8wLinear"], "1.qkv": ["Int4Linear", "Int8wLinear"], "1.o": ["Int8wLinear"],
-                     "1.gate_up": ["Int8wLinear"], "1.down": ["W16Linear"]}
+    # int8-lane parts stack only where group and zero point agree (each at its own bytes per weight)
+    assert kinds == {"0.qkv": ["Int4Linear", "Int8wLinear"], "0.o": ["Int8wLinear"],
+                     "0.gate_up": ["Int8wLinear", "Int8wLinear"], "0.down": ["Int8wLinear"],
+                     "1.qkv": ["Int4Linear", "Int8wLinear", "Int8wLinear"], "1.o": ["Int8wLinear"],
+                     "1.gate_up": ["Int8wLinear", "Int8wLinear"], "1.down": ["W16Linear"]}
+    q5k, q8 = l0.gate_up.parts
+    q3k, q2k = l1.gate_up.parts
     assert (l0.down.group_size, l0.down.zero, l0.down.qsc.shape[2]) == (16, 32, 1)  # Q6_K: symmetric, 16s
-    assert (l0.gate_up.group_size, l0.gate_up.zero, l0.gate_up.qsc.shape[2]) == (32, 128, 2)  # Q5_K + Q8_0
-    assert (l1.gate_up.group_size, l1.gate_up.zero) == (16, 4)  # Q3_K + Q2_K
-    # the layouts: Q6_K's 2 high-bit planes, Q5_0's 1, Q8_0 with Q5_K in byte lanes, Q3_K + Q2_K in nibbles
-    assert [m.qw.shape[2] for m in (l0.down, l0.o, l0.gate_up, l1.gate_up)] == [96, 80, 64, 64]
-    assert l1.gate_up.qw.shape[1] * 8 == H
+    assert (q5k.group_size, q5k.qsc.shape[2]) == (32, 2) and (q8.group_size, q8.zero, q8.qsc.shape[2]) == (32, 128, 1)
+    assert (q3k.group_size, q3k.zero, q3k.qsc.shape[2]) == (16, 4, 1) and (q2k.group_size, q2k.qsc.shape[2]) == (16, 2)
+    # the layouts: Q6_K's 2 high-bit planes, Q5_0's and Q5_K's 1, Q8_0 in byte lanes, Q3_K and Q2_K in nibbles
+    assert [m.qw.shape[2] for m in (l0.down, l0.o, q5k, q8, q3k, q2k)] == [96, 80, 80, 64, 64, 64]
+    assert q8.qw.shape[1] * 4 == H and q3k.qw.shape[1] * 8 == H
     for ld, lo in zip(dense.model.layers, ours.model.layers):
         for f in ("qkv", "o", "gate_up", "down"):
-            # equal values (a stack given offsets, Q3_K's with Q2_K's, has d * 4 - 4d = +0 for -0)
+            # equal values (a stack given offsets -zero * d would have d * 4 - 4d = +0 for -0)
             assert torch.equal(layer_values(getattr(lo, f)), layer_values(getattr(ld, f))), f
     assert isinstance(l1.down, W16Linear) and l1.down.w.dtype == torch.float16  # F16 kept in 16 bits
     prompt = [1, 504, 3458, 282, 5248, 314, 17, 2, 9, 8822, 1137, 30, 42, 99, 1000, 20000]
@@ -258,6 +262,22 @@ def test_mixed_file_runs_each_tensor_on_its_kernel(mixed_gguf):
             assert type(a) is type(o) and bits_equal(layer_values(a), layer_values(o).numpy()), f
             assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), o.state_dict().values()))
     assert torch.equal(make_engine(again).score(prompt), got)
+
+
+def test_mixed_file_holds_the_files_bytes_where_the_layout_allows(mixed_gguf):
+    """The 12-type file: the types whose layout is the file's hold its bytes per weight; the planner
+    says what every layer holds."""
+    from test_model_memory import LIKE_FILE, held_by_gguf_tensor, planner_matches_held
+
+    loaded = load_model(mixed_gguf, "auto")
+    per = held_by_gguf_tensor(loaded, mixed_gguf)
+    checked = set()
+    for name, (kind, file_b, held) in per.items():
+        if kind in LIKE_FILE:
+            assert held <= file_b * 1.01, (name, kind, held / file_b)
+            checked.add(kind)
+    assert len(checked) >= 2, checked
+    planner_matches_held(loaded, mixed_gguf)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -223,3 +223,21 @@ def test_pinned_model_with_api_key(pinned):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="qwen3", messages=QUESTION)
     assert e.value.status_code == 404
+
+
+def test_images_to_a_text_only_model_are_a_400(server, client):
+    """A text-only model given an image, on either API: a 400 saying so (never the image dropped)."""
+    from vision_models import png_bytes, random_image
+
+    png = png_bytes(random_image(0, 8, 8))
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model=SMOL, messages=[{"role": "user", "content": "What is this?", "images": [png]}])
+    assert e.value.status_code == 400
+    assert e.value.error == f"messages: model {SMOL} takes no images (a text-only model); send text only, or use a vision model"
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    with pytest.raises(openai.BadRequestError, match="takes no images"):
+        openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0).chat.completions.create(
+            model=SMOL, messages=[{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                               {"type": "image_url", "image_url": {"url": url}}]}])

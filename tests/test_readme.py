@@ -44,6 +44,7 @@ EXERCISED_BY = {
     "make test-slow": SLOW_SUITE,
     'echo "What is the capital of France?" | localllm run --temperature 0 -v': "test_run_verbose",
     "localllm run smollm2-135x hello": "test_run_errors",
+    'localllm run --image photo.png "What is in this picture?"': "test_vision_text_only_model",
     "localllm run < /dev/null": "test_run_errors",
     "localllm run --temperature -1 hi": "test_run_errors",
     "yes word | head -200 | localllm run --ctx 64": "test_run_errors",
@@ -219,6 +220,12 @@ def test_run_verbose(sandbox):
 
 def test_run_errors(sandbox):
     run_block("localllm run smollm2-135x hello", *sandbox)
+
+
+def test_vision_text_only_model(sandbox):
+    """A vision model is no README download (gated, gigabytes): tests/test_vision*.py run the
+    image paths on a tiny Gemma 3 checkpoint; here the embedded text-only model refuses one."""
+    run_block('localllm run --image photo.png "What is in this picture?"', *sandbox)
 
 
 def test_speculative_ngram(sandbox):

@@ -1,6 +1,8 @@
 """Paged KV blocks: allocation, reference counts, and the prefix cache.
 
-A full block is named by a hash chained over its parent's hash and its token ids. A freed
+A full block is named by a hash chained over its parent's hash and its token ids (and the hashes
+of the images whose spans it holds part of: the same placeholder ids behind two different
+images must not share KV, as in vLLM). A freed
 block keeps its contents and hash in an LRU list until the space is needed, so a later request
 with the same prefix (the next turn of a chat, a shared system prompt) reuses it. A hit also
 compares the stored token ids: a hash collision can never hand out the wrong KV.
@@ -19,7 +21,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None
-    token_ids: tuple[int, ...] = ()
+    token_ids: tuple = ()  # its key: token ids, then (image hash, offset in the span) of images in it
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
@@ -56,6 +58,15 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def block_key(self, seq: Sequence, i: int) -> tuple:
+        """What names block i of a sequence: its token ids, and for each image in it, the image's
+        hash and where the block starts within its span."""
+        bs = self.block_size
+        key = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+        if seq.images:
+            key += tuple((im.hash, i * bs - im.offset) for im in seq.images_in(i * bs, (i + 1) * bs))
+        return key
+
     # ---- allocation -------------------------------------------------------------------
     def _take_free(self) -> int:
         bid, _ = self.free.popitem(last=False)
@@ -75,7 +86,7 @@ class BlockManager:
         bs, tokens = self.block_size, seq.token_ids
         parent = None
         for i in range((len(tokens) - 1) // bs):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            chunk = self.block_key(seq, i)
             h = self.hash_fn(parent, chunk)
             bid = self.cached.get(h)
             if bid is None or self.blocks[bid].token_ids != chunk:
@@ -146,7 +157,7 @@ class BlockManager:
         full = seq.num_computed_tokens // bs
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(seq.num_hashed_blocks, full):
-            chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            chunk = self.block_key(seq, i)
             h = self.hash_fn(parent, chunk)
             b = self.blocks[seq.block_table[i]]
             b.hash, b.token_ids = h, chunk

@@ -8,12 +8,14 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from ..config import EngineConfig, kv_blocks, kv_tokens
 from ..hardware import available_memory
 from ..model.handle import ModelHandle
+from ..model.vision import ImageInputError, ImagePrompt, has_images, image_spans
 from ..sampling import SamplingParams
 from ..structured import Grammars
 from ..tokenizer import IncrementalDetokenizer
@@ -114,7 +116,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, config.block_size, self.num_blocks, loaded.kv_dtype,
                                   loaded.eos_ids, *self._graph_shape(), compiled=config.compile,
-                                  background_build=config.background_build)
+                                  background_build=config.background_build, vision=loaded.vision)
+        self.vision = loaded.vision
         self.eos_ids = loaded.eos_ids
         # matchers for constrained requests (llguidance), over the head's whole vocabulary
         self.grammars = Grammars(self.tokenizer.tok.to_str, self.model_config.vocab_size, sorted(self.eos_ids))
@@ -211,14 +214,27 @@ class LLMEngine:
         return None
 
     # ---- requests -------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int] | list[dict], **template_kwargs) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int] | list[dict] | ImagePrompt, **template_kwargs
+                      ) -> list[int] | ImagePrompt:
         """A string, token ids, or chat messages -> prompt token ids. `template_kwargs` reach the
-        chat template (e.g. enable_thinking=False for Qwen3)."""
+        chat template (e.g. enable_thinking=False for Qwen3). Messages with image parts
+        ({"type": "image", "image": PIL image}) -> an ImagePrompt (ids and the images' spans)."""
         from ..chat import render_chat
 
+        if isinstance(prompt, ImagePrompt):
+            return prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            if self.vision is None and has_images(prompt):
+                raise ImageInputError(f"model {self.loaded.name or Path(self.loaded.source).name} takes no images "
+                                      "(a text-only model); send text only, or use a vision model")
+            if self.vision is not None:  # vision templates read content as parts (SmolVLM's only so)
+                prompt = [{**m, "content": [{"type": "text", "text": m["content"]}]}
+                          if isinstance(m.get("content"), str) else m for m in prompt]
             text = render_chat(self.tokenizer.chat_template, prompt, bos_token=self.tokenizer.bos_token,
                                eos_token=self.tokenizer.eos_token, **template_kwargs)
+            if has_images(prompt):
+                return self._with_images(text, [p["image"] for m in prompt if isinstance(m.get("content"), list)
+                                                for p in m["content"] if p.get("type") == "image"])
             return self.tokenizer.encode_chat(text)
         if isinstance(prompt, str):  # raw text: the BOS / EOS the model asks for (add_bos / add_eos)
             return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -226,11 +242,32 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in 0..{self.model_config.vocab_size - 1}")
         return list(prompt)
 
-    def add_request(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None,
+    def _with_images(self, text: str, images: list) -> ImagePrompt:
+        """A rendered prompt's image placeholders expanded to each image's tokens, tokenized, with
+        the images' spans."""
+        from ..model.vision.images import decode_image
+
+        v = self.vision
+        parts = text.split(v.placeholder)
+        if len(parts) - 1 != len(images):
+            raise ImageInputError(f"the chat template wrote {len(parts) - 1} image placeholder(s) "
+                                  f"({v.placeholder!r}) for {len(images)} image(s)")
+        pixels = [v.prepare(decode_image(im, f"image {i + 1}") if isinstance(im, bytes) else im)
+                  for i, im in enumerate(images)]
+        text = parts[0] + "".join(v.expand(p) + rest for p, rest in zip(pixels, parts[1:]))
+        ids = self.tokenizer.encode_chat(text)
+        return ImagePrompt(ids, image_spans(ids, pixels, v.image_token_id, v.family))
+
+    def add_request(self, prompt: str | list[int] | list[dict] | ImagePrompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
         params.validate()
         ids = self.encode_prompt(prompt)
+        images = ()
+        if isinstance(ids, ImagePrompt):
+            ids, images = ids.ids, ids.images
+            if images and self.vision is None:
+                raise ImageInputError("this model takes no images")
         if not ids:
             raise ValueError("prompt is empty")
         n = len(ids)
@@ -256,7 +293,7 @@ class LLMEngine:
             if rid in self._seqs:
                 raise ValueError(f"request id {rid!r} is already in use")
             seq = Sequence(rid, ids, params, max_tokens)
-            seq.matcher = matcher
+            seq.matcher, seq.images = matcher, images
             self._seqs[rid] = seq
             self._outputs[rid] = _Output(IncrementalDetokenizer(self.tokenizer, ids), params.stop)
             self.scheduler.add(seq)
@@ -470,7 +507,8 @@ class LLMEngine:
                 "speculative": self.spec_stats.as_dict() if self.proposer is not None else None,
                 "kv_blocks_total": self.num_blocks, "kv_blocks_used": self.block_manager.num_used_blocks,
                 "running": self.num_running, "waiting": self.num_waiting,
-                "captured_steps": self.runner.captured.steps if self.runner.captured is not None else 0}
+                "captured_steps": self.runner.captured.steps if self.runner.captured is not None else 0,
+                "vision_encodes": self.runner.vision_encodes}
 
     def live_sequences(self) -> list[Sequence]:
         return [s for s in self._seqs.values() if s.status != SeqStatus.FINISHED]

@@ -7,6 +7,8 @@ mapping, per-sequence query/context lengths and block tables.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from localllm_kernels import cpu_attention
 
@@ -24,13 +26,19 @@ from .speculative import accept_greedy, accept_sampling
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_size: int, num_blocks: int, kv_dtype: torch.dtype,
                  eos_ids: set[int], graph_batch: int = 0, max_blocks_per_seq: int = 0, compiled: bool = False,
-                 background_build: bool = True):
+                 background_build: bool = True, vision=None, image_cache_size: int = 32):
         """The captured step, when there is one: with graph_batch > 0 on the Triton backend, decode
         steps of up to that many sequences replay CUDA graphs (localllm.engine.cuda_graphs); with
         `compiled` on CPU, decode and verify steps run the AOTInductor package of the forward
         (localllm.engine.compiled_step), built in the background the first time (with
-        `background_build`: else only loaded when there)."""
+        `background_build`: else only loaded when there). vision: the model's VisionModel
+        (localllm.model.vision); the embeddings of the last `image_cache_size` images are kept by
+        image hash, so a chat that keeps an image in its history encodes it once."""
         self.model = model
+        self.vision = vision
+        self.image_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.image_cache_size = image_cache_size
+        self.vision_encodes = 0  # images run through the vision tower
         self.eos_ids = sorted(eos_ids)
         self.block_size = block_size
         self.device = model.device
@@ -65,15 +73,79 @@ class ModelRunner:
         bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
         dev = self.device
         positions, meta = describe_batch(bt, list(counts), ctx_lens, self.block_size, self.model.attention_backend, dev)
+        if getattr(self.vision, "mrope", False) and any(s.images for s in seqs):
+            positions = self._mrope_positions(seqs, counts).to(dev)
         return torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta
+
+    def _mrope_positions(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
+        """Qwen-VL's rotary positions (M-RoPE) of the batch's new tokens: from the vision model
+        for a sequence with images (the tokens after an image sit at their index plus its delta,
+        its own tokens at (frame, row, column) offsets), the index otherwise. [3, T] when a chunk
+        holds image tokens, else [T] (the plain RoPE path: decode steps stay captured)."""
+        parts = [self.vision.positions(s.images, s.num_computed_tokens, n) if s.images
+                 else torch.arange(s.num_computed_tokens, s.num_computed_tokens + n) for s, n in zip(seqs, counts)]
+        if all(p.dim() == 1 for p in parts):
+            return torch.cat(parts)
+        return torch.cat([p.expand(3, -1) if p.dim() == 1 else p for p in parts], dim=-1)
+
+    def inputs(self, seqs: list[Sequence], counts: list[int]) -> tuple:
+        """prepare's (ids, positions, meta) and the image embeddings of the chunk (or None)."""
+        ids, positions, meta = self.prepare(seqs, counts)
+        embeds = self._image_rows(seqs, counts, meta) if any(s.images for s in seqs) else None
+        return ids, positions, meta, embeds
+
+    def image_embeddings(self, spans: list) -> dict[str, torch.Tensor]:
+        """Embeddings [n_tokens, hidden] by image hash: from the cache, the missing ones encoded in
+        one batch (one vision forward across every request of the step)."""
+        todo = list({im.hash: im for im in spans if im.hash not in self.image_cache}.values())
+        if todo:
+            for im, e in zip(todo, self.vision.encode([im.pixels for im in todo])):
+                self.image_cache[im.hash] = e
+            self.vision_encodes += len(todo)
+        out = {}
+        for im in spans:
+            self.image_cache.move_to_end(im.hash)
+            out[im.hash] = self.image_cache[im.hash]
+        while len(self.image_cache) > max(self.image_cache_size, len(out)):
+            self.image_cache.popitem(last=False)
+        return out
+
+    def _image_rows(self, seqs: list[Sequence], counts: list[int], meta: AttnMeta
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The batch rows that are image tokens and their embeddings; the images' spans into
+        `meta` for a model whose image tokens attend bidirectionally."""
+        if self.vision is None:
+            raise ValueError("this model takes no images")
+        found = [(b, seq, n, im) for b, (seq, n) in enumerate(zip(seqs, counts))
+                 for im in seq.images_in(seq.num_computed_tokens, seq.num_computed_tokens + n)]
+        if not found:
+            return None
+        embeds = self.image_embeddings([im for *_, im in found])
+        starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
+        rows, values, spans = [], [], {}
+        tok = self.vision.image_token_id
+        for b, seq, n, im in found:
+            first = seq.num_computed_tokens
+            where = [im.offset + j for j, t in enumerate(seq.token_ids[im.offset:im.end]) if t == tok]
+            picked = [r for r, p in enumerate(where) if first <= p < first + n]  # rows in this chunk
+            rows.extend(starts[b] + where[r] - first for r in picked)
+            values.append(embeds[im.hash][picked])
+            spans.setdefault(b, []).append((im.offset, im.end))
+        if getattr(self.vision, "bidirectional", False):
+            meta.spans = spans
+        dev = self.device
+        return torch.tensor(rows, dtype=torch.int64, device=dev), torch.cat(values).to(dev)
 
     @torch.inference_mode()
     def forward_hidden(self, seqs: list[Sequence], counts: list[int]) -> torch.Tensor:
-        return self._forward(*self.prepare(seqs, counts))
+        return self._forward(*self.inputs(seqs, counts))
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
+                 embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states of the new tokens. A captured step (CUDA graphs, or the compiled CPU
-        step) serves the steps it covers."""
+        step) serves the steps it covers (never one with images: the eager forward takes those)."""
+        if embeds is not None or meta.spans:
+            return self.model(ids, positions, meta, self.kv_caches, embeds=embeds)
         if self.captured is not None:
             hidden = self.captured.run(ids, positions, meta)
             if hidden is not None:
@@ -117,7 +189,7 @@ class ModelRunner:
         """Run one flattened batch. Returns, per sequence, the tokens to append: one sampled
         token when its pending tokens were all computed, the verified run for a speculative
         sequence (`verify[seq]` is its Proposal), None for a prompt chunk still prefilling."""
-        hidden = self._forward(*self.prepare(seqs, counts))
+        hidden = self._forward(*self.inputs(seqs, counts))
         out: list[list[int] | None] = [None] * len(seqs)
         last, who = [], []
         end = 0

@@ -36,6 +36,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @staticmethod
+    def whole_images(seq: Sequence, n: int) -> int:
+        """A prompt chunk of n tokens cut so it never ends inside an image's span: it ends before
+        the span, or (when the chunk starts inside it or at it) runs to its end, past the budget if
+        need be (an image is encoded and attended whole)."""
+        first = seq.num_computed_tokens
+        for im in seq.images_in(first, first + n):
+            if im.end > first + n:
+                return im.offset - first if im.offset > first else im.end - first
+        return n
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_seq(seq)
@@ -55,6 +66,8 @@ class Scheduler:
                 continue
             pending = seq.num_tokens - seq.num_computed_tokens
             n = min(pending, budget)
+            if seq.images:
+                n = self.whole_images(seq, n)
             if pending == 1 and budget >= 1 + extra_tokens.get(seq, 0):
                 n = 1 + extra_tokens.get(seq, 0)
             if n <= 0:
@@ -76,6 +89,8 @@ class Scheduler:
             if not seq.block_table:
                 self.bm.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.images:
+                n = self.whole_images(seq, n)
             if not self.bm.can_allocate(seq, n):
                 self.bm.free_seq(seq)  # don't sit on cached blocks while waiting
                 break

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.vision import ImageSpan
 from ..sampling import SamplingParams, generator_seed
 
 
@@ -38,6 +39,11 @@ class Sequence:
     counted: bool = False  # prompt counted in the engine's cache statistics
     logprobs: list[dict] = field(default_factory=list)
     matcher: object | None = None  # llguidance matcher of a constrained request (localllm.structured)
+    images: tuple[ImageSpan, ...] = ()  # the prompt's images (localllm.model.vision), by position
+
+    def images_in(self, start: int, end: int) -> list[ImageSpan]:
+        """The images whose spans overlap positions [start, end)."""
+        return [im for im in self.images if im.offset < end and im.end > start]
 
     def __post_init__(self):
         if not self.token_ids:

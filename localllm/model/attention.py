@@ -30,6 +30,9 @@ class AttnMeta:
     q_lens: list[int] | None = None
     ctx_lens: list[int] | None = None
     cached_lens: torch.Tensor | None = None  # [B] int32, the Triton prefill kernel's
+    # sequence b -> position ranges [start, end) whose tokens see each other (Gemma 3's images);
+    # None: causal everywhere
+    spans: dict[int, list[tuple[int, int]]] | None = None
 
     @classmethod
     def captured(cls, slots: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -136,4 +139,51 @@ def default_backend(device: str) -> str:
 def make_attention(backend: str):
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from {', '.join(BACKENDS)}")
-    return BACKENDS[backend]
+    return with_spans(BACKENDS[backend])
+
+
+def with_spans(attention):
+    """A backend that also serves bidirectional spans (`AttnMeta.spans`): the backend stores K/V
+    and attends causally; a sequence with spans is then attended again, densely with the mask
+    (causal, or both in one span; the window still applies), from the cache. Only prefill chunks
+    holding images take this path, so the kernels stay causal-only."""
+    def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        out = attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        if not meta.spans:
+            return out
+        T, H, D = q.shape
+        out = out.view(T, H, D).clone()
+        cu = meta.cu_seqlens_q.tolist()
+        for b, spans in meta.spans.items():
+            rows = slice(cu[b], cu[b + 1])
+            out[rows] = span_attention(q[rows], k_cache, v_cache, meta.block_tables[b], meta.ctx_lens[b], spans,
+                                       scale, window, softcap).to(out.dtype)
+        return out.view(T, H * D)
+    return attend
+
+
+def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int,
+                   spans: list[tuple[int, int]], scale: float, window: int | None, softcap: float | None
+                   ) -> torch.Tensor:
+    """One sequence's last q.shape[0] of ctx positions attending over its cached K/V, where a
+    query sees a key when the key is not after it or both lie in one span; with a window, only
+    keys less than `window` positions before it. -> [n, H, D] float32."""
+    n, H, D = q.shape
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    pos = torch.arange(ctx, device=q.device)
+    slots = table.to(q.device).long()[pos // bs] * bs + pos % bs
+    k = k_cache.view(-1, kvh, D)[slots].float().repeat_interleave(H // kvh, dim=1)  # [ctx, H, D]
+    v = v_cache.view(-1, kvh, D)[slots].float().repeat_interleave(H // kvh, dim=1)
+    qp = pos[ctx - n:, None]
+    group = torch.full((ctx,), -1, dtype=torch.long, device=q.device)
+    for i, (a, e) in enumerate(spans):
+        group[a:e] = i
+    allowed = (pos[None] <= qp) | ((group[ctx - n:, None] == group[None]) & (group[None] >= 0))
+    if window:
+        allowed &= qp - pos[None] < window
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)

@@ -54,7 +54,7 @@ def fused_cpu_ops(plain, one_call_layers: bool = True):
     def attend(layer, qkv: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
                kv: tuple[torch.Tensor, torch.Tensor], ops, rope: RotaryEmbedding, scale: float) -> torch.Tensor:
         qn = layer.q_norm
-        if (qkv.dtype != torch.float32 or rope.cos.dtype != torch.float32 or uses_sdpa(meta, layer)
+        if (qkv.dtype != torch.float32 or rope.cos.dtype != torch.float32 or uses_sdpa(meta, layer) or meta.spans
                 or (qn is not None and (qn.weight.dtype != torch.float32 or layer.k_norm.eps != qn.eps))):
             return plain.attend(layer, qkv, positions, meta, kv, plain, rope, scale)
         q = torch.ops.localllm.rope_store(
@@ -71,10 +71,11 @@ def fused_cpu_ops(plain, one_call_layers: bool = True):
     def layer_step(layer, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttnMeta,
                    kv: tuple[torch.Tensor, torch.Tensor], ops, rope: RotaryEmbedding, scale: float):
         args = decode_layer_args(layer)
-        tables = rope._buffers  # (rope.cos goes through nn.Module.__getattr__: ~1 us)
+        # (rope.cos goes through nn.Module.__getattr__: ~1 us; M-RoPE steps pass plain RopeRows)
+        tables = rope.__dict__.get("_buffers") or rope.__dict__
         cos = tables["cos"]
         if (args is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] >= args[3]
-                or cos.dtype != torch.float32 or uses_sdpa(meta, layer)):
+                or cos.dtype != torch.float32 or meta.spans or uses_sdpa(meta, layer)):
             return layer(x, residual, positions, meta, kv, ops, rope, scale)
         return decode_layer(x, residual, args[0], args[1], args[2], positions, cos, tables["sin"], kv[0], kv[1],
                             meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,

@@ -36,7 +36,8 @@ def export_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype
     """`num_layers` keeps only the first layers (small fixtures for fast tests)."""
     w = open_weights(src)
     cfg = w.config
-    if cfg.sandwich_norms:  # its four norms per layer, (1 + w) and windows are not written back
+    if cfg.sandwich_norms or cfg.mrope_section:  # Gemma's four norms per layer, (1 + w) and windows,
+        # Qwen-VL's M-RoPE and vision tower are not written back
         raise ValueError(f"{src}: exporting a {cfg.architecture} model as a Hugging Face checkpoint is not supported")
     if num_layers is not None:
         cfg.num_layers = num_layers

@@ -50,6 +50,17 @@ class Blocks:
                       self.zero)
 
 
+# the zero point of the types whose values are d * (q - zero); the others carry offsets m
+ZERO = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "IQ4_NL": 128, "IQ4_XS": 128, "Q6_K": 32, "Q3_K": 4}
+
+
+def stack_key(kind: str) -> tuple[int, int | str]:
+    """Types with the same key stack into one int8-lane matrix at their own bytes per weight (one
+    group size, one zero point or offsets for all); stacking others would widen some of them
+    (32-groups split into 16s, offsets -zero * d stored for a part that has none)."""
+    return GROUP[kind], ZERO.get(kind, "offsets")
+
+
 def supported(kind: str) -> bool:
     return kind in BLOCK_BYTES
 

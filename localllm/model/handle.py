@@ -22,3 +22,4 @@ class ModelHandle:
     source: str  # the checkpoint's path
     max_model_len: int  # the context the model was loaded for (at most its trained one)
     name: str | None = None  # the registry name it was resolved from, when it was
+    vision: object | None = None  # the VisionModel of a vision-language checkpoint (localllm.model.vision)

@@ -76,13 +76,16 @@ class HFWeights:
                     index.update(dict.fromkeys(h.keys(), f))
             except Exception as e:
                 raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
-        # a multimodal checkpoint (Gemma 3 4B+) holds the text model under a prefix: older
+        # a multimodal checkpoint (Gemma 3 4B+, SmolVLM) holds the text model under a prefix: older
         # transformers wrote language_model.model.*, newer model.language_model.*
         self.stored = {}
-        for prefix in ("model.language_model.", "language_model.model."):
+        for prefix in ("model.language_model.", "language_model.model.", "model.text_model."):  # (Idefics3: the last)
             if "model.embed_tokens.weight" not in index and prefix + "embed_tokens.weight" in index:
                 self.stored = {"model." + k[len(prefix):]: k for k in index if k.startswith(prefix)}
                 index.update({ours: index[k] for ours, k in self.stored.items()})
+        if self.stored and "lm_head.weight" not in index and "language_model.lm_head.weight" in index:
+            self.stored["lm_head.weight"] = "language_model.lm_head.weight"  # an untied head, older layout
+            index["lm_head.weight"] = index["language_model.lm_head.weight"]
         return index
 
     def has(self, name: str) -> bool:

@@ -316,7 +316,12 @@ class RotaryEmbedding(nn.Module):
     short factors for them)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 dtype: torch.dtype, rotary_dim: int | None = None):
+                 dtype: torch.dtype, rotary_dim: int | None = None, mrope_section: tuple[int, ...] | None = None,
+                 mrope_interleaved: bool = False):
+        """mrope_section (Qwen2-VL / 2.5-VL's M-RoPE): the rotary frequencies split in sections, section i
+        rotated by row i % 3 (temporal, height, width) of [3, T] positions (see `at`). Interleaved
+        (Qwen3-VL): frequency j by height where j % 3 == 1 and j < 3 * sections[1], by width where
+        j % 3 == 2 and j < 3 * sections[2], else by time."""
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
         inv, attn_factor = rope_inv_freq(self.rotary_dim, theta, scaling, max_positions)
@@ -328,6 +333,34 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (emb.sin() * attn_factor).to(dtype), persistent=False)
         self.half = self.rotary_dim // 2
         self.partial = self.rotary_dim < head_dim
+        self.register_buffer("mrope_rows", None, persistent=False)
+        if mrope_section:
+            if sum(mrope_section) != self.half:
+                raise ValueError(f"mrope_section {list(mrope_section)} sums to {sum(mrope_section)}, "
+                                 f"expected rotary_dim / 2 = {self.half}")
+            if mrope_interleaved:
+                j = torch.arange(self.half)
+                rows = torch.zeros(self.half, dtype=torch.long)
+                for r in (1, 2):
+                    rows[(j % 3 == r) & (j < 3 * mrope_section[r])] = r
+            else:
+                rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(mrope_section)])
+            self.register_buffer("mrope_rows", torch.cat([rows, rows]), persistent=False)
+
+    def at(self, positions: torch.Tensor) -> tuple[RotaryEmbedding | RopeRows, torch.Tensor]:
+        """(the table, the positions into it) a step rotates with. Positions [T]: this table. M-RoPE
+        positions [3, T] (a step with image tokens): a table of the step's T rows, each column's
+        angle from its section's row (transformers' mrope recomposition), indexed by 0..T-1, so
+        every RoPE op (torch, Triton, the fused CPU one) runs unchanged. Text-only and decode steps
+        pass [T] positions: with all three rows equal M-RoPE is this plain RoPE."""
+        if positions.dim() == 1:
+            return self, positions
+        if self.mrope_rows is None:
+            raise ValueError("[3, T] positions given to a model without M-RoPE")
+        sel = self.mrope_rows.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        cos = self.cos[positions].gather(0, sel)[0]  # [3, T, rotary_dim] -> [T, rotary_dim]
+        sin = self.sin[positions].gather(0, sel)[0]
+        return RopeRows(cos, sin, self), torch.arange(positions.shape[1], device=positions.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim]
@@ -337,6 +370,16 @@ class RotaryEmbedding(nn.Module):
             return (torch.cat([_rotate(q[..., :r], cos, sin, self.half), q[..., r:]], dim=-1),
                     torch.cat([_rotate(k[..., :r], cos, sin, self.half), k[..., r:]], dim=-1))
         return _rotate(q, cos, sin, self.half), _rotate(k, cos, sin, self.half)
+
+
+class RopeRows:
+    """One step's cos/sin rows in a RotaryEmbedding's place (RotaryEmbedding.at)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, table: RotaryEmbedding):
+        self.cos, self.sin = cos, sin
+        self.rotary_dim, self.half, self.partial = table.rotary_dim, table.half, table.partial
+
+    forward = __call__ = RotaryEmbedding.forward
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
@@ -408,15 +451,41 @@ class Q8Matrix(nn.Module):
         return cpu_q8.dequantize(self.blocks)
 
 
+class W16Matrix(nn.Module):
+    """A [V, H] matrix kept in the 16 bits it is stored in (GGUF F16/BF16, HF bf16/fp16) as our
+    16-bit kernel's panels (localllm_kernels.cpu_bf16): rows are the exact fp32 upcast and products
+    those of the fp32 matrix up to summation order (fp32 activations and accumulation), from half
+    its bytes (an fp32 copy took 113 MB on the 135M model's 49k x 576 table)."""
+
+    def __init__(self, weight16: torch.Tensor):
+        super().__init__()
+        self.lin = W16Linear(weight16)
+        self.shape = tuple(weight16.shape)
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        from localllm_kernels import cpu_bf16
+
+        flat = idx.reshape(-1)  # row n is column n % 32 of panel n // 32
+        r = self.lin.w[flat // cpu_bf16.ROWS, :, flat % cpu_bf16.ROWS].float()
+        return r.view(*idx.shape, self.shape[1])
+
+    def matmul(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lin(h.float())
+
+    def dense(self) -> torch.Tensor:
+        return self.lin.weight16().float()
+
+
 class LMHead(nn.Module):
     """Logits over the vocabulary.
 
-    `exact` holds the exact head (a DenseMatrix, or the GGUF's Q8_0 embedding as a Q8Matrix).
+    `exact` holds the exact head (a DenseMatrix, the GGUF's Q8_0 embedding as a Q8Matrix, or a
+    16-bit checkpoint's as a W16Matrix).
     With `fast_greedy`, greedy rows are scored by an int4 copy and the top candidates are
     re-scored exactly: the argmax equals the exact head's unless the true winner falls outside
     the int4 top-k, at a fraction of the bandwidth."""
 
-    def __init__(self, exact: DenseMatrix | Q8Matrix, fast_greedy: bool = False, rescore_k: int = 32,
+    def __init__(self, exact: DenseMatrix | Q8Matrix | W16Matrix, fast_greedy: bool = False, rescore_k: int = 32,
                  device: str = "cpu", fast: Int4Linear | None = None, cpu_kernel: bool = True,
                  softcap: float | None = None):
         """softcap: logits become softcap * tanh(logits / softcap) (Gemma 2); monotonic, so the
@@ -428,16 +497,8 @@ class LMHead(nn.Module):
         self.fast = fast  # prebuilt int4 copy (conversion cache)
         if fast_greedy and fast is None:
             v, h = exact.shape
-            group = 32 if h % 32 == 0 else None
-            if group:
-                # in row chunks: the whole fp32 matrix and quantize_rtn's temporaries of it peaked
-                # at 2.7 GB on the first load of a 1B model with a 49k vocabulary
-                w = Int4Weight.cat([quantize_rtn(exact.rows(torch.arange(r, min(r + 4096, v))).float(), group)
-                                    for r in range(0, v, 4096)])
-                # fp16 scales and offsets: fewer bytes for our int4 kernel; this copy only ranks
-                d, m = w.scales.half().float(), (w.zeros - 8 * w.scales).half().float()
-                self.fast = Int4Linear(Int4Weight(w.q, d, m + 8 * d, group), torch.bfloat16, device=device,
-                                       cpu_kernel=cpu_kernel)
+            if h % 32 == 0:
+                self.fast = ranking_head(exact, device, cpu_kernel)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.exact.matmul(h)
@@ -460,6 +521,41 @@ class LMHead(nn.Module):
         if allowed is not None:  # fewer allowed tokens than k: the rest stay out
             exact = exact.masked_fill(~allowed.gather(1, cand), float("-inf"))
         return cand.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1)
+
+
+def _ranking_rows(exact: DenseMatrix | Q8Matrix | W16Matrix, r0: int, r1: int) -> Int4Weight:
+    """Rows [r0, r1) of the int4 ranking copy: RTN groups of 32 of the exact rows, scales and
+    offsets rounded to fp16 (fewer bytes for our int4 kernel; this copy only ranks)."""
+    w = quantize_rtn(exact.rows(torch.arange(r0, r1)).float(), 32)
+    d, m = w.scales.half().float(), (w.zeros - 8 * w.scales).half().float()
+    return Int4Weight(w.q, d, m + 8 * d, 32)
+
+
+def ranking_head(exact: DenseMatrix | Q8Matrix | W16Matrix, device: str = "cpu", cpu_kernel: bool = True) -> Int4Linear:
+    """The int4 copy of the head that ranks greedy rows (LMHead.fast). On our CPU kernel it is
+    packed 1024 rows at a time into buffers allocated once: the whole matrix's fp32 rows, its
+    RTN temporaries and the unpacked q took ~110 MB of transient peak on the 135M model's first
+    load (2.7 GB on a 1B shape with a 49k vocabulary when done in one piece)."""
+    v, h = exact.shape
+    if device != "cpu" or not (cpu_kernel and _cpu_int4_kernel(v, h, 32)):
+        w = Int4Weight.cat([_ranking_rows(exact, r, min(r + 4096, v)) for r in range(0, v, 4096)])
+        return Int4Linear(w, torch.bfloat16, device=device, cpu_kernel=cpu_kernel)
+    from localllm_kernels import cpu_int4
+
+    step = 1024  # a multiple of the kernel's 16-row blocks: packed chunks are slices of the whole
+    qw = qsc = None
+    for r in range(0, v, step):
+        w = _ranking_rows(exact, r, min(r + step, v))
+        d = w.scales.t()
+        cq, cs = cpu_int4.pack_dm(w.q, d, w.zeros.t() - 8.0 * d)  # m = offset: exact in fp16
+        if qw is None:
+            nb = -(-v // cpu_int4.ROWS)
+            qw, qsc = cq.new_empty(nb, *cq.shape[1:]), torch.empty(nb, *cs.shape[1:], dtype=torch.float32)
+        b = r // cpu_int4.ROWS
+        qw[b:b + cq.shape[0]], qsc[b:b + cs.shape[0]] = cq, cs.float()
+    half = qsc.half()
+    exact16 = torch.isfinite(half).all() and torch.equal(half.float(), qsc)
+    return Int4Linear.from_kernel_tensors({"qw": qw, "qsc": half if exact16 else qsc}, v, 32)
 
 
 def top_indices(x: torch.Tensor, k: int, chunk: int = 32) -> torch.Tensor:

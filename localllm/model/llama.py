@@ -23,7 +23,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import AttnMeta, default_backend, make_attention
-from .layers import DenseMatrix, LMHead, Q8Matrix, RMSNorm, RotaryEmbedding
+from .layers import DenseMatrix, LMHead, Q8Matrix, RMSNorm, RotaryEmbedding, W16Matrix
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +167,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, embed: DenseMatrix | Q8Matrix, layers: list[DecoderLayer], norm: RMSNorm,
+    def __init__(self, cfg: ModelConfig, embed: DenseMatrix | Q8Matrix | W16Matrix, layers: list[DecoderLayer], norm: RMSNorm,
                  head: LMHead, act_dtype: torch.dtype, max_positions: int, device: str = "cpu",
                  fingerprint: str | None = None, origin: dict | None = None):
         """fingerprint: identity of the weights (keys what is cached per model, e.g. compiled
@@ -178,7 +178,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm, self.head = norm, head
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype,
-                                    cfg.rotary_dim).to(device)
+                                    cfg.rotary_dim, cfg.mrope_section, cfg.mrope_interleaved).to(device)
         # Gemma 3: sliding-window layers rotate with their own base (and no scaling)
         self.rope_local = None if cfg.rope_local_theta is None else RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_local_theta, None, act_dtype, cfg.rotary_dim).to(device)
@@ -206,29 +206,43 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMeta,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: Ops | None = None) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ops: Ops | None = None,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of a flattened batch of new tokens. ops: other implementations
-        of the same ops than the ones chosen at load (the compiled step traces plain torch ops)."""
+        of the same ops than the ones chosen at load (the compiled step traces plain torch ops).
+        embeds: (rows of the batch, their embeddings): image embeddings in place of those tokens'.
+        Embeddings [n, 1 + k, hidden] (Qwen3-VL's deepstack): the first in place of the tokens', the
+        others added to their rows' residual stream after each of the first k layers."""
         ops = ops or self.ops
-        x, residual = self.embed_tokens(input_ids), None
-        for layer, kv in zip(self.layers, kv_caches):
+        x, residual = self.embed_tokens(input_ids, embeds), None
+        deep = embeds[1][:, 1:] if embeds is not None and embeds[1].dim() == 3 else None
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x, residual = self.run_layer(layer, x, residual, positions, meta, kv, ops)
+            if deep is not None and i < deep.shape[1]:  # (x joins the residual in the next add_norm)
+                x = x.index_add(0, embeds[0], deep[:, i].to(x.dtype))
         return ops.add_norm(x, residual, self.norm)[0]
 
     # the pieces of `forward` the quantizer runs one layer at a time, so it spells no math of its own
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The first residual stream: embedding rows in the activation dtype, Gemma's scale applied."""
+    def embed_tokens(self, input_ids: torch.Tensor, embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
+        """The first residual stream: embedding rows in the activation dtype, Gemma's scale applied;
+        `embeds` (rows, values) replace rows after the scale (image embeddings, as transformers)."""
         x = self.embed.rows(input_ids).to(self.act_dtype)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if embeds is not None:
+            rows = embeds[1] if embeds[1].dim() == 2 else embeds[1][:, 0]
+            x = x.index_copy(0, embeds[0], rows.to(x.dtype))
         return x
 
     def run_layer(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                   meta: AttnMeta, kv: tuple[torch.Tensor, torch.Tensor], ops: Ops | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer with this model's ops (or `ops`), RoPE table (local or global) and scale."""
+        """One decoder layer with this model's ops (or `ops`), RoPE table (local or global) and scale.
+        positions: [T], or [3, T] M-RoPE positions (Qwen-VL steps with image tokens)."""
         ops = ops or self.ops
-        return ops.layer(layer, x, residual, positions, meta, kv, ops, self.layer_rope(layer), self.scale)
+        rope, positions = self.layer_rope(layer).at(positions)
+        return ops.layer(layer, x, residual, positions, meta, kv, ops, rope, self.scale)
 
     def layer_rope(self, layer: DecoderLayer) -> RotaryEmbedding:
         return self.rope_local if layer.window and self.rope_local is not None else self.rope

@@ -9,6 +9,7 @@ re-quantized. Elsewhere GGUF Q4_0/Q4_1 stay int4 and the rest is dequantized.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -37,6 +38,7 @@ from .layers import (
     Q8Matrix,
     RMSNorm,
     W16Linear,
+    W16Matrix,
 )
 from .llama import DecoderLayer, LlamaModel
 from .moe import MoE, expert_tensor_names, make_experts
@@ -170,16 +172,22 @@ def _gguf_kernel_linear(weights: GGUFWeights, names: list[str], bias: torch.Tens
     """A GGUF linear on our CPU kernels, each part on the kernel of its type (a K-quant mix stores
     the parts of one fused layer in different types): runs of parts sharing a kernel become one
     matrix, several runs a ConcatLinear. The weights are exactly the file's values."""
-    kernels = []
+    kernels, keys = [], []
     for name in names:
         n, k = weights._tensor(name).shape
-        kernels.append(_gguf_kernel(weights.kind(name), n, k))
+        kind = weights.kind(name)
+        kernels.append(_gguf_kernel(kind, n, k))
+        # int8-lane parts stack only with parts of their own group and zero point: each keeps the
+        # file's bytes per weight (a Q5_0 q/k beside a Q8_0 v took 0.75 bytes a weight, not 0.69)
+        keys.append((kernels[-1], gguf_blocks.stack_key(kind)) if kernels[-1] == "int8" else (kernels[-1],))
     runs: list[tuple[str, list[str]]] = []
-    for name, kern in zip(names, kernels):
-        if runs and runs[-1][0] == kern:
+    last = None
+    for name, kern, key in zip(names, kernels, keys):
+        if runs and last == key:
             runs[-1][1].append(name)
         else:
             runs.append((kern, [name]))
+        last = key
     sizes = [sum(weights._tensor(n).shape[0] for n in run) for _, run in runs]
     biases = [None] * len(runs) if bias is None else list(bias.split(sizes))
     linears = [_gguf_run_linear(weights, run, kern, b) for (kern, run), b in zip(runs, biases)]
@@ -228,6 +236,30 @@ def _trim_heap() -> None:
         pass
 
 
+@contextlib.contextmanager
+def _lean_heap():
+    """While a checkpoint is converted, allocations of 128 KiB and more get their own mappings
+    (glibc's M_MMAP_THRESHOLD), so every temporary of a conversion goes back to the OS when
+    freed. With glibc's default the threshold climbs to the size of the first freed temporary and
+    later ones share the heap with the layers being kept: the holes between them are never
+    returned (a Q4_K_M 135M file's first load peaked at 646 MB, 471 MB this way). Afterwards
+    the limits glibc's own adaptation reaches (32 MiB, trim at 64 MiB), with the heap trimmed."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt, trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        yield
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 128 << 10)
+    try:
+        yield
+    finally:
+        mallopt(m_mmap_threshold, 32 << 20)
+        mallopt(m_trim_threshold, 64 << 20)
+        trim(0)
+
+
 def _moe_block(weights: Weights, cfg: ModelConfig, layer: int, mode: str, act_dtype: torch.dtype, device: str,
                cpu_kernel: bool, cache: ConvertCache | None) -> MoE:
     """One MoE layer: the router exact in fp32, each expert's gate/up (one fused linear) and down
@@ -271,6 +303,12 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
                max_model_len: int | None = None, fast_head: bool = True, cpu_kernels: bool = True) -> ModelHandle:
     """cpu_kernels=False: torch's own int4 kernel on CPU instead of ours (what a CPU without
     AVX2 runs; for comparisons)."""
+    with _lean_heap():
+        return _load_model(path, precision, device, max_model_len, fast_head, cpu_kernels)
+
+
+def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_len: int | None, fast_head: bool,
+                cpu_kernels: bool) -> ModelHandle:
     origin = {"path": str(Path(path).resolve()), "precision": precision, "device": device,
               "max_model_len": max_model_len, "fast_head": fast_head, "cpu_kernels": cpu_kernels}
     weights = open_weights(path)
@@ -308,13 +346,17 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
         # they are where rounding flips tokens
         head_dtype = torch.float32 if device == "cpu" else act_dtype
 
-        def exact(name: str) -> DenseMatrix | Q8Matrix:
+        def exact(name: str) -> DenseMatrix | Q8Matrix | W16Matrix:
             from localllm_kernels import cpu_q8
 
             if device == "cpu" and isinstance(weights, GGUFWeights) and cpu_q8.load():
                 blocks = weights.q8_blocks(name)
                 if blocks is not None:
                     return Q8Matrix(blocks)
+            # stored in 16 bits (GGUF F16/BF16, HF bf16/fp16): kept so, exact, where our kernel runs
+            if (device == "cpu" and mode in ("int4", "int8", "w16") and w16.stored_dtype(weights, name) in w16.DTYPES
+                    and w16.kernel_available()):
+                return W16Matrix(w16.tensor16(weights, name))
 
             def build():
                 return weights.dense(name).to(device, head_dtype)
@@ -332,7 +374,7 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     head = LMHead(head_w, fast_greedy=fast_greedy, device=device, fast=fast, cpu_kernel=cpu_kernels,
                   softcap=cfg.final_logit_softcap)
     if cache and not cache.intact():  # the layers hold a damaged file's tensors: convert anew
-        return load_model(path, precision, device, max_model_len, fast_head, cpu_kernels)
+        return _load_model(path, precision, device, max_model_len, fast_head, cpu_kernels)
     if cache:
         cache.save()
     # which int4 kernel(s) the layers call (also inside ConcatLinear): a compiled graph bakes it in
@@ -366,4 +408,15 @@ def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "
     # the real model against the fp32 cache (bench/check_kv.py): perplexity +0.001%, greedy tokens
     # 599/599 equal. fp16, not bf16 (+0.02%, 3 flips). --quant float32 keeps the exact fp32 cache.
     kv_dtype = torch.float16 if device == "cpu" and mode in ("int4", "int8", "w16") else act_dtype
-    return ModelHandle(model, tokenizer, cfg, eos, desc, kv_dtype, str(path), max_len)
+    vision = _vision(path, weights, tokenizer, device, act_dtype)
+    return ModelHandle(model, tokenizer, cfg, eos, desc, kv_dtype, str(path), max_len, vision=vision)
+
+
+def _vision(path, weights: Weights, tokenizer, device: str, act_dtype: torch.dtype):
+    """The vision tower of a vision-language checkpoint, in the activation dtype (fp32 on CPU: the
+    tower runs once per image, so its exactness costs little)."""
+    if not isinstance(weights, HFWeights):
+        return None
+    from .vision.load import load_vision
+
+    return load_vision(Path(path), weights.raw_config, weights.has, weights.dense, tokenizer, device, act_dtype)

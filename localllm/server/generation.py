@@ -23,6 +23,7 @@ from .openai_schema import APIError
 
 if TYPE_CHECKING:  # for the annotations only: importing the engine loads torch
     from ..engine.engine import LLMEngine, RequestOutput
+    from ..model.vision import ImagePrompt
     from ..sampling import SamplingParams
     from ..tokenizer import LLMTokenizer
 
@@ -35,9 +36,16 @@ class ShutdownError(RuntimeError):
 
 
 # ---- the engine loop thread --------------------------------------------------------------------
+def _text_of(content) -> str:
+    """A message's text: its string, or its text parts (image parts aside)."""
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if p.get("type") == "text")
+    return content or ""
+
+
 @dataclass
 class _Pending:
-    prompt: list[int]
+    prompt: list[int] | ImagePrompt  # (localllm.model.vision)
     params: SamplingParams
     request_id: str
     # called with each RequestOutput, or with the exception that ends the request
@@ -216,8 +224,11 @@ class Generation:
             adm.live += 1
         try:
             # off the event loop (and off the engine thread, which would stall every stream)
+            from ..model.vision import ImagePrompt
+
             ids = [await asyncio.to_thread(self._encode, p) for p in self.prompts]
-            self.prompt_ids = ids
+            # an ImagePrompt (ids and images) goes to the engine whole; its ids are the prompt's
+            self.prompt_ids = [p.ids if isinstance(p, ImagePrompt) else p for p in ids]
             # a constraint compiles here (a worker process, then a thread): never on the event
             # loop, never on the engine's thread (add_request then only copies the matcher)
             for c in dict.fromkeys(p.constraint for _, p in self.jobs if p.constraint is not None):
@@ -247,7 +258,7 @@ class Generation:
         prompt whose bytes alone prove it is longer than the context, without tokenizing it."""
         engine, bound = self.model.engine, self.model.token_bytes
         if bound and not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
-            texts = [prompt] if isinstance(prompt, str) else [m.get("content") or "" for m in prompt]
+            texts = [prompt] if isinstance(prompt, str) else [_text_of(m.get("content")) for m in prompt]
             nbytes = sum(len(t.encode("utf-8")) for t in texts)
             least = nbytes // bound
             if least >= engine.max_model_len:

@@ -7,8 +7,8 @@ answers with the same tokens on either API. Streams are newline-delimited JSON, 
 nanoseconds and errors are {"error": "..."}, as Ollama sends them. `format` (JSON mode or a
 schema) holds the output to it; `think` reaches the chat template (enable_thinking) and a
 reasoning model's <think> text comes back as `thinking`; `tools` reach the template and the calls
-the model writes come back as message.tool_calls. What we cannot honour (images) is a 400 naming
-the field, never silently dropped;
+the model writes come back as message.tool_calls; `images` (base64) go to a vision model (a
+text-only one answers 400). What we cannot honour is a 400 naming the field, never silently dropped;
 routes we do not serve (create, push, copy, blobs) are a 501; embeddings are embeddings.py's.
 """
 
@@ -178,11 +178,9 @@ def _now_iso() -> str:
     return iso(time.time())
 
 
-def _refuse_unsupported(body: _GenBody, images: bool = False) -> None:
+def _refuse_unsupported(body: _GenBody) -> None:
     if body.think is not None and not isinstance(body.think, bool):
         raise APIError(400, f"think must be true or false, got {body.think!r}", param="think")
-    if images:
-        raise APIError(400, "images are not supported: the served models are text-only", param="images")
     o = body.options
     if o is not None:
         if o.num_ctx is not None and o.num_ctx < 1:
@@ -192,6 +190,26 @@ def _refuse_unsupported(body: _GenBody, images: bool = False) -> None:
         for name in ("typical_p", "tfs_z"):
             if getattr(o, name) not in (None, 1.0):
                 raise APIError(400, f"options.{name} is not supported by this server", param=f"options.{name}")
+
+
+def with_images(text: str, images: list[Any] | None, param: str) -> str | list[dict]:
+    """A message's text and Ollama's base64 images -> content parts for the chat template (the
+    images first, then the text, as Ollama renders them); the text alone without images."""
+    if not images:
+        return text
+    from ..model.vision import ImageInputError
+    from ..model.vision.images import decode_base64
+
+    out = []
+    for i, im in enumerate(images):
+        if not isinstance(im, str):
+            raise APIError(400, f"{param}[{i}] must be a base64 string", param=param)
+        try:
+            out.append({"type": "image", "image": decode_base64(im.removeprefix("data:").partition(";base64,")[2]
+                                                                if im.startswith("data:") else im, f"{param}[{i}]")})
+        except ImageInputError as e:
+            raise APIError(400, str(e), param=param) from None
+    return [*out, {"type": "text", "text": text}]
 
 
 def sampling_params(options: Options | None, constraint=None):
@@ -324,7 +342,7 @@ def router(state: ServerState) -> APIRouter:
                 "details": _details(m, info), "model_info": model_info,
                 "capabilities": [info["kind"]] if info.get("kind") else [
                     "completion", *(["insert"] if info.get("fill_in_middle") else []), "tools",
-                    *(["thinking"] if reasons(template) else [])],
+                    *(["thinking"] if reasons(template) else []), *(["vision"] if info.get("vision") else [])],
                 "modified_at": iso(m.modified)}
 
     @api.get("/api/ps")
@@ -343,7 +361,7 @@ def router(state: ServerState) -> APIRouter:
     @api.post("/api/chat")
     async def chat(body: ChatRequest, request: Request):
         state.metrics.http_requests += 1
-        _refuse_unsupported(body, any(m.images for m in body.messages))
+        _refuse_unsupported(body)
         keep_alive = parse_keep_alive(body.keep_alive)
         if not body.model:
             raise APIError(400, "model is required", param="model")
@@ -356,15 +374,18 @@ def router(state: ServerState) -> APIRouter:
         except ToolError as e:
             raise APIError(400, str(e), param=e.param) from None
         messages = template_messages([
-            {"role": m.role, "content": m.content or "", **({"tool_calls": m.tool_calls} if m.tool_calls else {}),
-             **({"name": m.tool_name} if m.tool_name else {})} for m in body.messages])
+            {"role": m.role, "content": with_images(m.content or "", m.images, f"messages[{i}].images"),
+             **({"tool_calls": m.tool_calls} if m.tool_calls else {}),
+             **({"name": m.tool_name} if m.tool_name else {})} for i, m in enumerate(body.messages)])
         return await _run(state, body.model, messages, body.options, keep_alive, body.stream, request, True,
                           body.format, body.think, (tools, body.tools) if tools else None)
 
     @api.post("/api/generate")
     async def generate(body: GenerateRequest, request: Request):
         state.metrics.http_requests += 1
-        _refuse_unsupported(body, bool(body.images))
+        _refuse_unsupported(body)
+        if body.images and (body.raw or body.suffix):
+            raise APIError(400, "images need a chat prompt: not with raw or suffix", param="images")
         for name in ("template", "context"):
             if getattr(body, name):
                 raise APIError(400, f"{name} is not supported by this server", param=name)
@@ -379,7 +400,7 @@ def router(state: ServerState) -> APIRouter:
             prompt = body.prompt
         else:
             prompt = ([{"role": "system", "content": body.system}] if body.system else []) + [
-                {"role": "user", "content": body.prompt}]
+                {"role": "user", "content": with_images(body.prompt, body.images, "images")}]
         return await _run(state, body.model, prompt, body.options, keep_alive, body.stream, request, False, body.format,
                           body.think)
 

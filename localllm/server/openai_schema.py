@@ -211,22 +211,43 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
+def image_part(url: Any, where: str) -> dict:
+    """An OpenAI image_url part's data: URL -> our image part (its bytes, decoded with the prompt)."""
+    from ..model.vision import ImageInputError
+    from ..model.vision.images import decode_data_url
+
+    if isinstance(url, dict):
+        url = url.get("url")
+    if not isinstance(url, str):
+        raise APIError(400, f"{where}: a part of type 'image_url' needs image_url.url (a data: URL)", param=where)
+    try:
+        return {"type": "image", "image": decode_data_url(url, f"{where}.image_url")}
+    except ImageInputError as e:
+        raise APIError(400, str(e), param=where) from None
+
+
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """ChatMessage models -> {"role", "content"} dicts for the chat template (text parts joined)."""
+    """ChatMessage models -> {"role", "content"} dicts for the chat template: text parts joined,
+    or, with images, a list of text and image parts ({"type": "image", "image": bytes})."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
-            texts = []
+            items = []
             for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                if part.get("type") == "image_url":
+                    items.append(image_part(part.get("image_url"), where))
+                    continue
                 if part.get("type") != "text":
-                    raise APIError(400, f"messages[{i}].content[{j}]: only text content parts are supported "
+                    raise APIError(400, f"{where}: only text and image_url content parts are supported "
                                         f"(got type {part.get('type')!r})", param=f"messages[{i}].content")
                 if not isinstance(part.get("text"), str):
-                    raise APIError(400, f"messages[{i}].content[{j}]: a part of type 'text' needs a 'text' string",
+                    raise APIError(400, f"{where}: a part of type 'text' needs a 'text' string",
                                    param=f"messages[{i}].content")
-                texts.append(part["text"])
-            content = "".join(texts)
+                items.append({"type": "text", "text": part["text"]})
+            content = (items if any(p["type"] == "image" for p in items)
+                       else "".join(p["text"] for p in items))
         d = {"role": m.role, "content": content or ""}
         for key in ("tool_calls", "tool_call_id", "name"):
             if getattr(m, key) is not None:
