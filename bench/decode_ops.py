@@ -1,5 +1,6 @@
-"""Eager decode with the plain torch ops vs our fused CPU ops (localllm.model.cpu_ops) vs the
-compiled step, in one process, interleaved: CPU time and wall time per token (issue 31, item 1).
+"""Eager decode with the plain torch ops vs our fused CPU ops (localllm.model.cpu_ops) called one
+by one from Python vs the same ops as one C++ call per layer (the default) vs the compiled step, in
+one process, interleaved: CPU time and wall time per token (issue 31, item 1).
 
     python bench/decode_ops.py [--model PATH] [--threads 1] [--tokens 64] [--rounds 7] [--profile]
 
@@ -20,6 +21,8 @@ import torch
 def main() -> None:
     from localllm.config import EngineConfig
     from localllm.engine.engine import LLMEngine
+    from localllm.model.cpu_ops import fused_cpu_ops
+    from localllm.model.llama import Ops
     from localllm.model.loader import load_model
     from localllm.registry import resolve_model
     from localllm.sampling import SamplingParams
@@ -38,7 +41,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
 
     engines = {}
-    for name, fused in (("eager, torch ops", False), ("eager, fused ops", True)):
+    for name, fused in (("eager, torch ops", False), ("eager, fused ops one by one", "ops"),
+                        ("eager, fused ops, one call per layer", True)):
         engines[name] = (LLMEngine(loaded, EngineConfig(num_kv_blocks=64, compile=False)), fused)
     step = LLMEngine(loaded, EngineConfig(num_kv_blocks=64, compile=True, background_build=False))
     if step.runner.captured is not None and step.runner.captured._runner("d1") is not None:
@@ -46,7 +50,9 @@ def main() -> None:
 
     def run(name: str) -> tuple[float, float, list[int]]:
         eng, fused = engines[name]
-        model.use_attention("torch", fused_cpu=fused)
+        model.use_attention("torch", fused_cpu=bool(fused))
+        if fused == "ops":
+            model.ops = fused_cpu_ops(Ops.for_backend("torch"), one_call_layers=False)
         c0 = w0 = last = None
         for last in eng.generate(msgs, params):  # noqa: B007 (the last output holds the tokens)
             if c0 is None:  # the first token is out: the prefill is behind us
@@ -74,7 +80,7 @@ def main() -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        for name in ("eager, torch ops", "eager, fused ops"):
+        for name in ("eager, fused ops one by one", "eager, fused ops, one call per layer"):
             with profile(activities=[ProfilerActivity.CPU]) as p:
                 run(name)
             print(f"\n{name}:\n" + p.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))

@@ -12,6 +12,7 @@ from conftest import make_engine
 from localllm_kernels import cpu_fused
 from test_engine import prompts, run_all
 
+from localllm.model.cpu_ops import decode_layer_args
 from localllm.model.layers import RotaryEmbedding
 from localllm.sampling import SamplingParams
 
@@ -139,6 +140,10 @@ def test_bad_inputs_are_refused_with_the_reason():
         torch.ops.localllm.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-6)
     with pytest.raises(RuntimeError, match="force must be auto, avx512, avx2 or generic"):
         cpu_fused.isa("sse2")
+    with pytest.raises(RuntimeError, match=r"weights must be the 10 \(or 12, with q/k norms\) tensors of a layer"):
+        torch.ops.localllm.decode_layer(qkv, None, [qkv], [0] * 13, [0.0] * 4, torch.tensor([0]), cos, cos, kc,
+                                        kc.clone(), torch.tensor([0]), torch.tensor([[0]]), torch.tensor([0, 1]),
+                                        torch.tensor([1]), 64, 1.0)
 
 
 # ---- the model on the fused ops vs the plain torch ops ------------------------------------------
@@ -149,7 +154,44 @@ def tiny_int4(tiny_gguf):
 
     loaded = load_model(tiny_gguf, "auto")
     assert loaded.model.ops.attend.__module__ == "localllm.model.cpu_ops"  # chosen at load on CPU
+    # ... and so is the one-call layer: every layer's linears are on our int4 kernel
+    assert loaded.model.ops.layer.__module__ == "localllm.model.cpu_ops"
+    assert all(decode_layer_args(layer) is not None for layer in loaded.model.layers)
     return loaded
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
+def test_one_call_layers_equal_the_ops_one_by_one(tiny_int4, isa, kv_dtype):
+    """torch.ops.localllm.decode_layer runs the fused ops' sequence in C++: the same bits as the
+    ops called one by one from Python (hidden states and every cache slot written), for the steps it
+    takes (decode alone and batched, a speculative verify, a prefix-hit extend), on each path."""
+    from localllm.model.attention import describe_batch
+    from localllm.model.cpu_ops import fused_cpu_ops
+    from localllm.model.llama import Ops
+
+    m = tiny_int4.model
+    one_by_one = fused_cpu_ops(Ops.for_backend("torch"), one_call_layers=False)
+    assert m.ops.layer is not one_by_one.layer
+    g = torch.Generator().manual_seed(3)
+    # (new tokens, context) per sequence: decode at batch 1 and 3, a 4-token verify, an extend
+    for lens in ([(1, 21)], [(1, 21), (1, 40), (1, 7)], [(4, 24)], [(13, 45)]):
+        W = 4
+        tables = torch.tensor([[1 + b * W + j for j in range(W)] for b in range(len(lens))])
+        pos, meta = describe_batch(tables, [n for n, _ in lens], [c for _, c in lens], 16)
+        ids = torch.randint(3, 1000, (pos.shape[0],), generator=g)
+        kv0 = m.new_kv_cache(1 + W * len(lens), 16, kv_dtype)
+        for k, v in kv0:  # the cached prefix: any numbers, the same for both
+            k.copy_(torch.randn(k.shape, generator=g))
+            v.copy_(torch.randn(v.shape, generator=g))
+        for avx2 in (False, True):  # the int4 GEMM's VNNI path (where the CPU has it) and its AVX2 one
+            torch.ops.localllm.int4_isa(avx2)
+            try:
+                kv1, kv2 = ([(k.clone(), v.clone()) for k, v in kv0] for _ in range(2))
+                h0, h1 = m(ids, pos, meta, kv1, one_by_one), m(ids, pos, meta, kv2)
+            finally:
+                torch.ops.localllm.int4_isa(False)
+            assert torch.equal(h0, h1), (lens, avx2)
+            assert all(torch.equal(a, b) for p1, p2 in zip(kv1, kv2) for a, b in zip(p1, p2)), (lens, avx2)
 
 
 def plain_and_fused(loaded, fn):

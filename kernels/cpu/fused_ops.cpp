@@ -20,6 +20,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -33,6 +34,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -443,6 +445,76 @@ at::Tensor act_mul(const at::Tensor& gate_up, bool gelu) {
 at::Tensor silu_mul(const at::Tensor& gate_up) { return act_mul(gate_up, false); }
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) { return act_mul(gate_up, true); }
 
+// ---- one decoder layer's decode step ------------------------------------------------------------
+
+// y = x W^T by our int4 GEMM (int4_gemm.cpp, another library: reached through the dispatcher from
+// C++, ~0.2 us, where a call from Python costs ~6 us), its padded columns cut to n
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group, int64_t n) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("localllm::int4_gemm", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  at::Tensor y = op.call(x, w, sc, group);
+  return y.size(1) == n ? y : y.narrow(1, 0, n);
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                           const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("localllm::paged_attention", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, double, int64_t, double)>();
+  return op.call(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window, softcap);
+}
+
+// decode_layer: llama.py's DecoderLayer.forward for a layer whose four linears are int4 (our GEMM)
+// and which has no output norms or experts, as the same sequence of our ops the fused Ops set
+// calls one by one from Python (cpu_ops.py): add_rms_norm, qkv GEMM, rope_store, paged attention,
+// o GEMM, add_rms_norm, gate_up GEMM, silu_mul / gelu_tanh_mul, down GEMM; the same kernels, so
+// the same bits, with no Python between them (at batch 1 the ~10 calls of a layer from Python
+// cost ~3 ms per token on the 135M model: as much as a third of its GEMMs).
+//   weights: input norm, qkv (w, scales), o (w, scales), post norm, gate_up (w, scales), down
+//            (w, scales)[, q norm, k norm]
+//   ints: group size and out features of qkv, o, gate_up, down; H, KVH, D, window, gelu
+//   floats: input norm eps, post norm eps, q/k norm eps, softcap
+// (rotary_dim and scale come with the call: they are the model's, not the layer's)
+// -> (the MLP's output, the residual stream), as DecoderLayer.forward.
+std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                                at::TensorList weights, at::IntArrayRef ints,
+                                                at::ArrayRef<double> floats, const at::Tensor& positions,
+                                                const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                                                at::Tensor& v_cache, const at::Tensor& slots,
+                                                const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                                                const at::Tensor& context_lens, int64_t rotary_dim,
+                                                double scale) {
+  TORCH_CHECK(weights.size() == 10 || weights.size() == 12,
+              "decode_layer: weights must be the 10 (or 12, with q/k norms) tensors of a layer, got ",
+              weights.size());
+  TORCH_CHECK(ints.size() == 13 && floats.size() == 4, "decode_layer: 13 ints and 4 floats, got ", ints.size(),
+              " and ", floats.size());
+  const int64_t H = ints[8], KVH = ints[9], D = ints[10];
+  std::optional<at::Tensor> qw, kw;
+  if (weights.size() == 12) qw = weights[10], kw = weights[11];
+  at::Tensor h, r;
+  if (residual) {
+    std::tie(h, r) = add_rms_norm(x, *residual, weights[0], floats[0]);
+  } else {
+    h = rms_norm(x, weights[0], floats[0]);
+    r = x;
+  }
+  const at::Tensor qkv = int4_linear(h, weights[1], weights[2], ints[0], ints[1]);
+  const at::Tensor q = rope_store(qkv, positions, cos, sin, k_cache, v_cache, slots, H, KVH, D, rotary_dim, qw, kw,
+                                  floats[2]);
+  const at::Tensor att = paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                                         ints[11], floats[3]);
+  const at::Tensor a = int4_linear(att.view({att.size(0), H * D}), weights[3], weights[4], ints[2], ints[3]);
+  auto [h2, r2] = add_rms_norm(a, r, weights[5], floats[1]);
+  const at::Tensor gu = int4_linear(h2, weights[6], weights[7], ints[4], ints[5]);
+  const at::Tensor out = int4_linear(act_mul(gu, ints[12] != 0), weights[8], weights[9], ints[6], ints[7]);
+  return {out, r2};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
@@ -453,6 +525,9 @@ TORCH_LIBRARY_FRAGMENT(localllm, m) {
         "Tensor slots, int H, int KVH, int D, int rotary_dim, Tensor? q_w, Tensor? k_w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
+  m.def("decode_layer(Tensor x, Tensor? residual, Tensor[] weights, int[] ints, float[] floats, Tensor positions, "
+        "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, "
+        "Tensor cu_seqlens_q, Tensor context_lens, int rotary_dim, float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
@@ -461,4 +536,5 @@ TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("rope_store", &rope_store);
   m.impl("silu_mul", &silu_mul);
   m.impl("gelu_tanh_mul", &gelu_tanh_mul);
+  m.impl("decode_layer", &decode_layer);
 }

@@ -7,6 +7,11 @@ issue 31). The math is the torch ops' (llama.py's `add_norm`, `split_rope_attend
 the residual adds, RoPE and the cache writes bit-exact, the norms and activations within a few
 ulp. Anything the fused ops do not cover (other activation dtypes, a fresh prompt that attends
 with SDPA) runs the plain ops.
+
+A layer whose linears are all on our int4 kernel takes its decode-sized steps (decode, verify,
+prefix-hit extend: below the rows where the GEMMs go dense) as one C++ call, `Ops.layer` ->
+torch.ops.localllm.decode_layer: the same ops in the same order, so the same bits, without the ~10
+Python-to-dispatcher hops per layer that left the eager step 1.4x the compiled one's time.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import dataclasses
 import torch
 
 from .attention import SDPA_MIN_TOKENS, AttnMeta
-from .layers import RMSNorm, RotaryEmbedding
+from .layers import Int4Linear, RMSNorm, RotaryEmbedding
 
 
-def fused_cpu_ops(plain):
+def fused_cpu_ops(plain, one_call_layers: bool = True):
     """`plain` (llama.Ops of plain torch ops) with the fused ops where our library loads; `plain`
-    itself when it does not (no C++ compiler)."""
+    itself when it does not (no C++ compiler). one_call_layers: a decode step's layer (int4
+    linears) runs as one C++ call of the same ops (`Ops.layer`); False: the ops one by one from
+    Python (tests compare the two)."""
     from localllm_kernels import cpu_attention, cpu_fused
 
     if not (cpu_fused.load() and cpu_attention.load()):
@@ -59,7 +66,65 @@ def fused_cpu_ops(plain):
                                                  float(layer.softcap or 0.0))
         return out.view(qkv.shape[0], layer.H * layer.D)
 
-    return dataclasses.replace(plain, add_norm=add_norm, act=act, gelu_act=gelu_act, attend=attend)
+    decode_layer = torch.ops.localllm.decode_layer.default  # (the packet's overload lookup: ~1 us a call)
+
+    def layer_step(layer, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttnMeta,
+                   kv: tuple[torch.Tensor, torch.Tensor], ops, rope: RotaryEmbedding, scale: float):
+        args = decode_layer_args(layer)
+        # (rope.cos goes through nn.Module.__getattr__: ~1 us; M-RoPE steps pass plain RopeRows)
+        tables = rope.__dict__.get("_buffers") or rope.__dict__
+        cos = tables["cos"]
+        if (args is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] >= args[3]
+                or cos.dtype != torch.float32 or meta.spans or uses_sdpa(meta, layer)):
+            return layer(x, residual, positions, meta, kv, ops, rope, scale)
+        return decode_layer(x, residual, args[0], args[1], args[2], positions, cos, tables["sin"], kv[0], kv[1],
+                            meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                            rope.rotary_dim, scale)
+
+    ops = dataclasses.replace(plain, add_norm=add_norm, act=act, gelu_act=gelu_act, attend=attend)
+    return dataclasses.replace(ops, layer=layer_step) if one_call_layers else ops
+
+
+def decode_layer_args(layer) -> tuple | None:
+    """(weights, ints, floats, rows below which it applies) of `layer` for the one-call decode step
+    (torch.ops.localllm.decode_layer: the fused ops' sequence for one layer in C++), or None where
+    that does not apply: a linear that is not on our int4 kernel (or has a bias), experts, Gemma's
+    output norms, norms in another dtype. Kept in the layer's __dict__ (nn.Module's attribute
+    lookups cost ~1 us each, ~20 of them a layer) and checked against each linear's own cached
+    decode arguments, which `.to()` and the like drop."""
+    d = layer.__dict__
+    cached = d.get("_fused_decode")
+    if cached is not None:
+        for lin_dict, fast in cached[0]:
+            if lin_dict.get("_decode", False) is not fast:
+                break
+        else:
+            return cached[1]
+    mods = d["_modules"]
+    lins = [mods.get(n) for n in ("qkv", "o", "gate_up", "down")]
+    if not all(isinstance(m, Int4Linear) for m in lins):
+        d["_fused_decode"] = ([], None)
+        return None
+    fast = [m.decode_args() for m in lins]
+    args = _layer_args(layer, fast)
+    d["_fused_decode"] = ([(m.__dict__, f) for m, f in zip(lins, fast)], args)
+    return args
+
+
+def _layer_args(layer, fast: list) -> tuple | None:
+    qn, kn = layer.q_norm, layer.k_norm
+    norms = [layer.input_norm, layer.post_norm] + ([qn, kn] if qn is not None else [])
+    if (any(f is None for f in fast) or layer.moe is not None or layer.attn_out_norm is not None
+            or layer.mlp_out_norm is not None or any(n.weight.dtype != torch.float32 for n in norms)
+            or (qn is not None and kn.eps != qn.eps)):
+        return None
+    (qw, qs, qg, qn_, qr), (ow, os_, og, on, orr), (gw, gs, gg, gn, gr), (dw, ds, dg, dn, dr) = fast
+    weights = [layer.input_norm.weight, qw, qs, ow, os_, layer.post_norm.weight, gw, gs, dw, ds]
+    if qn is not None:
+        weights += [qn.weight, kn.weight]
+    ints = [qg, qn_, og, on, gg, gn, dg, dn, layer.H, layer.KVH, layer.D, int(layer.window or 0), int(layer.gelu)]
+    floats = [layer.input_norm.eps, layer.post_norm.eps, 1e-6 if qn is None else qn.eps, float(layer.softcap or 0.0)]
+    return weights, ints, floats, min(qr, orr, gr, dr)
 
 
 def uses_sdpa(meta: AttnMeta, layer) -> bool:

@@ -132,11 +132,16 @@ class Int4Linear(nn.Module):
         rows = self.dense_min_rows if self.dense is not None else 1 << 62
         return self.qw, self.qsc, self.group_size, self.out_features, rows
 
+    def decode_args(self) -> tuple | None:
+        """_decode_args(), computed once (the fused CPU ops' decode step reads it too)."""
+        fast = self.__dict__.get("_decode", False)
+        if fast is False:
+            fast = self.__dict__["_decode"] = self._decode_args()
+        return fast
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():  # a traced step must see the buffers themselves
-            fast = self.__dict__.get("_decode", False)
-            if fast is False:
-                fast = self.__dict__["_decode"] = self._decode_args()
+            fast = self.decode_args()
             if fast is not None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] < fast[4]:
                 # the decode step's case, in one call (the general path below costs ~6 more per layer)
                 y = torch.ops.localllm.int4_gemm(x, fast[0], fast[1], fast[2])

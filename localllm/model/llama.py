@@ -75,6 +75,12 @@ def split_rope_attend(layer: DecoderLayer, qkv: torch.Tensor, positions: torch.T
                          layer.softcap)
 
 
+def run_decoder_layer(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                      meta: AttnMeta, kv: tuple[torch.Tensor, torch.Tensor], ops: Ops, rope: RotaryEmbedding,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer(x, residual, positions, meta, kv, ops, rope, scale)
+
+
 def rope_fused(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding):
     from localllm_kernels import apply_rope
 
@@ -95,6 +101,8 @@ class Ops:
     act: Callable  # gate_up -> silu(gate) * up
     gelu_act: Callable = gelu_tanh_mul  # gate_up -> gelu_tanh(gate) * up (Gemma)
     attend: Callable = split_rope_attend  # (layer, qkv, positions, meta, kv, ops, rope, scale) -> [T, H*D]
+    # (layer, x, residual, positions, meta, kv, ops, rope, scale) -> DecoderLayer.forward's result
+    layer: Callable = run_decoder_layer
 
     @classmethod
     def for_backend(cls, backend: str, fused_cpu: bool = False) -> Ops:
@@ -232,8 +240,9 @@ class LlamaModel(nn.Module):
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer with this model's ops (or `ops`), RoPE table (local or global) and scale.
         positions: [T], or [3, T] M-RoPE positions (Qwen-VL steps with image tokens)."""
+        ops = ops or self.ops
         rope, positions = self.layer_rope(layer).at(positions)
-        return layer(x, residual, positions, meta, kv, ops or self.ops, rope, self.scale)
+        return ops.layer(layer, x, residual, positions, meta, kv, ops, rope, self.scale)
 
     def layer_rope(self, layer: DecoderLayer) -> RotaryEmbedding:
         return self.rope_local if layer.window and self.rope_local is not None else self.rope
