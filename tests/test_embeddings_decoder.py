@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from embed_reference import SENTENCES, st_model
-from test_families import TINY, gguf_tensors, tokenizer_fields
+from embed_reference import SENTENCES, qwen3_rerank_reference, st_model, tiny_qwen3_reranker
+from test_families import TINY, gguf_tensors
 
 from localllm.engine.embedder import Embedder
-from localllm.model.encoder_loader import (QWEN3_RERANK_INSTRUCTION, QWEN3_RERANK_PREFIX, QWEN3_RERANK_SUFFIX,
-                                           describe_encoder, encoder_kind, load_encoder)
+from localllm.model.encoder_loader import describe_encoder, encoder_kind, load_encoder
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,11 +77,17 @@ def write_qwen3_gguf(model, out: Path, tokenizer_gguf: Path) -> Path:
     writes a Qwen3-Embedding GGUF."""
     import gguf
 
-    cfg = model.config
+    from localllm.model.gguf import read_gguf
+
+    cfg, meta = model.config, read_gguf(tokenizer_gguf).metadata
     w = gguf.GGUFWriter(str(out), "qwen3")
-    for key, val, vtype, sub in tokenizer_fields(tokenizer_gguf):
-        if key not in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_eos_token"):
-            w.add_key_value(key, val, vtype, sub)
+    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    w.add_add_bos_token(False)
     w.add_eos_token_id(0)
     w.add_add_eos_token(True)
     w.add_block_count(cfg.num_hidden_layers)
@@ -168,31 +173,11 @@ def test_packed_decoder_batch_equals_one_at_a_time(qwen3_embedder):
 
 def test_qwen3_reranker_matches_transformers(tmp_path, smol_tokenizer):
     """p(yes) of Qwen3-Reranker's prompt, as its model card computes it with transformers."""
-    torch.manual_seed(1)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, rope_theta=1e6,
-                                                                   tie_word_embeddings=True)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(20)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    smol_tokenizer.save_hf(tmp_path)
+    model = tiny_qwen3_reranker(tmp_path, smol_tokenizer)
     emb = Embedder(load_encoder(tmp_path, kind="rerank"))
     query, docs = "What is the capital of France?", SENTENCES[:6] + [SENTENCES[47]]
     scores = emb.score(emb.tokenize_pairs([(query, d) for d in docs]))
-
-    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    prefix = tok.encode(QWEN3_RERANK_PREFIX, add_special_tokens=False)
-    suffix = tok.encode(QWEN3_RERANK_SUFFIX, add_special_tokens=False)
-    no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
-    room = emb.max_model_len - len(prefix) - len(suffix)
-    ref = []
-    for d in docs:
-        body = tok(f"<Instruct>: {QWEN3_RERANK_INSTRUCTION}\n<Query>: {query}\n<Document>: {d}",
-                   add_special_tokens=False, truncation="longest_first", max_length=room)["input_ids"]
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prefix + body + suffix])).logits[0, -1]
-        ref.append(torch.log_softmax(logits[[no, yes]], -1)[1].exp().item())
+    ref = qwen3_rerank_reference(model, tmp_path, query, docs, emb.max_model_len)
     assert np.allclose(scores.numpy(), ref, atol=1e-5), (scores, ref)
     assert len(set(np.round(ref, 4))) > 1  # the documents are told apart
 
@@ -205,7 +190,7 @@ def test_chat_model_embedding_is_its_last_hidden_state(gguf_path, hf_export_dir)
     emb = Embedder(load_encoder(gguf_path, kind="embedding", precision="float32"))
     assert (emb.loaded.pooling.mode, emb.loaded.pooling.normalize, emb.max_model_len) == ("last", True, 4096)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_export_dir, dtype=torch.float32).eval()
-    enc = emb.tokenize(TEXTS[:6])
+    enc = emb.tokenize(TEXTS[:4])
     ours = emb.embed(enc)
     with torch.no_grad():
         rows = [hf(input_ids=torch.tensor([x]), output_hidden_states=True).hidden_states[-1][0, -1] for x in enc.ids]
