@@ -31,7 +31,8 @@ from .pooling import Pooling
 ENCODER_ARCHS = {"BertModel": "embedding", "BertForMaskedLM": "embedding", "BertForPreTraining": "embedding",
                  "BertForSequenceClassification": "rerank", "XLMRobertaModel": "embedding",
                  "XLMRobertaForMaskedLM": "embedding", "RobertaModel": "embedding",
-                 "XLMRobertaForSequenceClassification": "rerank", "RobertaForSequenceClassification": "rerank"}
+                 "XLMRobertaForSequenceClassification": "rerank", "RobertaForSequenceClassification": "rerank",
+                 "NomicBertModel": "embedding"}
 
 
 # llama.cpp's `bert` tensor names (its converter's) -> HF's, without the `bert.` prefix; {i} the layer
@@ -49,7 +50,17 @@ GGUF_BERT_LAYER = {
 }
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's llama_pooling_type
 GGUF_RANK = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK (a reranker's classifier output)
-GGUF_ENCODER_ARCHS = {"bert": "embedding"}
+GGUF_ENCODER_ARCHS = {"bert": "embedding", "nomic-bert": "embedding"}
+# nomic-bert under its original (remote code) names, which llama.cpp's converter maps from: the
+# names _build_nomic reads; transformers' renamed ones (NomicBertModel) are mapped back to them
+GGUF_NOMIC_NAMES = {"token_embd.weight": "embeddings.word_embeddings.weight",
+                    "token_types.weight": "embeddings.token_type_embeddings.weight",
+                    "token_embd_norm.weight": "emb_ln.weight", "token_embd_norm.bias": "emb_ln.bias"}
+GGUF_NOMIC_LAYER = {"attn_qkv": "attn.Wqkv", "attn_output": "attn.out_proj", "ffn_up": "mlp.fc11",
+                    "ffn_gate": "mlp.fc12", "ffn_down": "mlp.fc2", "attn_output_norm": "norm1",
+                    "layer_output_norm": "norm2"}
+HF_NOMIC_RENAMED = {"self_attn.o_proj": "attn.out_proj", "mlp.up_proj": "mlp.fc11", "mlp.gate_proj": "mlp.fc12",
+                    "mlp.down_proj": "mlp.fc2", "post_attention_layernorm": "norm1", "post_mlp_layernorm": "norm2"}
 
 
 def _gguf_meta(path: Path) -> dict:
@@ -207,6 +218,22 @@ class _Tensors:
                 raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
         self.prefix = next((p for p in ("bert.", "roberta.") if p + "embeddings.word_embeddings.weight" in self.tensors),
                            "")
+        if "layers.0.self_attn.q_proj.weight" in self.tensors:  # nomic-bert as transformers writes it
+            self._nomic_original_names()
+
+    def _nomic_original_names(self) -> None:
+        t = self.tensors
+        if "embeddings.LayerNorm.weight" in t:
+            t["emb_ln.weight"], t["emb_ln.bias"] = t["embeddings.LayerNorm.weight"], t["embeddings.LayerNorm.bias"]
+        i = 0
+        while f"layers.{i}.self_attn.q_proj.weight" in t:
+            p = f"layers.{i}."
+            t[f"encoder.{p}attn.Wqkv.weight"] = torch.cat([t[f"{p}self_attn.{m}_proj.weight"] for m in "qkv"])
+            for k in list(t):
+                for new, old in ((v, k2) for k2, v in HF_NOMIC_RENAMED.items()):
+                    if k.startswith(p + old + "."):
+                        t[f"encoder.{p}{new}{k[len(p + old):]}"] = t[k]
+            i += 1
 
     def get(self, name: str, encoder: bool = True) -> torch.Tensor:
         key = (self.prefix if encoder else "") + name
@@ -230,11 +257,14 @@ class _GGUFTensors:
         except GGUFError as e:
             raise ModelLoadError(str(e)) from None
         self.path, self.prefix = path, ""
-        self.names = {hf: g for g, hf in GGUF_BERT_NAMES.items()}
+        nomic = self.file.metadata.get("general.architecture") == "nomic-bert"
+        names, layer = (GGUF_NOMIC_NAMES, GGUF_NOMIC_LAYER) if nomic else (GGUF_BERT_NAMES, GGUF_BERT_LAYER)
+        stem = "encoder.layers" if nomic else "encoder.layer"
+        self.names = {hf: g for g, hf in names.items()}
         for g in self.file.tensors:
             parts = g.split(".")
-            if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_BERT_LAYER:
-                self.names[f"encoder.layer.{parts[1]}.{GGUF_BERT_LAYER[parts[2]]}.{parts[3]}"] = g
+            if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer:
+                self.names[f"{stem}.{parts[1]}.{layer[parts[2]]}.{parts[3]}"] = g
 
     def get(self, name: str, encoder: bool = True) -> torch.Tensor:
         from .gguf import dequantize
@@ -266,7 +296,10 @@ def _gguf_config(path: Path) -> tuple[BertConfig, dict]:
                          intermediate_size=int(m("feed_forward_length")),
                          max_position_embeddings=int(m("context_length", 512)),
                          type_vocab_size=int(meta.get("tokenizer.ggml.token_type_count", 2)),
-                         layer_norm_eps=float(m("attention.layer_norm_epsilon", 1e-12)))
+                         layer_norm_eps=float(m("attention.layer_norm_epsilon", 1e-12)),
+                         **({"rope_theta": float(m("rope.freq_base", 1000.0)), "gated": True, "hidden_act": "silu",
+                             "architecture": "NomicBertModel", "model_type": "nomic_bert"}
+                            if arch == "nomic-bert" else {}))
     except (KeyError, TypeError) as e:
         raise ModelLoadError(f"{path}: GGUF metadata is missing a required key ({e})") from None
     return cfg, meta
@@ -278,7 +311,7 @@ def _load_gguf_encoder(path: Path, device: str) -> LoadedEncoder:
     from ..tokenizer import wordpiece_from_gguf
 
     cfg, meta = _gguf_config(path)
-    pooling_type = int(meta.get("bert.pooling_type", 1))
+    pooling_type = int(meta.get(f"{meta['general.architecture']}.pooling_type", 1))
     if pooling_type not in GGUF_POOLING:
         raise ModelLoadError(f"{path}: pooling_type {pooling_type} is not supported (1 mean, 2 cls, 3 last)")
     model = _build(cfg, _GGUFTensors(path), "embedding", device)
@@ -397,8 +430,29 @@ def load_encoder(path: str | os.PathLike, device: str = "cpu", kind: str | None 
                          *_st_prompts(path))
 
 
+def _build_nomic(cfg: BertConfig, w, device: str) -> BertEncoder:
+    """nomic-bert from `w`'s tensors under its original names: fused Wqkv, fc12 (gate) and fc11 (up)
+    as one gate/up linear, no linear biases."""
+    def get(name: str) -> torch.Tensor:
+        return w.get(name).to(device)
+
+    def norm(name: str) -> LayerNorm:
+        return LayerNorm(get(name + ".weight"), get(name + ".bias"), cfg.layer_norm_eps)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"encoder.layers.{i}."
+        gate_up = DenseLinear(torch.cat([get(p + "mlp.fc12.weight"), get(p + "mlp.fc11.weight")]))
+        layers.append(EncoderLayer(cfg, DenseLinear(get(p + "attn.Wqkv.weight")), DenseLinear(get(p + "attn.out_proj.weight")),
+                                   norm(p + "norm1"), gate_up, DenseLinear(get(p + "mlp.fc2.weight")), norm(p + "norm2")))
+    return BertEncoder(cfg, get("embeddings.word_embeddings.weight"), None,
+                       get("embeddings.token_type_embeddings.weight"), norm("emb_ln"), layers, None, device)
+
+
 def _build(cfg: BertConfig, w, kind: str, device: str) -> BertEncoder:
     """The encoder from `w`'s tensors under HF's names (a checkpoint's or a GGUF's)."""
+    if cfg.model_type == "nomic_bert":
+        return _build_nomic(cfg, w, device)
 
     def lin(name: str, encoder: bool = True) -> DenseLinear:
         return DenseLinear(w.get(name + ".weight", encoder).to(device), w.get(name + ".bias", encoder).to(device))
@@ -436,13 +490,14 @@ def describe_encoder(path: str | os.PathLike) -> dict:
     if path.is_file() and path.suffix == ".gguf":
         cfg, meta = _gguf_config(path)
         tensors = _GGUFTensors(path).file.tensors
-        return {"format": "gguf", "architecture": "BertModel", "kind": "embedding",
+        return {"format": "gguf", "architecture": cfg.architecture, "kind": "embedding",
                 "parameters": sum(math.prod(t.shape) for t in tensors.values()),
                 "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
                 "layers": cfg.num_layers, "heads": cfg.num_heads, "kv_heads": cfg.num_heads,
                 "vocab_size": cfg.vocab_size,
                 "quantization": ", ".join(sorted({t.qtype.name for t in tensors.values() if len(t.shape) > 1})),
-                "pooling": f"{GGUF_POOLING.get(int(meta.get('bert.pooling_type', 1)), '?')}, normalized",
+                "pooling": f"{GGUF_POOLING.get(int(meta.get(meta['general.architecture'] + '.pooling_type', 1)), '?')}, "
+                           "normalized",
                 "chat_template": None, "stop_tokens": []}
     raw = _json(path / "config.json") or {}
     try:
