@@ -180,8 +180,18 @@ def test_qwen3_reranker_matches_transformers(tmp_path, smol_tokenizer):
     ref = qwen3_rerank_reference(model, tmp_path, query, docs, emb.max_model_len)
     assert np.allclose(scores.numpy(), ref, atol=1e-5), (scores, ref)
     assert len(set(np.round(ref, 4))) > 1  # the documents are told apart
+    # the same checkpoint asked for embeddings is a chat model (no pooling files): its last token's
+    # final-norm hidden state, normalised (the embedded SmolLM2's test below is the slow one)
+    assert encoder_kind(tmp_path) is None
+    chat = Embedder(load_encoder(tmp_path, kind="embedding"))
+    enc = chat.tokenize(docs)
+    with torch.no_grad():
+        rows = [model(input_ids=torch.tensor([x]), output_hidden_states=True).hidden_states[-1][0, -1]
+                for x in enc.ids]
+    assert (chat.embed(enc) - F.normalize(torch.stack(rows), dim=-1)).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow  # two fp32 loads of the 135M model (ours, transformers')
 def test_chat_model_embedding_is_its_last_hidden_state(gguf_path, hf_export_dir):
     """The embedded SmolLM2 (a chat model, no pooling files) embeds as Ollama's llama.cpp engine
     did: the last token's final-norm hidden state, normalised; transformers on the file's
