@@ -127,7 +127,9 @@ class Packed:
     lengths: list[int]
     positions: torch.Tensor  # [T] int64: position of each token in its input
     token_types: torch.Tensor  # [T] int64
-    groups: list[tuple[int, torch.Tensor]]  # (length, row indices [n, length]) per distinct length
+    # (length, row indices [n, length], first row if the n inputs lie end to end else None) per
+    # distinct length: the embedder sorts by length, so a group is usually one contiguous block
+    groups: list[tuple[int, torch.Tensor, int | None]]
 
     @classmethod
     def of(cls, lengths: list[int], token_types: list[int] | None = None, device: str = "cpu") -> Packed:
@@ -139,7 +141,8 @@ class Packed:
         by_len: dict[int, list[int]] = {}
         for i, n in enumerate(lengths):
             by_len.setdefault(n, []).append(starts[i])
-        groups = [(n, (torch.tensor(s)[:, None] + torch.arange(n)[None]).to(device)) for n, s in by_len.items()]
+        groups = [(n, (torch.tensor(s)[:, None] + torch.arange(n)[None]).to(device),
+                   s[0] if all(b - a == n for a, b in zip(s, s[1:])) else None) for n, s in by_len.items()]
         types = torch.zeros(T, dtype=torch.long) if token_types is None else torch.tensor(token_types)
         return cls(lengths, positions.to(device), types.to(device), groups)
 
@@ -156,7 +159,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
     """q/k/v [T, H, D] -> [T, H*D]; each token attends to every token of its own input only."""
     T, H, D = q.shape
     out = q.new_empty(T, H, D)
-    for _, rows in packed.groups:  # rows [n, L]: n inputs of length L
+    for L, rows, first in packed.groups:  # rows [n, L]: n inputs of length L
+        if first is not None:  # one block of rows: views, no gather and scatter
+            block = slice(first, first + rows.numel())
+            qq, kk, vv = (t[block].view(-1, L, H, D).transpose(1, 2) for t in (q, k, v))
+            out[block] = F.scaled_dot_product_attention(qq, kk, vv, scale=scale).transpose(1, 2).reshape(-1, H, D)
+            continue
         qq, kk, vv = (t[rows].transpose(1, 2) for t in (q, k, v))  # [n, H, L, D]
         o = F.scaled_dot_product_attention(qq, kk, vv, scale=scale)
         out[rows] = o.transpose(1, 2)
