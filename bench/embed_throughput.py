@@ -1,6 +1,7 @@
 """Embedding throughput, side by side: sentences/s of 128-token sentences at batch 1 and batch 64,
 our engine vs sentence-transformers vs llama.cpp's embedding mode (llama-cpp-python,
-`Llama(path, embedding=True)`), all on all-MiniLM-L6-v2's weights (ours and sentence-transformers
+`Llama(path, embedding=True)`, with a context sized to each batch, and with a context of a few
+sentences, which its embed() fills and decodes in turn), all on all-MiniLM-L6-v2's weights (ours and sentence-transformers
 on the embedded HF directory, llama.cpp on the same weights written as an F32 GGUF by
 bench/make_embed_gguf.py; ours also on that GGUF), the same threads each.
 
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--llama-ubatch", type=int, default=4, help="sentences per llama.cpp decode in its second row")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     sys.path.insert(0, str(ROOT))
@@ -89,18 +91,25 @@ def main() -> None:
     assert all(len(st.tokenizer(t)["input_ids"]) == a.tokens for t in texts)
     import llama_cpp
 
-    n_ctx = max(batches) * a.tokens
-    # the whole batch in one ubatch: llama.cpp's encoder requires n_ubatch >= the batch's tokens (it
-    # then holds an n_ctx x n_ctx score matrix per head, masking across sequences: ~3 GiB at 64 x 128)
-    llm = llama_cpp.Llama(str(gguf_path), embedding=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
-                          n_threads=a.threads, n_threads_batch=a.threads, verbose=False)
-    assert all(len(llm.tokenize(t.encode())) == a.tokens for t in texts)
+    @functools.cache
+    def llama(n_ctx: int):
+        # n_ctx = n_batch = n_ubatch: llama.cpp's encoder takes a decode's tokens in one ubatch (a
+        # GGML_ASSERT otherwise) and attends over the whole ubatch with a mask across sequences (an
+        # n_ubatch-square score matrix per head), so the context is sized per run, never larger
+        return llama_cpp.Llama(str(gguf_path), embedding=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                               n_threads=a.threads, n_threads_batch=a.threads, verbose=False)
+
+    assert all(len(llama(a.tokens).tokenize(t.encode())) == a.tokens for t in texts)
 
     engines = {
         "localllm (HF dir)": lambda b: ours.embed(ours.tokenize(texts[:b])),
         "localllm (GGUF)": lambda b: ours_gguf.embed(ours_gguf.tokenize(texts[:b])),
         "sentence-transformers": lambda b: st.encode(texts[:b], batch_size=b, convert_to_numpy=True),
-        "llama.cpp (llama-cpp-python)": lambda b: llm.embed(texts[:b], normalize=True),
+        # the context sized to the batch (one decode of all its sentences)
+        "llama.cpp, n_ctx = batch tokens": lambda b: llama(b * a.tokens).embed(texts[:b], normalize=True),
+        # its best setting at batch 64 on this machine: a few sentences per decode (less masked attention)
+        f"llama.cpp, n_ctx = {a.llama_ubatch} sentences": lambda b: llama(min(b, a.llama_ubatch) * a.tokens).embed(
+            texts[:b], normalize=True),
     }
     ref = np.asarray(engines["sentence-transformers"](8))
     for name, fn in engines.items():
@@ -110,6 +119,9 @@ def main() -> None:
     rows = {}
     for b in batches:
         for name, fn in engines.items():
+            if name.startswith(f"llama.cpp, n_ctx = {a.llama_ubatch}") and b <= a.llama_ubatch:
+                rows[(name, b)] = rows[("llama.cpp, n_ctx = batch tokens", b)]  # the same setting
+                continue
             wall, cpu = timed(functools.partial(fn, b), a.runs)
             rows[(name, b)] = (b / wall, cpu / b)
             print(f"  {name}, batch {b}: {b / wall:.1f} sentences/s, {cpu / b * 1e3:.1f} CPU ms/sentence",

@@ -1,4 +1,4 @@
-"""A BERT embedding model's HF directory -> a GGUF under llama.cpp's `bert` names, written with the
+"""A BERT (or nomic-bert) embedding model's HF directory -> a GGUF under llama.cpp's `bert` (`nomic-bert`) names, written with the
 gguf package as llama.cpp's converter (convert_hf_to_gguf.py, BertModel) writes it: the WordPiece
 vocabulary in phantom-space form (a word-initial piece gets "▁", a "##" continuation loses it),
 the special-token ids, the pooling type from the sentence-transformers files, F32 tensors.
@@ -25,6 +25,26 @@ def phantom(token: str, special: set[str]) -> str:
     return token[2:] if token.startswith("##") else "\u2581" + token
 
 
+def _nomic_tensors(w, src: Path, cfg) -> None:
+    """nomic-bert's tensors under the names llama.cpp's converter gives them (gguf-py's own table,
+    from the original remote-code names: Wqkv, fc11 up, fc12 gate, fc2, norm1, norm2, emb_ln)."""
+    import gguf
+
+    from localllm.model.encoder_loader import _Tensors
+
+    t = _Tensors(src)  # a transformers-written checkpoint is mapped back to the original names
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NOMIC_BERT, cfg.num_layers)
+    names = ["embeddings.word_embeddings.weight", "embeddings.token_type_embeddings.weight", "emb_ln.weight",
+             "emb_ln.bias"]
+    for i in range(cfg.num_layers):
+        p = f"encoder.layers.{i}."
+        names += [p + m + ".weight" for m in ("attn.Wqkv", "attn.out_proj", "mlp.fc11", "mlp.fc12", "mlp.fc2")]
+        names += [p + m + k for m in ("norm1", "norm2") for k in (".weight", ".bias")]
+    for name in names:
+        gname = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        w.add_tensor(gname, np.ascontiguousarray(t.get(name).numpy().astype(np.float32)))
+
+
 def write_bert_gguf(src: Path, out: Path) -> Path:
     import gguf
     from safetensors.numpy import load_file
@@ -43,8 +63,11 @@ def write_bert_gguf(src: Path, out: Path) -> Path:
     vocab = tok["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     special = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
-    w = gguf.GGUFWriter(str(out), "bert")
+    nomic = cfg.model_type == "nomic_bert"
+    w = gguf.GGUFWriter(str(out), "nomic-bert" if nomic else "bert")
     w.add_name(src.name)
+    if nomic:
+        w.add_rope_freq_base(cfg.rope_theta)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
@@ -72,8 +95,10 @@ def write_bert_gguf(src: Path, out: Path) -> Path:
     w.add_bool("tokenizer.ggml.add_sep_token", False)
     lower = (tok.get("normalizer") or {}).get("lowercase", True)
     w.add_bool("tokenizer.ggml.normalizer.lowercase", bool(lower))
+    if nomic:
+        _nomic_tensors(w, src, cfg)
     tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
+    for f in ([] if nomic else sorted(src.glob("*.safetensors"))):
         tensors.update(load_file(str(f)))
     prefix = "bert." if "bert.embeddings.word_embeddings.weight" in tensors else ""
     for name, t in tensors.items():

@@ -82,3 +82,51 @@ def tiny_bert(tmp: Path, minilm_dir: Path, classifier: bool, family: str = "bert
                                                                     "pooling_mode_mean_tokens": not cls_pool}))
         (tmp / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 100}))
     return tmp
+
+
+def tiny_qwen3_reranker(out: Path, tokenizer, seed: int = 1):
+    """A random 2-layer Qwen3ForCausalLM (Qwen3-Reranker's architecture) written by transformers,
+    with `tokenizer` (an LLMTokenizer: SmolLM2's); weights scaled up from the init's 0.02 so the
+    layers, not the embedding alone, decide the logits."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=1e6,
+                                   tie_word_embeddings=True)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(20)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_hf(out)
+    return model
+
+
+def qwen3_rerank_reference(model, path: Path, query: str, docs: list[str], max_len: int) -> list[float]:
+    """p(yes) per document as Qwen3-Reranker's model card computes it with transformers: its prefix,
+    the formatted pair (cut to what is left of max_len), its suffix; softmax over the last
+    position's (no, yes) logits."""
+    import transformers
+
+    from localllm.model.encoder_loader import (
+        QWEN3_RERANK_INSTRUCTION,
+        QWEN3_RERANK_PREFIX,
+        QWEN3_RERANK_SUFFIX,
+    )
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prefix = tok.encode(QWEN3_RERANK_PREFIX, add_special_tokens=False)
+    suffix = tok.encode(QWEN3_RERANK_SUFFIX, add_special_tokens=False)
+    no, yes = tok.convert_tokens_to_ids("no"), tok.convert_tokens_to_ids("yes")
+    out = []
+    for d in docs:
+        body = tok(f"<Instruct>: {QWEN3_RERANK_INSTRUCTION}\n<Query>: {query}\n<Document>: {d}",
+                   add_special_tokens=False, truncation="longest_first",
+                   max_length=max_len - len(prefix) - len(suffix))["input_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prefix + body + suffix])).logits[0, -1]
+        out.append(torch.log_softmax(logits[[no, yes]], -1)[1].exp().item())
+    return out

@@ -168,3 +168,57 @@ def test_gguf_under_llama_cpp_names_matches_sentence_transformers(tmp_path, mini
     assert enc.ids == minilm.tokenize(texts).ids
     ref = torch.as_tensor(st_model(minilm_dir).encode(texts, batch_size=16, convert_to_numpy=True))
     assert F.cosine_similarity(emb.embed(enc), ref).min().item() >= 0.9999
+
+
+def test_tiny_nomic_bert_matches_transformers_from_hf_and_gguf(tmp_path, minilm_dir):
+    """nomic-bert (RoPE, SwiGLU, no linear biases): a random NomicBertModel written by transformers
+    against transformers' mean-pooled, normalised states, and the same weights in a GGUF under
+    llama.cpp's `nomic-bert` names (gguf-py's converter table); sentence-transformers too."""
+    import json
+    import shutil
+    import sys
+
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from make_embed_gguf import write_bert_gguf
+
+    torch.manual_seed(0)
+    cfg = transformers.NomicBertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=128, max_position_embeddings=512)
+    model = transformers.NomicBertModel(cfg).eval()
+    with torch.no_grad():  # larger than the init's 0.02, so attention (and RoPE) matter
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(10)
+    hf_dir = tmp_path / "nomic"
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(minilm_dir / f, hf_dir / f)
+    (hf_dir / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (hf_dir / "1_Pooling").mkdir()
+    (hf_dir / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                                   "pooling_mode_mean_tokens": True}))
+    (hf_dir / "2_Normalize").mkdir()
+    (hf_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128}))
+    texts = SENTENCES[:8] + [SENTENCES[44]]
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    with torch.no_grad():
+        ref = torch.stack([model(**tok(t, truncation=True, max_length=128, return_tensors="pt")).last_hidden_state[0]
+                           .mean(0) for t in texts])
+    ref = F.normalize(ref, dim=-1)
+    assert encoder_kind(hf_dir) == "embedding"
+    emb = Embedder(load_encoder(hf_dir))
+    ours = emb.embed(emb.tokenize(texts))
+    assert (ours - ref).abs().max().item() < 1e-5
+    st = torch.as_tensor(st_model(hf_dir).encode(texts, convert_to_numpy=True))
+    assert F.cosine_similarity(ours, st).min().item() >= 0.9999
+    gguf_file = write_bert_gguf(hf_dir, tmp_path / "nomic.gguf")
+    assert encoder_kind(gguf_file) == "embedding"
+    g = Embedder(load_encoder(gguf_file))
+    enc = g.tokenize(texts[:-1])
+    assert enc.ids == emb.tokenize(texts[:-1]).ids
+    assert (g.embed(enc) - ref[:-1]).abs().max().item() < 1e-5

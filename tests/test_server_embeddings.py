@@ -12,11 +12,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from embed_reference import SENTENCES, st_model, st_vectors, tiny_bert
+from embed_reference import (
+    SENTENCES,
+    qwen3_rerank_reference,
+    st_model,
+    st_vectors,
+    tiny_bert,
+    tiny_qwen3_reranker,
+)
 from server_proc import ServerProc, openai_client
 
 TEXTS = SENTENCES[:8] + [SENTENCES[46]]  # the last one is longer than the model's 256 tokens: cut
 RERANKER = "test-org/tiny-reranker"
+QWEN3_RERANKER_REPO = "Qwen/Qwen3-Reranker-0.6B"
 
 
 @pytest.fixture(scope="module")
@@ -26,18 +34,27 @@ def minilm_dir() -> Path:
     return resolve_model("all-minilm").local_path
 
 
-@pytest.fixture(scope="module")
-def hf_home(tmp_path_factory, minilm_dir) -> Path:
-    """An HF cache holding one downloaded model: a tiny random cross-encoder, as `pull` lays it out."""
-    home = tmp_path_factory.mktemp("hf")
-    repo = home / "hub" / ("models--" + RERANKER.replace("/", "--"))
+def snapshot(home: Path, repo_id: str) -> Path:
+    """An empty snapshot of `repo_id` in the HF cache at `home`, as `pull` lays it out."""
+    repo = home / "hub" / ("models--" + repo_id.replace("/", "--"))
     commit = "0" * 40
     snap = repo / "snapshots" / commit
     snap.mkdir(parents=True)
-    tiny_bert(snap, minilm_dir, classifier=True)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     (repo / "blobs").mkdir()
+    return snap
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory, minilm_dir, gguf_path) -> Path:
+    """An HF cache holding two downloaded models: a tiny random cross-encoder, and a tiny random
+    Qwen3 decoder where the registry's qwen3-reranker-0.6b is (its kind comes from the registry)."""
+    from localllm.model.gguf_weights import GGUFWeights
+
+    home = tmp_path_factory.mktemp("hf")
+    tiny_bert(snapshot(home, RERANKER), minilm_dir, classifier=True)
+    tiny_qwen3_reranker(snapshot(home, QWEN3_RERANKER_REPO), GGUFWeights(gguf_path).tokenizer())
     return home
 
 
@@ -132,8 +149,6 @@ def test_capabilities_and_what_each_kind_refuses(server):
     v1 = httpx.post(server.base + "/v1/chat/completions", json={"model": "all-minilm", "messages": [
         {"role": "user", "content": "hi"}]}, timeout=30)
     assert v1.status_code == 400 and v1.json()["error"]["param"] == "model"
-    emb = httpx.post(server.base + "/api/embed", json={"model": "smollm2-135m", "input": "hi"}, timeout=30)
-    assert emb.status_code == 400 and emb.json()["error"].startswith('"smollm2-135m" does not support embeddings')
     bad = httpx.post(server.base + "/v1/embeddings", json={"model": "all-minilm", "input": "x", "dimensions": 999},
                      timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
@@ -142,7 +157,7 @@ def test_capabilities_and_what_each_kind_refuses(server):
 def test_rerank_and_score_match_transformers(server, hf_home):
     import transformers
 
-    snap = next((hf_home / "hub").glob("models--*/snapshots/*"))
+    snap = next((hf_home / "hub").glob("models--test-org*/snapshots/*"))
     query = "What is the capital of France?"
     docs = SENTENCES[:6]
     tok = transformers.AutoTokenizer.from_pretrained(snap)
@@ -170,3 +185,49 @@ def test_rerank_and_score_match_transformers(server, hf_home):
                      timeout=30)
     assert emb.status_code == 400 and "does not support reranking" in emb.json()["error"]["message"]
 
+
+
+@pytest.mark.slow  # loads the 135M chat model in the server (~10-25 s)
+def test_chat_model_embeds_as_ollama(server, gguf_path):
+    """/api/embed and /v1/embeddings with a chat model: its last token's hidden state, normalised
+    (Ollama's llama.cpp engine's answer), from the model as the server loads it (the file's Q4
+    weights on our int4 kernel) against the fp32 dequantized weights' (test_embeddings_decoder
+    pins those to transformers)."""
+    from localllm.engine.embedder import Embedder
+    from localllm.model.encoder_loader import load_encoder
+
+    texts = TEXTS[:3]
+    r = httpx.post(server.base + "/api/embed", json={"model": "smollm2-135m", "input": texts}, timeout=120)
+    assert r.status_code == 200, r.text
+    got = torch.tensor(r.json()["embeddings"])
+    assert got.shape == (3, 576) and torch.allclose(got.norm(dim=-1), torch.ones(3), atol=1e-5)
+    assert r.json()["prompt_eval_count"] > 0
+    ref = Embedder(load_encoder(gguf_path, kind="embedding", precision="float32"))
+    assert F.cosine_similarity(got, ref.embed(ref.tokenize(texts))).min().item() >= 0.995
+    v1 = openai_client(server).embeddings.create(model="smollm2-135m", input=texts[0])
+    assert v1.model == "smollm2-135m" and cos(v1.data[0].embedding, got[:1]).item() >= 0.99999
+    ps = {m["name"] for m in httpx.get(server.base + "/api/ps", timeout=30).json()["models"]}
+    assert "smollm2-135m" in ps  # the embedder twin, listed as the model
+
+
+def test_qwen3_reranker_on_rerank_and_score(server, hf_home):
+    """A decoder reranker (Qwen3-Reranker's architecture, named by the registry) on /v1/rerank,
+    /rerank and /score: p(yes) of its model card's prompt, as transformers computes it."""
+    import transformers
+
+    snap = next((hf_home / "hub").glob("models--Qwen*/snapshots/*"))
+    query, docs = "What is the capital of France?", SENTENCES[:5]
+    tags = {m["name"]: m for m in httpx.get(server.base + "/api/tags", timeout=30).json()["models"]}
+    assert tags["qwen3-reranker-0.6b"]["capabilities"] == ["rerank"]
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(snap).eval()
+    ref = qwen3_rerank_reference(hf, snap, query, docs, 8192)
+    for path in ("/v1/rerank", "/rerank"):
+        r = httpx.post(server.base + path, json={"model": "qwen3-reranker", "query": query, "documents": docs},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        res = r.json()["results"]
+        assert [x["index"] for x in res] == sorted(range(len(docs)), key=lambda i: -ref[i])
+        assert max(abs(x["relevance_score"] - ref[x["index"]]) for x in res) < 1e-5
+    s = httpx.post(server.base + "/score", json={"model": "qwen3-reranker", "text_1": query, "text_2": docs},
+                   timeout=60).json()
+    assert max(abs(d["score"] - ref[d["index"]]) for d in s["data"]) < 1e-5

@@ -46,17 +46,41 @@ class Embedder:
         # a second tokenizer that cuts pairs (the longer side first): no shared setting toggled per call
         self.pair_tokenizer = type(self.tokenizer).from_str(self.tokenizer.to_str())
         self.pair_tokenizer.enable_truncation(self.max_model_len, strategy="longest_first")
+        # the tokenizer closes each input with a special token ([SEP], Qwen3-Embedding's EOS): a
+        # cut keeps it; a chat model's input is cut at its end, as Ollama cuts it
+        plain, full = (self.tokenizer.encode("a", add_special_tokens=b).ids for b in (False, True))
+        self.keeps_last = full[-1:] != plain[-1:]
 
     # ---- tokenizing ------------------------------------------------------------------------------
-    def tokenize(self, texts: list[str], truncate_inputs: bool = True, limit: int | None = None) -> Encoded:
+    def tokenize(self, texts: list[str], truncate_inputs: bool = True, limit: int | None = None,
+                 prompt_name: str | None = None) -> Encoded:
         """Each text with the model's special tokens ([CLS] ... [SEP]), cut to max_model_len (or
-        the lower `limit`) when truncate_inputs, else refused with InputTooLong."""
-        encs = self.tokenizer.encode_batch(texts)
+        the lower `limit`) when truncate_inputs, else refused with InputTooLong. prompt_name: one
+        of the model's sentence-transformers prompts (Qwen3-Embedding's "query" instruction) put
+        before each text, as sentence-transformers' encode(prompt_name=...); none named: the
+        model's default prompt, if it has one."""
+        name = prompt_name or self.loaded.default_prompt
+        if name is not None and name not in self.loaded.prompts:
+            known = ", ".join(self.loaded.prompts) or "none"
+            raise ValueError(f"prompt_name {name!r} is not one of this model's prompts ({known})")
+        prefix = self.loaded.prompts.get(name, "") if name else ""
+        encs = self.tokenizer.encode_batch([prefix + t for t in texts] if prefix else texts)
         return self._fit([e.ids for e in encs], [e.type_ids for e in encs], truncate_inputs, limit)
 
     def tokenize_pairs(self, pairs: list[tuple[str, str]], truncate_inputs: bool = True) -> Encoded:
         """(query, document) pairs as a cross-encoder reads them: [CLS] q [SEP] d [SEP] with token
-        types 0 then 1; too long: the longer side is cut first, as transformers' truncation=True."""
+        types 0 then 1; too long: the longer side is cut first, as transformers' truncation=True.
+        A decoder reranker: its prompt around the pair, the pair's tokens cut at the end."""
+        pp = self.loaded.pair_prompt
+        if pp is not None:
+            room = self.max_model_len - len(pp.prefix) - len(pp.suffix)
+            texts = [pp.template.format(instruction=pp.instruction, query=q, document=d) for q, d in pairs]
+            ids = [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+            for i, x in enumerate(ids):
+                if len(x) > room and not truncate_inputs:
+                    raise InputTooLong(i, len(x) + len(pp.prefix) + len(pp.suffix), self.max_model_len)
+            ids = [pp.prefix + x[:room] + pp.suffix for x in ids]
+            return Encoded(ids, [[0] * len(x) for x in ids])
         encs = (self.pair_tokenizer if truncate_inputs else self.tokenizer).encode_batch(pairs)
         return self._fit([e.ids for e in encs], [e.type_ids for e in encs], truncate_inputs)
 
@@ -68,7 +92,9 @@ class Embedder:
                 if not truncate_inputs:
                     raise InputTooLong(i, len(x), limit)
                 # keep the closing special token ([SEP]) as the tokenizer's own truncation does
-                ids[i], types[i] = x[:limit - 1] + x[-1:], types[i][:limit - 1] + types[i][-1:]
+                keep = 1 if self.keeps_last else 0
+                ids[i] = x[:limit - keep] + x[len(x) - keep:]
+                types[i] = types[i][:limit - keep] + types[i][len(x) - keep:]
         return Encoded(ids, types)
 
     def check_ids(self, ids: list[list[int]], truncate_inputs: bool = True, limit: int | None = None) -> Encoded:

@@ -13,14 +13,16 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from ..config import ModelConfig
 from .bert import BertConfig, BertEncoder, ClassifierHead, EncoderLayer, LayerNorm
+from .decoder_encoder import DecoderEncoder, YesNoHead
 from .errors import ModelLoadError
 from .layers import DenseLinear
 from .pooling import Pooling
@@ -29,7 +31,8 @@ from .pooling import Pooling
 ENCODER_ARCHS = {"BertModel": "embedding", "BertForMaskedLM": "embedding", "BertForPreTraining": "embedding",
                  "BertForSequenceClassification": "rerank", "XLMRobertaModel": "embedding",
                  "XLMRobertaForMaskedLM": "embedding", "RobertaModel": "embedding",
-                 "XLMRobertaForSequenceClassification": "rerank", "RobertaForSequenceClassification": "rerank"}
+                 "XLMRobertaForSequenceClassification": "rerank", "RobertaForSequenceClassification": "rerank",
+                 "NomicBertModel": "embedding"}
 
 
 # llama.cpp's `bert` tensor names (its converter's) -> HF's, without the `bert.` prefix; {i} the layer
@@ -46,44 +49,104 @@ GGUF_BERT_LAYER = {
     "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm",
 }
 GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's llama_pooling_type
-GGUF_ENCODER_ARCHS = {"bert": "embedding"}
+GGUF_RANK = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK (a reranker's classifier output)
+GGUF_ENCODER_ARCHS = {"bert": "embedding", "nomic-bert": "embedding"}
+# nomic-bert under its original (remote code) names, which llama.cpp's converter maps from: the
+# names _build_nomic reads; transformers' renamed ones (NomicBertModel) are mapped back to them
+GGUF_NOMIC_NAMES = {"token_embd.weight": "embeddings.word_embeddings.weight",
+                    "token_types.weight": "embeddings.token_type_embeddings.weight",
+                    "token_embd_norm.weight": "emb_ln.weight", "token_embd_norm.bias": "emb_ln.bias"}
+GGUF_NOMIC_LAYER = {"attn_qkv": "attn.Wqkv", "attn_output": "attn.out_proj", "ffn_up": "mlp.fc11",
+                    "ffn_gate": "mlp.fc12", "ffn_down": "mlp.fc2", "attn_output_norm": "norm1",
+                    "layer_output_norm": "norm2"}
+HF_NOMIC_RENAMED = {"self_attn.o_proj": "attn.out_proj", "mlp.up_proj": "mlp.fc11", "mlp.gate_proj": "mlp.fc12",
+                    "mlp.down_proj": "mlp.fc2", "post_attention_layernorm": "norm1", "post_mlp_layernorm": "norm2"}
 
 
-def _gguf_arch(path: Path) -> str | None:
+def _gguf_meta(path: Path) -> dict:
     from .gguf import GGUFError, read_gguf
 
     try:
-        return read_gguf(path).metadata.get("general.architecture")
+        return read_gguf(path).metadata
     except (GGUFError, OSError):
-        return None
+        return {}
+
+
+def _has_st_pooling(path: Path) -> bool:
+    """The directory ships sentence-transformers files with a Pooling module (an embedder)."""
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(modules, list) and any(isinstance(m, dict) and str(m.get("type", "")).endswith(".Pooling")
+                                             for m in modules)
 
 
 def encoder_kind(path: str | os.PathLike | None) -> str | None:
-    """"embedding" or "rerank" for a directory holding an encoder checkpoint we run (or a GGUF of
-    llama.cpp's `bert` architecture), else None (a decoder, no model). Reads config.json (or the
-    GGUF's header) only."""
+    """"embedding" or "rerank" for an encoder checkpoint we run (a directory, or a GGUF of llama.cpp's
+    `bert` architecture) or a decoder embedder (a decoder directory with sentence-transformers
+    pooling files, or a decoder GGUF with a pooling_type, as llama.cpp's converter writes for
+    Qwen3-Embedding), else None (a chat model, no model). Reads config.json (or the GGUF's
+    header) only. A decoder reranker (Qwen3-Reranker) says nothing in its files: the registry's
+    kind names it."""
     if path is None:
         return None
     if str(path).endswith(".gguf") and Path(path).is_file():
-        return GGUF_ENCODER_ARCHS.get(_gguf_arch(Path(path)) or "")
+        meta = _gguf_meta(Path(path))
+        arch = meta.get("general.architecture") or ""
+        if arch in GGUF_ENCODER_ARCHS:
+            return GGUF_ENCODER_ARCHS[arch]
+        pooling = meta.get(f"{arch}.pooling_type")
+        return None if pooling is None else "rerank" if int(pooling) == GGUF_RANK else "embedding"
     cfg = Path(path) / "config.json"
     try:
         archs = json.loads(cfg.read_text()).get("architectures") or []
     except (OSError, ValueError, AttributeError):
         return None
-    return ENCODER_ARCHS.get(archs[0]) if archs and isinstance(archs[0], str) else None
+    if not archs or not isinstance(archs[0], str):
+        return None
+    if archs[0] in ENCODER_ARCHS:
+        return ENCODER_ARCHS[archs[0]]
+    return "embedding" if _has_st_pooling(Path(path)) else None
+
+
+def is_decoder(path: str | os.PathLike) -> bool:
+    """A decoder checkpoint (what localllm.model.loader loads), not a BERT-family encoder."""
+    path = Path(path)
+    if path.is_file():
+        return (_gguf_meta(path).get("general.architecture") or "") not in GGUF_ENCODER_ARCHS
+    raw = _json(path / "config.json")
+    archs = (raw.get("architectures") or []) if isinstance(raw, dict) else []
+    return bool(archs) and archs[0] not in ENCODER_ARCHS
+
+
+@dataclass(frozen=True)
+class PairPrompt:
+    """How a decoder reranker reads a (query, document) pair: `prefix` ids, the pair written into
+    `template` (its {instruction}, {query}, {document}) and tokenized, then `suffix` ids; the
+    middle is what is cut when too long (Qwen3-Reranker's model card)."""
+
+    prefix: list[int]
+    template: str
+    suffix: list[int]
+    instruction: str
 
 
 @dataclass
 class LoadedEncoder:
-    model: BertEncoder
+    model: BertEncoder | DecoderEncoder
     tokenizer: Tokenizer  # no truncation or padding set: the embedder cuts to max_len itself
-    config: BertConfig
+    config: BertConfig | ModelConfig
     pooling: Pooling
     max_len: int  # tokens per input, special tokens included
     kind: str  # "embedding" | "rerank"
     source: str
     params: int = 0
+    # sentence-transformers' prompts (config_sentence_transformers.json): name -> text put before
+    # each input, and the one applied when the request names none
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt: str | None = None
+    pair_prompt: PairPrompt | None = None  # a decoder reranker's prompt (None: a cross-encoder's pairs)
 
 
 def _json(path: Path) -> dict | list | None:
@@ -95,7 +158,7 @@ def _json(path: Path) -> dict | list | None:
         raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
 
 
-def sentence_transformers_settings(path: Path, cfg: BertConfig) -> tuple[Pooling, int]:
+def sentence_transformers_settings(path: Path, cfg: BertConfig | ModelConfig) -> tuple[Pooling, int]:
     """(pooling, max input tokens) from the sentence-transformers files of `path`."""
     modules = _json(path / "modules.json") or []
     types = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
@@ -115,7 +178,7 @@ def sentence_transformers_settings(path: Path, cfg: BertConfig) -> tuple[Pooling
     st = _json(path / "sentence_bert_config.json") or {}
     tc = _json(path / "tokenizer_config.json") or {}
     limit = cfg.max_position_embeddings
-    limit -= cfg.position_offset  # RoBERTa's first positions are the padding's
+    limit -= getattr(cfg, "position_offset", 0)  # RoBERTa's first positions are the padding's
     max_len = st.get("max_seq_length") or min(int(tc.get("model_max_length") or limit), limit)
     return Pooling(mode, normalize), min(int(max_len), limit)
 
@@ -155,6 +218,22 @@ class _Tensors:
                 raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
         self.prefix = next((p for p in ("bert.", "roberta.") if p + "embeddings.word_embeddings.weight" in self.tensors),
                            "")
+        if "layers.0.self_attn.q_proj.weight" in self.tensors:  # nomic-bert as transformers writes it
+            self._nomic_original_names()
+
+    def _nomic_original_names(self) -> None:
+        t = self.tensors
+        if "embeddings.LayerNorm.weight" in t:
+            t["emb_ln.weight"], t["emb_ln.bias"] = t["embeddings.LayerNorm.weight"], t["embeddings.LayerNorm.bias"]
+        i = 0
+        while f"layers.{i}.self_attn.q_proj.weight" in t:
+            p = f"layers.{i}."
+            t[f"encoder.{p}attn.Wqkv.weight"] = torch.cat([t[f"{p}self_attn.{m}_proj.weight"] for m in "qkv"])
+            for k in list(t):
+                for new, old in ((v, k2) for k2, v in HF_NOMIC_RENAMED.items()):
+                    if k.startswith(p + old + "."):
+                        t[f"encoder.{p}{new}{k[len(p + old):]}"] = t[k]
+            i += 1
 
     def get(self, name: str, encoder: bool = True) -> torch.Tensor:
         key = (self.prefix if encoder else "") + name
@@ -178,11 +257,14 @@ class _GGUFTensors:
         except GGUFError as e:
             raise ModelLoadError(str(e)) from None
         self.path, self.prefix = path, ""
-        self.names = {hf: g for g, hf in GGUF_BERT_NAMES.items()}
+        nomic = self.file.metadata.get("general.architecture") == "nomic-bert"
+        names, layer = (GGUF_NOMIC_NAMES, GGUF_NOMIC_LAYER) if nomic else (GGUF_BERT_NAMES, GGUF_BERT_LAYER)
+        stem = "encoder.layers" if nomic else "encoder.layer"
+        self.names = {hf: g for g, hf in names.items()}
         for g in self.file.tensors:
             parts = g.split(".")
-            if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_BERT_LAYER:
-                self.names[f"encoder.layer.{parts[1]}.{GGUF_BERT_LAYER[parts[2]]}.{parts[3]}"] = g
+            if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer:
+                self.names[f"{stem}.{parts[1]}.{layer[parts[2]]}.{parts[3]}"] = g
 
     def get(self, name: str, encoder: bool = True) -> torch.Tensor:
         from .gguf import dequantize
@@ -214,7 +296,10 @@ def _gguf_config(path: Path) -> tuple[BertConfig, dict]:
                          intermediate_size=int(m("feed_forward_length")),
                          max_position_embeddings=int(m("context_length", 512)),
                          type_vocab_size=int(meta.get("tokenizer.ggml.token_type_count", 2)),
-                         layer_norm_eps=float(m("attention.layer_norm_epsilon", 1e-12)))
+                         layer_norm_eps=float(m("attention.layer_norm_epsilon", 1e-12)),
+                         **({"rope_theta": float(m("rope.freq_base", 1000.0)), "gated": True, "hidden_act": "silu",
+                             "architecture": "NomicBertModel", "model_type": "nomic_bert"}
+                            if arch == "nomic-bert" else {}))
     except (KeyError, TypeError) as e:
         raise ModelLoadError(f"{path}: GGUF metadata is missing a required key ({e})") from None
     return cfg, meta
@@ -226,7 +311,7 @@ def _load_gguf_encoder(path: Path, device: str) -> LoadedEncoder:
     from ..tokenizer import wordpiece_from_gguf
 
     cfg, meta = _gguf_config(path)
-    pooling_type = int(meta.get("bert.pooling_type", 1))
+    pooling_type = int(meta.get(f"{meta['general.architecture']}.pooling_type", 1))
     if pooling_type not in GGUF_POOLING:
         raise ModelLoadError(f"{path}: pooling_type {pooling_type} is not supported (1 mean, 2 cls, 3 last)")
     model = _build(cfg, _GGUFTensors(path), "embedding", device)
@@ -239,10 +324,92 @@ def _load_gguf_encoder(path: Path, device: str) -> LoadedEncoder:
                          "embedding", str(path), params)
 
 
-def load_encoder(path: str | os.PathLike, device: str = "cpu") -> LoadedEncoder:
+# Qwen3-Reranker's prompt, from its model card: a system turn asking for "yes" or "no", the pair in
+# the user turn, an empty thinking block, the answer's logits read at the next token
+QWEN3_RERANK_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+                       "and the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
+                       "<|im_start|>user\n")
+QWEN3_RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+QWEN3_RERANK_TEMPLATE = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+QWEN3_RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+# the longest input a decoder embedder takes (its RoPE table and the per-forward KV cache are sized
+# to it): Qwen3-Embedding's 32k positions would need a 4 GB fp32 cache for one input of 0.6B
+DECODER_MAX_LEN = 8192
+CHAT_MAX_LEN = 4096  # a chat model asked for embeddings: Ollama's default num_ctx
+
+
+def _with_special_tokens(tok) -> Tokenizer:
+    """A GGUF's tokenizer (LLMTokenizer) as a tokenizers.Tokenizer that adds the BOS / EOS the file
+    asks for (add_bos_token / add_eos_token), as llama.cpp tokenizes an embedding input."""
+    from tokenizers.processors import TemplateProcessing
+
+    out = Tokenizer.from_str(tok.tok.to_str())
+    bos = [tok.bos_token] if tok.add_bos and tok.bos_id is not None else []
+    eos = [tok.eos_token] if tok.add_eos and tok.eos_id is not None else []
+    specials = [(t, tok.tok.token_to_id(t)) for t in bos + eos]
+    out.post_processor = TemplateProcessing(single=" ".join([*bos, "$A", *eos]),
+                                            pair=" ".join([*bos, "$A", "$B", *eos]), special_tokens=specials)
+    return out
+
+
+def _st_prompts(path: Path) -> tuple[dict[str, str], str | None]:
+    st = _json(path / "config_sentence_transformers.json") or {}
+    prompts = st.get("prompts") if isinstance(st, dict) else None
+    prompts = {str(k): str(v) for k, v in prompts.items()} if isinstance(prompts, dict) else {}
+    default = st.get("default_prompt_name") if isinstance(st, dict) else None
+    return prompts, default if default in prompts else None
+
+
+def _load_decoder_encoder(path: Path, device: str, kind: str | None, precision: str) -> LoadedEncoder:
+    """A decoder as an embedder (sentence-transformers files or a GGUF pooling_type say how it
+    pools; a chat model without them: its last token, normalised, as Ollama's llama.cpp engine)
+    or, kind "rerank", a yes/no reranker (Qwen3-Reranker's prompt)."""
+    from .loader import load_model
+    from .weights import open_weights
+
+    gguf = path.is_file()
+    meta = _gguf_meta(path) if gguf else {}
+    cfg = open_weights(path).config
+    kind = kind or encoder_kind(path) or "embedding"
+    prompts, default_prompt = ({}, None) if gguf else _st_prompts(path)
+    pooling_type = meta.get(f"{meta.get('general.architecture')}.pooling_type")
+    if pooling_type is not None and int(pooling_type) == GGUF_RANK:
+        raise ModelLoadError(f"{path}: a GGUF reranker (pooling_type rank: a classifier head) is not supported; "
+                             "load its Hugging Face checkpoint")
+    if pooling_type is not None and int(pooling_type) not in GGUF_POOLING:
+        raise ModelLoadError(f"{path}: pooling_type {pooling_type} is not supported (1 mean, 2 cls, 3 last)")
+    if pooling_type is not None:
+        pooling, max_len = Pooling(GGUF_POOLING[int(pooling_type)], True), cfg.max_position_embeddings
+    elif not gguf and _has_st_pooling(path):
+        pooling, max_len = sentence_transformers_settings(path, cfg)
+    else:  # a chat model (or a reranker): its last token; Ollama normalises what it returns
+        pooling = Pooling("last", True)
+        max_len = min(cfg.max_position_embeddings, DECODER_MAX_LEN if kind == "rerank" else CHAT_MAX_LEN)
+    max_len = min(max_len, DECODER_MAX_LEN)
+    handle = load_model(path, precision, device, max_model_len=max_len)
+    tok = _with_special_tokens(handle.tokenizer) if gguf else load_tokenizer(path)
+    head = pair = None
+    if kind == "rerank":
+        yes, no = tok.token_to_id("yes"), tok.token_to_id("no")
+        if yes is None or no is None:
+            raise ModelLoadError(f"{path}: a yes/no reranker needs the tokens 'yes' and 'no' in its vocabulary")
+        head = YesNoHead(no, yes)
+        enc = handle.tokenizer.encode
+        pair = PairPrompt(enc(QWEN3_RERANK_PREFIX), QWEN3_RERANK_TEMPLATE, enc(QWEN3_RERANK_SUFFIX),
+                          QWEN3_RERANK_INSTRUCTION)
+    model = DecoderEncoder(handle.model, handle.model.act_dtype, head)
+    params = sum(p.numel() for p in handle.model.parameters())
+    return LoadedEncoder(model, tok, cfg, pooling, max_len, kind, str(path), params, prompts, default_prompt, pair)
+
+
+def load_encoder(path: str | os.PathLike, device: str = "cpu", kind: str | None = None,
+                 precision: str = "auto") -> LoadedEncoder:
     """A BERT-family checkpoint directory (or a llama.cpp `bert` GGUF) -> LoadedEncoder (fp32
-    weights: the reference's numbers)."""
+    weights: the reference's numbers); a decoder checkpoint or GGUF -> its DecoderEncoder (kind:
+    "embedding" or "rerank" where the files do not say; precision: load_model's, for decoders)."""
     path = Path(path)
+    if is_decoder(path):
+        return _load_decoder_encoder(path, device, kind, precision)
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf_encoder(path, device)
     raw = _json(path / "config.json")
@@ -259,11 +426,33 @@ def load_encoder(path: str | os.PathLike, device: str = "cpu") -> LoadedEncoder:
     model = _build(cfg, _Tensors(path), kind, device)
     pooling, max_len = sentence_transformers_settings(path, cfg)
     params = sum(p.numel() for p in model.parameters())
-    return LoadedEncoder(model, load_tokenizer(path), cfg, pooling, max_len, kind, str(path), params)
+    return LoadedEncoder(model, load_tokenizer(path), cfg, pooling, max_len, kind, str(path), params,
+                         *_st_prompts(path))
+
+
+def _build_nomic(cfg: BertConfig, w, device: str) -> BertEncoder:
+    """nomic-bert from `w`'s tensors under its original names: fused Wqkv, fc12 (gate) and fc11 (up)
+    as one gate/up linear, no linear biases."""
+    def get(name: str) -> torch.Tensor:
+        return w.get(name).to(device)
+
+    def norm(name: str) -> LayerNorm:
+        return LayerNorm(get(name + ".weight"), get(name + ".bias"), cfg.layer_norm_eps)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"encoder.layers.{i}."
+        gate_up = DenseLinear(torch.cat([get(p + "mlp.fc12.weight"), get(p + "mlp.fc11.weight")]))
+        layers.append(EncoderLayer(cfg, DenseLinear(get(p + "attn.Wqkv.weight")), DenseLinear(get(p + "attn.out_proj.weight")),
+                                   norm(p + "norm1"), gate_up, DenseLinear(get(p + "mlp.fc2.weight")), norm(p + "norm2")))
+    return BertEncoder(cfg, get("embeddings.word_embeddings.weight"), None,
+                       get("embeddings.token_type_embeddings.weight"), norm("emb_ln"), layers, None, device)
 
 
 def _build(cfg: BertConfig, w, kind: str, device: str) -> BertEncoder:
     """The encoder from `w`'s tensors under HF's names (a checkpoint's or a GGUF's)."""
+    if cfg.model_type == "nomic_bert":
+        return _build_nomic(cfg, w, device)
 
     def lin(name: str, encoder: bool = True) -> DenseLinear:
         return DenseLinear(w.get(name + ".weight", encoder).to(device), w.get(name + ".bias", encoder).to(device))
@@ -296,16 +485,19 @@ def describe_encoder(path: str | os.PathLike) -> dict:
     """What `localllm show` and /api/show say about an encoder, from its config and
     sentence-transformers files (no tensor is read)."""
     path = Path(path)
+    if is_decoder(path):
+        return _describe_decoder(path)
     if path.is_file() and path.suffix == ".gguf":
         cfg, meta = _gguf_config(path)
         tensors = _GGUFTensors(path).file.tensors
-        return {"format": "gguf", "architecture": "BertModel", "kind": "embedding",
+        return {"format": "gguf", "architecture": cfg.architecture, "kind": "embedding",
                 "parameters": sum(math.prod(t.shape) for t in tensors.values()),
                 "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
                 "layers": cfg.num_layers, "heads": cfg.num_heads, "kv_heads": cfg.num_heads,
                 "vocab_size": cfg.vocab_size,
                 "quantization": ", ".join(sorted({t.qtype.name for t in tensors.values() if len(t.shape) > 1})),
-                "pooling": f"{GGUF_POOLING.get(int(meta.get('bert.pooling_type', 1)), '?')}, normalized",
+                "pooling": f"{GGUF_POOLING.get(int(meta.get(meta['general.architecture'] + '.pooling_type', 1)), '?')}, "
+                           "normalized",
                 "chat_template": None, "stop_tokens": []}
     raw = _json(path / "config.json") or {}
     try:
@@ -328,4 +520,35 @@ def describe_encoder(path: str | os.PathLike) -> dict:
             "heads": cfg.num_heads, "kv_heads": cfg.num_heads, "vocab_size": cfg.vocab_size,
             "quantization": str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             "pooling": f"{pooling.mode}{', normalized' if pooling.normalize else ''}",
+            "chat_template": None, "stop_tokens": []}
+
+
+def _describe_decoder(path: Path) -> dict:
+    """describe_encoder for a decoder embedder or reranker: its config and weight shapes (the
+    headers only)."""
+    from .weights import open_weights
+
+    w = open_weights(path)
+    cfg, gguf = w.config, path.is_file()
+    if gguf:
+        tensors = w.file.tensors
+        params = sum(math.prod(t.shape) for t in tensors.values())
+        quant = ", ".join(sorted({t.qtype.name for t in tensors.values() if len(t.shape) > 1}))
+        pooling_type = _gguf_meta(path).get(f"{_gguf_meta(path).get('general.architecture')}.pooling_type")
+        pooling = f"{GGUF_POOLING.get(int(pooling_type), '?') if pooling_type is not None else 'last'}, normalized"
+        max_len = min(cfg.max_position_embeddings, DECODER_MAX_LEN)
+    else:
+        params = 0
+        for f in w.files:
+            with open(f, "rb") as fh:
+                header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+            params += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+        quant = str(w.raw_config.get("torch_dtype") or w.raw_config.get("dtype") or "float32")
+        p, max_len = (sentence_transformers_settings(path, cfg) if _has_st_pooling(path)
+                      else (Pooling("last", True), cfg.max_position_embeddings))
+        pooling, max_len = f"{p.mode}{', normalized' if p.normalize else ''}", min(max_len, DECODER_MAX_LEN)
+    return {"format": "gguf" if gguf else "safetensors", "architecture": cfg.architecture,
+            "kind": encoder_kind(path) or "embedding", "parameters": params, "context_length": max_len,
+            "embedding_length": cfg.hidden_size, "layers": cfg.num_layers, "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads, "vocab_size": cfg.vocab_size, "quantization": quant, "pooling": pooling,
             "chat_template": None, "stop_tokens": []}

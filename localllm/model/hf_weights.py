@@ -77,9 +77,11 @@ class HFWeights:
             except Exception as e:
                 raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
         # a multimodal checkpoint (Gemma 3 4B+, SmolVLM) holds the text model under a prefix: older
-        # transformers wrote language_model.model.*, newer model.language_model.*
+        # transformers wrote language_model.model.*, newer model.language_model.*, Idefics3
+        # model.text_model.*; a bare decoder (Qwen3-Embedding, saved as Qwen3Model by
+        # sentence-transformers) under none
         self.stored = {}
-        for prefix in ("model.language_model.", "language_model.model.", "model.text_model."):  # (Idefics3: the last)
+        for prefix in ("model.language_model.", "language_model.model.", "model.text_model.", ""):
             if "model.embed_tokens.weight" not in index and prefix + "embed_tokens.weight" in index:
                 self.stored = {"model." + k[len(prefix):]: k for k in index if k.startswith(prefix)}
                 index.update({ours: index[k] for ours, k in self.stored.items()})

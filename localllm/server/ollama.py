@@ -35,7 +35,7 @@ from . import openai_schema as oai
 from .generation import Generation, ServedModel
 from .infill import fim_prompt, ollama_fim
 from .openai_schema import APIError
-from .pool import LocalModel, find_model
+from .pool import EMBED_TWIN, LocalModel, find_model
 from .state import ServerState
 
 VERSION = "0.11.0"  # the Ollama API version we answer like (clients check a minimum)
@@ -351,6 +351,7 @@ def router(state: ServerState) -> APIRouter:
         rows = []
         models = {m.name: m for m in await state.pool.catalog()}
         for name, e in list(state.pool.loaded.items()):
+            name = name.removesuffix(EMBED_TWIN)  # a chat model loaded for embeddings is that model
             if e.model is None or name not in models:
                 continue
             expires = (FOREVER if e.keep_alive < 0 else

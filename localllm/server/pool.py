@@ -141,8 +141,16 @@ _TASKS = {"generate": ("generate", "generate"), "chat": ("generate", "chat"), "e
           "rerank": ("rerank", "reranking")}
 
 
-def check_task(local: LocalModel, name: str, task: str) -> None:
+# a chat model asked for embeddings is loaded a second time as an embedder (DecoderEncoder: its
+# last token's hidden state, as Ollama's llama.cpp engine embedded with chat models), a pool entry
+# of its own under this name
+EMBED_TWIN = " (embeddings)"
+
+
+def check_task(local: LocalModel, name: str, task: str, pinned: bool = False) -> None:
     need, word = _TASKS[task]
+    if task == "embed" and local.kind == "generate" and not pinned:
+        return
     if local.kind != need:
         what = {"embedding": "an embedding model", "rerank": "a reranker"}.get(local.kind, "a text generation model")
         raise APIError(400, f'"{name}" does not support {word} (it is {what})', param="model",
@@ -257,7 +265,9 @@ class ModelPool:
         if self.closing:
             raise APIError(503, "the server is shutting down", "service_unavailable", code="server_shutting_down")
         local = await self.find(name)
-        check_task(local, name or local.name, task)
+        check_task(local, name or local.name, task, self.pinned is not None)
+        if task == "embed" and local.kind == "generate":
+            local = dataclasses.replace(local, name=local.name + EMBED_TWIN, kind="embedding")
         if self.pinned is not None:  # loaded at start with the server's --ctx, kept until it stops
             entry = self.loaded.get(local.name)
             if entry is None or not entry.ready.is_set():
@@ -347,14 +357,14 @@ class ModelPool:
             config = dataclasses.replace(config, num_kv_blocks=kv_blocks(p.ctx, ec.block_size))
         model = p.variant or local.name
         if local.kind != "generate":
-            threading.Thread(target=self._run_encoder, args=(entry, local.path, aloop),
+            threading.Thread(target=self._run_encoder, args=(entry, local.path, local.kind, aloop),
                              name=f"localllm-encoder-{local.name}", daemon=True).start()
             return entry
         threading.Thread(target=self._load_and_run, args=(entry, model, p.precision, config, aloop),
                          name=f"localllm-engine-{local.name}", daemon=True).start()
         return entry
 
-    def _run_encoder(self, entry: PoolEntry, path: str, aloop) -> None:
+    def _run_encoder(self, entry: PoolEntry, path: str, kind: str, aloop) -> None:
         """An encoder's thread: loads it, then runs its EncoderLoop (as _run_engine for a decoder)."""
         from ..engine.embedder import Embedder
         from ..hardware import pick_device
@@ -363,14 +373,15 @@ class ModelPool:
 
         t0 = time.perf_counter()
         try:
-            embedder = Embedder(load_encoder(path, pick_device(self.cfg.device)))
+            embedder = Embedder(load_encoder(path, pick_device(self.cfg.device), kind))
         except BaseException as e:  # noqa: BLE001 - answered to every waiting request
             self.log(f"Error: could not load {entry.name}: {e}")
             aloop.call_soon_threadsafe(self._load_failed, entry, load_error(entry.name, e))
             return
         if self.closing:
             return
-        served = entry.model = ServedEncoder(entry.name, embedder, EncoderLoop(embedder, self.log))
+        served = entry.model = ServedEncoder(entry.name.removesuffix(EMBED_TWIN), embedder,
+                                             EncoderLoop(embedder, self.log))
         entry.load_seconds = time.perf_counter() - t0
         entry.loaded_at = time.time()
         self.log(f"model {entry.name} loaded in {entry.load_seconds:.1f} s ({embedder.kind}, at most "
