@@ -84,6 +84,11 @@ def kv_type_name(dtype: torch.dtype) -> str:
     return next(k for k, v in KV_TYPES.items() if v == dtype)
 
 
+def kv_value_bytes(dtype: torch.dtype) -> float:
+    """Bytes one cached value takes (q8_0: 34 per 32)."""
+    return kv_quant.BLOCK_BYTES / kv_quant.QK if kv_quant.is_q8_0(dtype) else dtype.itemsize
+
+
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """Rows [..., D] as a cache of `cache_dtype` holds them (q8_0: quantized blocks): the one
     conversion every torch-side writer uses."""
