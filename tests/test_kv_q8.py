@@ -208,3 +208,44 @@ def test_planner_counts_the_8bit_cache_and_says_so(capsys):
     print_plan(None, "auto", "cpu", None, None, None, "q8_0")  # what `localllm run --dry-run --kv-type q8_0` prints
     assert "(q8_0)" in capsys.readouterr().out
 
+
+
+# ---- the Triton kernels (the GPU path), in Triton's interpreter on CPU: small shapes ------------------
+
+
+def test_triton_store_quantizes_as_kv_quant():
+    from localllm_kernels import store_kv
+
+    T, KVH, D = 5, 3, 64
+    k, v = hard_rows(T * KVH, D).view(T, KVH, D), hard_rows(T * KVH, D, seed=1).view(T, KVH, D)
+    kc = torch.zeros(4, 16, KVH, kv_quant.row_bytes(D), dtype=torch.uint8)
+    vc = kc.clone()
+    slots = torch.tensor([17, 18, 3, -1, 40])  # -1: a padding row, written nowhere
+    store_kv(k, v, kc, vc, slots)
+    ref_k, ref_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    keep = slots >= 0
+    ref_k.view(-1, KVH, 68)[slots[keep]] = kv_quant.quantize(k[keep])
+    ref_v.view(-1, KVH, 68)[slots[keep]] = kv_quant.quantize(v[keep])
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+def test_triton_decode_reads_q8_0():
+    from localllm_kernels import paged_decode_attention
+
+    q, kc, vc, tables, cu, ctx = q8_batch([(1, 33), (1, 70), (1, 5)], 6, 3, 64, 16)
+    out = paged_decode_attention(q, kc, vc, ctx.int(), tables.int(), 0.125, 2)  # split: both stages
+    torch.testing.assert_close(out, sdpa_on_dequantized(q, kc, vc, tables, cu, ctx, 0.125), rtol=0, atol=2e-5)
+
+
+def test_triton_prefill_reads_q8_0_prefix():
+    from localllm_kernels import flash_attn_varlen_paged
+
+    q, kc, vc, tables, cu, ctx = q8_batch([(5, 25), (20, 20), (3, 43)], 4, 2, 64, 16)
+    # the new tokens as the cache holds them (what triton_attention passes)
+    slots = torch.cat([tables[b, p // 16] * 16 + p % 16 for b, (n, c) in enumerate(zip(cu.diff(), ctx))
+                       for p in [torch.arange(c - n, c)]])
+    k_new, v_new = (kv_quant.dequantize(c.view(-1, 2, 68)[slots]) for c in (kc, vc))
+    cached = (ctx - cu.diff()).int()
+    out = flash_attn_varlen_paged(q, k_new, v_new, kc, vc, cu.int(), cached, tables.int(), 0.125)
+    torch.testing.assert_close(out, sdpa_on_dequantized(q, kc, vc, tables, cu, ctx, 0.125), rtol=0, atol=2e-5)
+

@@ -134,10 +134,7 @@ class LLMEngine:
     # ---- sizing ---------------------------------------------------------------------------
     def _kv_dtype(self, loaded: ModelHandle) -> torch.dtype:
         """The cache dtype of `loaded` under config.kv_type (auto: the loader's choice)."""
-        dtype = kv_cache_dtype(self.config.kv_type, loaded.kv_dtype)
-        if self.config.kv_type == "q8_0" and loaded.model.attention_backend != "torch":
-            raise ValueError("--kv-type q8_0 runs on the CPU attention kernels only for now; leave it out on a GPU")
-        return dtype
+        return kv_cache_dtype(self.config.kv_type, loaded.kv_dtype)
 
     def _blocks_from_memory(self) -> int:
         """KV blocks for `parallel` full-length contexts, within the memory left after the weights

@@ -150,11 +150,14 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttnMeta, scale: float, window: int | None = None,
                      softcap: float | None = None) -> torch.Tensor:
-    """As torch_attention, with our Triton kernels."""
+    """As torch_attention, with our Triton kernels (a q8_0 cache: quantized by store_kv, read as
+    d * q; the prefill kernel takes the new tokens rounded as the cache holds them)."""
     from localllm_kernels import flash_attn_varlen_paged, paged_decode_attention, store_kv
 
     T, H, D = q.shape
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if kv_quant.is_q8_0(k_cache) and not meta.decode_only:
+        k, v = as_cached(k, k_cache.dtype, q.dtype), as_cached(v, v_cache.dtype, q.dtype)
     if meta.decode_only:
         out = paged_decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale,
                                      window=window, softcap=softcap)
