@@ -204,8 +204,8 @@ def bad_inputs():
     return [
         ("q must be float32", with_(0, q.half())),
         ("q must be float32", with_(0, q[0])),
-        ("must both be float32, float16 or bfloat16", with_(2, v.float())),
-        ("must both be float32, float16 or bfloat16", (q, k.double(), v.double(), bt, cu, ctx)),
+        ("must both be float32, float16, bfloat16 or uint8", with_(2, v.float())),
+        ("must both be float32, float16, bfloat16 or uint8", (q, k.double(), v.double(), bt, cu, ctx)),
         ("must both be \\[num_blocks", with_(2, v[:, :8])),
         ("head dim", (q[..., :40].contiguous(), k[..., :40].contiguous(), v[..., :40].contiguous(), bt, cu, ctx)),
         ("multiple of KV heads", (q[:, :3].contiguous(), k, v, bt, cu, ctx)),
