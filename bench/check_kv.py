@@ -1,5 +1,5 @@
-"""KV cache precision on the real model: teacher-forced decode with a 16-bit KV cache against the
-fp32 cache, same weights (the embedded model's default int4 path).
+"""KV cache precision on the real model: teacher-forced decode with a 16-bit and the 8-bit q8_0 KV
+cache (--kv-type) against the fp32 cache, same weights (the embedded model's default int4 path).
 
     .venv/bin/python bench/check_kv.py [--tokens 600] [--threads 2]
 
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from check_int4 import teacher_forced  # noqa: E402  (bench/ is on sys.path when run as a script)
 
+from localllm.model.attention import kv_type_name
 from localllm.model.loader import load_model
 from localllm.quant.calib_text import EVAL
 from localllm.registry import resolve_model
@@ -39,12 +40,12 @@ def main() -> None:
     print(f"{'KV':9} {'perplexity':>10} {'vs fp32 KV':>10} {'greedy == fp32 KV':>18} {'max |dlogit|':>13} "
           f"{'mean |dlogit|':>14}  fp32-KV top-2 gap at flips")
     base = math.exp(F.cross_entropy(ref_logits, target).item())
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.uint8):  # uint8: the q8_0 cache
         logits, greedy = (ref_logits, ref_greedy) if dtype == torch.float32 else teacher_forced(loaded, ids, dtype)
         ppl = math.exp(F.cross_entropy(logits, target).item())
         err = (logits - ref_logits).abs()
         flips = (greedy != ref_greedy).nonzero().flatten()
-        print(f"{str(dtype).removeprefix('torch.'):9} {ppl:10.4f} {ppl / base - 1:+10.4%} "
+        print(f"{kv_type_name(dtype):9} {ppl:10.4f} {ppl / base - 1:+10.4%} "
               f"{len(ids) - 1 - len(flips):12d}/{len(ids) - 1:<5d} {err.max().item():13.2e} {err.mean().item():14.2e}"
               f"  {[round(gap[i].item(), 3) for i in flips]}")
 

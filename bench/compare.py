@@ -2,6 +2,10 @@
 
     python bench/compare.py [--model PATH.gguf] [--threads 2] [--runs 5] [--eager] [--json]
 
+An engine named ENGINE:KV runs with that KV cache type (localllm's --kv-type; llama.cpp's
+type_k/type_v, with flash attention, which its quantized V cache needs), e.g.
+--engines localllm,localllm:q8_0,llama.cpp,llama.cpp:q8_0 --no-cold-start.
+
 Needs `llama-cpp-python` (pip install -e '.[bench]') and `transformers` + `accelerate`; it
 installs nothing. Never part of CI. Each engine lives in its own worker process (so each
 reports its own peak RSS and load time) and waits on stdin while the others run: the timed
@@ -30,7 +34,7 @@ TEXT = ("The history of computing is a story of people turning ideas about calcu
 
 # ---- workers: one engine each, JSON lines on stdin/stdout ---------------------------------------------
 class LocalWorker:
-    def __init__(self, path: str, threads: int, compile: bool):
+    def __init__(self, path: str, threads: int, compile: bool, kv_type: str = "auto"):
         import torch
 
         torch.set_num_threads(threads)
@@ -44,7 +48,8 @@ class LocalWorker:
         self.load_s = time.perf_counter() - t0
         self.engine = LLMEngine(self.loaded, EngineConfig(max_model_len=4096, enable_prefix_caching=False,
                                                           parallel=1,
-                                                          num_threads=threads, compile=compile))
+                                                          num_threads=threads, compile=compile,
+                                                          kv_type=kv_type))
         self.compile_wait_s = wait_for_compiled(self.engine)
 
     def bytes_per_token(self) -> dict:
@@ -63,7 +68,9 @@ class LocalWorker:
                     seen.add(t.data_ptr())
                     n = t.numel() * t.element_size()
                     total += n * cfg.num_experts_per_tok // cfg.num_experts if t.data_ptr() in experts else n
-        return {"weights": total, "kv_per_token": cfg.kv_bytes_per_token(self.loaded.kv_dtype.itemsize)}
+        from localllm.model.attention import kv_value_bytes
+
+        return {"weights": total, "kv_per_token": cfg.kv_bytes_per_token(kv_value_bytes(self.engine.kv_dtype))}
 
     def prefill(self, ids: list[int]) -> float:
         from localllm.sampling import SamplingParams
@@ -85,12 +92,16 @@ class LocalWorker:
 
 
 class LlamaCppWorker:
-    def __init__(self, path: str, threads: int, compile: bool):
+    KV = {"f16": 1, "q8_0": 8}  # ggml type ids
+
+    def __init__(self, path: str, threads: int, compile: bool, kv_type: str = "auto"):
         from llama_cpp import Llama
 
         t0 = time.perf_counter()
+        kv = {} if kv_type == "auto" else {"type_k": self.KV[kv_type], "type_v": self.KV[kv_type], "flash_attn": True}
         self.llm = Llama(path, n_ctx=4096, n_batch=2048, n_ubatch=512, n_threads=threads,
-                         n_threads_batch=threads, verbose=False)
+                         n_threads_batch=threads, verbose=False, **kv)
+        self.kv_bytes = 34 / 32 if kv_type == "q8_0" else 2
         self.load_s = time.perf_counter() - t0
         self.path = path
 
@@ -105,7 +116,7 @@ class LlamaCppWorker:
         tied = "output.weight" not in tensors
         total = sum(t.data.nbytes * cfg.num_experts_per_tok // cfg.num_experts if "_exps." in n else t.data.nbytes
                     for n, t in tensors.items() if n != "token_embd.weight" or tied)
-        return {"weights": total, "kv_per_token": cfg.kv_bytes_per_token(2)}
+        return {"weights": total, "kv_per_token": cfg.kv_bytes_per_token(self.kv_bytes)}
 
     def prefill(self, ids: list[int]) -> float:
         self.llm.reset()
@@ -140,7 +151,7 @@ class LlamaCppWorker:
 
 
 class HFWorker:
-    def __init__(self, path: str, threads: int, compile: bool):
+    def __init__(self, path: str, threads: int, compile: bool, kv_type: str = "auto"):
         import torch
 
         torch.set_num_threads(threads)
@@ -183,7 +194,8 @@ WORKERS = {"localllm": LocalWorker, "llama.cpp": LlamaCppWorker, "transformers":
 
 
 def worker_main(kind: str, path: str, threads: int, compile: bool) -> None:
-    w = WORKERS[kind](path, threads, compile)
+    base, _, kv_type = kind.partition(":")
+    w = WORKERS[base](path, threads, compile, kv_type or "auto")
     print(json.dumps({"ready": True, "load_s": w.load_s}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -356,10 +368,12 @@ def main(argv=None) -> dict:
         log("cold start ...")
         cold = {e: [] for e in engines}
         for _ in range(3):
-            for e in engines:
-                cold[e].append(cold_start(e, args.model, args.threads))
+            for e in cold:
+                if ":" not in e:  # (a KV type does not change a cold start)
+                    cold[e].append(cold_start(e, args.model, args.threads))
         for e in engines:
-            res["engines"][e]["cold_start_s"] = statistics.median(cold[e])
+            if cold[e]:
+                res["engines"][e]["cold_start_s"] = statistics.median(cold[e])
     log("read bandwidth ...")
     res["read_gb_s"] = read_bandwidth(args.threads)
     print(json.dumps(res, indent=2) if args.json else render(res))

@@ -2,8 +2,8 @@
 
 ``paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window,
 softcap)``: the queries of a flattened batch (q [T, H, D] fp32; rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
-belong to sequence b) against the paged KV cache ([num_blocks, block_size, KVH, D], fp32/fp16/bf16, the new
-tokens already written), read in place through block_tables [B, max_blocks]. Row i of a sequence
+belong to sequence b) against the paged KV cache ([num_blocks, block_size, KVH, D], fp32/fp16/bf16, or
+q8_0 blocks: uint8 [num_blocks, block_size, KVH, D / 32 * 34], see kv_quant; the new tokens already written), read in place through block_tables [B, max_blocks]. Row i of a sequence
 with n rows and context_lens ctx (new tokens included) sits at position ctx - n + i and attends to
 positions 0 ..= ctx - n + i; query head h uses KV head h // (H // KVH). Returns [T, H, D] fp32,
 accumulated in fp32. D must be a multiple of 16. A window w > 0 (sliding-window layers: Gemma 2/3,
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import cpu_build
+from . import cpu_build, kv_quant
 
 SOURCE = Path(__file__).parent / "cpu" / "paged_attention.cpp"
 CXXFLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
@@ -89,15 +89,19 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
               cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None = None,
               softcap: float | None = None) -> torch.Tensor:
     """The same attention in plain torch: each sequence's K/V gathered through its block table,
-    converted to fp32, and SDPA with the causal (and window) mask of its new rows; with a softcap
+    converted to fp32 (a q8_0 cache dequantized), and SDPA with the causal (and window) mask of its new rows; with a softcap
     an explicit masked softmax (SDPA cannot cap the scores)."""
     _check(q.dim() == 3 and q.dtype == torch.float32, f"q must be float32 [T, H, D], got {q.dtype} {list(q.shape)}")
     _check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
            "k_cache and v_cache must both be [num_blocks, block_size, KVH, D]")
-    _check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16),
-           "k_cache and v_cache must both be float32, float16 or bfloat16")
+    _check(k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.float16, torch.bfloat16,
+                                                                 kv_quant.DTYPE),
+           "k_cache and v_cache must both be float32, float16, bfloat16 or uint8 (q8_0 blocks)")
     T, H, D = q.shape
     _, bs, kvh, _ = k_cache.shape
+    if kv_quant.is_q8_0(k_cache):
+        _check(D % 32 == 0 and k_cache.shape[3] == kv_quant.row_bytes(D), "q8_0 cache rows must be D / 32 * 34 bytes")
+        k_cache, v_cache = kv_quant.dequantize(k_cache), kv_quant.dequantize(v_cache)
     _check(k_cache.shape[3] == D, "head dim of the cache != q's")
     _check(D > 0 and D % 16 == 0, f"head dim must be a multiple of 16, got {D}")
     _check(kvh > 0 and H % kvh == 0, f"query heads ({H}) must be a multiple of KV heads ({kvh})")

@@ -12,6 +12,8 @@ The grid is sized from host-known shapes only (no device sync, CUDA-graph friend
 Sliding window (``window``: a query at position p sees keys > p - window) and score soft-capping
 (``softcap``: s -> softcap * tanh(s / softcap)) are constexpr-gated, so kernels without them
 compile as before; with a window a tile starts at the first K/V tile any of its rows sees.
+A q8_0 cache (uint8 rows of 32-value blocks, an fp16 scale then 32 int8: kv_quant) is read as
+d * q (`_load_q8_tile`, constexpr Q8); the new tokens are then passed rounded as it holds them.
 """
 
 
@@ -36,6 +38,43 @@ def _load_tile(ptrs, row_mask, d_mask, MASK_ROWS: tl.constexpr, EVEN_D: tl.const
         else:
             x = tl.load(ptrs, mask=d_mask[None, :], other=0.0)
     return x
+
+
+@triton.jit
+def _load_q8_tile(rows, row_mask, offs_d, d_mask, MASK_ROWS: tl.constexpr, dtype: tl.constexpr):
+    # rows [N]: uint8 pointers to q8_0 rows -> [N, D_PAD] of d * q (exact in fp32), cast to dtype.
+    # Column c is byte 2 + c % 32 of block c // 32 (34 bytes: the fp16 scale first)
+    blk = (offs_d // 32) * 34
+    qp = (rows[:, None] + (blk + 2 + offs_d % 32)[None, :]).to(tl.pointer_type(tl.int8))
+    dp = (rows[:, None] + blk[None, :]).to(tl.pointer_type(tl.float16))
+    if MASK_ROWS:
+        mask = row_mask[:, None] & d_mask[None, :]
+    else:
+        mask = d_mask[None, :]
+    q = tl.load(qp, mask=mask, other=0)
+    d = tl.load(dp, mask=mask, other=0.0)
+    return (q.to(tl.float32) * d.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _load_kv(ptrs_or_rows, row_mask, offs_d, d_mask, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr,
+             Q8: tl.constexpr, dtype: tl.constexpr):
+    # A K or V tile of the cache: rows [N] of q8_0 blocks (Q8), else element pointers [N, D_PAD]
+    if Q8:
+        x = _load_q8_tile(ptrs_or_rows, row_mask, offs_d, d_mask, MASK_ROWS, dtype)
+    else:
+        x = _load_tile(ptrs_or_rows, row_mask, d_mask, MASK_ROWS, EVEN_D)
+    return x
+
+
+@triton.jit
+def _cache_tile(head, rows, offs_d, Q8: tl.constexpr):
+    # what _load_kv takes for the cache rows at element offsets `rows` [N] from `head`
+    if Q8:
+        p = head + rows
+    else:
+        p = head + rows[:, None] + offs_d[None, :]
+    return p
 
 
 @triton.jit
@@ -80,7 +119,7 @@ def _prefill_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_bt,
     GQA: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, Q8: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD  # query tokens per tile
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
@@ -131,23 +170,24 @@ def _prefill_kernel(
     first = 0
     if WINDOW:
         first = (tl.maximum(cached_len + q0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+    dt = q_ptr.dtype.element_ty
     for start in range(first, full_end, BLOCK_N):
         j = start + offs_n
         blk = tl.load(bt_row + j // BLOCK_SIZE).to(tl.int64)
-        kk = _load_tile(kc_head + (blk * stride_kcb + (j % BLOCK_SIZE) * stride_kcs)[:, None] + offs_d[None, :],
-                        j, d_mask, False, EVEN_D)
-        vv = _load_tile(vc_head + (blk * stride_vcb + (j % BLOCK_SIZE) * stride_vcs)[:, None] + offs_d[None, :],
-                        j, d_mask, False, EVEN_D)
+        kk = _load_kv(_cache_tile(kc_head, blk * stride_kcb + (j % BLOCK_SIZE) * stride_kcs, offs_d, Q8),
+                      j, offs_d, d_mask, False, EVEN_D, Q8, dt)
+        vv = _load_kv(_cache_tile(vc_head, blk * stride_vcb + (j % BLOCK_SIZE) * stride_vcs, offs_d, Q8),
+                      j, offs_d, d_mask, False, EVEN_D, Q8, dt)
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, _window_mask(j[None, :] >= 0, j, qpos, window, WINDOW),
                                       qk_scale, softcap, WINDOW, SOFTCAP, DOT_PREC)
     if full_end < cached_len:  # ragged last tile of the prefix
         j = full_end + offs_n
         j_mask = j < cached_len
         blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_mask, other=0).to(tl.int64)
-        kk = _load_tile(kc_head + (blk * stride_kcb + (j % BLOCK_SIZE) * stride_kcs)[:, None] + offs_d[None, :],
-                        j_mask, d_mask, True, EVEN_D)
-        vv = _load_tile(vc_head + (blk * stride_vcb + (j % BLOCK_SIZE) * stride_vcs)[:, None] + offs_d[None, :],
-                        j_mask, d_mask, True, EVEN_D)
+        kk = _load_kv(_cache_tile(kc_head, blk * stride_kcb + (j % BLOCK_SIZE) * stride_kcs, offs_d, Q8),
+                      j_mask, offs_d, d_mask, True, EVEN_D, Q8, dt)
+        vv = _load_kv(_cache_tile(vc_head, blk * stride_vcb + (j % BLOCK_SIZE) * stride_vcs, offs_d, Q8),
+                      j_mask, offs_d, d_mask, True, EVEN_D, Q8, dt)
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, _window_mask(j_mask[None, :], j, qpos, window, WINDOW),
                                       qk_scale, softcap, True, SOFTCAP, DOT_PREC)
 
@@ -228,6 +268,8 @@ def flash_attn_varlen_paged(
     [num_seqs] (tokens already in the cache before the new ones); block_tables int32
     [num_seqs, max_blocks]. New token j of sequence i sits at position cached_lens[i] + j.
     Returns [total_q, H, D] in q's dtype. block_m / block_n override the tile sizes (tests).
+    A q8_0 cache (uint8 [num_blocks, block_size, KVH, D / 32 * 34]) is read as d * q; k and v
+    should then be the new tokens as it holds them (kv_quant), so every read sees one value.
     window > 0: a token at position p sees positions > p - window only; softcap > 0: scores s
     become softcap * tanh(s / softcap) before the softmax. None or 0: off.
     """
@@ -260,6 +302,7 @@ def flash_attn_varlen_paged(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GQA=gqa, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=bm, BLOCK_N=bn, DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
-        WINDOW=bool(window), SOFTCAP=bool(softcap), num_warps=num_warps, num_stages=num_stages,
+        WINDOW=bool(window), SOFTCAP=bool(softcap), Q8=k_cache.dtype == torch.uint8, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

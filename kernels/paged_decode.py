@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attention import _load_tile, _score_args, _softmax_step, _window_mask
+from .flash_attention import _cache_tile, _load_kv, _score_args, _softmax_step, _window_mask
 
 
 @triton.jit
@@ -28,7 +28,7 @@ def _decode_split_kernel(
     NUM_HEADS: tl.constexpr, GQA: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, Q8: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
     b = tl.program_id(0)
@@ -61,23 +61,24 @@ def _decode_split_kernel(
     kc_head = kc_ptr + kvh * stride_kch
     vc_head = vc_ptr + kvh * stride_vch
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+    dt = q_ptr.dtype.element_ty
     for s in range(start, full_end, BLOCK_N):
         j = s + offs_n
         blk = tl.load(bt_row + j // BLOCK_SIZE).to(tl.int64)
-        kk = _load_tile(kc_head + (blk * stride_kcb + (j % BLOCK_SIZE) * stride_kcs)[:, None] + offs_d[None, :],
-                        j, d_mask, False, EVEN_D)
-        vv = _load_tile(vc_head + (blk * stride_vcb + (j % BLOCK_SIZE) * stride_vcs)[:, None] + offs_d[None, :],
-                        j, d_mask, False, EVEN_D)
+        kk = _load_kv(_cache_tile(kc_head, blk * stride_kcb + (j % BLOCK_SIZE) * stride_kcs, offs_d, Q8),
+                      j, offs_d, d_mask, False, EVEN_D, Q8, dt)
+        vv = _load_kv(_cache_tile(vc_head, blk * stride_vcb + (j % BLOCK_SIZE) * stride_vcs, offs_d, Q8),
+                      j, offs_d, d_mask, False, EVEN_D, Q8, dt)
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, _window_mask(j[None, :] >= 0, j, ctx - 1, window, WINDOW),
                                       qk_scale, softcap, WINDOW, SOFTCAP, DOT_PREC)
     if full_end < end:
         j = full_end + offs_n
         j_mask = j < end
         blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_mask, other=0).to(tl.int64)
-        kk = _load_tile(kc_head + (blk * stride_kcb + (j % BLOCK_SIZE) * stride_kcs)[:, None] + offs_d[None, :],
-                        j_mask, d_mask, True, EVEN_D)
-        vv = _load_tile(vc_head + (blk * stride_vcb + (j % BLOCK_SIZE) * stride_vcs)[:, None] + offs_d[None, :],
-                        j_mask, d_mask, True, EVEN_D)
+        kk = _load_kv(_cache_tile(kc_head, blk * stride_kcb + (j % BLOCK_SIZE) * stride_kcs, offs_d, Q8),
+                      j_mask, offs_d, d_mask, True, EVEN_D, Q8, dt)
+        vv = _load_kv(_cache_tile(vc_head, blk * stride_vcb + (j % BLOCK_SIZE) * stride_vcs, offs_d, Q8),
+                      j_mask, offs_d, d_mask, True, EVEN_D, Q8, dt)
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, _window_mask(j_mask[None, :], j, ctx - 1, window, WINDOW),
                                       qk_scale, softcap, True, SOFTCAP, DOT_PREC)
 
@@ -155,7 +156,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """q [batch, H, D] (one token per sequence) over context_lens[b] cached tokens.
 
-    k_cache, v_cache [num_blocks, block_size, KVH, D]; context_lens int32 [batch] (0 = padding
+    k_cache, v_cache [num_blocks, block_size, KVH, D] (or q8_0 blocks: uint8 [.., KVH, D / 32 * 34],
+    read as d * q); context_lens int32 [batch] (0 = padding
     row, output zeros); block_tables int32 [batch, max_blocks]. Returns [batch, H, D] in q's
     dtype. num_splits None picks from shapes (and max_context_len if given); fixed per shape,
     so it is safe under CUDA-graph capture. window > 0: the query (at position context_lens[b] - 1)
@@ -192,7 +194,8 @@ def paged_decode_attention(
         NUM_HEADS=num_heads, GQA=gqa, BLOCK_H=max(16, triton.next_power_of_2(gqa)),
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
-        WINDOW=bool(window), SOFTCAP=bool(softcap), num_warps=8 if q.element_size() > 2 else 4, num_stages=2,
+        WINDOW=bool(window), SOFTCAP=bool(softcap), Q8=k_cache.dtype == torch.uint8,
+        num_warps=8 if q.element_size() > 2 else 4, num_stages=2,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](

@@ -30,6 +30,10 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="auto|cpu|cuda")]
 CtxOpt = Annotated[Optional[int], typer.Option("--ctx", help="Context length (default: the model's).")]
 KvMemOpt = Annotated[Optional[str], typer.Option("--kv-memory", help="Memory for the KV cache: GiB, or with a "
                                                                      "unit (512MiB, 2GiB).")]
+KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: auto|f32|f16|bf16|q8_0 (llama.cpp's "
+                                        "-ctk/-ctv names; q8_0: 8-bit, about half the memory and bytes per token "
+                                        "of f16; auto: f16 for quantized or 16-bit weights on CPU, f32 for fp32 "
+                                        "weights).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: a draft MODEL, 'ngram' "
@@ -88,11 +92,14 @@ def check_memory(device: str, **asked: int | None) -> None:
             raise fail(f"{flag} {gib(n)} is more than the {gib(free)} of {where}; lower it or leave it out", 1)
 
 
-def engine_config(ctx: int | None = None, kv_memory: str | None = None, threads: int | None = None,
+def engine_config(ctx: int | None = None, kv_memory: str | None = None, kv_type: str = "auto",
+                  threads: int | None = None,
                   draft: str | None = None, spec_tokens: int = 4, enforce_eager: bool = False, device: str = "auto",
                   **kw):
-    from .config import EngineConfig
+    from .config import KV_TYPE_BYTES, EngineConfig
 
+    if kv_type != "auto" and kv_type not in KV_TYPE_BYTES:
+        raise fail(f"invalid value for --kv-type: {kv_type!r}; choose from auto, {', '.join(KV_TYPE_BYTES)}", 2)
     if not 1 <= spec_tokens <= 16:
         raise fail(f"invalid value for --spec-tokens: must be in 1..16, got {spec_tokens}", 2)
     if threads is not None and threads < 1:
@@ -101,7 +108,8 @@ def engine_config(ctx: int | None = None, kv_memory: str | None = None, threads:
         raise fail(f"invalid value for --ctx: must be >= 1 (leave it out for the model's), got {ctx}", 2)
     kv_bytes = parse_memory(kv_memory, "--kv-memory")
     check_memory(device, **{"--kv-memory": kv_bytes})
-    return EngineConfig(max_model_len=ctx, kv_memory_bytes=kv_bytes, num_threads=threads, speculative=draft,
+    return EngineConfig(max_model_len=ctx, kv_memory_bytes=kv_bytes, kv_type=kv_type, num_threads=threads,
+                        speculative=draft,
                         num_speculative_tokens=spec_tokens, compile=not enforce_eager, **kw)
 
 
@@ -220,6 +228,7 @@ def run(
     device: DeviceOpt = "auto",
     ctx: CtxOpt = None,
     kv_memory: KvMemOpt = None,
+    kv_type: KvTypeOpt = "auto",
     threads: ThreadsOpt = None,
     draft: DraftOpt = None,
     spec_tokens: SpecTokensOpt = 4,
@@ -252,7 +261,8 @@ def run(
                 raise fail(str(e)) from None
     max_gib = max_memory_gib(max_memory, device)
     if dry_run:
-        print_plan(model, quant, device, ctx, max_gib, parse_memory(kv_memory, "--kv-memory"))
+        engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device)  # checks them
+        print_plan(model, quant, device, ctx, max_gib, parse_memory(kv_memory, "--kv-memory"), kv_type)
         return
     piped = "" if sys.stdin.isatty() else read_stdin()
     parts = [p for p in (piped.strip("\n"), " ".join(words)) if p.strip()]
@@ -264,7 +274,7 @@ def run(
                              min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [],
                              constraint=constraint)
     # a one-shot run exits long before a build could pay off: it queues one only when asked
-    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, device, parallel=1,
+    config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device, parallel=1,
                            background_build=build)
     engine = open_engine(model, quant, device, config, max_gib)
     content = _with_images(engine, prompt, list(image or []), raw)
@@ -299,14 +309,14 @@ def _with_images(engine, prompt: str, files: list[str], raw: bool) -> str | list
 
 
 def print_plan(model: str | None, quant: str, device: str, ctx: int | None, max_memory: float | None,
-               kv_memory: int | None = None) -> None:
+               kv_memory: int | None = None, kv_type: str = "auto") -> None:
     """`--dry-run`: the planner's choice and why (with the KV cache --kv-memory asks for); exit 1
     when the model does not fit."""
     from .model.loader import ModelLoadError
     from .planner import PlanError, plan_for
 
     try:
-        plan = plan_for(model, quant, max_memory, ctx, device, kv_memory)
+        plan = plan_for(model, quant, max_memory, ctx, device, kv_memory, kv_type)
     except (PlanError, ModelLoadError, FileNotFoundError) as e:
         raise fail(str(e)) from None
     except ValueError as e:
@@ -541,6 +551,7 @@ def serve(
     device: DeviceOpt = "auto",
     ctx: CtxOpt = None,
     kv_memory: KvMemOpt = None,
+    kv_type: KvTypeOpt = "auto",
     threads: ThreadsOpt = None,
     draft: DraftOpt = None,
     spec_tokens: SpecTokensOpt = 4,
@@ -604,7 +615,8 @@ def serve(
         raise fail("--engine vllm needs a MODEL (vLLM serves one model per server)", 2)
     if model is None:
         _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx,
-                   kv_memory, threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts)
+                   kv_memory, threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts,
+                   kv_type)
     try:  # name mistakes fail now, not after the server started
         ref = resolve_model(model)
     except ValueError as e:
@@ -617,7 +629,7 @@ def serve(
         from pathlib import Path
 
         aliases += [Path(ref.name).name, Path(ref.name).stem]
-    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, device,
+    config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device,
                            max_num_seqs=max_num_seqs, parallel=parallel)
     cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, int(max_body_mb * (1 << 20)),
                        bind_host=host, allowed_hosts=hosts)
@@ -759,7 +771,8 @@ def _has_cuda() -> bool:
 
 
 def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx, kv_memory,
-               threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts) -> None:
+               threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts,
+               kv_type: str = "auto") -> None:
     """`serve` without MODEL: every local model, loaded on demand (server/pool.py)."""
     from .planner import normalize_quant
     from .server.app import create_app
@@ -773,7 +786,7 @@ def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parall
         raise fail(str(e), 2) from None
     if draft is not None:
         raise fail("--draft needs a MODEL: the draft pairing is per model", 2)
-    config = engine_config(ctx, kv_memory, threads, None, spec_tokens, enforce_eager, device,
+    config = engine_config(ctx, kv_memory, kv_type, threads, None, spec_tokens, enforce_eager, device,
                            max_num_seqs=max_num_seqs, parallel=parallel)
     def log(message: str) -> None:
         typer.echo(message, err=True)
@@ -988,6 +1001,7 @@ def chat(
     device: DeviceOpt = "auto",
     ctx: CtxOpt = None,
     kv_memory: KvMemOpt = None,
+    kv_type: KvTypeOpt = "auto",
     threads: ThreadsOpt = None,
     draft: DraftOpt = None,
     spec_tokens: SpecTokensOpt = 4,
@@ -1003,7 +1017,7 @@ def chat(
     from .repl import ChatSession, history_path, run_pipe, run_repl
 
     sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    config = engine_config(ctx, kv_memory, threads, draft, spec_tokens, enforce_eager, device, parallel=1)
+    config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device, parallel=1)
     engine = open_engine(model, quant, device, config)
     name = engine.loaded.name or model or ""
     interactive = sys.stdin.isatty()

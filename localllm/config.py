@@ -239,8 +239,9 @@ class ModelConfig:
         mlp += moe * (experts * 3 * h * self.moe_intermediate_size + self.num_experts * h)
         return L * attn + mlp
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: float = 2) -> int:
+        """K and V of every layer; dtype_bytes per value (q8_0: 34 / 32, KV_TYPE_BYTES)."""
+        return round(2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes)
 
 
 MOE_ARCHS = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
@@ -457,6 +458,10 @@ def kv_tokens(num_blocks: int, block_size: int) -> int:
     return max(num_blocks - 1, 0) * block_size
 
 
+# KV cache element types (--kv-type) and their bytes per value; q8_0: 32 int8 + an fp16 scale per 32
+KV_TYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}
+
+
 @dataclass
 class EngineConfig:
     """Knobs of the serving engine; the CLI and server fill it, the engine reads it."""
@@ -485,6 +490,9 @@ class EngineConfig:
     # serve do; a one-shot `run` only with --build (it would exit long before the build lands)
     background_build: bool = True
     max_graph_batch: int = 256  # largest decode batch captured (capped by max_num_seqs)
+    # the KV cache's element type (--kv-type, llama.cpp's -ctk/-ctv names): "auto" is the loader's
+    # choice for the weights; "q8_0" the 8-bit cache (blocks of 32 int8 and an fp16 scale)
+    kv_type: str = "auto"
 
     def __post_init__(self):
         # 0 used to mean "default" by falling through `if x:` tests; None is the only default
@@ -492,3 +500,5 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"EngineConfig.{name} must be a positive integer or None, got {v!r}")
+        if self.kv_type != "auto" and self.kv_type not in KV_TYPE_BYTES:
+            raise ValueError(f"unknown KV cache type {self.kv_type!r}; choose from auto, {', '.join(KV_TYPE_BYTES)}")

@@ -93,7 +93,7 @@ def _planned(model: str | None, precision: str, device: str, config: EngineConfi
         raise
     # with --kv-memory the plan counts the KV the engine will allocate: weights + it must fit
     p = plan(facts, device_facts(device), quant, config.max_model_len,
-             int(max_memory * GiB) if max_memory else None, kv)
+             int(max_memory * GiB) if max_memory else None, kv, config.kv_type)
     if not p.fits:
         raise PlanError(p.reason)
     for w in p.warnings:

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ModelConfig, kv_blocks, kv_tokens
+from .config import KV_TYPE_BYTES, ModelConfig, kv_blocks, kv_tokens
 
 GiB = 1 << 30
 DEFAULT_CTX = 4096  # without --ctx: the context a plan must at least fit (then it grows to what fits)
@@ -143,6 +143,7 @@ class Plan:
     label: str = ""  # human name of the choice ("bfloat16", "AWQ variant", "int4 (RTN on load)")
     warnings: list[str] = field(default_factory=list)
     estimated: bool = False
+    kv_type: str = ""  # the KV cache's element type (--kv-type, or what auto gives: kv_type_for)
 
     @property
     def needed_bytes(self) -> int:
@@ -153,7 +154,8 @@ class Plan:
             return f"plan: does not fit - {self.reason}"
         lines = [f"plan: {self.label} on {self.device}, ctx {self.ctx}" +
                  (f" (load {self.variant})" if self.variant else ""),
-                 f"  memory: weights {gib(self.weights_bytes)} + KV {gib(self.kv_bytes)} + runtime "
+                 f"  memory: weights {gib(self.weights_bytes)} + KV {gib(self.kv_bytes)}"
+                 + (f" ({self.kv_type})" if self.kv_type else "") + " + runtime "
                  f"{gib(self.overhead_bytes)} = {gib(self.needed_bytes)} of {gib(self.available_bytes)} available",
                  f"  why: {self.reason}"]
         lines += [f"  warning: {w}" for w in self.warnings]
@@ -199,14 +201,25 @@ def weight_bytes(f: ModelFacts, precision: str, device: str) -> int:
     return int(f.linear_params * (0.5 + 4 / group)) + other_b + fast_head
 
 
-def _kv_per_token(f: ModelFacts, precision: str, device: str) -> int:
-    # 16-bit KV cache, except fp32 on CPU for float32 weights (the loader's choice)
-    return f.kv_bytes_per_token * (2 if device == "cpu" and precision == "float32" else 1)
+def kv_type_for(precision: str, device: str, kv_type: str = "auto") -> str:
+    """The KV cache type the engine will hold: --kv-type, or for auto the loader's choice (a 16-bit
+    cache, fp32 on CPU for float32 weights, bf16 for bf16 activations)."""
+    if kv_type != "auto":
+        if kv_type not in KV_TYPE_BYTES:
+            raise ValueError(f"unknown KV cache type {kv_type!r}; choose from auto, {', '.join(KV_TYPE_BYTES)}")
+        return kv_type
+    if device == "cpu":
+        return {"float32": "f32", "bfloat16": "bf16"}.get(precision, "f16")
+    return "bf16" if precision == "bfloat16" else "f16"
 
 
-def kv_bytes(f: ModelFacts, precision: str, device: str, ctx: int) -> int:
+def _kv_per_token(f: ModelFacts, precision: str, device: str, kv_type: str = "auto") -> int:
+    return round(f.kv_bytes_per_token / 2 * KV_TYPE_BYTES[kv_type_for(precision, device, kv_type)])
+
+
+def kv_bytes(f: ModelFacts, precision: str, device: str, ctx: int, kv_type: str = "auto") -> int:
     """What the engine allocates for one `ctx`-token context: whole blocks and the null block."""
-    return _kv_per_token(f, precision, device) * BLOCK * kv_blocks(ctx, BLOCK)
+    return _kv_per_token(f, precision, device, kv_type) * BLOCK * kv_blocks(ctx, BLOCK)
 
 
 def overhead_bytes(f: ModelFacts) -> int:
@@ -250,15 +263,16 @@ def _candidates(f: ModelFacts, quant: str, device: str) -> list[tuple[str, str |
 
 
 def plan(f: ModelFacts, dev: DeviceFacts, quant: str = "auto", ctx: int | None = None,
-         max_memory: int | None = None, kv_memory: int | None = None) -> Plan:
+         max_memory: int | None = None, kv_memory: int | None = None, kv_type: str = "auto") -> Plan:
     """The first candidate whose weights + KV(ctx) + runtime fit the budget. `max_memory` (bytes)
     replaces 90% of the device's free memory as the budget. Without `ctx` the plan must fit
     min(DEFAULT_CTX, model context) and then takes the largest context that fits. `kv_memory`
     (bytes, --kv-memory) is what the engine will allocate for KV whatever the context: the plan
-    counts exactly that, and the context is what it holds (at most the model's)."""
+    counts exactly that, and the context is what it holds (at most the model's). `kv_type`
+    (--kv-type) is the KV cache's element type; its bytes per token are what the plan counts."""
     quant = normalize_quant(quant)
     if kv_memory:
-        return _plan_fixed_kv(f, dev, quant, ctx, max_memory, kv_memory)
+        return _plan_fixed_kv(f, dev, quant, ctx, max_memory, kv_memory, kv_type)
     kind = "cpu" if dev.device == "cpu" else "cuda"
     budget = int(max_memory) if max_memory else int(dev.available * 0.9)
     if ctx is not None and ctx < 1:
@@ -270,10 +284,10 @@ def plan(f: ModelFacts, dev: DeviceFacts, quant: str = "auto", ctx: int | None =
     for precision, variant, label, warning in cands:
         w = weight_bytes(f, "native" if f.native and precision in ("auto", "int4") else
                          (variant and "awq") or precision, kind)
-        kv_tok = _kv_per_token(f, precision, kind)
-        if w + kv_bytes(f, precision, kind, floor) + over <= budget:
+        kv_tok = _kv_per_token(f, precision, kind, kv_type)
+        if w + kv_bytes(f, precision, kind, floor, kv_type) + over <= budget:
             n = floor if ctx else max(floor, min(f.max_context, (budget - w - over) // kv_tok // 256 * 256))
-            while n > floor and w + kv_bytes(f, precision, kind, n) + over > budget:
+            while n > floor and w + kv_bytes(f, precision, kind, n, kv_type) + over > budget:
                 n = max(floor, n - 256)
             why = f"{label} fits with ctx {n}"
             if rejected:
@@ -282,23 +296,23 @@ def plan(f: ModelFacts, dev: DeviceFacts, quant: str = "auto", ctx: int | None =
                 why += " (the most precise option)"
             if ctx and ctx > f.max_context:
                 why += f"; --ctx {ctx} capped at the model's {f.max_context}"
-            return Plan(f.name, dev.device, precision, variant, n, True, why, w, kv_bytes(f, precision, kind, n), over,
-                        budget, label,
-                        [warning] if warning else [], f.estimated)
-        rejected.append(f"{label} needs {gib(w + kv_bytes(f, precision, kind, floor) + over)}")
+            return Plan(f.name, dev.device, precision, variant, n, True, why, w, kv_bytes(f, precision, kind, n, kv_type),
+                        over, budget, label, [warning] if warning else [], f.estimated,
+                        kv_type_for(precision, kind, kv_type))
+        rejected.append(f"{label} needs {gib(w + kv_bytes(f, precision, kind, floor, kv_type) + over)}")
     precision, variant, label, _ = cands[-1]
     w = weight_bytes(f, "native" if f.native and precision in ("auto", "int4") else (variant and "awq") or precision,
                      kind)
-    kv = kv_bytes(f, precision, kind, floor)
+    kv = kv_bytes(f, precision, kind, floor, kv_type)
     where = "--max-memory" if max_memory else f"free {'RAM' if kind == 'cpu' else 'GPU memory'} x 0.9"
     msg = (f"{f.name} needs >= {(w + kv + over) / GiB:.2f} GiB (weights {gib(w)} as {label} + KV {gib(kv)} at ctx "
            f"{floor} + runtime {gib(over)}); only {gib(budget)} available ({where})")
     return Plan(f.name, dev.device, precision, variant, floor, False, msg, w, kv, over, budget, label, [],
-                f.estimated)
+                f.estimated, kv_type_for(precision, kind, kv_type))
 
 
 def _plan_fixed_kv(f: ModelFacts, dev: DeviceFacts, quant: str, ctx: int | None, max_memory: int | None,
-                   kv_memory: int) -> Plan:
+                   kv_memory: int, kv_type: str = "auto") -> Plan:
     kind = "cpu" if dev.device == "cpu" else "cuda"
     budget = int(max_memory) if max_memory else int(dev.available * 0.9)
     if ctx is not None and ctx < 1:
@@ -310,13 +324,14 @@ def _plan_fixed_kv(f: ModelFacts, dev: DeviceFacts, quant: str, ctx: int | None,
     for i, (precision, variant, label, warning) in enumerate(cands):
         w = weight_bytes(f, "native" if f.native and precision in ("auto", "int4") else
                          (variant and "awq") or precision, kind)
-        holds = kv_tokens(kv_memory // (_kv_per_token(f, precision, kind) * BLOCK), BLOCK)
+        holds = kv_tokens(kv_memory // (_kv_per_token(f, precision, kind, kv_type) * BLOCK), BLOCK)
         n = min(ctx or f.max_context, f.max_context, max(holds, 0))
         if holds < (min(ctx, f.max_context) if ctx else 1):
             what = f"one {min(ctx, f.max_context)}-token context (--ctx)" if ctx else "one KV block"
             return Plan(f.name, dev.device, precision, variant, n, False,
                         f"--kv-memory {gib(kv_memory)} holds {max(holds, 0)} tokens, less than {what}; raise it"
-                        + (" or lower --ctx" if ctx else ""), w, kv_memory, over, budget, label, [], f.estimated)
+                        + (" or lower --ctx" if ctx else ""), w, kv_memory, over, budget, label, [], f.estimated,
+                        kv_type_for(precision, kind, kv_type))
         if w + kv_memory + over <= budget or i == len(cands) - 1:
             fits = w + kv_memory + over <= budget
             why = (f"{label} with the KV cache --kv-memory asks for (ctx {n})" if fits else
@@ -325,7 +340,7 @@ def _plan_fixed_kv(f: ModelFacts, dev: DeviceFacts, quant: str, ctx: int | None,
             if fits and rejected:
                 why += f" ({'; '.join(rejected)})"
             return Plan(f.name, dev.device, precision, variant, n, fits, why, w, kv_memory, over, budget, label,
-                        [warning] if warning and fits else [], f.estimated)
+                        [warning] if warning and fits else [], f.estimated, kv_type_for(precision, kind, kv_type))
         rejected.append(f"{label} needs {gib(w + kv_memory + over)}")
     raise AssertionError("unreachable: the last candidate always returns")
 
@@ -427,12 +442,12 @@ def device_facts(device: str = "auto") -> DeviceFacts:
 
 
 def plan_for(model=None, quant: str = "auto", max_memory: float | None = None, ctx: int | None = None,
-             device: str = "auto", kv_memory: int | None = None) -> Plan:
+             device: str = "auto", kv_memory: int | None = None, kv_type: str = "auto") -> Plan:
     """The plan for a MODEL argument (alias, repo, directory, .gguf, Path or ModelRef) on this
     machine; `max_memory` in GiB, `kv_memory` in bytes. Reads metadata only: nothing is loaded
     or downloaded."""
     return plan(facts_for(model), device_facts(device), quant, ctx,
-                int(max_memory * GiB) if max_memory else None, kv_memory)
+                int(max_memory * GiB) if max_memory else None, kv_memory, kv_type)
 
 
 # ---- many GPUs (vLLM: tensor parallel within a node, pipeline parallel across nodes) ------------

@@ -204,8 +204,8 @@ def bad_inputs():
     return [
         ("q must be float32", with_(0, q.half())),
         ("q must be float32", with_(0, q[0])),
-        ("must both be float32, float16 or bfloat16", with_(2, v.float())),
-        ("must both be float32, float16 or bfloat16", (q, k.double(), v.double(), bt, cu, ctx)),
+        ("must both be float32, float16, bfloat16 or uint8", with_(2, v.float())),
+        ("must both be float32, float16, bfloat16 or uint8", (q, k.double(), v.double(), bt, cu, ctx)),
         ("must both be \\[num_blocks", with_(2, v[:, :8])),
         ("head dim", (q[..., :40].contiguous(), k[..., :40].contiguous(), v[..., :40].contiguous(), bt, cu, ctx)),
         ("multiple of KV heads", (q[:, :3].contiguous(), k, v, bt, cu, ctx)),
@@ -429,7 +429,8 @@ PORTABLE = {"avx2": "-march=x86-64-v3", "generic": "-march=x86-64"}
 @pytest.mark.slow  # ~25 s of compiling the kernels for a baseline CPU: `make test-slow`, outside CI's budget
 def test_portable_builds(tmp_path):
     """The AVX2 and the plain-loop paths (what CPUs without AVX-512 get from -march=native), each
-    built for that baseline (both at once) and run in a fresh process against fp64."""
+    built for that baseline (both at once) and run in a fresh process against fp64 (q8_0 caches:
+    on the dequantized K/V)."""
     libs = {isa: tmp_path / f"{isa}.so" for isa in PORTABLE}
     base = [f for f in cpu_attention.CXXFLAGS if not f.startswith("-march")]
     with ThreadPoolExecutor(len(PORTABLE)) as pool:
@@ -449,9 +450,17 @@ def test_portable_builds(tmp_path):
                     # window (from mid-block) and soft-cap: the masks and the vector tanh of this path
                     check(torch.ops.localllm.paged_attention(*args, 0.1, 21, 5.0), args, 0.1, atol=2e-5,
                           window=21, softcap=5.0)
+            from localllm_kernels import kv_quant
+            for specs, H, kvh, D in [([(1, 33), (4, 20), (20, 20), (1, 700)], 9, 3, 64), ([(1, 300), (6, 40)], 16, 2, 128)]:
+                q, k, v, *rest = make_batch(specs, H, kvh, D, 16, torch.float32)
+                args = (q, kv_quant.quantize(k), kv_quant.quantize(v), *rest)
+                deq = (q, kv_quant.dequantize(args[1]), kv_quant.dequantize(args[2]), *rest)
+                check(torch.ops.localllm.paged_attention(*args, 0.1), deq, 0.1)
+                check(torch.ops.localllm.paged_attention(*args, 0.1, 21, 5.0), deq, 0.1, atol=2e-5, window=21,
+                      softcap=5.0)
             print("ok")
         """)
-        env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))}
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, (isa, done.stderr[-3000:])
         assert done.stdout.strip() == "ok"

@@ -8,7 +8,8 @@
 //       -> q [T, H, D]: splits each row of qkv [T, (H + 2 KVH) D] into q, k, v; per-head RMSNorm of q
 //       and k when q_w/k_w are given (Qwen3, Gemma 3); HF rotate_half RoPE of the first rotary_dim
 //       columns of each head by cos/sin [P, rotary_dim] at positions [T]; k and v written into the
-//       paged caches [blocks, block_size, KVH, D] (fp32/fp16/bf16) at slots [T]; q returned.
+//       paged caches [blocks, block_size, KVH, D] (fp32/fp16/bf16; or uint8 [.., KVH, D / 32 * 34]: q8_0
+//       blocks, quantized as kernels/kv_quant.py does, bit for bit) at slots [T]; q returned.
 //   silu_mul(gate_up [T, 2I]) -> silu(gate) * up;  gelu_tanh_mul(gate_up) -> gelu_tanh(gate) * up
 //
 // RoPE, the residual add and the cache writes do what the torch ops they replace do, one rounding
@@ -29,11 +30,14 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -326,6 +330,25 @@ inline void store_row(const float* src, C* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<C>(src[i]);
 }
 
+// a q8_0 row (the 8-bit KV cache): per 32 values d = max|x| / 127, q = roundf(x * (1 / d)), d as fp16
+// bits, then the 32 int8 (llama.cpp's quantize_row_q8_0_ref; kv_quant.quantize is the reference)
+inline void store_row(const float* src, uint8_t* dst, int64_t n) {
+  for (int64_t b = 0; b < n / 32; ++b, src += 32, dst += 34) {
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(src[j]));
+    const float d = amax / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    const uint16_t bits = c10::Half(d).x;
+    std::memcpy(dst, &bits, 2);
+    for (int j = 0; j < 32; ++j) dst[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::roundf(src[j] * inv)));
+  }
+}
+
+// cache elements of a head's row of D values
+template <typename C>
+constexpr int64_t row_elems(int64_t D) {
+  return std::is_same_v<C, uint8_t> ? D / 32 * 34 : D;
+}
+
 // x [D] (already normed or not) -> out [D]: rotate_half RoPE on the first r columns, the rest copied
 inline void rope_row(const float* x, const float* c, const float* s, int64_t r, int64_t D, float* out) {
   const int64_t h = r / 2;
@@ -354,7 +377,7 @@ void rope_store_impl(Isa isa, const at::Tensor& qkv, const int64_t* pos, const f
         }
         rope_row(x, c, s, r, D, q + (t * H + h) * D);
       }
-      const int64_t slot = slots[t];
+      const int64_t slot = slots[t], rb = row_elems<C>(D);
       float krow[1024];
       for (int64_t h = 0; h < KVH; ++h) {
         const float* x = row + (H + h) * D;
@@ -363,8 +386,8 @@ void rope_store_impl(Isa isa, const at::Tensor& qkv, const int64_t* pos, const f
           x = tmp;
         }
         rope_row(x, c, s, r, D, krow);
-        store_row(krow, kc + (slot * KVH + h) * D, D);
-        store_row(row + (H + KVH + h) * D, vc + (slot * KVH + h) * D, D);
+        store_row(krow, kc + (slot * KVH + h) * rb, D);
+        store_row(row + (H + KVH + h) * D, vc + (slot * KVH + h) * rb, D);
       }
     }
   });
@@ -386,10 +409,13 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions, const 
   TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.is_contiguous() &&
                   slots.is_contiguous() && positions.numel() == T && slots.numel() == T,
               "rope_store: positions and slots must be contiguous int64 [T]");
+  const bool q8 = k_cache.scalar_type() == at::kByte;
+  TORCH_CHECK(!q8 || D % 32 == 0, "rope_store: a q8_0 cache needs D % 32 == 0, got ", D);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == KVH &&
-                  k_cache.size(3) == D && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.size(3) == (q8 ? D / 32 * 34 : D) && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.scalar_type() == v_cache.scalar_type(),
-              "rope_store: caches must be contiguous [blocks, block_size, KVH, D] of one dtype");
+              "rope_store: caches must be contiguous [blocks, block_size, KVH, D] (q8_0: D / 32 * 34 bytes) of one "
+              "dtype");
   for (const auto* w : {&q_w, &k_w})
     if (*w)
       TORCH_CHECK((*w)->scalar_type() == at::kFloat && (*w)->is_contiguous() && (*w)->numel() == D,
@@ -421,8 +447,13 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& positions, const 
       rope_store_impl(isa, qkv, ps, cp, sp, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), ss,
                       H, KVH, D, rotary_dim, qwp, kwp, e, q.data_ptr<float>());
       break;
+    case at::kByte:
+      rope_store_impl(isa, qkv, ps, cp, sp, k_cache.data_ptr<uint8_t>(), v_cache.data_ptr<uint8_t>(), ss, H, KVH, D,
+                      rotary_dim, qwp, kwp, e, q.data_ptr<float>());
+      break;
     default:
-      TORCH_CHECK(false, "rope_store: caches must be float32, float16 or bfloat16, got ", k_cache.scalar_type());
+      TORCH_CHECK(false, "rope_store: caches must be float32, float16, bfloat16 or uint8 (q8_0), got ",
+                  k_cache.scalar_type());
   }
   return q;
 }

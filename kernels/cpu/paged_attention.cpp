@@ -11,12 +11,15 @@
 // few against the threads (decode at batch 1), long contexts are split into chunks whose partial
 // (max, sum, acc) are merged afterwards, and short ones into groups of KV heads. Items are taken
 // from a shared counter, longest first. fp16/bf16 caches are converted to fp32 on load (once per
-// tile and head); all arithmetic is fp32.
+// tile and head); all arithmetic is fp32. A q8_0 cache (uint8, llama.cpp's Q8_0 blocks: an fp16
+// scale d and 32 int8 q per 32 values of a head's row, kernels/kv_quant.py) is read as d * q (exact
+// in fp32) where it lies, 16 values at a time: half the bytes of an fp16 cache.
 //
 // Built with -march=native (the cached library is keyed by the CPU's flags): AVX-512, AVX2+F16C+FMA,
 // or plain loops for any other CPU; every path works on 16 floats at a time (D % 16 == 0).
 //
-// q [T, H, D] fp32; k_cache, v_cache [num_blocks, block_size, KVH, D] fp32/fp16/bf16;
+// q [T, H, D] fp32; k_cache, v_cache [num_blocks, block_size, KVH, D] fp32/fp16/bf16 (q8_0: uint8
+// [num_blocks, block_size, KVH, D / 32 * 34]);
 // block_tables [B, max_blocks], cu_seqlens_q [B + 1], context_lens [B] int64. Row i of sequence b
 // (n_b = cu[b+1] - cu[b] rows) sits at position ctx_b - n_b + i and sees positions 0 ..= that.
 // Query head h uses KV head h / (H / KVH). Returns [T, H, D] fp32.
@@ -52,6 +55,14 @@ constexpr int64_t kDirectM = 4;
 constexpr int64_t kSerialWork = 1 << 17;  // multiply-adds per pass (q.k or p.v) below which one thread runs
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// One q8_0 block: 32 values d * q. A row pointer of this type advances by blocks, so the loads below
+// take (row, column) rather than an element pointer (`at`).
+struct Q8Block {
+  uint16_t d;  // fp16 bits
+  int8_t q[32];
+};
+static_assert(sizeof(Q8Block) == 34, "Q8_0 blocks are 34 bytes");
+
 // ---- 16 floats ------------------------------------------------------------------------------
 
 #if defined(__AVX512F__)
@@ -67,6 +78,12 @@ inline Vec16 load(const c10::Half* p) {
 inline Vec16 load(const c10::BFloat16* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
+// columns [c, c + 16) of a q8_0 row (c % 16 == 0): one block's scale times 16 of its int8
+inline Vec16 at(const Q8Block* row, int64_t c) {
+  const Q8Block& b = row[c >> 5];
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.q + (c & 31)));
+  return {_mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(b.d)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)))};
 }
 inline void store(float* p, Vec16 a) { _mm512_storeu_ps(p, a.v); }
 inline Vec16 set1(float x) { return {_mm512_set1_ps(x)}; }
@@ -116,6 +133,14 @@ inline Vec16 load(const c10::BFloat16* p) {
   const __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(w));
   const __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(w, 1));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+}
+inline Vec16 at(const Q8Block* row, int64_t c) {
+  const Q8Block& b = row[c >> 5];
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(b.d));
+  const int8_t* q = b.q + (c & 31);
+  const __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  const __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+  return {_mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)), _mm256_mul_ps(d, _mm256_cvtepi32_ps(hi))};
 }
 inline void store(float* p, Vec16 a) {
   _mm256_storeu_ps(p, a.lo);
@@ -184,6 +209,13 @@ inline Vec16 load(const T* p) {
   for (int i = 0; i < 16; ++i) r.f[i] = static_cast<float>(p[i]);
   return r;
 }
+inline Vec16 at(const Q8Block* row, int64_t c) {
+  const Q8Block& b = row[c >> 5];
+  const float d = static_cast<float>(c10::Half(b.d, c10::Half::from_bits()));
+  Vec16 r;
+  for (int i = 0; i < 16; ++i) r.f[i] = d * static_cast<float>(b.q[(c & 31) + i]);
+  return r;
+}
 inline void store(float* p, Vec16 a) { std::memcpy(p, a.f, sizeof(a.f)); }
 inline Vec16 set1(float x) {
   Vec16 r;
@@ -250,6 +282,16 @@ inline Vec16 tanh16(Vec16 x) {
   return div(mul(x, p), q);
 }
 
+// columns [c, c + 16) of a row of floats, fp16 or bf16
+template <typename T>
+inline Vec16 at(const T* row, int64_t c) {
+  return load(row + c);
+}
+
+// elements of a head's row in the cache (q8_0: blocks of 32)
+template <typename T>
+constexpr int64_t kPer = std::is_same_v<T, Q8Block> ? 32 : 1;
+
 // ---- the attention ---------------------------------------------------------------------------
 
 struct Problem {
@@ -309,7 +351,7 @@ inline void scores(int64_t M, int kt, const float* qs, int64_t D, const R* const
     for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
       const __m512 qv = _mm512_loadu_ps(qs + m * D + d);
-      for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, load(kr[j] + d).v, a[j]);
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, at(kr[j], d).v, a[j]);
     }
     _mm512_storeu_ps(s + m * kTile, transpose_sum(a));
   }
@@ -326,7 +368,7 @@ inline void dots(const float* qs, int64_t D, const R* const* kr, float* s) {
     for (int j = 0; j < NK; ++j) a[i][j] = zero();
   for (int64_t d = 0; d < D; d += 16) {
     Vec16 kv[NK];
-    for (int j = 0; j < NK; ++j) kv[j] = load(kr[j] + d);
+    for (int j = 0; j < NK; ++j) kv[j] = at(kr[j], d);
     for (int i = 0; i < NQ; ++i) {
       const Vec16 qv = load(qs + i * D + d);
       for (int j = 0; j < NK; ++j) a[i][j] = fma(qv, kv[j], a[i][j]);
@@ -374,7 +416,7 @@ inline void accumulate(float* acc, int64_t D, int64_t d, const float* p, const f
     for (int c = 0; c < NC; ++c) a[i][c] = mul(load(acc + i * D + d + 16 * c), set1(alpha[i]));
   for (int j = 0; j < kt; ++j)
     for (int c = 0; c < NC; ++c) {
-      const Vec16 vv = load(vr[j] + d + 16 * c);
+      const Vec16 vv = at(vr[j], d + 16 * c);
       for (int i = 0; i < NQ; ++i) a[i][c] = fma(set1(p[i * kTile + j]), vv, a[i][c]);
     }
   for (int i = 0; i < NQ; ++i)
@@ -464,7 +506,7 @@ void attend(const Problem& P, const Item& it, Scratch& S) {
   for (int64_t pos0 = it.c0; pos0 < it.c1; pos0 += kTile) {
     const int kt = static_cast<int>(std::min<int64_t>(kTile, it.c1 - pos0));
     for (int j = 0; j < kt; ++j) {  // position j's rows of every KV head
-      const int64_t row = (bt[bi] * P.BS + off) * P.KVH * D;
+      const int64_t row = (bt[bi] * P.BS + off) * P.KVH * (D / kPer<T>);
       kp[j] = kc + row;
       vp[j] = vc + row;
       if (++off == P.BS) off = 0, ++bi;
@@ -491,7 +533,7 @@ void attend(const Problem& P, const Item& it, Scratch& S) {
       S.vis0[m] = P.window > 0 ? static_cast<int>(std::clamp<int64_t>(p - P.window + 1, 0, kt)) : 0;
     }
     for (int64_t hh = 0; hh < nh; ++hh) {
-      const int64_t hd = (it.h0 + hh) * D;
+      const int64_t hd = (it.h0 + hh) * (D / kPer<T>);
       if (std::is_same_v<T, float> || M <= kDirectM) {  // rows read (and converted) where they lie
         for (int j = 0; j < kt; ++j) kd[j] = kp[j] + hd, vd[j] = vp[j] + hd;
         if (kFullTile)
@@ -501,7 +543,7 @@ void attend(const Problem& P, const Item& it, Scratch& S) {
         for (int j = 0; j < kt; ++j) {
           float* kb = S.kbuf.data() + j * D;
           float* vb = S.vbuf.data() + j * D;
-          for (int64_t d = 0; d < D; d += 16) store(kb + d, load(kp[j] + hd + d)), store(vb + d, load(vp[j] + hd + d));
+          for (int64_t d = 0; d < D; d += 16) store(kb + d, at(kp[j] + hd, d)), store(vb + d, at(vp[j] + hd, d));
           kr[j] = kb, vr[j] = vb;
         }
         if (kFullTile)
@@ -656,13 +698,20 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
               "k_cache and v_cache must both be [num_blocks, block_size, KVH, D], got ", k_cache.sizes(), " and ",
               v_cache.sizes());
   const auto dt = k_cache.scalar_type();
-  TORCH_CHECK(v_cache.scalar_type() == dt && (dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16), me,
-              "k_cache and v_cache must both be float32, float16 or bfloat16, got ", dt, " and ", v_cache.scalar_type());
+  TORCH_CHECK(v_cache.scalar_type() == dt &&
+                  (dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16 || dt == at::kByte), me,
+              "k_cache and v_cache must both be float32, float16, bfloat16 or uint8 (q8_0 blocks), got ", dt, " and ",
+              v_cache.scalar_type());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), me, "the caches must be contiguous");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t NB = k_cache.size(0), BS = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D, me, "head dim of the cache (", k_cache.size(3), ") != q's (", D, ")");
   TORCH_CHECK(D > 0 && D % 16 == 0, me, "head dim must be a multiple of 16, got ", D);
+  if (dt == at::kByte) {
+    TORCH_CHECK(D % 32 == 0 && k_cache.size(3) == D / 32 * 34, me, "a q8_0 cache of head dim ", D,
+                " must have rows of D / 32 * 34 bytes (D a multiple of 32), got ", k_cache.size(3));
+  } else {
+    TORCH_CHECK(k_cache.size(3) == D, me, "head dim of the cache (", k_cache.size(3), ") != q's (", D, ")");
+  }
   TORCH_CHECK(KVH > 0 && H % KVH == 0, me, "query heads (", H, ") must be a multiple of KV heads (", KVH, ")");
   TORCH_CHECK(BS > 0, me, "block_size must be positive");
   TORCH_CHECK(window >= 0, me, "window must be >= 0 (0: none), got ", window);
@@ -700,6 +749,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                   out.data_ptr<float>()};
   if (dt == at::kFloat) run<float>(P, B);
   else if (dt == at::kHalf) run<c10::Half>(P, B);
+  else if (dt == at::kByte) run<Q8Block>(P, B);
   else run<c10::BFloat16>(P, B);
   return out;
 }

@@ -14,6 +14,7 @@ import torch
 
 from ..config import EngineConfig, kv_blocks, kv_tokens
 from ..hardware import available_memory
+from ..model.attention import kv_cache_dtype, kv_value_bytes
 from ..model.handle import ModelHandle
 from ..model.vision import ImageInputError, ImagePrompt, has_images, image_spans
 from ..sampling import SamplingParams
@@ -111,10 +112,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.kv_dtype = self._kv_dtype(loaded)
         self.num_blocks = config.num_kv_blocks or self._blocks_from_memory()
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(loaded.model, config.block_size, self.num_blocks, loaded.kv_dtype,
+        self.runner = ModelRunner(loaded.model, config.block_size, self.num_blocks, self.kv_dtype,
                                   loaded.eos_ids, *self._graph_shape(), compiled=config.compile,
                                   background_build=config.background_build, vision=loaded.vision)
         self.vision = loaded.vision
@@ -133,12 +135,16 @@ class LLMEngine:
                       "steps": 0, "max_batch_size": 0, "preemptions": 0}
 
     # ---- sizing ---------------------------------------------------------------------------
+    def _kv_dtype(self, loaded: ModelHandle) -> torch.dtype:
+        """The cache dtype of `loaded` under config.kv_type (auto: the loader's choice)."""
+        return kv_cache_dtype(self.config.kv_type, loaded.kv_dtype)
+
     def _blocks_from_memory(self) -> int:
         """KV blocks for `parallel` full-length contexts, within the memory left after the weights
         (already loaded) and the peak activations of the largest step; `kv_memory_bytes`
         overrides the computation."""
         cfg, c = self.config, self.model_config
-        per_block = c.kv_bytes_per_token(self.loaded.kv_dtype.itemsize) * cfg.block_size
+        per_block = c.kv_bytes_per_token(kv_value_bytes(self.kv_dtype)) * cfg.block_size
         device = self.loaded.model.device
         if cfg.kv_memory_bytes:
             blocks = cfg.kv_memory_bytes // per_block
@@ -177,7 +183,7 @@ class LLMEngine:
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         nblocks = -(-T // bs) + 1
-        caches = model.new_kv_cache(nblocks, bs, self.loaded.kv_dtype)
+        caches = model.new_kv_cache(nblocks, bs, self.kv_dtype)
         positions, meta = describe_batch(torch.arange(1, nblocks).view(1, -1), [T], [T], bs, model.attention_backend, dev)
         hidden = model(torch.zeros(T, dtype=torch.long, device=dev), positions, meta, caches)
         model.logits(hidden[-self.config.max_num_seqs:])
@@ -203,7 +209,7 @@ class LLMEngine:
                 raise ValueError(f"draft model {draft.name or draft.source} does not share the target's "
                                  "tokenizer (vocabulary or token ids differ); pick a draft from the same family")
             bm = BlockManager(self.num_blocks, self.config.block_size, enable_prefix_caching=False)
-            runner = ModelRunner(draft.model, self.config.block_size, self.num_blocks, draft.kv_dtype, draft.eos_ids,
+            runner = ModelRunner(draft.model, self.config.block_size, self.num_blocks, self._kv_dtype(draft), draft.eos_ids,
                                  *self._graph_shape(), compiled=self.config.compile,
                                  background_build=self.config.background_build)
             return DraftProposer(runner, bm)

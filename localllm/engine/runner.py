@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-from localllm_kernels import cpu_attention
+from localllm_kernels import cpu_attention, kv_quant
 
 from ..model.attention import AttnMeta, describe_batch
 from ..model.llama import LlamaModel
@@ -31,7 +31,8 @@ class ModelRunner:
         steps of up to that many sequences replay CUDA graphs (localllm.engine.cuda_graphs); with
         `compiled` on CPU, decode and verify steps run the AOTInductor package of the forward
         (localllm.engine.compiled_step), built in the background the first time (with
-        `background_build`: else only loaded when there). vision: the model's VisionModel
+        `background_build`: else only loaded when there; a q8_0 cache (uint8 kv_dtype) runs eagerly:
+        the compiled packages are built for 16/32-bit caches). vision: the model's VisionModel
         (localllm.model.vision); the embeddings of the last `image_cache_size` images are kept by
         image hash, so a chat that keeps an image in its history encodes it once."""
         self.model = model
@@ -53,7 +54,8 @@ class ModelRunner:
         elif graph_batch and model.attention_backend == "triton":
             self.captured = DecodeGraphs(model, self.kv_caches, graph_batch, max_blocks_per_seq,
                                          capture=str(self.device).startswith("cuda"))
-        elif compiled and self.device == "cpu" and model.attention_backend == "torch" and cpu_attention.load():
+        elif (compiled and self.device == "cpu" and model.attention_backend == "torch" and cpu_attention.load()
+              and not kv_quant.is_q8_0(kv_dtype)):
             # (without our paged-attention op, e.g. no C++ compiler, the forward cannot be exported)
             self.captured = CompiledStep(model, self.kv_caches, background=background_build)
 

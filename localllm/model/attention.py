@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from localllm_kernels import kv_quant
 
 # a fresh prompt (no cached prefix) of this many tokens or more attends with torch's SDPA (its
 # flash kernel) over its own K/V instead of reading them back through the cache
@@ -68,19 +69,56 @@ def describe_batch(block_tables: torch.Tensor, q_lens: list[int], ctx_lens: list
     return positions.to(device), meta
 
 
+# --kv-type: the cache's element type by llama.cpp's names (its -ctk/-ctv); q8_0 is held as uint8
+# blocks (localllm_kernels.kv_quant). "auto": the loader's choice for the weights (ModelHandle.kv_dtype).
+KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": kv_quant.DTYPE}
+
+
+def kv_cache_dtype(kv_type: str, default: torch.dtype) -> torch.dtype:
+    """The cache dtype a --kv-type names ("auto": `default`)."""
+    if kv_type == "auto":
+        return default
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"unknown KV cache type {kv_type!r}; choose from auto, {', '.join(KV_TYPES)}")
+    return KV_TYPES[kv_type]
+
+
+def kv_type_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in KV_TYPES.items() if v == dtype)
+
+
+def kv_value_bytes(dtype: torch.dtype) -> float:
+    """Bytes one cached value takes (q8_0: 34 per 32)."""
+    return kv_quant.BLOCK_BYTES / kv_quant.QK if kv_quant.is_q8_0(dtype) else dtype.itemsize
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Rows [..., D] as a cache of `cache_dtype` holds them (q8_0: quantized blocks): the one
+    conversion every torch-side writer uses."""
+    return kv_quant.quantize(x) if kv_quant.is_q8_0(cache_dtype) else x.to(cache_dtype)
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded as the cache holds it, back in `dtype`: what a later read through the cache sees."""
+    if kv_quant.is_q8_0(cache_dtype):
+        return kv_quant.dequantize(kv_quant.quantize(x)).to(dtype)
+    return x.to(cache_dtype).to(dtype)
+
+
 def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttnMeta, scale: float, window: int | None = None,
                     softcap: float | None = None) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D]. Returns [T, H*D].
+    """q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D] (q8_0: uint8 rows of
+    D / 32 * 34 bytes). Returns [T, H*D].
     window: a query at position p sees positions > p - window only; softcap: scores become
     softcap * tanh(scores / softcap) before the softmax (Gemma 2)."""
     from localllm_kernels.cpu_attention import paged_attention
 
     T, H, D = q.shape
     kvh = k.shape[1]
-    kc, vc = k_cache.view(-1, kvh, D), v_cache.view(-1, kvh, D)
-    kc.index_copy_(0, meta.slot_mapping, k.to(kc.dtype))
-    vc.index_copy_(0, meta.slot_mapping, v.to(vc.dtype))
+    kc, vc = k_cache.view(-1, kvh, k_cache.shape[-1]), v_cache.view(-1, kvh, v_cache.shape[-1])
+    kc.index_copy_(0, meta.slot_mapping, to_cache(k, kc.dtype))
+    vc.index_copy_(0, meta.slot_mapping, to_cache(v, vc.dtype))
     # With a window or a cap fresh prompts stay on our kernel. Measured at 512 tokens, 8 heads (4 KV
     # heads), D 64/128/256, fp16 cache: the kernel skips the tiles below the window, where SDPA takes
     # a dense band mask: window 128, 1.5-2.3x the kernel's CPU time at 1 thread (3.5-7x its wall
@@ -100,7 +138,7 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             # K/V rounded as the cache holds them: the same numbers as a read through the cache (a
             # prefix hit or a later chunk). 4-D inputs: with 3-D ones SDPA takes its math path on
             # CPU (4x slower at 512 tokens)
-            kk, vv = (t[rows].to(kc.dtype).to(q.dtype).transpose(0, 1)[None] for t in (k, v))
+            kk, vv = (as_cached(t[rows], kc.dtype, q.dtype).transpose(0, 1)[None] for t in (k, v))
             o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], kk, vv, is_causal=True, scale=scale,
                                                enable_gqa=kvh != H)[0]
             out[rows] = o.transpose(0, 1)
@@ -115,11 +153,14 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttnMeta, scale: float, window: int | None = None,
                      softcap: float | None = None) -> torch.Tensor:
-    """As torch_attention, with our Triton kernels."""
+    """As torch_attention, with our Triton kernels (a q8_0 cache: quantized by store_kv, read as
+    d * q; the prefill kernel takes the new tokens rounded as the cache holds them)."""
     from localllm_kernels import flash_attn_varlen_paged, paged_decode_attention, store_kv
 
     T, H, D = q.shape
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if kv_quant.is_q8_0(k_cache) and not meta.decode_only:
+        k, v = as_cached(k, k_cache.dtype, q.dtype), as_cached(v, v_cache.dtype, q.dtype)
     if meta.decode_only:
         out = paged_decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale,
                                      window=window, softcap=softcap)

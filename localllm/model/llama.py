@@ -197,8 +197,12 @@ class LlamaModel(nn.Module):
         self.ops, self.attention_backend = Ops.for_backend(backend, fused_cpu), backend
 
     def new_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
+        """dtype: the cache's element type; uint8 is the 8-bit q8_0 cache (localllm_kernels.kv_quant:
+        rows of head_dim / 32 * 34 bytes)."""
+        from localllm_kernels import kv_quant
+
         c = self.cfg
-        shape = (num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        shape = kv_quant.cache_shape(num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype)
         # one tensor per layer: a single big tensor makes compiled graphs copy all of it. Every
         # slot is written before it is read, so the memory needs no zeroing.
         return [(torch.empty(shape, dtype=dtype, device=self.device),
