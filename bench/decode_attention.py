@@ -15,7 +15,6 @@ import statistics
 import time
 
 import torch
-
 from localllm_kernels import cpu_attention
 
 

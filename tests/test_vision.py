@@ -8,11 +8,10 @@ import pytest
 import torch
 import transformers
 from conftest import make_engine
-from vision_models import gemma3, huge_png, idefics3, png_bytes, random_image
+from vision_models import gemma3, huge_png, idefics3, png_bytes, prefill_logits, random_image
 
-from localllm.engine.sequence import Sequence
 from localllm.model.loader import load_model
-from localllm.model.vision import ImageInputError, ImagePrompt
+from localllm.model.vision import ImageInputError
 from localllm.model.vision.images import decode_image
 from localllm.sampling import SamplingParams
 
@@ -46,17 +45,6 @@ def reference_inputs(proc, messages: list[dict], images: list):
     hf = [{**m, "content": hf_parts(m["content"])} if isinstance(m["content"], list) else m for m in messages]
     text = proc.apply_chat_template(hf, add_generation_prompt=True, tokenize=False)
     return proc(text=text, images=images, return_tensors="pt")
-
-
-def prefill_logits(engine, prompt: ImagePrompt) -> torch.Tensor:
-    """Logits at every prompt position, the prompt as one prefill through the runner."""
-    seq = Sequence("logits", prompt.ids, SamplingParams(), 1)
-    seq.images = prompt.images
-    engine.block_manager.allocate(seq, len(prompt.ids))
-    try:
-        return engine.runner.model.logits(engine.runner.forward_hidden([seq], [len(prompt.ids)])).float()
-    finally:
-        engine.block_manager.free_seq(seq)
 
 
 MESSAGES = [{"role": "user", "content": parts(IMAGES[0], "Describe this one", IMAGES[1], "and compare.")}]

@@ -13,11 +13,10 @@ import pytest
 import torch
 from conftest import make_engine
 from PIL import Image
+from vision_models import prefill_logits
 
 from localllm.config import ModelConfig
-from localllm.engine.sequence import Sequence
 from localllm.model.loader import load_model
-from localllm.model.vision import ImagePrompt
 from localllm.model.vision.qwen_vl import QwenVisionConfig, mrope_positions
 from localllm.model.vision.qwen_vl_processor import QwenImageProcessing, preprocess
 from localllm.sampling import SamplingParams
@@ -152,17 +151,6 @@ def reference_inputs(proc, messages: list[dict], imgs: list):
           if isinstance(m["content"], list) else m for m in messages]
     text = proc.apply_chat_template(hf, add_generation_prompt=True, tokenize=False)
     return proc(text=text, images=imgs, return_tensors="pt")
-
-
-def prefill_logits(engine, prompt: ImagePrompt) -> torch.Tensor:
-    """Logits at every prompt position, the prompt as one prefill through the runner."""
-    seq = Sequence("logits", prompt.ids, SamplingParams(), 1)
-    seq.images = prompt.images
-    engine.block_manager.allocate(seq, len(prompt.ids))
-    try:
-        return engine.runner.model.logits(engine.runner.forward_hidden([seq], [len(prompt.ids)])).float()
-    finally:
-        engine.block_manager.free_seq(seq)
 
 
 def test_processor_pixels_equal_transformers():

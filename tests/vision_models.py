@@ -139,3 +139,17 @@ def huge_png(width: int, height: int) -> bytes:
 
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)) + \
         chunk(b"IEND", b"")
+
+
+def prefill_logits(engine, prompt) -> torch.Tensor:
+    """Logits at every prompt position (an ImagePrompt), the prompt as one prefill through the runner."""
+    from localllm.engine.sequence import Sequence
+    from localllm.sampling import SamplingParams
+
+    seq = Sequence("logits", prompt.ids, SamplingParams(), 1)
+    seq.images = prompt.images
+    engine.block_manager.allocate(seq, len(prompt.ids))
+    try:
+        return engine.runner.model.logits(engine.runner.forward_hidden([seq], [len(prompt.ids)])).float()
+    finally:
+        engine.block_manager.free_seq(seq)
