@@ -92,14 +92,20 @@ def check_memory(device: str, **asked: int | None) -> None:
             raise fail(f"{flag} {gib(n)} is more than the {gib(free)} of {where}; lower it or leave it out", 1)
 
 
+def check_kv_type(kv_type: str) -> None:
+    from .config import KV_TYPE_BYTES
+
+    if kv_type != "auto" and kv_type not in KV_TYPE_BYTES:
+        raise fail(f"invalid value for --kv-type: {kv_type!r}; choose from auto, {', '.join(KV_TYPE_BYTES)}", 2)
+
+
 def engine_config(ctx: int | None = None, kv_memory: str | None = None, kv_type: str = "auto",
                   threads: int | None = None,
                   draft: str | None = None, spec_tokens: int = 4, enforce_eager: bool = False, device: str = "auto",
                   **kw):
-    from .config import KV_TYPE_BYTES, EngineConfig
+    from .config import EngineConfig
 
-    if kv_type != "auto" and kv_type not in KV_TYPE_BYTES:
-        raise fail(f"invalid value for --kv-type: {kv_type!r}; choose from auto, {', '.join(KV_TYPE_BYTES)}", 2)
+    check_kv_type(kv_type)
     if not 1 <= spec_tokens <= 16:
         raise fail(f"invalid value for --spec-tokens: must be in 1..16, got {spec_tokens}", 2)
     if threads is not None and threads < 1:
@@ -261,7 +267,7 @@ def run(
                 raise fail(str(e)) from None
     max_gib = max_memory_gib(max_memory, device)
     if dry_run:
-        engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device)  # checks them
+        check_kv_type(kv_type)  # the memory flags are the plan's to weigh: it refuses with its figures
         print_plan(model, quant, device, ctx, max_gib, parse_memory(kv_memory, "--kv-memory"), kv_type)
         return
     piped = "" if sys.stdin.isatty() else read_stdin()
