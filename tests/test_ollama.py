@@ -38,9 +38,10 @@ def mirror():
 def server(mirror, tmp_path_factory):
     from localllm.planner import facts_for, facts_for_path
 
-    # room for SmolLM2 and the tiny model in its smallest form, less 1 MiB: never both at once
+    # room for SmolLM2 and the tiny model in its smallest form (auto: 16-bit weights and tables on
+    # CPU, now below bfloat16's fp32 tables), less 1 MiB: never both at once
     tiny = facts_for_path(tiny_checkpoint())
-    smallest = min(need(tiny, q) for q in ("float32", "bfloat16", "int8", "int4"))
+    smallest = min(need(tiny, q) for q in ("auto", "float32", "bfloat16", "int8", "int4"))
     budget = need(facts_for(SMOL), "auto") + smallest - (1 << 20)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
     env.update(HF_HOME=str(tmp_path_factory.mktemp("hf")), HF_ENDPOINT=mirror.url, HF_HUB_DISABLE_TELEMETRY="1")
