@@ -98,6 +98,11 @@ def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     return kv_quant.quantize(x) if kv_quant.is_q8_0(cache_dtype) else x.to(cache_dtype)
 
 
+def from_cache(rows: torch.Tensor) -> torch.Tensor:
+    """Cached rows (q8_0 blocks or floats) -> fp32 [..., D]: the one read every torch-side reader uses."""
+    return kv_quant.dequantize(rows) if kv_quant.is_q8_0(rows.dtype) else rows.float()
+
+
 def as_cached(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
     """x rounded as the cache holds it, back in `dtype`: what a later read through the cache sees."""
     if kv_quant.is_q8_0(cache_dtype):
@@ -214,8 +219,9 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     pos = torch.arange(ctx, device=q.device)
     slots = table.to(q.device).long()[pos // bs] * bs + pos % bs
-    k = k_cache.view(-1, kvh, D)[slots].float().repeat_interleave(H // kvh, dim=1)  # [ctx, H, D]
-    v = v_cache.view(-1, kvh, D)[slots].float().repeat_interleave(H // kvh, dim=1)
+    row = k_cache.shape[-1]  # D, or a q8_0 row's bytes
+    k = from_cache(k_cache.view(-1, kvh, row)[slots]).repeat_interleave(H // kvh, dim=1)  # [ctx, H, D]
+    v = from_cache(v_cache.view(-1, kvh, row)[slots]).repeat_interleave(H // kvh, dim=1)
     qp = pos[ctx - n:, None]
     group = torch.full((ctx,), -1, dtype=torch.long, device=q.device)
     for i, (a, e) in enumerate(spans):
