@@ -106,6 +106,8 @@ def test_flipped_conversion_cache_is_converted_again_and_answers_as_before(home,
     assert cached.read_bytes() == good  # converted again into the same bytes
 
 
+@pytest.mark.slow  # ~15 s of compiling a kernel library: `make test-slow` (CI's budget; test_cpu_attention's
+# test_damaged_library_is_rebuilt checks the rebuild of a truncated library in CI)
 def test_truncated_kernel_library_is_built_again_and_answers_as_before(home, first_answer):
     """Cut in half, the library made every run die of SIGBUS (exit 135) and was never rebuilt."""
     lib = home / "kernels" / cpu_q8.library_path().name
