@@ -372,13 +372,8 @@ class ModelPool:
         from .encoder_loop import EncoderLoop, ServedEncoder
 
         t0 = time.perf_counter()
-        try:
-            embedder = Embedder(load_encoder(path, pick_device(self.cfg.device), kind))
-        except BaseException as e:  # noqa: BLE001 - answered to every waiting request
-            self.log(f"Error: could not load {entry.name}: {e}")
-            aloop.call_soon_threadsafe(self._load_failed, entry, load_error(entry.name, e))
-            return
-        if self.closing:
+        embedder = self._build(entry, lambda: Embedder(load_encoder(path, pick_device(self.cfg.device), kind)), aloop)
+        if embedder is None:
             return
         served = entry.model = ServedEncoder(entry.name.removesuffix(EMBED_TWIN), embedder,
                                              EncoderLoop(embedder, self.log))
@@ -400,13 +395,8 @@ class ModelPool:
         for it, so OpenMP keeps one team whose threads spin between ops; a second calling thread
         gets a second team, and libgomp stops spinning when its threads outnumber the cores)."""
         t0 = time.perf_counter()
-        try:
-            engine = build()
-        except BaseException as e:  # noqa: BLE001 - answered to every waiting request
-            self.log(f"Error: could not load {entry.name}: {e}")
-            aloop.call_soon_threadsafe(self._load_failed, entry, load_error(entry.name, e))
-            return
-        if self.closing:
+        engine = self._build(entry, build, aloop)
+        if engine is None:
             return
         backend = self.pinned.backend if self.pinned is not None else None
         served = entry.model = (backend.serve if backend is not None else serve_engine)(entry.name, engine, self.log)
@@ -420,6 +410,17 @@ class ModelPool:
         if failure and not self.closing:
             aloop.call_soon_threadsafe(self._load_failed, entry,
                                        APIError(502, failure, "upstream_error", code="engine_failed"))
+
+    def _build(self, entry: PoolEntry, build: Callable, aloop: asyncio.AbstractEventLoop):
+        """build() on the model's thread -> what it made, or None: a failure is logged and answered
+        to every waiting request; a pool closing meanwhile drops the result."""
+        try:
+            made = build()
+        except BaseException as e:  # noqa: BLE001 - answered to every waiting request
+            self.log(f"Error: could not load {entry.name}: {e}")
+            aloop.call_soon_threadsafe(self._load_failed, entry, load_error(entry.name, e))
+            return None
+        return None if self.closing else made
 
     def _load_failed(self, entry: PoolEntry, err: APIError) -> None:
         entry.error = err
