@@ -25,6 +25,8 @@ $(VENV)/.installed: pyproject.toml
 	# bytecode for the editable sources now: where PYTHONDONTWRITEBYTECODE is set, every run would
 	# compile ~40 modules again (~0.2 s of each cold start)
 	$(BIN)/python -m compileall -q localllm kernels
+	# our C++ CPU kernels, compiled now (concurrently) rather than inside the first model load
+	$(BIN)/python -m localllm_kernels.cpu_prebuild
 	touch $@
 
 test: setup

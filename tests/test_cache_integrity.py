@@ -245,3 +245,31 @@ def test_compiled_package_check_catches_each_damage(tmp_path, damage):
     DAMAGE[damage](path)
     with pytest.raises(ValueError, match="does not match its recorded sha256"):
         compiled.load_package(None, path)
+
+
+def test_prebuild_builds_only_the_missing_libraries_concurrently(monkeypatch, tmp_path):
+    """cpu_prebuild: the libraries not in the cache are each built once, in parallel threads (the
+    real compiles run in `make setup`); a failed build is reported, not raised."""
+    import threading
+
+    from localllm_kernels import cpu_build, cpu_prebuild, cpu_q8
+
+    monkeypatch.setenv("LOCALLLM_KERNEL_CACHE", str(tmp_path))
+    q8 = cpu_q8.library_path()
+    q8.write_bytes(b"built")  # present: not built again
+    built, threads, both = [], set(), threading.Barrier(2, timeout=30)
+
+    def fake(source, out, flags):
+        built.append(out.name)
+        threads.add(threading.get_ident())
+        if len(threads) <= 2:
+            both.wait()  # two builds at once, or this times out
+        if source.stem == "sampler":
+            raise RuntimeError("building sampler.cpp failed:\nno compiler")
+        out.write_bytes(b"built")
+    monkeypatch.setattr(cpu_build, "build", fake)
+    done = cpu_prebuild.build_missing(workers=2)
+    assert sorted(done) == sorted(set(cpu_prebuild.MODULES) - {"cpu_q8"}) and q8.name not in built
+    assert len(built) == len(done) and len(threads) == 2
+    assert done["cpu_sampler"] == "building sampler.cpp failed:" and done["cpu_int8"] is None
+    assert cpu_prebuild.missing() == ["cpu_sampler"]

@@ -313,6 +313,10 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
               "max_model_len": max_model_len, "fast_head": fast_head, "cpu_kernels": cpu_kernels}
     weights = open_weights(path)
     cfg = weights.config
+    if device == "cpu" and cpu_kernels:  # a first contact compiles them at once, not one by one
+        from localllm_kernels import cpu_prebuild
+
+        cpu_prebuild.build_missing()
     mode, act_dtype = _resolve_precision(precision, weights, device)
     tokenizer = weights.tokenizer()
     dense = _keep_dense(cfg, mode, device, cpu_kernels)
