@@ -10,7 +10,7 @@ a table of known shapes) and calls it. The order tried for `--quant auto`:
   -> fail: "needs >= X GiB (weights Y + KV Z at ctx N + runtime R); only W available".
 
 A GGUF file or an AWQ/GPTQ directory is loaded as it is (its own bits). Memory needed = weights as
-the loader holds them (on CPU the embedding/head stay fp32, int4/int8 add a small int4 copy of the
+the loader holds them (on CPU a GGUF embedding/head as the file stores it, others fp32; int4/int8 add a small int4 copy of the
 head for greedy) + KV cache for the context + a runtime margin (activations of a full prefill
 chunk, logits, allocator slack).
 """
@@ -369,7 +369,8 @@ def _native_bytes(weights) -> dict[str, int]:
                 linear = name.startswith("blk.") and len(t.shape) == 2
                 if kind == "cpu" and linear:  # each matrix on its type's kernel (see the loader)
                     total += int(n * gguf_blocks.cpu_bytes_per_value(t.qtype.name))
-                elif kind == "cpu" and t.qtype.name in ("Q8_0", "F16", "BF16"):  # the embedding / head as stored
+                elif kind == "cpu" and (t.qtype.name in ("F16", "BF16") or gguf_blocks.supported(t.qtype.name)):
+                    # the embedding / head as stored (the file's blocks read in place, 16 bits kept)
                     total += t.nbytes
                 else:
                     total += int(n * (0.5 + 4 / 32)) if linear and t.qtype.name in ("Q4_0", "Q4_1") else n * other

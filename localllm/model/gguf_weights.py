@@ -182,14 +182,16 @@ class GGUFWeights:
         perm = self._perm(name)
         return b if perm is None else b.rows(perm)
 
-    def q8_blocks(self, name: str) -> torch.Tensor | None:
-        """The file's own Q8_0 blocks of `name`, uint8 [N, K/32, 34] (a view of the mapped file);
-        None for other types or a permuted tensor."""
+    def mapped_blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """(type, the file's own blocks of `name`, uint8 [N, K / block values, block bytes], a view
+        of the mapped file) for the block types gguf_blocks decodes; None for other types or a
+        permuted tensor."""
         t = self._tensor(name)
-        if t.qtype.name != "Q8_0" or self._perm(name) is not None:
+        kind = t.qtype.name
+        if not gguf_blocks.supported(kind) or self._perm(name) is not None or len(t.shape) != 2:
             return None
         n, k = t.shape
-        return _mapped(t).view(n, k // 32, 34)
+        return kind, _mapped(t).view(n, k // gguf_blocks.BLOCK_VALUES[kind], gguf_blocks.BLOCK_BYTES[kind])
 
     def has(self, name: str) -> bool:
         try:

@@ -451,6 +451,33 @@ class Q8Matrix(nn.Module):
         return cpu_q8.dequantize(self.blocks)
 
 
+class BlockMatrix(nn.Module):
+    """A [V, H] matrix kept as the GGUF blocks of another type (Q4_K, Q5_K, Q6_K, Q5_0, IQ4_XS, ...:
+    what llama.cpp writes for token_embd / output in the K-quant mixes; uint8 [V, H / block
+    values, block bytes], usually a view of the memory-mapped file) and read in place by our C++
+    ops (localllm_kernels.cpu_table): rows are gguf-py's dequantized values bit for bit, products
+    those of the fp32 matrix up to summation order (fp32 activations and accumulation), from the
+    file's bytes (an fp32 copy took 4 bytes a weight: 1.07 GB for a 128k x 2048 Q6_K table)."""
+
+    def __init__(self, blocks: torch.Tensor, kind: str):
+        from localllm_kernels import cpu_table
+
+        super().__init__()
+        self.register_buffer("blocks", blocks)
+        self.kind = kind
+        self.shape = (blocks.shape[0], blocks.shape[1] * cpu_table.VALUES[kind])
+
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        return torch.ops.localllm.gguf_table_rows(self.blocks, self.kind, idx.reshape(-1)).view(*idx.shape,
+                                                                                                self.shape[1])
+
+    def matmul(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.ops.localllm.gguf_table_gemm(h.float(), self.blocks, self.kind)
+
+    def dense(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.shape[0]))
+
+
 class W16Matrix(nn.Module):
     """A [V, H] matrix kept in the 16 bits it is stored in (GGUF F16/BF16, HF bf16/fp16) as our
     16-bit kernel's panels (localllm_kernels.cpu_bf16): rows are the exact fp32 upcast and products
@@ -479,13 +506,13 @@ class W16Matrix(nn.Module):
 class LMHead(nn.Module):
     """Logits over the vocabulary.
 
-    `exact` holds the exact head (a DenseMatrix, the GGUF's Q8_0 embedding as a Q8Matrix, or a
-    16-bit checkpoint's as a W16Matrix).
+    `exact` holds the exact head (a DenseMatrix, the GGUF's Q8_0 embedding as a Q8Matrix, one of
+    another block type as a BlockMatrix, or a 16-bit checkpoint's as a W16Matrix).
     With `fast_greedy`, greedy rows are scored by an int4 copy and the top candidates are
     re-scored exactly: the argmax equals the exact head's unless the true winner falls outside
     the int4 top-k, at a fraction of the bandwidth."""
 
-    def __init__(self, exact: DenseMatrix | Q8Matrix | W16Matrix, fast_greedy: bool = False, rescore_k: int = 32,
+    def __init__(self, exact: DenseMatrix | Q8Matrix | BlockMatrix | W16Matrix, fast_greedy: bool = False, rescore_k: int = 32,
                  device: str = "cpu", fast: Int4Linear | None = None, cpu_kernel: bool = True,
                  softcap: float | None = None):
         """softcap: logits become softcap * tanh(logits / softcap) (Gemma 2); monotonic, so the
@@ -523,7 +550,7 @@ class LMHead(nn.Module):
         return cand.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1)
 
 
-def _ranking_rows(exact: DenseMatrix | Q8Matrix | W16Matrix, r0: int, r1: int) -> Int4Weight:
+def _ranking_rows(exact: DenseMatrix | Q8Matrix | BlockMatrix | W16Matrix, r0: int, r1: int) -> Int4Weight:
     """Rows [r0, r1) of the int4 ranking copy: RTN groups of 32 of the exact rows, scales and
     offsets rounded to fp16 (fewer bytes for our int4 kernel; this copy only ranks)."""
     w = quantize_rtn(exact.rows(torch.arange(r0, r1)).float(), 32)
@@ -531,7 +558,7 @@ def _ranking_rows(exact: DenseMatrix | Q8Matrix | W16Matrix, r0: int, r1: int) -
     return Int4Weight(w.q, d, m + 8 * d, 32)
 
 
-def ranking_head(exact: DenseMatrix | Q8Matrix | W16Matrix, device: str = "cpu", cpu_kernel: bool = True) -> Int4Linear:
+def ranking_head(exact: DenseMatrix | Q8Matrix | BlockMatrix | W16Matrix, device: str = "cpu", cpu_kernel: bool = True) -> Int4Linear:
     """The int4 copy of the head that ranks greedy rows (LMHead.fast). On our CPU kernel it is
     packed 1024 rows at a time into buffers allocated once: the whole matrix's fp32 rows, its
     RTN temporaries and the unpacked q took ~110 MB of transient peak on the 135M model's first

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import AttnMeta, default_backend, make_attention
-from .layers import DenseMatrix, LMHead, Q8Matrix, RMSNorm, RotaryEmbedding, W16Matrix
+from .layers import BlockMatrix, DenseMatrix, LMHead, Q8Matrix, RMSNorm, RotaryEmbedding, W16Matrix
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +167,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, embed: DenseMatrix | Q8Matrix | W16Matrix, layers: list[DecoderLayer], norm: RMSNorm,
+    def __init__(self, cfg: ModelConfig, embed: DenseMatrix | Q8Matrix | BlockMatrix | W16Matrix, layers: list[DecoderLayer], norm: RMSNorm,
                  head: LMHead, act_dtype: torch.dtype, max_positions: int, device: str = "cpu",
                  fingerprint: str | None = None, origin: dict | None = None):
         """fingerprint: identity of the weights (keys what is cached per model, e.g. compiled

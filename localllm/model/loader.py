@@ -28,6 +28,7 @@ from .handle import ModelHandle
 from .hf_weights import HFWeights
 from .int4 import Int4Weight, quantize_rtn
 from .layers import (
+    BlockMatrix,
     ConcatLinear,
     DenseLinear,
     DenseMatrix,
@@ -346,17 +347,18 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
                                      for f in ("qkv", "o", "gate_up", "down"))
             layers.append(DecoderLayer(cfg, qkv, o, gate_up, down, moe=moe, window=cfg.window(i),
                                        **{n: norm(p + m) for n, m in cfg.checkpoint_norms().items()}))
-        # the embedding and head stay exact (fp32 on CPU, or the file's Q8_0 blocks read in place):
+        # the embedding and head stay exact (fp32 on CPU, or the file's blocks read in place):
         # they are where rounding flips tokens
         head_dtype = torch.float32 if device == "cpu" else act_dtype
 
-        def exact(name: str) -> DenseMatrix | Q8Matrix | W16Matrix:
-            from localllm_kernels import cpu_q8
+        def exact(name: str) -> DenseMatrix | Q8Matrix | BlockMatrix | W16Matrix:
+            from localllm_kernels import cpu_q8, cpu_table
 
-            if device == "cpu" and isinstance(weights, GGUFWeights) and cpu_q8.load():
-                blocks = weights.q8_blocks(name)
-                if blocks is not None:
-                    return Q8Matrix(blocks)
+            got = weights.mapped_blocks(name) if device == "cpu" and isinstance(weights, GGUFWeights) else None
+            if got is not None and got[0] == "Q8_0" and cpu_q8.load():
+                return Q8Matrix(got[1])
+            if got is not None and got[0] in cpu_table.KINDS and cpu_table.load():
+                return BlockMatrix(got[1], got[0])
             # stored in 16 bits (GGUF F16/BF16, HF bf16/fp16): kept so, exact, where our kernel runs
             if (device == "cpu" and mode in ("int4", "int8", "w16") and w16.stored_dtype(weights, name) in w16.DTYPES
                     and w16.kernel_available()):
