@@ -510,6 +510,9 @@ class EngineConfig:
     # the KV cache's element type (--kv-type, llama.cpp's -ctk/-ctv names): "auto" is the loader's
     # choice for the weights; "q8_0" the 8-bit cache (blocks of 32 int8 and an fp16 scale)
     kv_type: str = "auto"
+    # llama.cpp's mmproj file (vision tower) for a GGUF text model (--mmproj); None: the
+    # mmproj*.gguf beside the model file, when one is there
+    mmproj: str | None = None
 
     def __post_init__(self):
         # 0 used to mean "default" by falling through `if x:` tests; None is the only default

@@ -24,7 +24,7 @@ def build_engine(model: str | None = None, precision: str = "auto", device: str 
     _refuse_encoder(ref.name, local_path(ref))  # before the planner, which reads decoders' configs only
     base = model
     model, precision, config = _planned(model, precision, dev, config, max_memory)
-    ref, loaded = _load(model, precision, dev, config.max_model_len)
+    ref, loaded = _load(model, precision, dev, config.max_model_len, config.mmproj)
     draft = None
     spec = config.speculative
     if spec not in (None, "ngram"):
@@ -104,7 +104,7 @@ def _planned(model: str | None, precision: str, device: str, config: EngineConfi
     return p.variant or model, p.precision, dataclasses.replace(config, **changes)
 
 
-def _load(model: str | None, precision: str, device: str, max_model_len: int | None):
+def _load(model: str | None, precision: str, device: str, max_model_len: int | None, mmproj: str | None = None):
     from .hub import ensure_local
     from .model.loader import load_model
     from .registry import resolve_model
@@ -112,7 +112,7 @@ def _load(model: str | None, precision: str, device: str, max_model_len: int | N
     ref = resolve_model(model)
     path = ensure_local(ref)
     _refuse_encoder(ref.name, path)
-    loaded = load_model(path, precision, device, max_model_len)
+    loaded = load_model(path, precision, device, max_model_len, mmproj=mmproj)
     loaded.name = ref.name
     return ref, loaded
 

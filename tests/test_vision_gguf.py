@@ -148,3 +148,46 @@ def test_q8_0_mmproj_reads_as_gguf_py_dequantizes(pair, tmp_path):
     pixels = [v8.prepare(images[0])]
     a, b = v8.encode(pixels)[0], loaded.vision.encode(pixels)[0]
     assert not torch.equal(a, b) and torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+
+
+def test_show_names_the_mmproj(pair, tmp_path):
+    """`localllm show` (and /api/show's vision capability) on the text GGUF: images in, by the
+    mmproj beside it; the text GGUF alone is a text model."""
+    from localllm.models_cli import describe, format_show
+
+    _, _, _, loaded, mmproj, _, _ = pair
+    info = describe(loaded.source)
+    assert info["vision"] is True and info["mmproj"] == str(mmproj)
+    assert f"images in (the vision tower of {mmproj})" in format_show(info)
+    alone = tmp_path / "text.gguf"
+    shutil.copy(loaded.source, alone)
+    assert describe(str(alone))["vision"] is False and load_model(alone, "float32").vision is None
+
+
+@pytest.mark.slow  # ~15 s: a localllm process
+def test_cli_run_with_mmproj_and_an_image(pair, tmp_path):
+    """The real `localllm run MODEL.gguf --mmproj FILE --image PHOTO PROMPT`, the text GGUF moved
+    away from its mmproj, answers as the in-process engine (held to transformers above)."""
+    import os
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    _, _, _, loaded, mmproj, _, images = pair
+    model = tmp_path / "model.gguf"
+    shutil.copy(loaded.source, model)
+    photo = tmp_path / "photo.png"
+    images[0].save(photo)
+    question = "What is in this picture?"
+    msgs = [{"role": "user", "content": test_vision.parts(Image.open(photo).convert("RGB"), question)}]
+    want = [o for o in make_engine(loaded).generate(msgs, SamplingParams(temperature=0, max_tokens=8))][-1].text
+    r = subprocess.run([sys.executable, "-m", "localllm.cli", "run", str(model), "--mmproj", str(mmproj),
+                        "--quant", "float32", "--temperature", "0", "-n", "8", "--image", str(photo), question],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == want.strip()
+    r = subprocess.run([sys.executable, "-m", "localllm.cli", "run", str(model), "--image", str(photo), question],
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode != 0 and "takes no images" in r.stderr
