@@ -86,7 +86,7 @@ def _planned(model: str | None, precision: str, device: str, config: EngineConfi
     if quant not in ("auto", "awq", "gptq") and not max_memory and not kv:
         return model, quant, config
     try:
-        facts = facts_for(model)
+        facts = facts_for(model, config.mmproj)
     except PlanError:
         if not max_memory and quant not in ("awq", "gptq"):  # size unknown before the download: load it as it comes
             return model, quant, config

@@ -191,3 +191,45 @@ def test_cli_run_with_mmproj_and_an_image(pair, tmp_path):
     r = subprocess.run([sys.executable, "-m", "localllm.cli", "run", str(model), "--image", str(photo), question],
                        capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert r.returncode != 0 and "takes no images" in r.stderr
+
+
+def held_bytes(obj, seen: set | None = None) -> int:
+    """Bytes of the distinct tensor storages reachable from obj's attributes (modules, lists,
+    dicts): what a loaded VisionModel holds."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        s = obj.untyped_storage()
+        if s.data_ptr() in seen:
+            return 0
+        seen.add(s.data_ptr())
+        return s.nbytes()
+    if isinstance(obj, torch.nn.Module):
+        return sum(held_bytes(t, seen) for t in (*obj.parameters(recurse=False), *obj.buffers(recurse=False))) + \
+            sum(held_bytes(v, seen) for k, v in vars(obj).items() if not k.startswith("_")) + \
+            sum(held_bytes(m, seen) for m in obj.children())
+    if isinstance(obj, (list, tuple)):
+        return sum(held_bytes(x, seen) for x in obj)
+    if isinstance(obj, dict):
+        return sum(held_bytes(x, seen) for x in obj.values())
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("localllm.model.vision"):
+        return sum(held_bytes(v, seen) for v in vars(obj).values())
+    return 0
+
+
+def test_planner_counts_the_vision_tower(pair):
+    """The planner's vision bytes (the mmproj's tensors for the GGUF, the checkpoint's vision
+    tensors for the HF directory; fp32 on CPU) equal what the loaded tower holds (Qwen's rotary
+    frequency table aside, computed, not read), and a plan's weights count them."""
+    from localllm.planner import facts_for_path, vision_bytes, weight_bytes
+
+    _, _, _, loaded, mmproj, _, _ = pair
+    v = loaded.vision
+    computed = v.tower.inv_freq.nbytes if hasattr(v.tower, "inv_freq") else 0
+    gguf = facts_for_path(loaded.source)
+    hf = facts_for_path(next(mmproj.parent.parent.glob("hf*")))
+    assert gguf.vision_params == hf.vision_params > 0
+    assert vision_bytes(gguf, "auto", "cpu") == held_bytes(v) - computed
+    assert vision_bytes(gguf, "bfloat16", "cpu") * 2 == vision_bytes(gguf, "auto", "cpu")
+    text_only = facts_for_path(loaded.source, mmproj=None)
+    text_only.vision_params = 0
+    assert weight_bytes(gguf, "auto", "cpu") - weight_bytes(text_only, "auto", "cpu") == held_bytes(v) - computed

@@ -97,9 +97,9 @@ class Mmproj:
         except GGUFError as e:
             raise ModelLoadError(f"mmproj {self.path}: {e}") from None
 
-    def bytes(self) -> int:
-        """What its tensors take as fp32 (the tower holds them so on CPU)."""
-        return sum(4 * int(np.prod(t.shape)) for t in self.file.tensors.values())
+    def params(self) -> int:
+        """The values of its tensors (the tower holds each once, in the activation dtype)."""
+        return sum(int(np.prod(t.shape)) for t in self.file.tensors.values())
 
 
 def _siglip_name(name: str, prefix: str, extra: dict[str, str]) -> str:
