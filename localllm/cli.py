@@ -42,6 +42,9 @@ SpecTokensOpt = Annotated[int, typer.Option("--spec-tokens", help="Initial specu
 EagerOpt = Annotated[bool, typer.Option("--eager", "--enforce-eager", help="Run every step eagerly: no compiled "
                                         "CPU step (built once per model in the background at idle priority, then "
                                         "loaded in ~10 ms) and no CUDA graphs.")]
+MmprojOpt = Annotated[Optional[str], typer.Option(
+    "--mmproj", help="llama.cpp's mmproj GGUF (the vision tower) for a GGUF model: images in. Default: the "
+                     "mmproj*.gguf beside the model file, when there is one.", show_default=False)]
 # the compiled step is the default now; --compile stays accepted so old scripts keep working
 CompileOpt = Annotated[bool, typer.Option("--compile", hidden=True, help="No-op (compiled is the default).")]
 
@@ -250,6 +253,7 @@ def run(
     image: Annotated[Optional[list[str]], typer.Option(
         "--image", help="An image file for a vision model (repeatable); a path of an image file in the prompt "
                         "is attached too, as Ollama does.", show_default=False)] = None,
+    mmproj: MmprojOpt = None,
 ):
     """Answer one prompt and exit: `localllm run [MODEL] PROMPT` or `echo PROMPT | localllm run`."""
     from .registry import load_registry, looks_like_model
@@ -281,7 +285,7 @@ def run(
                              constraint=constraint)
     # a one-shot run exits long before a build could pay off: it queues one only when asked
     config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device, parallel=1,
-                           background_build=build)
+                           background_build=build, mmproj=mmproj)
     engine = open_engine(model, quant, device, config, max_gib)
     content = _with_images(engine, prompt, list(image or []), raw)
     if raw:
@@ -588,6 +592,7 @@ def serve(
     vllm_bin: Annotated[Optional[str], typer.Option("--vllm-bin", envvar="LOCALLLM_VLLM_BIN",
                                                     help="--engine vllm: the `vllm` executable (default: on PATH).")]
         = None,
+    mmproj: MmprojOpt = None,
 ):
     """OpenAI- and Ollama-compatible server: /v1/... and /api/... on one port. With MODEL it serves that
     model; without, every local model, loaded on demand (least recently used unloaded to fit --max-memory)."""
@@ -635,8 +640,10 @@ def serve(
         from pathlib import Path
 
         aliases += [Path(ref.name).name, Path(ref.name).stem]
+    if mmproj and model is None:
+        raise fail("--mmproj goes with a MODEL (the GGUF whose vision tower it holds)", 2)
     config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device,
-                           max_num_seqs=max_num_seqs, parallel=parallel)
+                           max_num_seqs=max_num_seqs, parallel=parallel, mmproj=mmproj)
     cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, int(max_body_mb * (1 << 20)),
                        bind_host=host, allowed_hosts=hosts)
     if engine == "vllm":
@@ -1018,12 +1025,14 @@ def chat(
         show_default=False)] = None,
     raw_output: Annotated[bool, typer.Option("--raw-output", help="Write replies as is: by default their control "
                                              "characters (escape sequences) are shown as ^[ and the like.")] = False,
+    mmproj: MmprojOpt = None,
 ):
     """Interactive chat (/? for commands). With stdin not a terminal, reads one message per line."""
     from .repl import ChatSession, history_path, run_pipe, run_repl
 
     sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device, parallel=1)
+    config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device, parallel=1,
+                           mmproj=mmproj)
     engine = open_engine(model, quant, device, config)
     name = engine.loaded.name or model or ""
     interactive = sys.stdin.isatty()

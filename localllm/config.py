@@ -146,7 +146,8 @@ class ModelConfig:
             rope_scaling=_gguf_longrope(m, tensors, read_floats),
             architecture=GGUF_ARCHS[arch],
             model_type=arch,
-        ) | (_gguf_gemma_fields(m, arch, heads, hidden, head_dim) if arch.startswith("gemma") else {})
+        ) | (_gguf_gemma_fields(m, arch, heads, hidden, head_dim) if arch.startswith("gemma") else {}) \
+            | (_gguf_mrope_fields(m, arch) if arch in ("qwen2vl", "qwen3vl") else {})
         if "rope_freqs.weight" in tensors:
             raise ValueError("GGUF rope_freqs (Llama-3.1 rope scaling) is not supported yet; "
                              "use the HF checkpoint of this model")
@@ -381,10 +382,26 @@ def _phi3_longrope(cfg: dict, rope: dict) -> dict:
 # GGUF general.architecture -> the HF architecture it holds
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-              "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+              "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+              # Qwen2-VL / 2.5-VL's and Qwen3-VL's text models (their towers: an mmproj file beside them)
+              "qwen2vl": "Qwen2_5_VLForConditionalGeneration", "qwen3vl": "Qwen3VLForConditionalGeneration"}
 # llama.cpp sizes Gemma's attention scale by the model: 1/sqrt(hidden / heads) for the 27B models
 # (query_pre_attn_scalar 144 / 168, known by their layer counts), 1/sqrt(head_dim) otherwise
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gguf_mrope_fields(m: Callable, arch: str) -> dict:
+    """Qwen-VL's M-RoPE as llama.cpp's converter writes it: rope.dimension_sections, the temporal,
+    height and width sections (a fourth, unused, is 0); Qwen3-VL's interleaved, as transformers
+    always rotates it. Its deepstack features need nothing here (they ride on the image rows)."""
+    sections = [int(x) for x in m("rope.dimension_sections") or ()]
+    if not sections:
+        raise ValueError(f"a {arch} GGUF needs {arch}.rope.dimension_sections (M-RoPE)")
+    while sections and sections[-1] == 0:
+        sections.pop()
+    if len(sections) != 3:
+        raise ValueError(f"{arch}.rope.dimension_sections {sections} is not 3 sections (temporal, height, width)")
+    return {"mrope_section": tuple(sections), "mrope_interleaved": arch == "qwen3vl"}
 
 
 def _gguf_moe_fields(m: Callable, arch: str, num_layers: int, tensors: Collection[str]) -> dict:
@@ -493,6 +510,9 @@ class EngineConfig:
     # the KV cache's element type (--kv-type, llama.cpp's -ctk/-ctv names): "auto" is the loader's
     # choice for the weights; "q8_0" the 8-bit cache (blocks of 32 int8 and an fp16 scale)
     kv_type: str = "auto"
+    # llama.cpp's mmproj file (vision tower) for a GGUF text model (--mmproj); None: the
+    # mmproj*.gguf beside the model file, when one is there
+    mmproj: str | None = None
 
     def __post_init__(self):
         # 0 used to mean "default" by falling through `if x:` tests; None is the only default

@@ -24,7 +24,7 @@ def build_engine(model: str | None = None, precision: str = "auto", device: str 
     _refuse_encoder(ref.name, local_path(ref))  # before the planner, which reads decoders' configs only
     base = model
     model, precision, config = _planned(model, precision, dev, config, max_memory)
-    ref, loaded = _load(model, precision, dev, config.max_model_len)
+    ref, loaded = _load(model, precision, dev, config.max_model_len, config.mmproj)
     draft = None
     spec = config.speculative
     if spec not in (None, "ngram"):
@@ -86,7 +86,7 @@ def _planned(model: str | None, precision: str, device: str, config: EngineConfi
     if quant not in ("auto", "awq", "gptq") and not max_memory and not kv:
         return model, quant, config
     try:
-        facts = facts_for(model)
+        facts = facts_for(model, config.mmproj)
     except PlanError:
         if not max_memory and quant not in ("awq", "gptq"):  # size unknown before the download: load it as it comes
             return model, quant, config
@@ -104,7 +104,7 @@ def _planned(model: str | None, precision: str, device: str, config: EngineConfi
     return p.variant or model, p.precision, dataclasses.replace(config, **changes)
 
 
-def _load(model: str | None, precision: str, device: str, max_model_len: int | None):
+def _load(model: str | None, precision: str, device: str, max_model_len: int | None, mmproj: str | None = None):
     from .hub import ensure_local
     from .model.loader import load_model
     from .registry import resolve_model
@@ -112,7 +112,7 @@ def _load(model: str | None, precision: str, device: str, max_model_len: int | N
     ref = resolve_model(model)
     path = ensure_local(ref)
     _refuse_encoder(ref.name, path)
-    loaded = load_model(path, precision, device, max_model_len)
+    loaded = load_model(path, precision, device, max_model_len, mmproj=mmproj)
     loaded.name = ref.name
     return ref, loaded
 

@@ -135,11 +135,20 @@ def _fim_format(tok) -> str | None:
     return f"{fmt.name} ({fmt.source})" if fmt else None
 
 
-def _vision(weights) -> bool:
+def _vision(weights, path: Path) -> tuple[bool, str | None]:
+    """(takes images, the mmproj file that gives a GGUF its vision tower: the one beside it)."""
     from .model.hf_weights import HFWeights
     from .model.vision.load import has_vision
 
-    return isinstance(weights, HFWeights) and has_vision(weights.raw_config, weights.has)
+    if isinstance(weights, HFWeights):
+        return has_vision(weights.raw_config, weights.has), None
+    from .model.vision.mmproj import Mmproj, find_mmproj
+
+    found = find_mmproj(path)
+    if found is None:
+        return False, None
+    Mmproj(found)  # an mmproj we cannot read is an error here as it is at load
+    return True, str(found)
 
 
 def describe(model: str | None, prompt: str | None = None, system: str | None = None) -> dict:
@@ -168,6 +177,7 @@ def describe(model: str | None, prompt: str | None = None, system: str | None = 
         return info
     weights = open_weights(path)  # headers and metadata only: no tensor is read
     cfg = weights.config
+    vision, mmproj = _vision(weights, path)
     tok = weights.tokenizer()
     stop_ids = sorted(set(tok.eos_ids) | weights.extra_eos_ids())
     size = path.stat().st_size if path.is_file() else sum(
@@ -183,7 +193,8 @@ def describe(model: str | None, prompt: str | None = None, system: str | None = 
         "kv_heads": cfg.num_kv_heads,
         "vocab_size": cfg.vocab_size,
         "quantization": _quantization(weights),
-        "vision": _vision(weights),
+        "vision": vision,
+        "mmproj": mmproj,
         "size_bytes": size,
         "chat_template": {"family": tok.template_name, "source": tok.template_source, "template": tok.chat_template},
         "bos_token": {"id": tok.bos_id, "text": tok.bos_token, "added_to_raw_prompts": tok.add_bos,
@@ -224,7 +235,8 @@ def format_show(info: dict) -> str:
     add("embedding", info["embedding_length"])
     add("layers", f"{info['layers']} ({info['heads']} heads, {info['kv_heads']} KV heads)")
     add("quantization", info["quantization"])
-    add("vision", "images in (a vision tower)" if info.get("vision") else None)
+    add("vision", None if not info.get("vision") else
+        f"images in (the vision tower of {info['mmproj']})" if info.get("mmproj") else "images in (a vision tower)")
     add("format", info["format"])
     add("size", human_bytes(info["size_bytes"]))
     add("path", info["path"] + ("  (embedded)" if info["embedded"] else ""))

@@ -111,6 +111,9 @@ class ModelFacts:
     layers: int = 0  # what a tensor/pipeline split must divide (0: unknown, estimated shapes)
     heads: int = 0
     kv_heads: int = 0
+    # the vision tower and projector (an HF checkpoint's, or the GGUF's mmproj): held in the
+    # activation dtype, fp32 on CPU (Gemma 3's 0.42B SigLIP: 1.7 GB)
+    vision_params: int = 0
 
     @classmethod
     def from_config(cls, name: str, cfg: ModelConfig, **kw) -> ModelFacts:
@@ -179,7 +182,20 @@ def normalize_quant(quant: str | None) -> str:
 
 # ---- the memory model -------------------------------------------------------------------------
 def weight_bytes(f: ModelFacts, precision: str, device: str) -> int:
-    """Bytes the loaded weights take (as localllm/model/loader.py builds them)."""
+    """Bytes the loaded weights take (as localllm/model/loader.py builds them), the vision tower's
+    included."""
+    return _text_weight_bytes(f, precision, device) + vision_bytes(f, precision, device)
+
+
+def vision_bytes(f: ModelFacts, precision: str, device: str) -> int:
+    """The vision tower as the loader holds it: in the activation dtype (loader._resolve_precision:
+    fp32 on CPU but for --quant bf16/fp16; 16 bits on a GPU but for --quant float32)."""
+    if device == "cpu":
+        return f.vision_params * (2 if precision in ("bfloat16", "float16") else 4)
+    return f.vision_params * (4 if precision == "float32" else 2)
+
+
+def _text_weight_bytes(f: ModelFacts, precision: str, device: str) -> int:
     cpu = device == "cpu"
     if precision in ("auto", "native") and f.native:
         return f.native_bytes.get("cpu" if cpu else "cuda", 0)
@@ -383,13 +399,36 @@ def _native_bytes(weights) -> dict[str, int]:
     return out
 
 
-def facts_for_path(path: str | Path, name: str | None = None, variants: dict | None = None) -> ModelFacts:
+def _vision_params(w, path: str | Path, mmproj: str | Path | None) -> int:
+    """The vision tower's parameters: an HF checkpoint's vision tensors, or the mmproj's of a GGUF
+    (--mmproj, else the one beside it), from headers only."""
+    from .model.gguf_weights import GGUFWeights
+
+    if isinstance(w, GGUFWeights):
+        from .model.vision.mmproj import Mmproj, find_mmproj
+
+        mmproj = mmproj or find_mmproj(path)
+        return Mmproj(mmproj).params() if mmproj else 0
+    from safetensors import safe_open
+
+    from .model.vision.load import vision_params
+
+    def numel(name: str) -> int:
+        with safe_open(str(w.index[name]), framework="pt") as h:
+            return math.prod(h.get_slice(name).get_shape())
+    return vision_params(w.raw_config, list(w.index), numel)
+
+
+def facts_for_path(path: str | Path, name: str | None = None, variants: dict | None = None,
+                   mmproj: str | Path | None = None) -> ModelFacts:
+    """mmproj: a GGUF's vision tower file (--mmproj; default: the one beside it)."""
     from .model.gguf_weights import GGUFWeights
     from .model.weights import open_weights
 
     w = open_weights(path)  # headers and metadata only
     native = "gguf" if isinstance(w, GGUFWeights) else (w.quant["quant_method"] if w.quant else None)
-    f = ModelFacts.from_config(name or str(path), w.config, native=native, variants=dict(variants or {}))
+    f = ModelFacts.from_config(name or str(path), w.config, native=native, variants=dict(variants or {}),
+                               vision_params=_vision_params(w, path, mmproj))
     if not native:
         import torch
 
@@ -407,15 +446,16 @@ def facts_for_path(path: str | Path, name: str | None = None, variants: dict | N
     return f
 
 
-def facts_for(model) -> ModelFacts:
-    """MODEL argument (alias, repo, path, ModelRef, Path) -> facts, without downloading anything."""
+def facts_for(model, mmproj: str | Path | None = None) -> ModelFacts:
+    """MODEL argument (alias, repo, path, ModelRef, Path) -> facts, without downloading anything;
+    mmproj: --mmproj, for a GGUF."""
     from .registry import ModelRef, resolve_model
 
     ref = model if isinstance(model, ModelRef) else resolve_model(str(model) if isinstance(model, Path) else model)
     spec = ref.spec
     variants = {k: getattr(spec, k) for k in ("awq", "gptq") if spec is not None and getattr(spec, k)}
     if ref.local_path is not None:
-        return facts_for_path(ref.local_path, ref.name, variants)
+        return facts_for_path(ref.local_path, ref.name, variants, mmproj)
     from .hub import cached_snapshot
 
     snap = cached_snapshot(ref.repo, ref.revision) if ref.repo else None

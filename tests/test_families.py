@@ -117,7 +117,8 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
 
     cfg = model.config
     w = gguf.GGUFWriter(str(out), arch)
-    for key, val, vtype, sub in tokenizer_fields(tokenizer_gguf):
+    fields = tokenizer_fields(tokenizer_gguf) if isinstance(tokenizer_gguf, Path) else tokenizer_gguf
+    for key, val, vtype, sub in fields:
         w.add_key_value(key, val, vtype, sub)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -154,7 +155,10 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
         assert head_dim % 2 == 0
     kv_types = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32}
     for key, val in (extra_kv or {}).items():
-        w.add_key_value(key, val, kv_types[type(val)])
+        if isinstance(val, list):  # of ints (Qwen-VL's rope.dimension_sections)
+            w.add_array(key, val)
+        else:
+            w.add_key_value(key, val, kv_types[type(val)])
     for gname, data in (gguf_tensors(model, arch=arch) if tensors is None else tensors):
         if quantized and data.ndim >= 2 and "ffn_gate_inp" not in gname:
             qtype = gguf.GGMLQuantizationType.Q8_0 if gname == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_1

@@ -101,13 +101,16 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def checkpoint(request, tmp_path_factory, fp32_model):
+    return write_checkpoint(request.param, tmp_path_factory.mktemp("qwen-vl") / request.param, fp32_model.tokenizer)
+
+
+def write_checkpoint(name: str, out, tokenizer) -> tuple:
     """(transformers model, its processor, its directory): the real SmolLM2 tokenizer with Qwen's
     vision tokens added; the family's tiny model (FAMILIES, head_dim 16, mrope_section 2/3/3),
     saved with its processor (Pillow image processor, Qwen2.5-VL's published chat template)."""
-    fam = FAMILIES[request.param]
-    out = tmp_path_factory.mktemp("qwen-vl") / request.param
+    fam = FAMILIES[name]
     out.mkdir()
-    fp32_model.tokenizer.save_hf(out)
+    tokenizer.save_hf(out)
     base = transformers.PreTrainedTokenizerFast.from_pretrained(out)
     base.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS.values()) + ["<|im_start|>", "<|im_end|>"]})
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, bos_token=base.bos_token,
@@ -116,8 +119,7 @@ def checkpoint(request, tmp_path_factory, fp32_model):
     cfg = fam["config"]()(
         text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=fam["layers"],
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **fam["text"],
-                         rms_norm_eps=1e-6, bos_token_id=fp32_model.tokenizer.bos_id,
-                         eos_token_id=sorted(fp32_model.tokenizer.eos_ids),
+                         rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_id, eos_token_id=sorted(tokenizer.eos_ids),
                          rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0,
                                           **fam["rope"]}),
         vision_config=fam["vision"],

@@ -301,15 +301,17 @@ def _context_length(cfg: ModelConfig, max_model_len: int | None) -> int:
 
 
 def load_model(path: str | os.PathLike, precision: str = "auto", device: str = "cpu",
-               max_model_len: int | None = None, fast_head: bool = True, cpu_kernels: bool = True) -> ModelHandle:
+               max_model_len: int | None = None, fast_head: bool = True, cpu_kernels: bool = True,
+               mmproj: str | os.PathLike | None = None) -> ModelHandle:
     """cpu_kernels=False: torch's own int4 kernel on CPU instead of ours (what a CPU without
-    AVX2 runs; for comparisons)."""
+    AVX2 runs; for comparisons). mmproj: llama.cpp's vision tower file for a GGUF text model
+    (default: the mmproj*.gguf beside it, if one is there)."""
     with _lean_heap():
-        return _load_model(path, precision, device, max_model_len, fast_head, cpu_kernels)
+        return _load_model(path, precision, device, max_model_len, fast_head, cpu_kernels, mmproj)
 
 
 def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_len: int | None, fast_head: bool,
-                cpu_kernels: bool) -> ModelHandle:
+                cpu_kernels: bool, mmproj: str | os.PathLike | None = None) -> ModelHandle:
     origin = {"path": str(Path(path).resolve()), "precision": precision, "device": device,
               "max_model_len": max_model_len, "fast_head": fast_head, "cpu_kernels": cpu_kernels}
     weights = open_weights(path)
@@ -380,7 +382,7 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
     head = LMHead(head_w, fast_greedy=fast_greedy, device=device, fast=fast, cpu_kernel=cpu_kernels,
                   softcap=cfg.final_logit_softcap)
     if cache and not cache.intact():  # the layers hold a damaged file's tensors: convert anew
-        return _load_model(path, precision, device, max_model_len, fast_head, cpu_kernels)
+        return _load_model(path, precision, device, max_model_len, fast_head, cpu_kernels, mmproj)
     if cache:
         cache.save()
     # which int4 kernel(s) the layers call (also inside ConcatLinear): a compiled graph bakes it in
@@ -414,15 +416,23 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
     # the real model against the fp32 cache (bench/check_kv.py): perplexity +0.001%, greedy tokens
     # 599/599 equal. fp16, not bf16 (+0.02%, 3 flips). --quant float32 keeps the exact fp32 cache.
     kv_dtype = torch.float16 if device == "cpu" and mode in ("int4", "int8", "w16") else act_dtype
-    vision = _vision(path, weights, tokenizer, device, act_dtype)
+    vision = _vision(path, weights, tokenizer, device, act_dtype, mmproj)
     return ModelHandle(model, tokenizer, cfg, eos, desc, kv_dtype, str(path), max_len, vision=vision)
 
 
-def _vision(path, weights: Weights, tokenizer, device: str, act_dtype: torch.dtype):
-    """The vision tower of a vision-language checkpoint, in the activation dtype (fp32 on CPU: the
-    tower runs once per image, so its exactness costs little)."""
-    if not isinstance(weights, HFWeights):
-        return None
+def _vision(path, weights: Weights, tokenizer, device: str, act_dtype: torch.dtype, mmproj=None):
+    """The vision tower of a vision-language checkpoint, or of a GGUF's mmproj file, in the
+    activation dtype (fp32 on CPU: the tower runs once per image, so its exactness costs little)."""
+    if isinstance(weights, GGUFWeights):
+        from .vision.mmproj import find_mmproj, load_mmproj
+
+        mmproj = mmproj or find_mmproj(path)
+        if mmproj is None:
+            return None
+        return load_mmproj(mmproj, weights.arch, weights.config.hidden_size, tokenizer, device, act_dtype)
+    if mmproj is not None:
+        raise ModelLoadError(f"{path}: --mmproj goes with a GGUF text model; this checkpoint's vision tower, if it "
+                             "has one, is read from its own files")
     from .vision.load import load_vision
 
     return load_vision(Path(path), weights.raw_config, weights.has, weights.dense, tokenizer, device, act_dtype)

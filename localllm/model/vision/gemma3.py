@@ -57,7 +57,9 @@ class Gemma3Vision:
     bidirectional = True
 
     def __init__(self, config: dict, processor: dict, get: Callable[[str], torch.Tensor], prefix: str,
-                 token_text: Callable[[int], str], device: str, dtype: torch.dtype):
+                 token_text: Callable[[int], str], device: str, dtype: torch.dtype, norm_offset: float = 1.0):
+        """norm_offset: what the stored soft-embedding norm weight lacks of its scale (HF: 1;
+        llama.cpp's mmproj stores 1 + w)."""
         vcfg = SiglipConfig.from_hf(config.get("vision_config") or {})
         self.device, self.dtype = device, dtype
 
@@ -67,7 +69,7 @@ class Gemma3Vision:
         self.tower = SiglipTower(load, prefix, vcfg)
         self.proj = load("multi_modal_projector.mm_input_projection_weight")  # [vision hidden, text hidden]
         # Gemma3RMSNorm: x / rms(x) * (1 + w), in fp32
-        self.norm_w = get("multi_modal_projector.mm_soft_emb_norm.weight").float().to(device) + 1.0
+        self.norm_w = get("multi_modal_projector.mm_soft_emb_norm.weight").float().to(device) + norm_offset
         self.eps = vcfg.layer_norm_eps
         self.n_tokens = int(config.get("mm_tokens_per_image", 256))
         side = int(self.n_tokens ** 0.5)

@@ -43,6 +43,17 @@ def has_vision(config: dict, has: Callable[[str], bool]) -> bool:
     return arch in VISION_ARCHS and has(VISION_ARCHS[arch])
 
 
+def vision_params(config: dict, names: list[str], numel: Callable[[str], int]) -> int:
+    """Parameters of the vision tower and projector an HF checkpoint holds (what load_vision
+    reads: every tensor under the family's prefixes); 0 for a text-only checkpoint."""
+    arch = (config.get("architectures") or [""])[0]
+    prefixes = {"Gemma3ForConditionalGeneration": ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                                                   "model.multi_modal_projector."),
+                "Idefics3ForConditionalGeneration": ("model.vision_model.", "model.connector.")}.get(
+        arch, QWEN_VL_PREFIXES if arch in QWEN_VL_ARCHS else ())
+    return sum(numel(n) for n in names if n.startswith(prefixes)) if prefixes else 0
+
+
 def load_vision(path: Path, config: dict, has: Callable[[str], bool], get: Callable[[str], torch.Tensor],
                 tokenizer, device: str, dtype: torch.dtype):
     """-> the checkpoint's VisionModel, or None (a text-only checkpoint, or a multimodal one
