@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from . import cpu_build, group_scales
 from .cpu_build import cache_dir  # noqa: F401  (where the libraries live)
 
 SOURCE = Path(__file__).parent / "cpu" / "int4_gemm.cpp"
@@ -95,31 +95,44 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[to
     return pack_dm(q, d, zeros.t().float() - 8.0 * d)
 
 
-def pack_dm(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_dm(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
+            sub: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`pack` from the kernel's own terms: q uint8 [N, K] (0..15), d and m fp32 [N, G] with
-    w = d * q + m (exact for GGUF's Q4_K, whose m = -dmin * min is not (q - 8) * d + zeros)."""
+    w = d * q + m (exact for GGUF's Q4_K, whose m = -dmin * min is not (q - 8) * d + zeros); m None:
+    w = d * (q - 8) (Q4_0), scales alone in fp16 where exact. sub: (d, sc, -dmin, mn) as
+    group_scales.pack takes them (Q4_K's own sub-scales, groups of 32): held as those records, the
+    file's bytes, in place of d and m."""
     n, k = q.shape
     g = d.shape[1]
     pad = -n % ROWS
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, k)])
-        d, m = torch.cat([d, d.new_zeros(pad, g)]), torch.cat([m, m.new_zeros(pad, g)])
     nb = (n + pad) // ROWS
-    qb = q.to(torch.uint8).view(nb, ROWS, k // 8, 2, 4)
+    qp = torch.cat([q, q.new_zeros(pad, k)]) if pad else q
+    qb = qp.to(torch.uint8).view(nb, ROWS, k // 8, 2, 4)
     w = (qb[:, :, :, 0] | (qb[:, :, :, 1] << 4)).permute(0, 2, 1, 3).reshape(nb, k // 8, 64).contiguous()
-    sc = torch.stack([d.view(nb, ROWS, g), m.view(nb, ROWS, g)], 1).permute(0, 3, 1, 2).contiguous()
+    if sub is not None:
+        return w, group_scales.pack(*sub, group=k // g)
+    parts = [d] if m is None else [d, m]
+    if pad:
+        parts = [torch.cat([t, t.new_zeros(pad, g)]) for t in parts]
+    sc = torch.stack([t.view(nb, ROWS, g) for t in parts], 1).permute(0, 3, 1, 2).contiguous()
     half = sc.half()
     exact = torch.isfinite(half).all() and torch.equal(half.float(), sc)
+    if m is None and not exact:  # the symmetric form is fp16 only: d and m = -8d in fp32 (exact)
+        return pack_dm(q, d, -8.0 * d)
     return w, (half if exact else sc)
 
 
 def unpack(w: torch.Tensor, sc: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of `pack_dm`: (q uint8 [n, K], d fp32 [n, G], m fp32 [n, G])."""
+    """The inverse of `pack_dm`: (q uint8 [n, K], d fp32 [n, G], m fp32 [n, G]; the symmetric
+    form's m = -8d)."""
     nb, kc, _ = w.shape
     b = w.view(nb, kc, ROWS, 4).permute(0, 2, 1, 3)  # [nb, 16, K/8, 4]
     q = torch.stack([b & 15, b >> 4], dim=3).reshape(nb * ROWS, kc * 8)[:n]
-    s = sc.float().permute(0, 3, 1, 2).reshape(nb * ROWS, sc.shape[1], 2)[:n]
-    return q, s[..., 0], s[..., 1]
+    if sc.dtype == torch.uint8:  # K-quant records (groups of 32)
+        d, m = group_scales.unpack(sc, n, 32)
+        return q, d, m
+    s = sc.float().permute(0, 3, 1, 2).reshape(nb * ROWS, sc.shape[1], sc.shape[2])[:n]
+    return q, s[..., 0], (s[..., 1] if sc.shape[2] == 2 else -8.0 * s[..., 0])
 
 
 def int4_gemm(x: torch.Tensor, w: torch.Tensor, sc: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -127,18 +140,15 @@ def int4_gemm(x: torch.Tensor, w: torch.Tensor, sc: torch.Tensor, group_size: in
     return torch.ops.localllm.int4_gemm(x, w, sc, group_size)
 
 
-def pack_gguf(raws: list[torch.Tensor], rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def pack_gguf(raws: list[torch.Tensor], rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF Q4_0 / Q4_1 blocks (per part uint8 [n_i, K/32, 18 | 20], the file's bytes) straight
-    into (w, sc) as `pack` lays them out, sc in fp16. rows [N]: the source row (over the parts
-    stacked) of each output row; padded here to a multiple of 16. None when the scales do not
-    fit fp16 (Q4_0 with |d| > 8188): the caller then goes through `pack`."""
+    into (w, sc) as `pack_dm` lays them out, sc in fp16 (Q4_0: d alone, the symmetric form).
+    rows [N]: the source row (over the parts stacked) of each output row; padded here to a
+    multiple of 16."""
     pad = -rows.shape[0] % ROWS
     if pad:
         rows = torch.cat([rows, rows.new_full((pad,), -1)])
-    w, sc = torch.ops.localllm.pack_gguf_q4([r.contiguous() for r in raws], rows.to(torch.int64), k)
-    if raws[0].shape[2] == 18 and not torch.isfinite(sc).all():
-        return None
-    return w, sc
+    return torch.ops.localllm.pack_gguf_q4([r.contiguous() for r in raws], rows.to(torch.int64), k)
 
 
 def moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,

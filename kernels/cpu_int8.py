@@ -3,7 +3,9 @@ load, packing, and the unpacked values.
 
 ``torch.ops.localllm.int8w_gemm(x, w, scales, group_size, zero)``: fp32 x [M, K] times W^T ->
 fp32 [M, N padded to 16], W = d * q + m per group of 16 or 32 (scales holding d and m), or
-d * (q - zero) (scales holding d only). AVX-512 VNNI, else AVX2, else a scalar path, chosen at
+d * (q - zero) (scales holding d only); the scales flat per group or, for GGUF's K-quants, the
+file's own sub-scales under fp16 super-scales (group_scales); the codebook types (IQ4) as 4-bit
+indices (nibbles with zero 128), their values looked up in registers. AVX-512 VNNI, else AVX2, else a scalar path, chosen at
 run time (``int8w_isa``); all three give the same outputs bit for bit. Activations are rounded
 to 16 bits inside, as in cpu_int4. Compiled once per machine as cpu_int4 (see cpu_build); a
 missing compiler leaves ``load()`` False. Imports only torch.
@@ -16,11 +18,13 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from . import cpu_build, group_scales
 
 SOURCE = Path(__file__).parent / "cpu" / "int8_gemm.cpp"
 ROWS = 16  # output rows per block: N is padded to a multiple
 GROUPS = (16, 32)
+# the codebook 4-bit indices with zero point 128 stand for (int8_gemm.cpp's kIq4): ggml's IQ4 values + 128
+CODEBOOK = (1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241)
 CXXFLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
 
 
@@ -64,14 +68,23 @@ def preferred_bits(bits: int) -> int:
     return 8 if bits == 6 and isa() != "avx512_vnni" else bits
 
 
-def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, zero: int,
-         bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, zero: int, bits: int = 8,
+         sub: tuple | None = None, lut: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q uint8 [N, K] (values < 2**bits), d and m fp32 [N, G] (G = K / group) with W = d * q + m,
     or m None for W = d * (q - zero) -> the kernel's (w, sc [N/16, G, 1 | 2, 16]): w uint8
     [N/16, K/4, 64] (byte lanes) or [N/16, K/8, 64 + 16P] (nibbles and P high-bit planes; see
-    int8_gemm.cpp), sc in fp16 where that is exact. Rows past N are zero padding."""
+    int8_gemm.cpp), sc in fp16 where that is exact. Rows past N are zero padding.
+    sub: (d, sc, -dmin, mn) as group_scales.pack takes them (a K-quant's own sub-scales): sc is
+    those records, the file's bytes, in place of d and m. lut: the 16 values q takes (zero 128),
+    which must be CODEBOOK: q held as their 4-bit indices."""
     n, k = q.shape
     g = d.shape[1]
+    if lut is not None:
+        if zero != 128 or tuple(lut.tolist()) != CODEBOOK:
+            raise ValueError("4-bit codebook indices are for the IQ4 codebook (+128, zero point 128) only")
+        inverse = torch.zeros(256, dtype=torch.uint8)
+        inverse[lut.long()] = torch.arange(16, dtype=torch.uint8)
+        q, bits = inverse[q.long()], 4
     pad = -n % ROWS
     parts = [d.float()] if m is None else [d.float(), m.float()]
     q = q.to(torch.uint8)
@@ -90,17 +103,21 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, zero: int,
             bit = ((qb >> (4 + p)) & 1).to(torch.int32).reshape(nb, k // 8, 2 * 8, 8)
             recs.append((bit * weights).sum(-1).to(torch.uint8))
         w = torch.cat(recs, dim=2).contiguous()
+    if sub is not None:
+        return w, group_scales.pack(*sub, group=k // g)
     sc = torch.stack([p.view(nb, ROWS, g) for p in parts], 1).permute(0, 3, 1, 2).contiguous()
     half = sc.half()
     exact = torch.isfinite(half).all() and torch.equal(half.float(), sc)
     return w, (half if exact else sc)
 
 
-def unpack(w: torch.Tensor, sc: torch.Tensor, n: int, group: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                           torch.Tensor | None]:
-    """The inverse of `pack`: (q uint8 [n, K], d fp32 [n, G], m fp32 [n, G] or None)."""
+def unpack(w: torch.Tensor, sc: torch.Tensor, n: int, group: int,
+           zero: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The inverse of `pack`: (q uint8 [n, K], d fp32 [n, G], m fp32 [n, G] or None); nibbles with
+    zero 128 are codebook indices (q their values)."""
     nb, kc, rec = w.shape
-    k = sc.shape[1] * group
+    records = sc.dtype == torch.uint8  # K-quant sub-scales (group_scales)
+    k = sc.shape[1] * (256 if records else group)
     if kc * 4 == k and rec == 64:  # byte lanes
         q = w.view(nb, kc, ROWS, 4).permute(0, 2, 1, 3).reshape(nb * ROWS, k)
     else:
@@ -112,6 +129,11 @@ def unpack(w: torch.Tensor, sc: torch.Tensor, n: int, group: int) -> tuple[torch
             bits = ((masks >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(nb, kc, 2, ROWS, 4)
             q = q | (bits << (4 + p))
         q = q.permute(0, 3, 1, 2, 4).reshape(nb * ROWS, k)
+        if planes == 0 and zero == 128:
+            q = torch.tensor(CODEBOOK, dtype=torch.uint8)[q.long()]
+    if records:
+        d, m = group_scales.unpack(sc, n, group)
+        return q[:n], d, m
     s = sc.float().permute(0, 3, 1, 2).reshape(nb * ROWS, sc.shape[1], sc.shape[2])[:n]
     return q[:n], s[..., 0], (s[..., 1] if sc.shape[2] == 2 else None)
 
@@ -119,7 +141,7 @@ def unpack(w: torch.Tensor, sc: torch.Tensor, n: int, group: int) -> tuple[torch
 def dequantize(w: torch.Tensor, sc: torch.Tensor, n: int, group: int, zero: int) -> torch.Tensor:
     """The weights the kernel multiplies by, fp32 [n, K]: d * q + m (or d * (q - zero)) rounded
     once, as GGUF's dequantizers give them."""
-    q, d, m = unpack(w, sc, n, group)
+    q, d, m = unpack(w, sc, n, group, zero)
     qd = q.double().view(n, d.shape[1], group)
     if m is None:
         v = d.double().unsqueeze(-1) * (qd - zero)

@@ -25,7 +25,9 @@
 //   w  uint8 [N/16, K/8, 64]: for rows r of a 16-row block and k-chunk c (8 columns), byte 4r+j
 //      holds q[r, 8c+j] in its low nibble and q[r, 8c+4+j] in its high nibble, so the low
 //      nibbles of a 64-byte chunk are 16 dword lanes of 4 consecutive weights each.
-//   sc half or float [N/16, G, 2, 16]: per group, 16 scales d then 16 offsets m; W = d*q + m.
+//   sc half or float [N/16, G, 2, 16]: per group, 16 scales d then 16 offsets m; W = d*q + m;
+//      or half [N/16, G, 1, 16]: scales only, W = d * (q - 8) (Q4_0); or uint8 [N/16, K/256, 320]:
+//      GGUF Q4_K's own sub-scales under fp16 super-scales (group_scales.h), d and m formed exactly.
 // y[m, n] = sum_g d[n,g] * sum_k (q[n,k] - 8) x[m,k] + (m[n,g] + 8 d[n,g]) * sum_k x[m,k]  (k in g)
 
 #include <ATen/Parallel.h>
@@ -35,6 +37,7 @@
 #include <torch/library.h>
 
 #include "act_quant.h"
+#include "group_scales.h"
 
 #include <immintrin.h>
 #include <cmath>
@@ -160,12 +163,8 @@ void quantize_rows(const float* x, const Tiled& q, int64_t gs, int64_t m0, int64
     quantize_rows_avx2(x, q, gs, m0, m1);
 }
 
-__attribute__((target("avx512f,avx512bw,f16c"))) inline __m512 load16(const float* p) {
-  return _mm512_loadu_ps(p);
-}
-__attribute__((target("avx512f,avx512bw,f16c"))) inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using group_scales::Flat;
+using group_scales::Super;
 
 // acc += w . (4 int8 at p, broadcast to every lane), the broadcast folded into the instruction
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i dot4(__m512i acc, __m512i w,
@@ -178,9 +177,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i dot4(__m51
 // One 16-row block against a tile of MC activation rows. SPLIT independent int32 chains per row
 // and part (summed exactly at the end of each 32-block): few rows give few chains, and VPDPBUSD's
 // 5-cycle latency would bound them.
-template <int MC, int SPLIT, bool BPG1, typename S>
+template <int MC, int SPLIT, bool BPG1, class F>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows(
-    const uint8_t* w, const S* sc, int64_t K, int64_t gs, const int8_t* px, const BlockMeta* meta,
+    const uint8_t* w, const typename F::E* sc, int64_t K, int64_t gs, const int8_t* px, const BlockMeta* meta,
     const float* s, float* out, int64_t ldo) {
   const int64_t ng = K / gs, bpg = BPG1 ? 1 : gs / 32;
   const __m512i mask = _mm512_set1_epi8(0x0F);
@@ -231,28 +230,26 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows(
           gacc[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(bm[m].e), gacc[m]);
       }
     }
-    const __m512 d = load16(sc + g * 2 * kRows);
-    const __m512 off = _mm512_fmadd_ps(_mm512_set1_ps(8.f), d, load16(sc + (g * 2 + 1) * kRows));  // m + 8d
+    const __m512 d = F::d16(sc, g);
+    __m512 off = _mm512_setzero_ps();
+    if constexpr (F::kOff) off = _mm512_fmadd_ps(_mm512_set1_ps(8.f), d, F::m16(sc, g));  // m + 8d
     for (int m = 0; m < MC; ++m) {
       acc[m] = _mm512_fmadd_ps(gacc[m], d, acc[m]);
-      acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(s[g * MC + m]), acc[m]);
+      // symmetric (Q4_0: m = -8d): m + 8d is 0, so the term is left out (the sums equal, up to a zero's sign)
+      if constexpr (F::kOff) acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(s[g * MC + m]), acc[m]);
     }
   }
   for (int m = 0; m < MC; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
 }
 
-__attribute__((target("avx2,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,f16c"))) inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 
 // block_rows with AVX2, one 8-row half of the 16-row block at a time (a 64-byte chunk's first
 // 32 bytes are rows 0-7). No VPDPBUSD: VPMADDUBSW multiplies the u8 weights by the int8 parts
 // into int16 pairs (at most 2 * 15 * 127 = 3810 each, so the 8 of a 32-block add up in int16
 // without saturating: 30480) and one VPMADDWD per block widens them to int32. The sums are the
 // VNNI kernel's exact integers, and the fp32 steps after them are its steps, lane by lane.
-template <int MC, bool BPG1, typename S>
-__attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, const S* sc, int64_t K, int64_t gs,
+template <int MC, bool BPG1, class F>
+__attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, const typename F::E* sc, int64_t K, int64_t gs,
                                                                const int8_t* px, const BlockMeta* meta, const float* s,
                                                                float* out, int64_t ldo) {
   const int64_t ng = K / gs, bpg = BPG1 ? 1 : gs / 32;
@@ -301,58 +298,59 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
             gacc[m] = _mm256_fmadd_ps(t, _mm256_set1_ps(bm[m].e), gacc[m]);
         }
       }
-      const __m256 d = load8(sc + g * 2 * kRows + half * 8);
-      const __m256 off = _mm256_fmadd_ps(_mm256_set1_ps(8.f), d, load8(sc + (g * 2 + 1) * kRows + half * 8));
+      const __m256 d = F::d8(sc, g, half);
+      __m256 off = _mm256_setzero_ps();
+      if constexpr (F::kOff) off = _mm256_fmadd_ps(_mm256_set1_ps(8.f), d, F::m8(sc, g, half));
       for (int m = 0; m < MC; ++m) {
         acc[m] = _mm256_fmadd_ps(gacc[m], d, acc[m]);
-        acc[m] = _mm256_fmadd_ps(off, _mm256_set1_ps(s[g * MC + m]), acc[m]);
+        if constexpr (F::kOff) acc[m] = _mm256_fmadd_ps(off, _mm256_set1_ps(s[g * MC + m]), acc[m]);
       }
     }
     for (int m = 0; m < MC; ++m) _mm256_storeu_ps(out + m * ldo + half * 8, acc[m]);
   }
 }
 
-template <int MC, typename S>
-void run_mc_avx2(int64_t gs, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const BlockMeta* meta,
+template <int MC, class F>
+void run_mc_avx2(int64_t gs, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px, const BlockMeta* meta,
                  const float* s, float* out, int64_t ldo) {
   if (gs == 32)
-    block_rows_avx2<MC, true, S>(w, sc, K, gs, px, meta, s, out, ldo);
+    block_rows_avx2<MC, true, F>(w, sc, K, gs, px, meta, s, out, ldo);
   else
-    block_rows_avx2<MC, false, S>(w, sc, K, gs, px, meta, s, out, ldo);
+    block_rows_avx2<MC, false, F>(w, sc, K, gs, px, meta, s, out, ldo);
 }
 
-template <int MC, typename S>
-void run_mc(int64_t gs, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const BlockMeta* meta,
+template <int MC, class F>
+void run_mc(int64_t gs, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px, const BlockMeta* meta,
             const float* s, float* out, int64_t ldo) {
   constexpr int kSplit = MC == 1 ? 4 : MC == 2 ? 2 : 1;
   if (gs == 32)
-    block_rows<MC, kSplit, true, S>(w, sc, K, gs, px, meta, s, out, ldo);
+    block_rows<MC, kSplit, true, F>(w, sc, K, gs, px, meta, s, out, ldo);
   else
-    block_rows<MC, kSplit, false, S>(w, sc, K, gs, px, meta, s, out, ldo);
+    block_rows<MC, kSplit, false, F>(w, sc, K, gs, px, meta, s, out, ldo);
 }
 
-template <typename S>
-void run_block(int mc, int64_t gs, const uint8_t* w, const S* sc, int64_t K, const int8_t* px,
+template <class F>
+void run_block(int mc, int64_t gs, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px,
                const BlockMeta* meta, const float* s, float* out, int64_t ldo) {
   static_assert(kMc >= 4 && kMc <= 8, "one case per tile height below");
   static_assert(kMcAvx2 >= 2 && kMcAvx2 <= 4, "one case per AVX2 tile height below");
   if (!has_vnni()) {
     switch (mc) {
-      case 1: return run_mc_avx2<1, S>(gs, w, sc, K, px, meta, s, out, ldo);
-      case 2: return run_mc_avx2<2, S>(gs, w, sc, K, px, meta, s, out, ldo);
-      case 3: return run_mc_avx2<std::min(3, kMcAvx2), S>(gs, w, sc, K, px, meta, s, out, ldo);
-      default: return run_mc_avx2<kMcAvx2, S>(gs, w, sc, K, px, meta, s, out, ldo);
+      case 1: return run_mc_avx2<1, F>(gs, w, sc, K, px, meta, s, out, ldo);
+      case 2: return run_mc_avx2<2, F>(gs, w, sc, K, px, meta, s, out, ldo);
+      case 3: return run_mc_avx2<std::min(3, kMcAvx2), F>(gs, w, sc, K, px, meta, s, out, ldo);
+      default: return run_mc_avx2<kMcAvx2, F>(gs, w, sc, K, px, meta, s, out, ldo);
     }
   }
   switch (mc) {
-    case 1: return run_mc<1, S>(gs, w, sc, K, px, meta, s, out, ldo);
-    case 2: return run_mc<2, S>(gs, w, sc, K, px, meta, s, out, ldo);
-    case 3: return run_mc<3, S>(gs, w, sc, K, px, meta, s, out, ldo);
-    case 4: return run_mc<4, S>(gs, w, sc, K, px, meta, s, out, ldo);
-    case 5: return run_mc<std::min(5, kMc), S>(gs, w, sc, K, px, meta, s, out, ldo);
-    case 6: return run_mc<std::min(6, kMc), S>(gs, w, sc, K, px, meta, s, out, ldo);
-    case 7: return run_mc<std::min(7, kMc), S>(gs, w, sc, K, px, meta, s, out, ldo);
-    default: return run_mc<kMc, S>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 1: return run_mc<1, F>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 2: return run_mc<2, F>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 3: return run_mc<3, F>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 4: return run_mc<4, F>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 5: return run_mc<std::min(5, kMc), F>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 6: return run_mc<std::min(6, kMc), F>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 7: return run_mc<std::min(7, kMc), F>(gs, w, sc, K, px, meta, s, out, ldo);
+    default: return run_mc<kMc, F>(gs, w, sc, K, px, meta, s, out, ldo);
   }
 }
 
@@ -369,24 +367,24 @@ struct TiledBuf {
 
 // Output blocks [b0, b1) of one weight against every tile of q: at large M, ~64 KB of weights
 // meets every tile before the next (the tiles' activations stream from L2 once per chunk).
-template <typename S>
-void gemm_blocks(const Tiled& q, int64_t gs, const uint8_t* w, const S* sc, int64_t b0, int64_t b1, float* y,
+template <class F>
+void gemm_blocks(const Tiled& q, int64_t gs, const uint8_t* w, const typename F::E* sc, int64_t b0, int64_t b1, float* y,
                  int64_t N) {
-  const int64_t K = q.K, wstride = (K / 8) * 64, sstride = (K / gs) * 2 * kRows, ntiles = (q.M + q.tile - 1) / q.tile;
+  const int64_t K = q.K, wstride = (K / 8) * 64, sstride = F::stride(K, gs), ntiles = (q.M + q.tile - 1) / q.tile;
   const int64_t wchunk = std::max<int64_t>(1, kWeightChunk / wstride);
   for (int64_t c0 = b0; c0 < b1; c0 += wchunk) {
     const int64_t c1 = std::min(b1, c0 + wchunk);
     for (int64_t t = 0; t < ntiles; ++t) {
       for (int64_t nbk = c0; nbk < c1; ++nbk) {
-        run_block<S>(q.mt(t), gs, w + nbk * wstride, sc + nbk * sstride, K, q.tparts(t), q.tmeta(t), q.ts(t),
+        run_block<F>(q.mt(t), gs, w + nbk * wstride, sc + nbk * sstride, K, q.tparts(t), q.tmeta(t), q.ts(t),
                      y + t * q.tile * N + nbk * kRows, N);
       }
     }
   }
 }
 
-template <typename S>
-void gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const S* sc, int64_t nblocks, int64_t gs,
+template <class F>
+void gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const typename F::E* sc, int64_t nblocks, int64_t gs,
           float* y) {
   TiledBuf a(M, K, gs);
   // rows are independent: split them over the threads once there are enough to pay for a fork
@@ -395,8 +393,32 @@ void gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const S* sc, i
   });
   // ~8 blocks per task: enough to split the smallest layers over the threads, few enough forks
   at::parallel_for(0, nblocks, 8, [&](int64_t begin, int64_t end) {
-    gemm_blocks<S>(a.q, gs, w, sc, begin, end, y, nblocks * kRows);
+    gemm_blocks<F>(a.q, gs, w, sc, begin, end, y, nblocks * kRows);
   });
+}
+
+// The scales' form of sc (see group_scales.h): fp32 or fp16 [.., G, 2, 16] (d and m), fp16
+// [.., G, 1, 16] (symmetric: m = -8d), or uint8 [.., K/256, 320] (Q4_K's records, groups of 32);
+// `lead` dimensions before them (1: a stack of experts). Calls fn(form, its pointer).
+template <class Fn>
+void with_form(const at::Tensor& sc, int64_t lead, int64_t nblocks, int64_t K, int64_t gs, const char* who, Fn&& fn) {
+  if (sc.scalar_type() == at::kByte) {
+    using KQ = Super<8, true>;
+    TORCH_CHECK(sc.dim() == lead + 3 && sc.size(lead) == nblocks && gs == 32 && K % 256 == 0 &&
+                    sc.size(lead + 1) == K / 256 && sc.size(lead + 2) == KQ::kRec && sc.is_contiguous(),
+                who, ": K-quant scales must be contiguous uint8 [N/16, K/256, ", KQ::kRec, "] with groups of 32");
+    return fn(KQ{}, sc.data_ptr<uint8_t>());
+  }
+  TORCH_CHECK(sc.dim() == lead + 4 && sc.size(lead) == nblocks && sc.size(lead + 1) == K / gs &&
+                  (sc.size(lead + 2) == 2 || (sc.size(lead + 2) == 1 && sc.scalar_type() == at::kHalf)) &&
+                  sc.size(lead + 3) == kRows && sc.is_contiguous(),
+              who, ": scales must be contiguous [N/16, K/group, 2, 16] (fp16 or fp32) or [N/16, K/group, 1, 16] (fp16)");
+  if (sc.scalar_type() == at::kHalf) {
+    if (sc.size(lead + 2) == 1) return fn(Flat<at::Half, 1>{}, sc.data_ptr<at::Half>());
+    return fn(Flat<at::Half, 2>{}, sc.data_ptr<at::Half>());
+  }
+  TORCH_CHECK(sc.scalar_type() == at::kFloat, who, ": scales must be fp16, fp32 or uint8 records");
+  return fn(Flat<float, 2>{}, sc.data_ptr<float>());
 }
 
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group_size) {
@@ -405,29 +427,22 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const int64_t M = x.size(0), K = x.size(1), nblocks = w.size(0);
   TORCH_CHECK(w.size(1) * 8 == K, "int4_gemm: K mismatch: x has ", K, ", weight ", w.size(1) * 8);
   TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "int4_gemm: bad group size ", group_size);
-  TORCH_CHECK(sc.dim() == 4 && sc.size(0) == nblocks && sc.size(1) == K / group_size, "int4_gemm: bad scales");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, nblocks * kRows}, x.options());
-  if (M == 0) return y;
-  if (sc.scalar_type() == at::kHalf) {
-    gemm<at::Half>(xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), sc.data_ptr<at::Half>(), nblocks,
-                   group_size, y.data_ptr<float>());
-  } else {
-    TORCH_CHECK(sc.scalar_type() == at::kFloat, "int4_gemm: scales must be fp16 or fp32");
-    gemm<float>(xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), sc.data_ptr<float>(), nblocks, group_size,
-                y.data_ptr<float>());
-  }
+  with_form(sc, 0, nblocks, K, group_size, "int4_gemm", [&](auto form, const auto* p) {
+    if (M > 0) gemm<decltype(form)>(xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), p, nblocks, group_size,
+                                    y.data_ptr<float>());
+  });
   return y;
 }
 
-// Blocks [b0, b1) of expert e's matrix in a stack (w [E, N/16, K/8, 64], sc [E, N/16, G, 2, 16]).
+// Blocks [b0, b1) of expert e's matrix in a stack (w [E, N/16, K/8, 64], sc [E, ...] a form above).
 void expert_blocks(const Tiled& q, int64_t gs, const at::Tensor& w, const at::Tensor& sc, int64_t e, int64_t b0,
                    int64_t b1, float* y, int64_t N) {
   const uint8_t* we = w.data_ptr<uint8_t>() + e * w.stride(0);
-  if (sc.scalar_type() == at::kHalf)
-    gemm_blocks<at::Half>(q, gs, we, sc.data_ptr<at::Half>() + e * sc.stride(0), b0, b1, y, N);
-  else
-    gemm_blocks<float>(q, gs, we, sc.data_ptr<float>() + e * sc.stride(0), b0, b1, y, N);
+  with_form(sc, 1, w.size(1), q.K, gs, "moe_int4", [&](auto form, const auto* p) {
+    gemm_blocks<decltype(form)>(q, gs, we, p + e * sc.stride(0), b0, b1, y, N);
+  });
 }
 
 // One expert's share of a call: its (token, slot) pairs, its activations and outputs.
@@ -476,12 +491,10 @@ at::Tensor moe_int4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   TORCH_CHECK(w1.size(2) * 8 == H && w2.size(2) * 8 == inter && w1.size(1) * kRows >= 2 * inter &&
               w2.size(1) * kRows >= H, "moe_int4: expert shapes do not match H = ", H, ", I = ", inter);
   TORCH_CHECK(group1 % 32 == 0 && H % group1 == 0 && group2 % 32 == 0 && inter % group2 == 0, "moe_int4: bad group size");
-  for (const at::Tensor* s : {&s1, &s2})
-    TORCH_CHECK(s->dim() == 5 && s->is_contiguous() &&
-                (s->scalar_type() == at::kHalf || s->scalar_type() == at::kFloat), "moe_int4: bad scales");
-  TORCH_CHECK(s1.size(0) == w1.size(0) && s1.size(1) == w1.size(1) && s1.size(2) == H / group1 &&
-              s2.size(0) == w2.size(0) && s2.size(1) == w2.size(1) && s2.size(2) == inter / group2,
-              "moe_int4: scales do not match the experts");
+  TORCH_CHECK(s1.size(0) == w1.size(0) && s2.size(0) == w2.size(0), "moe_int4: scales do not match the experts");
+  // (each form's shapes checked here, before any work)
+  with_form(s1, 1, w1.size(1), H, group1, "moe_int4", [](auto, const auto*) {});
+  with_form(s2, 1, w2.size(1), inter, group2, "moe_int4", [](auto, const auto*) {});
   const int64_t k = ids.size(1), E = w1.size(0), N1 = w1.size(1) * kRows, N2 = w2.size(1) * kRows;
   at::Tensor y = at::zeros({T, H}, x.options());
   const at::Tensor xc = x.contiguous(), ic = ids.contiguous(), wc = weights.contiguous();
@@ -543,8 +556,8 @@ at::Tensor moe_int4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
 // scales, with no pass through unpacked or fp32 weights (the first load of a 1 GB GGUF spent
 // ~20 s in those passes). raws: the parts of one layer (fused qkv / gate_up), each uint8
 // [n_i, K/32, 18 | 20] in the file's block layout; rows [N] (N a multiple of 16): for each output
-// row its source row in the parts stacked, -1 for padding. Q4_1 keeps the file's d and m; Q4_0's
-// m is -8d, which can overflow fp16 for |d| > 8188 (the caller checks for infinities).
+// row its source row in the parts stacked, -1 for padding. Q4_1 keeps the file's d and m
+// (scales [N/16, K/32, 2, 16]); Q4_0 its d alone (symmetric: [N/16, K/32, 1, 16]), the file's bytes.
 std::tuple<at::Tensor, at::Tensor> pack_gguf_q4(at::TensorList raws, const at::Tensor& rows, int64_t K) {
   TORCH_CHECK(!raws.empty() && K % 32 == 0, "pack_gguf_q4: no parts, or K not a multiple of 32");
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) % kRows == 0,
@@ -564,7 +577,8 @@ std::tuple<at::Tensor, at::Tensor> pack_gguf_q4(at::TensorList raws, const at::T
   for (int64_t i = 0; i < N; ++i)
     TORCH_CHECK(rix[i] >= -1 && rix[i] < start.back(), "pack_gguf_q4: row ", rix[i], " out of range");
   at::Tensor w = at::empty({N / kRows, K / 8, 64}, rows.options().dtype(at::kByte));
-  at::Tensor sc = at::empty({N / kRows, nbk, 2, kRows}, rows.options().dtype(at::kHalf));
+  const int ns = bsz == 20 ? 2 : 1;
+  at::Tensor sc = at::empty({N / kRows, nbk, ns, kRows}, rows.options().dtype(at::kHalf));
   uint8_t* wo = w.data_ptr<uint8_t>();
   at::Half* so = sc.data_ptr<at::Half>();
   // value i of a block sits in the low nibble of qs[i], value i + 16 in the high nibble; chunk c
@@ -591,8 +605,6 @@ std::tuple<at::Tensor, at::Tensor> pack_gguf_q4(at::TensorList raws, const at::T
             if (bsz == 20) {
               std::memcpy(&bits, blk + 2, 2);
               m = at::Half(bits, at::Half::from_bits());
-            } else {
-              m = at::Half(-8.f * static_cast<float>(d));
             }
             std::memcpy(a, blk + bsz - 16, 16);
           }
@@ -600,9 +612,9 @@ std::tuple<at::Tensor, at::Tensor> pack_gguf_q4(at::TensorList raws, const at::T
           const uint32_t c[4] = {(a[0] & kLo) | ((a[1] & kLo) << 4), (a[2] & kLo) | ((a[3] & kLo) << 4),
                                  ((a[0] >> 4) & kLo) | (a[1] & kHi), ((a[2] >> 4) & kLo) | (a[3] & kHi)};
           for (int k = 0; k < 4; ++k) std::memcpy(o + k * 64, &c[k], 4);
-          at::Half* s = so + (nb * nbk + b) * 2 * kRows;
+          at::Half* s = so + (nb * nbk + b) * ns * kRows;
           s[r] = d;
-          s[kRows + r] = m;
+          if (ns == 2) s[kRows + r] = m;
         }
       }
     }

@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include "act_quant.h"
+#include "group_scales.h"
 
 #include <algorithm>
 #include <atomic>
@@ -253,14 +254,19 @@ void quantize_rows(Isa isa, const float* x, const Tiled& q, int64_t gs, int64_t 
   quantize_generic(x, q, gs, m0, m1);
 }
 
-inline float to_f(float v) { return v; }
-inline float to_f(at::Half v) { return static_cast<float>(v); }
+using group_scales::Flat;
+using group_scales::Super;
+
+// the IQ4 codebook (ggml's kvalues_iq4nl) + 128, what 4-bit indices with zero point 128 stand for
+constexpr uint8_t kIq4[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+constexpr int kLut = -2;  // `planes` of 4-bit codebook indices (the nibble layout, values from kIq4)
 
 // The scalar path: the same int32 sums and the same fp32 operations (std::fma where the vector
 // paths fuse) as the vector paths, one output lane at a time.
 // Bytes of one 32-column block of a 16-row block, and q[r, k] (k < 32) within it.
-inline int64_t block_bytes(int planes) { return planes < 0 ? 8 * 64 : 4 * (64 + 16 * planes); }
+inline int64_t block_bytes(int planes) { return planes == -1 ? 8 * 64 : 4 * (64 + 16 * std::max(planes, 0)); }
 inline int weight_at(const uint8_t* wb, int planes, int r, int k) {
+  if (planes == kLut) return kIq4[weight_at(wb, 0, r, k)];
   if (planes < 0) return wb[(k / 4) * 64 + 4 * r + k % 4];
   const uint8_t* rec = wb + (k / 8) * (64 + 16 * planes);
   const int j = k % 8, bit = 4 * r + j % 4;
@@ -273,8 +279,8 @@ inline int weight_at(const uint8_t* wb, int planes, int r, int k) {
   return v;
 }
 
-template <typename S>
-void block_rows_generic(int mc, int planes, const uint8_t* w, const S* sc, int64_t K, int64_t gs, int ns, int z,
+template <class F>
+void block_rows_generic(int mc, int planes, const uint8_t* w, const typename F::E* sc, int64_t K, int64_t gs, int z,
                         const int8_t* px, const Meta* meta, const float* s, float* out, int64_t ldo) {
   const int64_t nb = K / 32, hpg = gs / 16;  // 16-halves per group
   const float inv_base = 1.f / kBase, zf = static_cast<float>(z);
@@ -299,10 +305,10 @@ void block_rows_generic(int mc, int planes, const uint8_t* w, const S* sc, int64
           const float t = std::fma(static_cast<float>(c[1]), inv_base, static_cast<float>(c[0]));
           const float ge = t * bm.e;
           const int64_t g = blk * (2 / hpg) + h0 / hpg;
-          const float d = to_f(sc[(g * ns) * kRows + r]);
+          const float d = F::d(sc, g, r);
           acc = std::fma(ge, d, acc);
-          if (ns == 2) {
-            const float off = std::fma(zf, d, to_f(sc[(g * ns + 1) * kRows + r]));
+          if constexpr (F::kOff) {
+            const float off = std::fma(zf, d, F::m(sc, g, r));
             acc = std::fma(off, s[g * mc + m], acc);
           }
         }
@@ -313,10 +319,6 @@ void block_rows_generic(int mc, int planes, const uint8_t* w, const S* sc, int64
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx512f,avx512bw,f16c"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f,avx512bw,f16c"))) inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 // acc += w . (4 int8 at p, broadcast to every lane), the broadcast folded into the instruction
 // (int4_gemm.cpp's dot4)
@@ -328,21 +330,22 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i dot4(__m51
 
 // One 16-row block against a tile of MC rows; SPLIT independent chains per row and part (few rows
 // give few chains, and VPDPBUSD's latency would bound them). G16: groups of 16 (two per block).
-template <int MC, int SPLIT, bool G16, int NS, int PL, typename S>
+template <int MC, int SPLIT, bool G16, class F, int PL>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
-    const uint8_t* w, const S* sc, int64_t K, int z, const int8_t* px, const Meta* meta, const float* s, float* out,
+    const uint8_t* w, const typename F::E* sc, int64_t K, int z, const int8_t* px, const Meta* meta, const float* s, float* out,
     int64_t ldo) {
   const int64_t nb = K / 32;
   constexpr int kGroups = G16 ? 2 : 1, kChunks = 8 / kGroups;
-  constexpr int kRec = 64 + 16 * PL;  // bytes per 8 columns (PL >= 0)
+  constexpr int kRec = 64 + 16 * std::max(PL, 0);  // bytes per 8 columns (PL >= 0 or kLut)
   const __m512 inv_base = _mm512_set1_ps(1.f / kBase), zf = _mm512_set1_ps(static_cast<float>(z));
   const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4)));
   __m512 acc[MC];
   for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
     const int8_t* xb = px + blk * MC * kParts * 32;
     const Meta* bm = meta + blk * MC;
-    const uint8_t* wb = w + blk * (PL < 0 ? 8 * 64 : 4 * kRec);
+    const uint8_t* wb = w + blk * (PL == -1 ? 8 * 64 : 4 * kRec);
     for (int h = 0; h < kGroups; ++h) {
       __m512i ip[MC][kParts][SPLIT];
       for (int m = 0; m < MC; ++m)
@@ -350,7 +353,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
           for (int j = 0; j < SPLIT; ++j)
             ip[m][p][j] = j ? _mm512_setzero_si512()
                             : _mm512_set1_epi32(-z * (G16 ? bm[m].ps[p][h] : bm[m].ps[p][0] + bm[m].ps[p][1]));
-      if constexpr (PL < 0) {
+      if constexpr (PL == -1) {
         for (int cc = 0; cc < kChunks; ++cc) {
           const int c = h * kChunks + cc;
           _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
@@ -374,6 +377,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
             lo = _mm512_mask_add_epi8(lo, ml, lo, add);
             hi = _mm512_mask_add_epi8(hi, mh, hi, add);
           }
+          if constexpr (PL == kLut) {  // indices -> the codebook's values + 128, in registers
+            lo = _mm512_shuffle_epi8(lut, lo);
+            hi = _mm512_shuffle_epi8(lut, hi);
+          }
           for (int m = 0; m < MC; ++m)
             for (int p = 0; p < kParts; ++p) {
               const int8_t* xp = xb + (m * kParts + p) * 32 + c * 4;
@@ -383,9 +390,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
         }
       }
       const int64_t g = blk * kGroups + h;
-      const __m512 d = load16(sc + g * NS * kRows);
+      const __m512 d = F::d16(sc, g);
       __m512 off = _mm512_setzero_ps();
-      if (NS == 2) off = _mm512_fmadd_ps(zf, d, load16(sc + (g * NS + 1) * kRows));
+      if constexpr (F::kOff) off = _mm512_fmadd_ps(zf, d, F::m16(sc, g));
       for (int m = 0; m < MC; ++m) {
         __m512i c[kParts];
         for (int p = 0; p < kParts; ++p) {
@@ -394,17 +401,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
         }
         const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[1]), inv_base, _mm512_cvtepi32_ps(c[0]));
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(t, _mm512_set1_ps(bm[m].e)), d, acc[m]);
-        if (NS == 2) acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(s[g * MC + m]), acc[m]);
+        if constexpr (F::kOff) acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(s[g * MC + m]), acc[m]);
       }
     }
   }
   for (int m = 0; m < MC; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
 }
 
-__attribute__((target("avx2,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,f16c"))) inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 
 // The AVX2 path, one 8-row half of the block at a time (a chunk's first 32 bytes are rows 0-7).
 // SIGNED: 8-bit weights, z = 128 (see the top).
@@ -421,13 +424,14 @@ __attribute__((target("avx2"))) inline __m256i bytes_from_bits(uint32_t bits) {
 // the instructions the kernels rebuild them with in registers.
 __attribute__((target("avx512f,avx512bw"))) void widen_block_512(const uint8_t* src, int planes, int64_t K,
                                                                    uint8_t* dst) {
-  const int rec = 64 + 16 * planes;
+  const int np = std::max(planes, 0), rec = 64 + 16 * np;
   const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4)));
   for (int64_t c = 0; c < K / 8; ++c) {
     const uint8_t* r = src + c * rec;
     const __m512i raw = _mm512_loadu_si512(r);
     __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-    for (int p = 0; p < planes; ++p) {
+    for (int p = 0; p < np; ++p) {
       uint64_t ml, mh;
       std::memcpy(&ml, r + 64 + 16 * p, 8);
       std::memcpy(&mh, r + 72 + 16 * p, 8);
@@ -435,20 +439,25 @@ __attribute__((target("avx512f,avx512bw"))) void widen_block_512(const uint8_t* 
       lo = _mm512_mask_add_epi8(lo, ml, lo, add);
       hi = _mm512_mask_add_epi8(hi, mh, hi, add);
     }
+    if (planes == kLut) {
+      lo = _mm512_shuffle_epi8(lut, lo);
+      hi = _mm512_shuffle_epi8(lut, hi);
+    }
     _mm512_storeu_si512(dst + 2 * c * 64, lo);
     _mm512_storeu_si512(dst + (2 * c + 1) * 64, hi);
   }
 }
 
 __attribute__((target("avx2"))) void widen_block_avx2(const uint8_t* src, int planes, int64_t K, uint8_t* dst) {
-  const int rec = 64 + 16 * planes;
+  const int np = std::max(planes, 0), rec = 64 + 16 * np;
   const __m256i nib = _mm256_set1_epi8(0x0F);
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4)));
   for (int64_t c = 0; c < K / 8; ++c) {
     const uint8_t* r = src + c * rec;
     for (int half = 0; half < 2; ++half) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32 * half));
       __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-      for (int p = 0; p < planes; ++p) {
+      for (int p = 0; p < np; ++p) {
         uint32_t bl, bh;
         std::memcpy(&bl, r + 64 + 16 * p + 4 * half, 4);
         std::memcpy(&bh, r + 72 + 16 * p + 4 * half, 4);
@@ -456,21 +465,28 @@ __attribute__((target("avx2"))) void widen_block_avx2(const uint8_t* src, int pl
         lo = _mm256_add_epi8(lo, _mm256_and_si256(bytes_from_bits(bl), add));
         hi = _mm256_add_epi8(hi, _mm256_and_si256(bytes_from_bits(bh), add));
       }
+      if (planes == kLut) {
+        lo = _mm256_shuffle_epi8(lut, lo);
+        hi = _mm256_shuffle_epi8(lut, hi);
+      }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * c * 64 + 32 * half), lo);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (2 * c + 1) * 64 + 32 * half), hi);
     }
   }
 }
 
-template <int MC, bool G16, int NS, bool SIGNED, int PL, typename S>
-__attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, const S* sc, int64_t K, int z,
+template <int MC, bool G16, class F, bool SIGNED, int PL>
+__attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, const typename F::E* sc, int64_t K, int z,
                                                                const int8_t* px, const Meta* meta, const float* s,
                                                                float* out, int64_t ldo) {
   const int64_t nb = K / 32;
   constexpr int kGroups = G16 ? 2 : 1, kChunks = 8 / kGroups;
-  constexpr int kRec = 64 + 16 * PL;
+  constexpr int kRec = 64 + 16 * std::max(PL, 0);
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i nib = _mm256_set1_epi8(0x0F);
+  // the codebook as int8 (q - 128): with SIGNED, |q - 128| meets x with q - 128's sign
+  const __m256i lut_s = _mm256_xor_si256(
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4))), flip);
   const __m256 inv_base = _mm256_set1_ps(1.f / kBase), zf = _mm256_set1_ps(static_cast<float>(z));
   for (int half = 0; half < 2; ++half) {
     __m256 acc[MC];
@@ -478,20 +494,36 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
     for (int64_t blk = 0; blk < nb; ++blk) {
       const int8_t* xb = px + blk * MC * kParts * 32;
       const Meta* bm = meta + blk * MC;
-      const uint8_t* wb = w + blk * (PL < 0 ? 8 * 64 : 4 * kRec) + (PL < 0 ? half * 32 : 0);
+      const uint8_t* wb = w + blk * (PL == -1 ? 8 * 64 : 4 * kRec) + (PL == -1 ? half * 32 : 0);
       for (int h = 0; h < kGroups; ++h) {
         __m256i ip[MC][kParts];
         for (int m = 0; m < MC; ++m)
           for (int p = 0; p < kParts; ++p)
             ip[m][p] = SIGNED ? _mm256_setzero_si256()
                               : _mm256_set1_epi32(-z * (G16 ? bm[m].ps[p][h] : bm[m].ps[p][0] + bm[m].ps[p][1]));
-        if constexpr (PL >= 0) {
+        if constexpr (PL >= 0 || PL == kLut) {
           for (int cc = 0; cc < kChunks; cc += 2) {  // one record: chunks c (low nibbles) and c + 1
             const int c = h * kChunks + cc;
             const uint8_t* rec = wb + (c / 2) * kRec;
             if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch), _MM_HINT_T0);
             const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + half * 32));
             __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+            if constexpr (PL == kLut) {  // 2 * 127 * 127 per pair: each product widened on its own
+              const __m256i sl = _mm256_shuffle_epi8(lut_s, lo), sh = _mm256_shuffle_epi8(lut_s, hi);
+              const __m256i al = _mm256_abs_epi8(sl), ah = _mm256_abs_epi8(sh);
+              for (int m = 0; m < MC; ++m) {
+                for (int p = 0; p < kParts; ++p) {
+                  int32_t xl, xh;
+                  std::memcpy(&xl, xb + (m * kParts + p) * 32 + c * 4, 4);
+                  std::memcpy(&xh, xb + (m * kParts + p) * 32 + c * 4 + 4, 4);
+                  const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(xl), sl));
+                  const __m256i ph = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(xh), sh));
+                  ip[m][p] = _mm256_add_epi32(ip[m][p], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
+                                                                         _mm256_madd_epi16(ph, ones)));
+                }
+              }
+              continue;
+            }
             for (int pl = 0; pl < PL; ++pl) {  // this half's rows: bits 32 * half.. of each mask
               uint32_t bl, bh;
               std::memcpy(&bl, rec + 64 + 16 * pl + 4 * half, 4);
@@ -513,7 +545,7 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
             }
           }
         }
-        for (int cc = 0; cc < (PL < 0 ? kChunks : 0); cc += 2) {
+        for (int cc = 0; cc < (PL == -1 ? kChunks : 0); cc += 2) {
           const int c = h * kChunks + cc;
           if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
           __m256i wv[2], ws[2];
@@ -542,13 +574,13 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
           }
         }
         const int64_t g = blk * kGroups + h;
-        const __m256 d = load8(sc + g * NS * kRows + half * 8);
+        const __m256 d = F::d8(sc, g, half);
         __m256 off = _mm256_setzero_ps();
-        if (NS == 2) off = _mm256_fmadd_ps(zf, d, load8(sc + (g * NS + 1) * kRows + half * 8));
+        if constexpr (F::kOff) off = _mm256_fmadd_ps(zf, d, F::m8(sc, g, half));
         for (int m = 0; m < MC; ++m) {
           const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip[m][1]), inv_base, _mm256_cvtepi32_ps(ip[m][0]));
           acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(t, _mm256_set1_ps(bm[m].e)), d, acc[m]);
-          if (NS == 2) acc[m] = _mm256_fmadd_ps(off, _mm256_set1_ps(s[g * MC + m]), acc[m]);
+          if constexpr (F::kOff) acc[m] = _mm256_fmadd_ps(off, _mm256_set1_ps(s[g * MC + m]), acc[m]);
         }
       }
     }
@@ -556,85 +588,99 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
   }
 }
 
-// One call's constant shape of the weights: group size, scale form, zero point, layout.
+#endif
+
+// One call's constant shape of the weights: group size, zero point, layout (the scales' form is
+// the type F: group_scales.h).
 struct Form {
   bool g16;
-  int ns, z, planes;
+  int z, planes;
 };
 
-template <int MC, int PL, typename S>
-void run_mc_512_pl(const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const Meta* meta,
-                   const float* s, float* out, int64_t ldo) {
+template <class F>
+constexpr bool kSuper = false;
+template <int GPS, bool OFF>
+constexpr bool kSuper<Super<GPS, OFF>> = true;
+
+#if defined(__x86_64__)
+template <int MC, int PL, class F>
+void run_mc_512_pl(const Form& f, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px,
+                   const Meta* meta, const float* s, float* out, int64_t ldo) {
   constexpr int kSplit = MC == 1 ? 4 : MC == 2 ? 2 : 1;
-  if (f.g16) {
-    if (f.ns == 2) return block_rows_512<MC, kSplit, true, 2, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
-    return block_rows_512<MC, kSplit, true, 1, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+  if constexpr (kSuper<F>) {  // the record fixes the group size
+    return block_rows_512<MC, kSplit, F::kGroup == 16, F, PL>(w, sc, K, f.z, px, meta, s, out, ldo);
+  } else {
+    if (f.g16) return block_rows_512<MC, kSplit, true, F, PL>(w, sc, K, f.z, px, meta, s, out, ldo);
+    return block_rows_512<MC, kSplit, false, F, PL>(w, sc, K, f.z, px, meta, s, out, ldo);
   }
-  if (f.ns == 2) return block_rows_512<MC, kSplit, false, 2, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
-  return block_rows_512<MC, kSplit, false, 1, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
 }
 
-template <int MC, typename S>
-void run_mc_512(const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const Meta* meta,
-                const float* s, float* out, int64_t ldo) {
+template <int MC, class F>
+void run_mc_512(const Form& f, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px,
+                const Meta* meta, const float* s, float* out, int64_t ldo) {
   switch (f.planes) {
-    case -1: return run_mc_512_pl<MC, -1, S>(f, w, sc, K, px, meta, s, out, ldo);
-    case 0: return run_mc_512_pl<MC, 0, S>(f, w, sc, K, px, meta, s, out, ldo);
-    case 1: return run_mc_512_pl<MC, 1, S>(f, w, sc, K, px, meta, s, out, ldo);
-    default: return run_mc_512_pl<MC, 2, S>(f, w, sc, K, px, meta, s, out, ldo);
+    case -1: return run_mc_512_pl<MC, -1, F>(f, w, sc, K, px, meta, s, out, ldo);
+    case 0: return run_mc_512_pl<MC, 0, F>(f, w, sc, K, px, meta, s, out, ldo);
+    case 1: return run_mc_512_pl<MC, 1, F>(f, w, sc, K, px, meta, s, out, ldo);
+    case 2: return run_mc_512_pl<MC, 2, F>(f, w, sc, K, px, meta, s, out, ldo);
+    default:
+      if constexpr (!F::kOff) return run_mc_512_pl<MC, kLut, F>(f, w, sc, K, px, meta, s, out, ldo);
   }
 }
 
-template <int MC, bool SIGNED, int PL, typename S>
-void run_mc_avx2_pl(const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const Meta* meta,
-                    const float* s, float* out, int64_t ldo) {
-  if (f.g16) {
-    if (f.ns == 2) return block_rows_avx2<MC, true, 2, SIGNED, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
-    return block_rows_avx2<MC, true, 1, SIGNED, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
+template <int MC, bool SIGNED, int PL, class F>
+void run_mc_avx2_pl(const Form& f, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px,
+                    const Meta* meta, const float* s, float* out, int64_t ldo) {
+  if constexpr (kSuper<F>) {
+    return block_rows_avx2<MC, F::kGroup == 16, F, SIGNED, PL>(w, sc, K, f.z, px, meta, s, out, ldo);
+  } else {
+    if (f.g16) return block_rows_avx2<MC, true, F, SIGNED, PL>(w, sc, K, f.z, px, meta, s, out, ldo);
+    return block_rows_avx2<MC, false, F, SIGNED, PL>(w, sc, K, f.z, px, meta, s, out, ldo);
   }
-  if (f.ns == 2) return block_rows_avx2<MC, false, 2, SIGNED, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
-  return block_rows_avx2<MC, false, 1, SIGNED, PL, S>(w, sc, K, f.z, px, meta, s, out, ldo);
 }
 
-// 8-bit weights (byte lanes, z = 128) take the signed form; values of at most 6 bits the plain one
-template <int MC, typename S>
-void run_mc_avx2(const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px, const Meta* meta,
-                 const float* s, float* out, int64_t ldo) {
+// 8-bit weights (byte lanes, z = 128) and codebook values take the signed form; values of at most
+// 6 bits the plain one
+template <int MC, class F>
+void run_mc_avx2(const Form& f, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px,
+                 const Meta* meta, const float* s, float* out, int64_t ldo) {
   switch (f.planes) {
     case -1:
-      if (f.z == 128) return run_mc_avx2_pl<MC, true, -1, S>(f, w, sc, K, px, meta, s, out, ldo);
-      return run_mc_avx2_pl<MC, false, -1, S>(f, w, sc, K, px, meta, s, out, ldo);
-    case 0: return run_mc_avx2_pl<MC, false, 0, S>(f, w, sc, K, px, meta, s, out, ldo);
-    case 1: return run_mc_avx2_pl<MC, false, 1, S>(f, w, sc, K, px, meta, s, out, ldo);
-    default: return run_mc_avx2_pl<MC, false, 2, S>(f, w, sc, K, px, meta, s, out, ldo);
+      if (f.z == 128) return run_mc_avx2_pl<MC, true, -1, F>(f, w, sc, K, px, meta, s, out, ldo);
+      return run_mc_avx2_pl<MC, false, -1, F>(f, w, sc, K, px, meta, s, out, ldo);
+    case 0: return run_mc_avx2_pl<MC, false, 0, F>(f, w, sc, K, px, meta, s, out, ldo);
+    case 1: return run_mc_avx2_pl<MC, false, 1, F>(f, w, sc, K, px, meta, s, out, ldo);
+    case 2: return run_mc_avx2_pl<MC, false, 2, F>(f, w, sc, K, px, meta, s, out, ldo);
+    default:
+      if constexpr (!F::kOff) return run_mc_avx2_pl<MC, true, kLut, F>(f, w, sc, K, px, meta, s, out, ldo);
   }
 }
 #endif
 
-template <typename S>
-void run_block(Isa isa, int mc, const Form& f, const uint8_t* w, const S* sc, int64_t K, const int8_t* px,
-               const Meta* meta, const float* s, float* out, int64_t ldo) {
+template <class F>
+void run_block(Isa isa, int mc, const Form& f, const uint8_t* w, const typename F::E* sc, int64_t K,
+               const int8_t* px, const Meta* meta, const float* s, float* out, int64_t ldo) {
 #if defined(__x86_64__)
   static_assert(kMc == 6 && kMcAvx2 == 3, "one case per tile height below");
   if (isa == Isa::kVnni) {
     switch (mc) {
-      case 1: return run_mc_512<1, S>(f, w, sc, K, px, meta, s, out, ldo);
-      case 2: return run_mc_512<2, S>(f, w, sc, K, px, meta, s, out, ldo);
-      case 3: return run_mc_512<3, S>(f, w, sc, K, px, meta, s, out, ldo);
-      case 4: return run_mc_512<4, S>(f, w, sc, K, px, meta, s, out, ldo);
-      case 5: return run_mc_512<5, S>(f, w, sc, K, px, meta, s, out, ldo);
-      default: return run_mc_512<6, S>(f, w, sc, K, px, meta, s, out, ldo);
+      case 1: return run_mc_512<1, F>(f, w, sc, K, px, meta, s, out, ldo);
+      case 2: return run_mc_512<2, F>(f, w, sc, K, px, meta, s, out, ldo);
+      case 3: return run_mc_512<3, F>(f, w, sc, K, px, meta, s, out, ldo);
+      case 4: return run_mc_512<4, F>(f, w, sc, K, px, meta, s, out, ldo);
+      case 5: return run_mc_512<5, F>(f, w, sc, K, px, meta, s, out, ldo);
+      default: return run_mc_512<6, F>(f, w, sc, K, px, meta, s, out, ldo);
     }
   }
   if (isa == Isa::kAvx2) {
     switch (mc) {
-      case 1: return run_mc_avx2<1, S>(f, w, sc, K, px, meta, s, out, ldo);
-      case 2: return run_mc_avx2<2, S>(f, w, sc, K, px, meta, s, out, ldo);
-      default: return run_mc_avx2<3, S>(f, w, sc, K, px, meta, s, out, ldo);
+      case 1: return run_mc_avx2<1, F>(f, w, sc, K, px, meta, s, out, ldo);
+      case 2: return run_mc_avx2<2, F>(f, w, sc, K, px, meta, s, out, ldo);
+      default: return run_mc_avx2<3, F>(f, w, sc, K, px, meta, s, out, ldo);
     }
   }
 #endif
-  block_rows_generic<S>(mc, f.planes, w, sc, K, f.g16 ? 16 : 32, f.ns, f.z, px, meta, s, out, ldo);
+  block_rows_generic<F>(mc, f.planes, w, sc, K, f.g16 ? 16 : 32, f.z, px, meta, s, out, ldo);
 }
 
 void widen_block_generic(const uint8_t* src, int planes, int64_t K, uint8_t* dst) {
@@ -654,9 +700,9 @@ void widen_block(Isa isa, const uint8_t* src, int planes, int64_t K, uint8_t* ds
   widen_block_generic(src, planes, K, dst);
 }
 
-template <typename S>
-void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const S* sc, int64_t nblocks, int64_t gs,
-          const Form& f, float* y) {
+template <class F>
+void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const typename F::E* sc, int64_t nblocks,
+          int64_t gs, const Form& f, float* y) {
   const int64_t tile = isa == Isa::kVnni ? kMc : isa == Isa::kAvx2 ? kMcAvx2 : kMc;
   std::vector<int8_t> parts(M * kParts * K);
   std::vector<Meta> meta(M * (K / 32));
@@ -665,12 +711,13 @@ void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
     quantize_rows(isa, x, q, gs, m0, m1);
   });
-  const int64_t N = nblocks * kRows, wstride = (K / 32) * block_bytes(f.planes), sstride = (K / gs) * f.ns * kRows;
+  const int64_t N = nblocks * kRows, wstride = (K / 32) * block_bytes(f.planes), sstride = F::stride(K, gs);
   const int64_t ntiles = (M + tile - 1) / tile;
-  // more than one tile: a block in nibbles and planes is widened to byte lanes once, not once per
-  // tile (the AVX2 path's bit expansion, redone per 3-row tile, ran prefill 2-4x slower)
-  const bool widen = f.planes >= 0 && ntiles > 1;
-  const Form fw{f.g16, f.ns, f.z, widen ? -1 : f.planes};
+  // more than one tile: a block in nibbles and planes (or codebook indices) is widened to byte
+  // lanes once, not once per tile (the AVX2 path's bit expansion, redone per 3-row tile, ran
+  // prefill 2-4x slower)
+  const bool widen = f.planes != -1 && ntiles > 1;
+  const Form fw{f.g16, f.z, widen ? -1 : f.planes};
   const int64_t bstride = widen ? (K / 32) * block_bytes(-1) : wstride;
   const int64_t wchunk = std::max<int64_t>(1, kWeightChunk / bstride);
   at::parallel_for(0, nblocks, 8, [&](int64_t b0, int64_t b1) {
@@ -684,7 +731,7 @@ void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const
       }
       for (int64_t t = 0; t < ntiles; ++t)
         for (int64_t nbk = c0; nbk < c1; ++nbk)
-          run_block<S>(isa, q.mt(t), fw, wc + (nbk - c0) * bstride, sc + nbk * sstride, K, q.tparts(t), q.tmeta(t),
+          run_block<F>(isa, q.mt(t), fw, wc + (nbk - c0) * bstride, sc + nbk * sstride, K, q.tparts(t), q.tmeta(t),
                        q.ts(t), y + t * tile * N + nbk * kRows, N);
     }
   });
@@ -698,34 +745,57 @@ at::Tensor int8w_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
               "int8w_gemm: the weight must be contiguous uint8 [N/16, K/4, 64] or [N/16, K/8, 64 + 16P]");
   const int64_t M = x.size(0), K = x.size(1), nblocks = w.size(0);
   TORCH_CHECK(K % 32 == 0, "int8w_gemm: K must be a multiple of 32, got ", K);
-  int planes = -2;
+  int planes = -3;
   if (w.size(1) * 4 == K && w.size(2) == 64) planes = -1;
   else if (w.size(1) * 8 == K && (w.size(2) == 64 || w.size(2) == 80 || w.size(2) == 96))
     planes = static_cast<int>((w.size(2) - 64) / 16);
   TORCH_CHECK(planes >= -1, "int8w_gemm: weight shape ", w.sizes(), " is no layout for K = ", K);
   TORCH_CHECK(group_size == 16 || group_size == 32, "int8w_gemm: group size must be 16 or 32, got ", group_size);
   TORCH_CHECK(zero >= 0 && zero <= 255, "int8w_gemm: zero point must be in [0, 255], got ", zero);
-  TORCH_CHECK(sc.dim() == 4 && sc.size(0) == nblocks && sc.size(1) == K / group_size &&
-              (sc.size(2) == 1 || sc.size(2) == 2) && sc.size(3) == kRows && sc.is_contiguous(),
-              "int8w_gemm: scales must be contiguous [N/16, K/group, 1 | 2, 16]");
-  const Form f{group_size == 16, static_cast<int>(sc.size(2)), static_cast<int>(zero), planes};
-  // the AVX2 path's unsigned form holds pair sums of 2 * 127 * 127 (see the top)
   // byte lanes: 8-bit values take z = 128 (the AVX2 path's signed form), others are below 64 (z
-  // at most 32: that path adds two VPMADDUBSW pair sums in int16)
+  // at most 32: that path adds two VPMADDUBSW pair sums in int16); nibbles with z = 128 are
+  // indices into the IQ4 codebook (its values + 128)
   TORCH_CHECK(planes >= 0 || zero <= 32 || zero == 128, "int8w_gemm: zero point ", zero,
               " with byte lanes (values of 8 bits take 128, those of 6 bits or fewer at most 32)");
-  TORCH_CHECK(planes < 0 || zero <= 32, "int8w_gemm: zero point ", zero, " for values of ", 4 + planes, " bits");
+  TORCH_CHECK(planes < 0 || zero <= 32 || (planes == 0 && zero == 128), "int8w_gemm: zero point ", zero,
+              " for values of ", 4 + planes, " bits (nibbles with 128: IQ4 codebook indices)");
+  if (planes == 0 && zero == 128) planes = kLut;
+  const Form f{group_size == 16, static_cast<int>(zero), planes};
   const Isa isa = isa_now();
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, nblocks * kRows}, x.options());
-  if (M == 0) return y;
+  auto run = [&](auto form, const auto* p) {
+    using F = decltype(form);
+    if constexpr (F::kOff) TORCH_CHECK(planes != kLut, "int8w_gemm: codebook indices take scales without offsets");
+    if (M > 0) gemm<F>(isa, xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), p, nblocks, group_size, f, y.data_ptr<float>());
+  };
+  if (sc.scalar_type() == at::kByte) {  // K-quant records (group_scales.h)
+    const int64_t gps = 256 / group_size, sym = 32 + gps * kRows;
+    TORCH_CHECK(sc.dim() == 3 && sc.size(0) == nblocks && K % 256 == 0 && sc.size(1) == K / 256 &&
+                    (sc.size(2) == sym || sc.size(2) == 2 * sym) && sc.is_contiguous(),
+                "int8w_gemm: K-quant scales must be contiguous uint8 [N/16, K/256, ", sym, " | ", 2 * sym,
+                "] for groups of ", group_size);
+    const bool off = sc.size(2) == 2 * sym;
+    if (group_size == 32) {
+      if (off) run(Super<8, true>{}, sc.data_ptr<uint8_t>());
+      else run(Super<8, false>{}, sc.data_ptr<uint8_t>());
+    } else {
+      if (off) run(Super<16, true>{}, sc.data_ptr<uint8_t>());
+      else run(Super<16, false>{}, sc.data_ptr<uint8_t>());
+    }
+    return y;
+  }
+  TORCH_CHECK(sc.dim() == 4 && sc.size(0) == nblocks && sc.size(1) == K / group_size &&
+              (sc.size(2) == 1 || sc.size(2) == 2) && sc.size(3) == kRows && sc.is_contiguous(),
+              "int8w_gemm: scales must be contiguous [N/16, K/group, 1 | 2, 16]");
+  const bool off = sc.size(2) == 2;
   if (sc.scalar_type() == at::kHalf) {
-    gemm<at::Half>(isa, xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), sc.data_ptr<at::Half>(), nblocks,
-                   group_size, f, y.data_ptr<float>());
+    if (off) run(Flat<at::Half, 2>{}, sc.data_ptr<at::Half>());
+    else run(Flat<at::Half, 1>{}, sc.data_ptr<at::Half>());
   } else {
-    TORCH_CHECK(sc.scalar_type() == at::kFloat, "int8w_gemm: scales must be fp16 or fp32");
-    gemm<float>(isa, xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), sc.data_ptr<float>(), nblocks, group_size,
-                f, y.data_ptr<float>());
+    TORCH_CHECK(sc.scalar_type() == at::kFloat, "int8w_gemm: scales must be fp16, fp32 or uint8 records");
+    if (off) run(Flat<float, 2>{}, sc.data_ptr<float>());
+    else run(Flat<float, 1>{}, sc.data_ptr<float>());
   }
   return y;
 }

@@ -4,8 +4,11 @@ Every type here has values W = d * q + m per group of 16 or 32 (or d * (q - zero
 unsigned integer of at most 8 bits and d, m fp32 numbers that hold the file's products exactly
 (an fp16 scale times a 6-bit sub-scale fits fp32's mantissa): rounding d * q + m once gives
 gguf-py's `gguf.quants.dequantize` bit for bit (tests/test_gguf_kquants.py). Codebook types
-(IQ4_NL, IQ4_XS) map their 4-bit indices to the codebook's int8 value plus 128. The CPU kernels
-take these as they are (cpu_int4 for 4-bit affine groups of 32, cpu_int8 for the rest).
+(IQ4_NL, IQ4_XS) map their 4-bit indices to the codebook's int8 value plus 128 (`lut` says so:
+the kernels keep the indices). The K-quants also give their scales as the file keeps them
+(`SubScales`: integer sub-scales under fp16 super-scales), which the kernels hold instead of the
+fp32 products. The CPU kernels take these as they are (cpu_int4 for 4-bit affine groups of 32,
+cpu_int8 for the rest).
 Layouts as ggml-quants.c / gguf-py's quants.py define them. Imports only torch.
 """
 
@@ -26,9 +29,37 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 
 
 @dataclass
+class SubScales:
+    """A K-quant's scales as its blocks hold them: per 256 values a super-scale d (and dmin), per
+    group an integer sub-scale sc (and min mn), so that the group's scale is d * sc and its
+    offset -dmin * mn (exact in fp32). d and nm (= -dmin) fp32 [N, K / 256] holding fp16 values,
+    sc and mn int8 [N, K / group]; nm and mn None for the symmetric types."""
+
+    d: torch.Tensor
+    sc: torch.Tensor
+    nm: torch.Tensor | None = None
+    mn: torch.Tensor | None = None
+
+    @staticmethod
+    def cat(parts: list[SubScales]) -> SubScales:
+        """Parts of one type, their rows stacked."""
+        def cat(ts):
+            return None if ts[0] is None else torch.cat(ts)
+        return SubScales(*(cat([getattr(p, f) for p in parts]) for f in ("d", "sc", "nm", "mn")))
+
+    def packed(self) -> tuple:
+        """(d, sc, nm, mn): what the kernels' packers (group_scales.pack) take."""
+        return self.d, self.sc, self.nm, self.mn
+
+    def rows(self, idx: torch.Tensor) -> SubScales:
+        return SubScales(self.d[idx], self.sc[idx], *(None if t is None else t[idx] for t in (self.nm, self.mn)))
+
+
+@dataclass
 class Blocks:
     """W [N, K] = d * q + m per group (m None: d * (q - zero)); q uint8 [N, K] below 2**bits,
-    d and m fp32 [N, K / group]."""
+    d and m fp32 [N, K / group]. sub: the K-quants' own form of d and m; lut: uint8 [16], set
+    where every q is one of these 16 values (a codebook's entries + 128: 4-bit indices hold them)."""
 
     q: torch.Tensor
     d: torch.Tensor
@@ -36,6 +67,8 @@ class Blocks:
     group: int
     bits: int
     zero: int
+    sub: SubScales | None = None
+    lut: torch.Tensor | None = None
 
     def values(self) -> torch.Tensor:
         """fp32 [N, K], rounded once from the exact d * q + m."""
@@ -47,17 +80,25 @@ class Blocks:
 
     def rows(self, idx: torch.Tensor) -> Blocks:
         return Blocks(self.q[idx], self.d[idx], None if self.m is None else self.m[idx], self.group, self.bits,
-                      self.zero)
+                      self.zero, None if self.sub is None else self.sub.rows(idx), self.lut)
 
 
 # the zero point of the types whose values are d * (q - zero); the others carry offsets m
 ZERO = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "IQ4_NL": 128, "IQ4_XS": 128, "Q6_K": 32, "Q3_K": 4}
 
 
-def stack_key(kind: str) -> tuple[int, int | str]:
+# types whose scales the kernels hold in the file's own form (SubScales) and the codebook types
+SUB_SCALES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+CODEBOOK = ("IQ4_NL", "IQ4_XS")
+
+
+def stack_key(kind: str) -> tuple[int | str, ...]:
     """Types with the same key stack into one int8-lane matrix at their own bytes per weight (one
     group size, one zero point or offsets for all); stacking others would widen some of them
-    (32-groups split into 16s, offsets -zero * d stored for a part that has none)."""
+    (32-groups split into 16s, offsets -zero * d stored for a part that has none, fp32 products
+    for the K-quants' sub-scales, bytes for a codebook's indices): those stack with their own type."""
+    if kind in SUB_SCALES or kind in CODEBOOK:
+        return (kind,)
     return GROUP[kind], ZERO.get(kind, "offsets")
 
 
@@ -103,9 +144,9 @@ def decode(kind: str, raw: torch.Tensor) -> Blocks:
             q = b[..., 2:] ^ 0x80  # int8 + 128
             return Blocks(q.reshape(n, k), d, None, 32, 8, 128)
         if kind == "IQ4_NL":
-            lut = (torch.tensor(IQ4_VALUES, dtype=torch.int16) + 128).to(torch.uint8)
+            lut = iq4_lut()
             q = lut[_nibbles(b[..., 2:]).long()]
-            return Blocks(q.reshape(n, k), d, None, 32, 8, 128)
+            return Blocks(q.reshape(n, k), d, None, 32, 8, 128, lut=lut)
         if kind in ("Q4_0", "Q4_1"):
             q = _nibbles(b[..., size - 16:]).reshape(n, k)
             if kind == "Q4_0":
@@ -123,37 +164,44 @@ def decode(kind: str, raw: torch.Tensor) -> Blocks:
         d, dmin = _f16(b[..., 0:2]).unsqueeze(-1), _f16(b[..., 2:4]).unsqueeze(-1)
         sc, mn = _k_scales(b[..., 4:16])
         D, M = (d * sc.float()).reshape(n, -1), (-(dmin * mn.float())).reshape(n, -1)
+        sub = SubScales(d.reshape(n, nb), sc.reshape(n, -1).view(torch.int8), -dmin.reshape(n, nb),
+                        mn.reshape(n, -1).view(torch.int8))
         qs = b[..., size - 128:].reshape(n, nb, 4, 32)  # 64 values per 32 bytes: low nibbles, then high
         q = torch.stack([qs & 15, qs >> 4], dim=3).reshape(n, nb, 8, 32)
         if kind == "Q4_K":
-            return Blocks(q.reshape(n, k), D, M, 32, 4, 8)
+            return Blocks(q.reshape(n, k), D, M, 32, 4, 8, sub)
         qh = b[..., 16:48]  # bit j of byte i: the fifth bit of value i of sub-block j
         q = q | (_bits(qh, list(range(8)), 1) << 4)
-        return Blocks(q.reshape(n, k), D, M, 32, 5, 16)
+        return Blocks(q.reshape(n, k), D, M, 32, 5, 16, sub)
     if kind == "Q6_K":
         ql, qh = b[..., 0:128].reshape(n, nb, 2, 64), b[..., 128:192].reshape(n, nb, 2, 32)
         lo = torch.stack([ql & 15, ql >> 4], dim=3).reshape(n, nb, 2, 4, 32)
         hi = _bits(qh, [0, 2, 4, 6], 3)  # [n, nb, 2, 4, 32]
         q = (lo | (hi << 4)).reshape(n, k)
-        sc = b[..., 192:208].contiguous().view(torch.int8).float()  # [n, nb, 16]
-        D = (_f16(b[..., 208:210]).unsqueeze(-1) * sc).reshape(n, -1)
-        return Blocks(q, D, None, 16, 6, 32)
+        sc = b[..., 192:208].contiguous().view(torch.int8)  # [n, nb, 16]
+        d = _f16(b[..., 208:210])
+        D = (d.unsqueeze(-1) * sc.float()).reshape(n, -1)
+        return Blocks(q, D, None, 16, 6, 32, SubScales(d.reshape(n, nb), sc.reshape(n, -1)))
     if kind == "Q3_K":
         hmask, qs, s = b[..., 0:32], b[..., 32:96].reshape(n, nb, 2, 32), b[..., 96:108]
         lsc = _bits(s[..., 0:8], [0, 4], 15).reshape(n, nb, 16)
         hsc = _bits(s[..., 8:12], [0, 2, 4, 6], 3).reshape(n, nb, 16)
         sc = (lsc | (hsc << 4)).to(torch.int16) - 32
-        D = (_f16(b[..., 108:110]).unsqueeze(-1) * sc.float()).reshape(n, -1)
+        d = _f16(b[..., 108:110])
+        D = (d.unsqueeze(-1) * sc.float()).reshape(n, -1)
+        sub = SubScales(d.reshape(n, nb), sc.to(torch.int8).reshape(n, -1))
         lo = _bits(qs, [0, 2, 4, 6], 3).reshape(n, nb, 8, 32)
         hi = _bits(hmask, list(range(8)), 1)  # [n, nb, 8, 32]; a set bit: no -4
         q = lo + (hi << 2)  # (lo - 4 * (1 - hi)) + 4
-        return Blocks(q.reshape(n, k), D, None, 16, 3, 4)
+        return Blocks(q.reshape(n, k), D, None, 16, 3, 4, sub)
     if kind == "Q2_K":
         s, qs = b[..., 0:16], b[..., 16:80].reshape(n, nb, 2, 32)
         d, dmin = _f16(b[..., 80:82]).unsqueeze(-1), _f16(b[..., 82:84]).unsqueeze(-1)
         D, M = (d * (s & 15).float()).reshape(n, -1), (-(dmin * (s >> 4).float())).reshape(n, -1)
         q = _bits(qs, [0, 2, 4, 6], 3).reshape(n, k)
-        return Blocks(q, D, M, 16, 2, 2)
+        sub = SubScales(d.reshape(n, nb), (s & 15).reshape(n, -1).view(torch.int8), -dmin.reshape(n, nb),
+                        (s >> 4).reshape(n, -1).view(torch.int8))
+        return Blocks(q, D, M, 16, 2, 2, sub)
     # IQ4_XS: 8 sub-blocks of 32 with 6-bit signed scales, values from the IQ4 codebook
     d = _f16(b[..., 0:2]).unsqueeze(-1)
     sh = b[..., 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [n, nb, 1]
@@ -161,10 +209,16 @@ def decode(kind: str, raw: torch.Tensor) -> Blocks:
     lsc = _bits(b[..., 4:8], [0, 4], 15).transpose(-1, -2).reshape(n, nb, 8)  # byte i: 2i (low), 2i+1
     sc = (lsc.to(torch.int32) | (hsc << 4)) - 32
     D = (d * sc.float()).reshape(n, -1)
-    lut = (torch.tensor(IQ4_VALUES, dtype=torch.int16) + 128).to(torch.uint8)
+    lut = iq4_lut()
     qs = b[..., 8:136].reshape(n, nb, 8, 16)
     q = lut[_nibbles(qs).long()]
-    return Blocks(q.reshape(n, k), D, None, 32, 8, 128)
+    sub = SubScales(d.reshape(n, nb), sc.to(torch.int8).reshape(n, -1))
+    return Blocks(q.reshape(n, k), D, None, 32, 8, 128, sub, lut)
+
+
+def iq4_lut() -> torch.Tensor:
+    """The IQ4 codebook's values + 128, uint8 [16] (what q holds for IQ4_NL / IQ4_XS)."""
+    return (torch.tensor(IQ4_VALUES, dtype=torch.int16) + 128).to(torch.uint8)
 
 
 def cpu_bytes_per_value(kind: str) -> float:

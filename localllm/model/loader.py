@@ -114,8 +114,6 @@ def _gguf_q4_linear(weights: GGUFWeights, names: list[str], bias: torch.Tensor |
         rows.append((torch.arange(r.shape[0]) if perm is None else perm) + off)
         off += r.shape[0]
     packed = cpu_int4.pack_gguf(raws, torch.cat(rows), k)
-    if packed is None:
-        return None
     return Int4Linear.from_kernel_tensors({"qw": packed[0], "qsc": packed[1]}, n, 32, bias)
 
 
@@ -144,12 +142,16 @@ def _gguf_run_linear(weights: GGUFWeights, names: list[str], kernel: str, bias: 
         return w16.linear(weights, names, bias)
     parts = [weights.blocks(n) for n in names]
     n = sum(p.q.shape[0] for p in parts)
+    # a run of one K-quant type keeps the file's sub-scales (its own bytes; see stack_key)
+    sub = (gguf_blocks.SubScales.cat([p.sub for p in parts]).packed() if all(p.sub is not None for p in parts)
+           else None)
     if kernel == "int4":
         from localllm_kernels import cpu_int4
 
         d = torch.cat([p.d for p in parts])
-        m = torch.cat([p.m if p.m is not None else -p.zero * p.d for p in parts])  # Q4_0: -8d, exact
-        qw, qsc = cpu_int4.pack_dm(torch.cat([p.q for p in parts]), d, m)
+        sym = all(p.m is None and p.zero == 8 for p in parts)  # Q4_0: d alone
+        m = None if sym else torch.cat([p.m if p.m is not None else -p.zero * p.d for p in parts])  # -8d: exact
+        qw, qsc = cpu_int4.pack_dm(torch.cat([p.q for p in parts]), d, m, sub)
         return Int4Linear.from_kernel_tensors({"qw": qw, "qsc": qsc}, n, 32, bias)
     from localllm_kernels import cpu_int8
 
@@ -165,7 +167,8 @@ def _gguf_run_linear(weights: GGUFWeights, names: list[str], kernel: str, bias: 
     d = torch.cat([per(p.d, p.group) for p in parts])
     m = None if sym else torch.cat([per(p.m if p.m is not None else -p.zero * p.d, p.group) for p in parts])
     bits = cpu_int8.preferred_bits(max(p.bits for p in parts))
-    qw, qsc = cpu_int8.pack(torch.cat([p.q for p in parts]), d, m, zero, bits)
+    lut = parts[0].lut if all(p.lut is not None for p in parts) else None  # IQ4: indices, not bytes
+    qw, qsc = cpu_int8.pack(torch.cat([p.q for p in parts]), d, m, zero, bits, sub, lut)
     return Int8wLinear(qw, qsc, n, group, zero, bias)
 
 
@@ -180,7 +183,9 @@ def _gguf_kernel_linear(weights: GGUFWeights, names: list[str], bias: torch.Tens
         kernels.append(_gguf_kernel(kind, n, k))
         # int8-lane parts stack only with parts of their own group and zero point: each keeps the
         # file's bytes per weight (a Q5_0 q/k beside a Q8_0 v took 0.75 bytes a weight, not 0.69)
-        keys.append((kernels[-1], gguf_blocks.stack_key(kind)) if kernels[-1] == "int8" else (kernels[-1],))
+        # (on the int4 kernel Q4_K keeps its sub-scales: it stacks only with Q4_K)
+        keys.append((kernels[-1], gguf_blocks.stack_key(kind)) if kernels[-1] == "int8" else
+                    (kernels[-1], kind == "Q4_K"))
     runs: list[tuple[str, list[str]]] = []
     last = None
     for name, kern, key in zip(names, kernels, keys):
