@@ -202,17 +202,39 @@ def test_pack_gguf_equals_pack(q4_1):
     rows = torch.cat([perm, torch.arange(24) + 40, torch.arange(8) + 64])
     w, sc = cpu_int4.pack_gguf([r for r, _ in parts], rows, k)
     decoded = Int4Weight.cat([parts[0][1].permute_rows(perm), parts[1][1], parts[2][1]])
-    want_w, want_sc = cpu_int4.pack(decoded.q, decoded.scales, decoded.zeros)
+    want_w, want_sc = (cpu_int4.pack(decoded.q, decoded.scales, decoded.zeros) if q4_1 else
+                       cpu_int4.pack_dm(decoded.q, decoded.scales.t(), None))  # Q4_0: d alone
     assert torch.equal(w, want_w) and sc.dtype == want_sc.dtype == torch.float16 and torch.equal(sc, want_sc)
+    assert sc.shape[2] == (2 if q4_1 else 1)
     with pytest.raises(RuntimeError, match="out of range"):
         cpu_int4.pack_gguf([parts[0][0]], torch.tensor([40]), k)
 
 
 @needs_kernel
-def test_pack_gguf_q4_0_scale_overflow():
-    """Q4_0 scales whose offset -8d overflows fp16 are refused (the loader then takes `pack`'s fp32 scales)."""
-    raw, _ = gguf_blocks(16, 64, False, seed=3, big_d=True)
-    assert cpu_int4.pack_gguf([raw], torch.arange(16), 64) is None
+@pytest.mark.parametrize("big_d", [False, True])
+def test_q4_0_holds_its_scales_alone(big_d):
+    """Q4_0 held as the file holds it (fp16 d per 32, 0.5625 bytes a weight; its d * (q - 8) needs no
+    offsets, and d up to fp16's largest, whose -8d overflowed the old fp16 offsets), giving
+    the outputs of the old form (d and m = -8d in fp32) bit for bit on both paths."""
+    n, k = 32, 256
+    raw, decoded = gguf_blocks(n, k, False, seed=3, big_d=big_d)
+    w, sc = cpu_int4.pack_gguf([raw], torch.arange(n), k)
+    assert sc.shape == (n // 16, k // 32, 1, 16) and sc.dtype == torch.float16
+    assert w.numel() + 2 * sc.numel() == raw.numel()  # the file's bytes
+    d = decoded.scales.t().float()
+    old_w, old_sc = cpu_int4.pack_dm(decoded.q, d, -8.0 * d)
+    assert torch.equal(old_w, w) and old_sc.shape[2] == 2
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(0))
+    ref = x.double() @ ((decoded.q.double() - 8) * d.double().repeat_interleave(32, 1)).t()
+    try:
+        for avx2 in (False, True):
+            torch.ops.localllm.int4_isa(avx2)
+            for m in (1, 7):
+                y = cpu_int4.int4_gemm(x[:m], w, sc, 32)
+                assert torch.equal(y, cpu_int4.int4_gemm(x[:m], old_w, old_sc, 32))
+                assert ((y.double() - ref[:m]).norm() / ref[:m].norm()).item() < 2e-4
+    finally:
+        torch.ops.localllm.int4_isa(False)
 
 
 @needs_kernel

@@ -20,9 +20,10 @@ from localllm.model.layers import (
 )
 from localllm.planner import facts_for_path
 
-# types whose kernel layout takes the file's own bytes per weight (not yet: Q4_0 0.625 vs 0.5625,
-# the int4 kernel storing m = -8d; Q4_K 0.75 vs 0.5625, Q6_K 1.0 vs 0.82, IQ4 1.06 vs 0.5625)
-LIKE_FILE = {"Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16"}
+# types whose kernel layout takes the file's own bytes per weight, within 5% (the K-quants'
+# sub-scales as int8 lanes: Q4_K 0.578 vs 0.5625, Q5_K 0.703 vs 0.6875, IQ4_XS 0.539 vs 0.531;
+# not yet Q3_K, Q2_K: their 2-3-bit values held as nibbles)
+LIKE_FILE = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16", "BF16"}
 
 
 def nbytes(module: torch.nn.Module) -> int:

@@ -40,8 +40,9 @@ class ConvertCache:
     converted again, never used."""
 
     # 5: MoE experts (Int4Experts' stacks or each looped expert) and routers; 6: crc32s; 7: GGUF types
-    # beyond Q4_0/Q4_1 on our kernels (Int8wLinear, ConcatLinear of mixed parts), none re-quantized
-    VERSION = 7
+    # beyond Q4_0/Q4_1 on our kernels (Int8wLinear, ConcatLinear of mixed parts), none re-quantized;
+    # 8: K-quant sub-scales and IQ4 indices as the file keeps them, Q4_0 without offsets
+    VERSION = 8
 
     def __init__(self, file: Path, dense: bool = False, cpu_kernel: bool = True):
         from localllm_kernels import cpu_int4

@@ -223,21 +223,19 @@ def iq4_lut() -> torch.Tensor:
 
 def cpu_bytes_per_value(kind: str) -> float:
     """Bytes per weight of a matrix of this type as the CPU loader holds it: the int4 layout
-    (Q4_0 / Q4_1 with their fp16 scales, Q4_K with fp32 ones) or the int8-lane kernel's (nibbles
-    plus a plane per bit above 4, bytes for 8-bit values; on AVX2-only CPUs Q6_K takes bytes,
-    0.25 more than counted here), plus the group's scales: fp16 where the file's own scales are
-    the values', fp32 for the K-quants' products d * sc, offsets where the type has them. Other
+    (Q4_0 / Q4_1 / Q4_K) or the int8-lane kernel's (nibbles plus a plane per bit above 4, 4-bit
+    indices for the codebook types, bytes for 8-bit values; on AVX2-only CPUs Q6_K takes bytes,
+    0.25 more than counted here), plus the scales: the file's fp16 d (and m) per group, or for
+    the K-quants their records of fp16 super-scales and int8 sub-scales (kernels/group_scales.py:
+    (32 + 16 * 256 / group) bytes per 16 rows and 256 values, twice that with offsets). Other
     types: fp32 values."""
-    if kind in ("Q4_0", "Q4_1"):
-        return 0.5 + 4 / 32
-    if kind == "Q4_K":
-        return 0.5 + 8 / 32
     if kind in ("F16", "BF16"):  # kept as stored on cpu_bf16's kernel (N padded to 32 rows)
         return 2.0
     if kind not in BLOCK_BYTES:
         return 4.0
-    bits = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2}.get(kind, 8)
+    bits = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2, "Q8_0": 8}.get(kind, 4)
     values = 1.0 if bits > 6 else 0.5 + max(bits - 4, 0) / 8
-    offsets = kind in ("Q5_1", "Q5_K", "Q2_K")
-    scale = 2 if BLOCK_VALUES[kind] == 32 else 4  # the K-quants' d * sc need fp32
-    return values + scale * (2 if offsets else 1) / GROUP[kind]
+    offsets = kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")
+    if kind in SUB_SCALES:
+        return values + (32 + 16 * 256 // GROUP[kind]) * (1 + offsets) / (16 * 256)
+    return values + 2 * (1 + offsets) / GROUP[kind]
