@@ -72,7 +72,7 @@ def pad_bias(bias: torch.Tensor | None, panels: int) -> torch.Tensor | None:
 
 
 def isa(force: str | None = None) -> str:
-    """The path the kernel takes on this CPU: "avx512", "avx2" or "generic"; `force` one of them
+    """The path the kernel takes on this CPU: "amx" (bf16 weights from 8 rows; else as "avx512"), "avx512", "avx2" or "generic"; `force` one of them
     (tests) or "auto"."""
     return torch.ops.localllm.w16_isa(force)
 

@@ -18,12 +18,19 @@ from localllm.model.loader import load_model
 from localllm.planner import plan_for
 
 
+PATHS = ["amx", "avx512", "avx2", "generic"]
+
+
 def isa_paths() -> list[str]:
-    """This CPU's best path and every slower one it also has (AVX2 on an AVX-512 CPU), the scalar one last."""
+    """The FMA-chain paths this CPU has (AVX-512, AVX2 on an AVX-512 CPU), the scalar one last:
+    they give the same bits. The AMX path (another summation order) is `amx_paths()`."""
     assert cpu_bf16.load()
-    best = cpu_bf16.isa()
-    return [p for p in ("avx512", "avx2", "generic") if ["avx512", "avx2", "generic"].index(p) >=
-            ["avx512", "avx2", "generic"].index(best)]
+    best = PATHS.index(cpu_bf16.isa())
+    return [p for p in PATHS[1:] if PATHS.index(p) >= best]
+
+
+def amx_paths() -> list[str]:
+    return ["amx"] if cpu_bf16.isa() == "amx" else []
 
 
 def run_on(path: str, x, w, b):
@@ -64,6 +71,10 @@ def test_kernel_matches_fp64_on_every_path(dtype, n, k, m):
     assert torch.equal(y[:, n:], torch.zeros_like(y[:, n:]))  # padding rows
     for other in outs[1:]:
         assert torch.equal(other, y)
+    for p in amx_paths():  # fp32 activations as three exact bf16 parts: as close to fp64
+        ya = run_on(p, x, packed, cpu_bf16.pad_bias(b, packed.shape[0]))
+        assert (ya[:, :n].double() - ref).abs().max() / scale < 1e-6
+        assert torch.equal(ya[:, n:], torch.zeros_like(ya[:, n:]))
 
 
 def test_every_tile_edge_is_bit_identical():

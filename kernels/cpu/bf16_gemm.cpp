@@ -42,7 +42,12 @@
 #include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 namespace {
@@ -50,8 +55,23 @@ namespace {
 constexpr int kPanel = 32;    // output rows per panel
 constexpr int64_t kKc = 128;  // K-block of the prefill path: a 16 KB fp32 panel block, beside the x tile in L1
 
-enum class Isa { kAvx512, kAvx2, kGeneric };
+enum class Isa { kAmx, kAvx512, kAvx2, kGeneric };
 enum class Src { kBf16, kF16, kF32 };  // what a tile reads: the weights, or the converted buffer
+
+// AMX-BF16 (Sapphire Rapids on): the CPU has it and Linux grants this process the tile state
+bool amx_ready() {
+#if defined(__x86_64__) && defined(__linux__)
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
 
 bool cpu_has(Isa isa) {
 #if defined(__x86_64__)
@@ -59,30 +79,34 @@ bool cpu_has(Isa isa) {
                            __builtin_cpu_supports("f16c");
   static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                              __builtin_cpu_supports("avx512vl");
+  if (isa == Isa::kAmx) return avx512 && amx_ready();
   return isa == Isa::kGeneric || (isa == Isa::kAvx2 ? avx2 : avx512);
 #else
   return isa == Isa::kGeneric;
 #endif
 }
 
-Isa best_isa() { return cpu_has(Isa::kAvx512) ? Isa::kAvx512 : cpu_has(Isa::kAvx2) ? Isa::kAvx2 : Isa::kGeneric; }
+Isa best_isa() {
+  return cpu_has(Isa::kAmx) ? Isa::kAmx : cpu_has(Isa::kAvx512) ? Isa::kAvx512 : cpu_has(Isa::kAvx2) ? Isa::kAvx2 : Isa::kGeneric; }
 std::atomic<int> g_forced{-1};  // tests: a slower path on a CPU that has a faster one
 Isa isa_now() {
   const int f = g_forced.load(std::memory_order_relaxed);
   return f < 0 ? best_isa() : static_cast<Isa>(f);
 }
-const char* isa_str(Isa i) { return i == Isa::kAvx512 ? "avx512" : i == Isa::kAvx2 ? "avx2" : "generic"; }
+const char* isa_str(Isa i) {
+  return i == Isa::kAmx ? "amx" : i == Isa::kAvx512 ? "avx512" : i == Isa::kAvx2 ? "avx2" : "generic"; }
 
-// -> the path the kernel takes now; force: "avx2" or "generic" takes that one (where the CPU has
-// it), "avx512" too, "auto" restores the choice.
+// -> the path the kernel takes now; force: "avx512", "avx2" or "generic" takes that one (where
+// the CPU has it), "amx" too, "auto" restores the choice.
 std::string w16_isa(std::optional<std::string> force) {
   if (force) {
     if (*force == "auto") {
       g_forced.store(-1);
     } else {
-      TORCH_CHECK(*force == "avx512" || *force == "avx2" || *force == "generic",
-                  "w16_isa: force must be auto, avx512, avx2 or generic, got ", *force);
-      const Isa want = *force == "avx2" ? Isa::kAvx2 : *force == "generic" ? Isa::kGeneric : Isa::kAvx512;
+      TORCH_CHECK(*force == "amx" || *force == "avx512" || *force == "avx2" || *force == "generic",
+                  "w16_isa: force must be auto, amx, avx512, avx2 or generic, got ", *force);
+      const Isa want = *force == "avx2" ? Isa::kAvx2 : *force == "generic" ? Isa::kGeneric
+                       : *force == "amx" ? Isa::kAmx : Isa::kAvx512;
       TORCH_CHECK(cpu_has(want), "w16_isa: this CPU cannot run the ", *force, " path");
       g_forced.store(static_cast<int>(want));
     }
@@ -219,6 +243,139 @@ __attribute__((target("avx2,fma,f16c"))) void widen_avx2(const uint16_t* src, in
   const auto* s = reinterpret_cast<const uint8_t*>(src);
   for (int64_t i = 0; i < kn * 4; ++i)
     _mm256_storeu_ps(dst + i * 8, load_256<BF16 ? Src::kBf16 : Src::kF16>(s + i * 16));
+}
+
+// ---- AMX-BF16 (bf16 weights, 8+ rows): fp32 activations as three exact bf16 parts ------------------
+// An fp32 x is hi + mid + lo exactly, each a bf16 (8 significant bits each cover x's 24; only
+// parts below bf16's normal range, |x| < ~2^-110, are lost to the tile unit's flush to zero). A
+// bf16 weight times a bf16 part is exact in fp32, and the tile unit (TDPBF16PS) adds those
+// products into fp32 accumulators: an fp32 GEMM on the exact values in another summation order
+// (per output, k in blocks of 32, each block's hi products, then its mid ones, then its lo ones,
+// then + bias). No activation is rounded. A tile op does 16 x 16 x 32 multiply-adds where an
+// AVX-512 FMA does 16, so from 8 rows on (a batch of 8+ decoding streams) the GEMMs run well
+// above the FMA tiles' rate (BENCHMARKS.md).
+constexpr int kAmxK = 32;                                  // k per tile step (16 pairs)
+constexpr int64_t kAmxMinRows = 8, kAmxMaxRows = 1 << 30;  // rows the AMX path takes (measured: BENCHMARKS.md)
+constexpr int kAmxTile = 16 * kAmxK;                       // bf16 values of one activation tile (1 KB)
+
+struct alignas(64) TileCfg {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tiles 0-3: accumulators (two panels x two halves of 16 outputs); 4-6: the activation parts
+// (hi, mid, lo) of a row tile's k-block; 7: one half panel's k-block of weights, pairs adjacent
+__attribute__((target("amx-tile"))) void amx_config(int mc) {
+  TileCfg cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = t == 7 ? kAmxK / 2 : mc;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// RNE fp32 -> bf16 in integer math (no flush to zero: the parts of small x stay exact), as fp32 bits
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512i rne_bf16(__m512i b) {
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+
+// x [M, K] fp32 -> parts [3][Mt][nkb][16][32] bf16: hi, mid, lo, each row tile's k-blocks as
+// contiguous 1 KB tiles (rows K apart would share L1 sets); zero past M and K
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void amx_split(const float* x, int64_t M, int64_t K,
+                                                                    int64_t Mt, int64_t nkb, uint16_t* parts) {
+  std::memset(parts, 0, sizeof(uint16_t) * 3 * Mt * nkb * kAmxTile);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mask = K - k >= 16 ? 0xffff : static_cast<__mmask16>((1u << (K - k)) - 1);
+      __m512 r = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+      for (int64_t part = 0; part < 3; ++part) {
+        const __m512i hb = rne_bf16(_mm512_castps_si512(r));
+        r = _mm512_sub_ps(r, _mm512_castsi512_ps(hb));  // exact: hb is r to 8 significant bits
+        uint16_t* dst = parts + ((part * Mt + m / 16) * nkb + k / kAmxK) * kAmxTile + (m % 16) * kAmxK + k % kAmxK;
+        _mm256_mask_storeu_epi16(dst, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(hb, 16)));
+      }
+    }
+  }
+}
+
+// k-block [k0, k0 + 32) of one panel [K, 32] -> two weight tiles [16 pairs, 16 outputs, 2]
+// (outputs 0-15, 16-31; rows past K zero)
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void amx_repack(const uint16_t* panel, int64_t K, int64_t k0,
+                                                                     uint16_t* dst) {
+  alignas(64) static const uint16_t lo_idx[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                  8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t r = 0; r < kAmxK / 2; ++r) {
+    const int64_t k = k0 + 2 * r;
+    const __m512i a = k < K ? _mm512_loadu_si512(panel + k * kPanel) : _mm512_setzero_si512();
+    const __m512i b = k + 1 < K ? _mm512_loadu_si512(panel + (k + 1) * kPanel) : _mm512_setzero_si512();
+    _mm512_store_si512(dst + r * 32, _mm512_permutex2var_epi16(a, lo, b));
+    _mm512_store_si512(dst + kAmxTile + r * 32, _mm512_permutex2var_epi16(a, hi, b));
+  }
+}
+
+// panels [p0, p1) for all M rows, two panels a pass (the activation tiles serve four weight tiles)
+__attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-bf16"))) void gemm_amx(
+    const uint16_t* parts, int64_t M, int64_t Mt, int64_t K, int64_t nkb, const uint16_t* w, int64_t p0, int64_t p1,
+    const float* bias, float* y, int64_t ldy) {
+  alignas(64) uint16_t wt[4][kAmxTile];  // the pass's weight tiles of one k-block
+  alignas(64) float acc[16][16];
+  int config = 0;
+  for (int64_t p = p0; p < p1; p += 2) {
+    const int np = p + 1 < p1 ? 2 : 1;
+    for (int64_t t = 0; t < Mt; ++t) {
+      const int mc = static_cast<int>(std::min<int64_t>(16, M - t * 16));
+      if (mc != config) amx_config(config = mc);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        for (int j = 0; j < np; ++j) amx_repack(w + (p + j) * K * kPanel, K, kb * kAmxK, wt[2 * j]);
+        const uint16_t* a = parts + (t * nkb + kb) * kAmxTile;
+        const int64_t part = Mt * nkb * kAmxTile;
+        _tile_loadd(4, a, 64);
+        _tile_loadd(5, a + part, 64);
+        _tile_loadd(6, a + 2 * part, 64);
+        // (tile numbers are immediates: the four weight tiles spelled out)
+        _tile_loadd(7, wt[0], 64);
+        _tile_dpbf16ps(0, 4, 7);
+        _tile_dpbf16ps(0, 5, 7);
+        _tile_dpbf16ps(0, 6, 7);
+        _tile_loadd(7, wt[1], 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(1, 5, 7);
+        _tile_dpbf16ps(1, 6, 7);
+        if (np == 2) {
+          _tile_loadd(7, wt[2], 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(2, 5, 7);
+          _tile_dpbf16ps(2, 6, 7);
+          _tile_loadd(7, wt[3], 64);
+          _tile_dpbf16ps(3, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+          _tile_dpbf16ps(3, 6, 7);
+        }
+      }
+      float* out = y + t * 16 * ldy + p * kPanel;
+      _tile_stored(0, out, ldy * 4);
+      _tile_stored(1, out + 16, ldy * 4);
+      if (np == 2) {
+        _tile_stored(2, out + 32, ldy * 4);
+        _tile_stored(3, out + 48, ldy * 4);
+      }
+      if (bias) {
+        for (int m = 0; m < mc; ++m)
+          for (int v = 0; v < 2 * np; ++v)
+            _mm512_storeu_ps(out + m * ldy + v * 16, _mm512_add_ps(_mm512_loadu_ps(out + m * ldy + v * 16),
+                                                                  _mm512_loadu_ps(bias + p * kPanel + v * 16)));
+      }
+    }
+  }
+  _tile_release();
 }
 #endif
 
@@ -374,7 +531,21 @@ at::Tensor w16_gemm(const at::Tensor& x, const at::Tensor& w, const std::optiona
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const Isa isa = isa_now();
+  const Isa chosen = isa_now();
+#if defined(__x86_64__)
+  if (chosen == Isa::kAmx && bf16 && M >= kAmxMinRows && M < kAmxMaxRows) {
+    const int64_t Mt = (M + 15) / 16, nkb = (K + kAmxK - 1) / kAmxK;
+    std::vector<uint16_t> parts(3 * Mt * nkb * kAmxTile);
+    amx_split(xp, M, K, Mt, nkb, parts.data());
+    const int64_t grain = std::max<int64_t>(2, (128 << 10) / (K * kPanel * 2));
+    at::parallel_for(0, (P + 1) / 2, (grain + 1) / 2, [&](int64_t q0, int64_t q1) {  // pairs of panels
+      gemm_amx(parts.data(), M, Mt, K, nkb, wp, 2 * q0, std::min(P, 2 * q1), b, yp, P * kPanel);
+    });
+    return y;
+  }
+#endif
+  // below kAmxMinRows (and fp16 weights) the AMX path takes the AVX-512 one
+  const Isa isa = chosen == Isa::kAmx ? Isa::kAvx512 : chosen;
   if (M >= kBlasRows) {
     gemm_blas(isa, xc, wp, bf16, P, b, y);
     return y;

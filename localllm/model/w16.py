@@ -59,7 +59,7 @@ def linear(weights, names: list[str], bias: torch.Tensor | None) -> torch.nn.Mod
 
 
 def isa() -> str:
-    """The path the kernel takes here ("avx512", "avx2", "generic")."""
+    """The path the kernel takes here ("amx", "avx512", "avx2", "generic")."""
     from localllm_kernels import cpu_bf16
 
     return cpu_bf16.isa()
