@@ -17,7 +17,6 @@ from localllm.model.layers import DenseLinear, W16Linear, W16Matrix
 from localllm.model.loader import load_model
 from localllm.planner import plan_for
 
-
 PATHS = ["amx", "avx512", "avx2", "generic"]
 
 
