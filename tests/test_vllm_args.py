@@ -1,6 +1,6 @@
 """`localllm plan` (GPU planning) and our settings -> vLLM's command line (localllm/vllm_args.py).
 
-The fast tests check the planner's splits and the exact arguments we generate; the slow one parses
+The fast tests check the planner's splits and the exact arguments we generate; the last one parses
 every generated command with vLLM's own parser (`vllm serve`'s: make_arg_parser, then
 AsyncEngineArgs.from_cli_args), in the vLLM environment `make setup-vllm` makes (one subprocess for
 all cases), so the multi-GPU commands are checked on a machine without GPUs."""
@@ -200,7 +200,6 @@ VARIANT_CASES = [  # (settings, what vLLM must read from them)
 ]
 
 
-@pytest.mark.slow  # needs the vLLM environment (make setup-vllm, ~7 min), which CI's default run has not
 def test_generated_arguments_parse_with_vllms_own_parser():
     vllm = vllm_bin()
     python = Path(vllm).parent / "python"

@@ -5,7 +5,7 @@ our side of the wire in the default run: the Ollama routes' prompts as token ids
 transformers' chat template on the same checkpoint), their options translated to vLLM's fields, the
 text streamed back, /v1 passed through as it is, an upstream error answered with vLLM's message, and a
 client leaving mid-stream closing the upstream request. The end-to-end run with vLLM's own CPU
-backend is tests/test_vllm_serve.py (slow: vLLM takes minutes to install and start)."""
+backend is tests/test_vllm_serve.py."""
 
 from __future__ import annotations
 

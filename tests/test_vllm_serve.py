@@ -4,8 +4,9 @@ answer is checked against vLLM's own at temperature 0 (asked directly on its por
 reports), cancellation against vLLM's /metrics (its running requests back to 0), and the child's
 end against the process table (no orphan even when we are SIGKILLed).
 
-Slow (4 min 47 s for the file on the loaded 2-core machine, vLLM's start most of it; it needs
-`make setup-vllm`): run by `make test-slow`."""
+In `make test` (which makes the vLLM environment first, `make setup-vllm`: ~2 min on an idle
+machine): the file takes ~95 s on the idle 2-core machine (4 min 47 s on a heavily loaded one),
+vLLM's start (`--enforce-eager`) most of it."""
 
 import json
 import os
@@ -17,8 +18,6 @@ import httpx
 import pytest
 from server_proc import ServerProc, openai_client
 from test_vllm_args import vllm_bin
-
-pytestmark = pytest.mark.slow
 
 # short enough to close within max_tokens (the 135M model's greedy integers never end)
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"],
