@@ -739,8 +739,7 @@ def _vllm_pinned(ref, model_id: str, aliases: list[str], config, quant: str, dev
                 raise VLLMArgsError(f"{model_id} has no {precision.upper()} variant in models.toml")
             path = ensure_local(resolve_model(variant) if variant else ref)
             if path.is_file():
-                raise VLLMArgsError(f"{path.name} is a GGUF file: vLLM serves Hugging Face checkpoints (name the "
-                                    "model's repo or a model directory)")
+                path = _vllm_checkpoint(path)
             settings.model = str(path)
             if precision in ("awq", "gptq"):
                 settings.precision = "auto"  # the variant's config says how it is quantized
@@ -751,11 +750,41 @@ def _vllm_pinned(ref, model_id: str, aliases: list[str], config, quant: str, dev
                                         "MODEL or --draft ngram")
                 settings.draft = str(ensure_local(resolve_model(draft)))
             if child is not None:
+                if settings.cpu and not settings.kv_memory:
+                    settings.kv_memory = _vllm_cpu_kv(path, settings)
+                    child.env = child_env(settings, api_key, ray_address)
                 child.argv = launch_argv(settings, found)
             return backend.start(path)
         finally:
             _startup_done()
     return Pinned(model_id, aliases, load, backend=backend), backend
+
+
+def _vllm_checkpoint(gguf):
+    """vLLM serves Hugging Face checkpoints: a GGUF (the embedded model, a download) is written as one
+    once (bf16, the file's dequantized weights) under the home's cache, and that is what vLLM loads."""
+    from .model.export import hf_checkpoint_of
+    from .paths import cache_home
+    from .vllm_args import VLLMArgsError
+
+    cache = cache_home() / "vllm-checkpoints"
+    typer.echo(f"{gguf.name}: vLLM serves Hugging Face checkpoints; using one written from this GGUF "
+               f"(bf16, once) in {cache}", err=True)
+    try:
+        path, _ = hf_checkpoint_of(gguf, cache)
+    except ValueError as e:  # an architecture we cannot write back (Gemma 3, Qwen-VL)
+        raise VLLMArgsError(f"{e}; name the model's Hugging Face repo or directory for --engine vllm") from None
+    return path
+
+
+def _vllm_cpu_kv(path, s) -> int:
+    """The KV budget vLLM's CPU backend gets when --kv-memory is not given: room for a few full-length
+    sequences (bf16, at most 4 or --max-num-seqs), as our engine sizes its own. Left to itself it
+    reserves 92% of the machine's memory and refuses to start where other programs hold more than 8%."""
+    from .planner import facts_for_path
+
+    f = facts_for_path(path)
+    return f.kv_bytes_per_token * (s.max_model_len or f.max_context) * min(4, s.max_num_seqs or 4)
 
 
 def _vllm_precision(ref, s) -> str:

@@ -24,9 +24,11 @@ def free_port() -> int:
 class ServerProc:
     """`localllm serve [MODEL] ARGS` on a free loopback port; records the /health codes seen while starting."""
 
-    def __init__(self, *args: str, model: str | None = None, env: dict[str, str] | None = None):
+    def __init__(self, *args: str, model: str | None = None, env: dict[str, str] | None = None,
+                 cwd: str | os.PathLike | None = None):
         """`model=None` (the default, as the README starts it): no MODEL argument, i.e. every local
-        model on demand; a test that pins a model says why."""
+        model on demand; a test that pins a model says why. `cwd`: where relative paths in `args`
+        start (a README command run as printed, from the checkout)."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="localllm-serve-", suffix=".log", delete=False)
@@ -34,7 +36,7 @@ class ServerProc:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "localllm.cli", "serve", *([model] if model else []), "--host", "127.0.0.1",
              "--port", str(self.port), *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         self.health_codes: list[int] = []
 
     def output(self) -> str:

@@ -261,3 +261,32 @@ def test_a_failing_vllm_is_one_line_and_ends_the_server(tmp_path):
     assert (f"vLLM exited with code 3: RuntimeError: no device found (its log: {log})") in r.stderr
     text = log.read_text()
     assert "-m vllm.entrypoints.openai.api_server --model" in text and "RuntimeError: no device found" in text
+
+
+# ---- a GGUF handed to vLLM: an HF checkpoint written from it once ---------------------------------
+def test_a_gguf_is_written_once_as_an_hf_checkpoint(tiny_gguf, tmp_path, monkeypatch):
+    import torch
+    import transformers
+
+    from localllm.model import export
+    from localllm.model.weights import open_weights
+
+    cache = tmp_path / "vllm-checkpoints"
+    out, written = export.hf_checkpoint_of(tiny_gguf, cache)
+    assert written and (out / "config.json").is_file() and [p.name for p in cache.iterdir()] == [out.name]
+    again, written = export.hf_checkpoint_of(tiny_gguf, cache)
+    assert (again, written) == (out, False)
+    # the file's dequantized weights, rounded to bf16 once, as transformers reads them
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    want = open_weights(tiny_gguf).dense("model.layers.0.self_attn.q_proj.weight").to(torch.bfloat16).float()
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight.detach(), want)
+
+    # an export that fails halfway leaves no folder a later run would take for whole
+    def broken(src, tmp, dtype):
+        (Path(tmp) / "model.safetensors").parent.mkdir(parents=True)
+        (Path(tmp) / "model.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+    monkeypatch.setattr(export, "export_hf", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export.hf_checkpoint_of(tiny_gguf, tmp_path / "other")
+    assert list((tmp_path / "other").iterdir()) == []

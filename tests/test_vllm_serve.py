@@ -1,5 +1,6 @@
-"""`localllm serve MODEL --engine vllm`: a real server with vLLM's CPU backend as its child, on an HF
-checkpoint of the embedded model, driven by the official `openai` and `ollama` clients. Every
+"""`localllm serve MODEL --engine vllm`: a real server with vLLM's CPU backend as its child, started with
+the README's command as printed (the embedded GGUF, which vLLM gets as an HF checkpoint written from
+it once), driven by the official `openai` and `ollama` clients. Every
 answer is checked against vLLM's own at temperature 0 (asked directly on its port, which /api/ps
 reports), cancellation against vLLM's /metrics (its running requests back to 0), and the child's
 end against the process table (no orphan even when we are SIGKILLed).
@@ -10,6 +11,7 @@ vLLM's start (`--enforce-eager`) most of it."""
 
 import json
 import os
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from server_proc import ServerProc, openai_client
-from test_vllm_args import vllm_bin
+from test_vllm_args import REPO
 
 # short enough to close within max_tokens (the 135M model's greedy integers never end)
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}}, "required": ["city"],
@@ -25,14 +27,29 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+def readme_command() -> list[str]:
+    """The README's `serve --engine vllm` line (Scaling out), as printed: the embedded GGUF, which
+    vLLM gets as an HF checkpoint written from it."""
+    lines = [ln.strip() for ln in (REPO / "README.md").read_text().splitlines()
+             if ln.strip().startswith("localllm serve smollm2 --engine vllm ")]
+    assert len(lines) == 1, lines
+    return shlex.split(lines[0])
+
+
 @pytest.fixture(scope="module")
-def server(hf_export_dir):
-    bin_ = vllm_bin()
-    assert Path(bin_).is_file(), f"no vLLM at {bin_}: `make setup-vllm` (or set LOCALLLM_VLLM_BIN)"
-    s = ServerProc("--engine", "vllm", "--vllm-bin", bin_, "--ctx", "2048", "--max-num-seqs", "16", "--threads", "1",
-                   "--enforce-eager", "--kv-memory", "1GiB", model=str(hf_export_dir))
+def server(tmp_path_factory):
+    argv = readme_command()
+    bin_ = argv[argv.index("--vllm-bin") + 1]
+    if os.environ.get("LOCALLLM_VLLM_BIN"):  # the README's relative path, or the environment `make test` names
+        assert Path(os.environ["LOCALLLM_VLLM_BIN"]).resolve() == (REPO / bin_).resolve(), "another vLLM"
+    assert (REPO / bin_).is_file(), f"no vLLM at {bin_}: `make setup-vllm`"
+    home = tmp_path_factory.mktemp("vllm-home")  # a fresh home: the GGUF's export is written in the run
+    s = ServerProc(*argv[3:], model=argv[2], cwd=REPO, env={**os.environ, "LOCALLLM_HOME": str(home)})
     try:
-        yield s.wait_ready(timeout=900)
+        s.wait_ready(timeout=900)
+        assert "vLLM serves Hugging Face checkpoints" in s.output()
+        assert len(list((home / "vllm-checkpoints").iterdir())) == 1  # one export, no partial folder left
+        yield s
     finally:
         s.stop()
 
@@ -101,7 +118,8 @@ def test_ollama_chat_generate_tags_ps(server, backend):
     names = [m.model for m in client.list().models]
     assert len(names) == 1 and "smollm2-135m" in names[0]
     ps = httpx.get(server.base + "/api/ps", timeout=10).json()["models"][0]
-    assert ps["backend"]["engine"] == "vllm" and ps["context_length"] == 2048
+    card = httpx.get(backend["url"] + "/v1/models", timeout=10).json()["data"][0]
+    assert ps["backend"]["engine"] == "vllm" and ps["context_length"] == card["max_model_len"]
     text = httpx.get(server.base + "/metrics", timeout=10).text
     assert "localllm_http_requests_total" in text and "vllm:num_requests_running" in text
 

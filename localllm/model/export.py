@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -60,3 +61,31 @@ def export_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype
         {"bos_token_id": tok.bos_id, "eos_token_id": sorted(tok.eos_ids)}, indent=2))
     tok.save_hf(out)
     return out
+
+
+def hf_checkpoint_of(src: str | os.PathLike, cache: str | os.PathLike,
+                     dtype: torch.dtype = torch.bfloat16) -> tuple[Path, bool]:
+    """-> (an HF checkpoint of the GGUF `src`, whether it was written now): for engines that read
+    only HF checkpoints (vLLM). Written once per file under `cache`, keyed like the conversion cache
+    (the file's path, size and mtime), into a temporary folder renamed into place, so an interrupted
+    export leaves nothing a later run would take for whole. bf16 by default: vLLM computes in bf16
+    on CPU and GPU alike, and a 7B GGUF written in fp32 would take 28 GB of disk."""
+    from .convert_cache import weights_fingerprint
+
+    src = Path(src)
+    key = weights_fingerprint(src, "hf-export", dtype)[:16]
+    out = Path(cache) / f"{src.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out, False
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        export_hf(src, tmp, dtype)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process wrote it first: theirs is as good
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out, True
