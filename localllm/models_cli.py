@@ -278,7 +278,28 @@ def _remove_derived(root: Path, model: str) -> list[str]:
     lines = [f"stopped and dropped {jobs} queued build{'s' * (jobs != 1)} of {model}"] if jobs else []
     if packages:
         lines.append(f"deleted {packages} compiled package{'s' * (packages != 1)} of {model}")
+    exports = _remove_vllm_exports(root)
+    if exports:
+        lines.append(f"deleted {exports} HF checkpoint{'s' * (exports != 1)} written for vLLM from {model}")
     return lines
+
+
+def _remove_vllm_exports(root: Path) -> int:
+    """The HF checkpoints `serve --engine vllm` wrote from the GGUF files under `root`."""
+    from .model.export import hf_checkpoint_dir
+    from .paths import cache_home
+
+    cache = cache_home() / "vllm-checkpoints"
+    if not cache.is_dir():
+        return 0
+    files = [root] if root.is_file() else sorted(root.rglob("*.gguf")) if root.is_dir() else []
+    n = 0
+    for f in files:
+        out = hf_checkpoint_dir(f, cache)
+        if out.is_dir():
+            shutil.rmtree(out)
+            n += 1
+    return n
 
 
 def remove(model: str) -> list[str]:

@@ -271,7 +271,11 @@ def test_a_gguf_is_written_once_as_an_hf_checkpoint(tiny_gguf, tmp_path, monkeyp
     from localllm.model import export
     from localllm.model.weights import open_weights
 
-    cache = tmp_path / "vllm-checkpoints"
+    from localllm.models_cli import remove
+    from localllm.paths import cache_home
+
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "home"))
+    cache = cache_home() / "vllm-checkpoints"  # where `serve --engine vllm` writes it
     out, written = export.hf_checkpoint_of(tiny_gguf, cache)
     assert written and (out / "config.json").is_file() and [p.name for p in cache.iterdir()] == [out.name]
     again, written = export.hf_checkpoint_of(tiny_gguf, cache)
@@ -280,6 +284,9 @@ def test_a_gguf_is_written_once_as_an_hf_checkpoint(tiny_gguf, tmp_path, monkeyp
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     want = open_weights(tiny_gguf).dense("model.layers.0.self_attn.q_proj.weight").to(torch.bfloat16).float()
     assert torch.equal(model.model.layers[0].self_attn.q_proj.weight.detach(), want)
+    # `localllm rm FILE` removes what was written from it; the file itself stays
+    assert any("HF checkpoint written for vLLM" in line for line in remove(str(tiny_gguf)))
+    assert not out.exists() and tiny_gguf.is_file()
 
     # an export that fails halfway leaves no folder a later run would take for whole
     def broken(src, tmp, dtype):

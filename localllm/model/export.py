@@ -63,6 +63,14 @@ def export_hf(src: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype
     return out
 
 
+def hf_checkpoint_dir(src: str | os.PathLike, cache: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Where hf_checkpoint_of keeps the GGUF `src`'s checkpoint (whether or not it is there)."""
+    from .convert_cache import weights_fingerprint
+
+    src = Path(src)
+    return Path(cache) / f"{src.stem}-{weights_fingerprint(src, 'hf-export', dtype)[:16]}"
+
+
 def hf_checkpoint_of(src: str | os.PathLike, cache: str | os.PathLike,
                      dtype: torch.dtype = torch.bfloat16) -> tuple[Path, bool]:
     """-> (an HF checkpoint of the GGUF `src`, whether it was written now): for engines that read
@@ -70,11 +78,7 @@ def hf_checkpoint_of(src: str | os.PathLike, cache: str | os.PathLike,
     (the file's path, size and mtime), into a temporary folder renamed into place, so an interrupted
     export leaves nothing a later run would take for whole. bf16 by default: vLLM computes in bf16
     on CPU and GPU alike, and a 7B GGUF written in fp32 would take 28 GB of disk."""
-    from .convert_cache import weights_fingerprint
-
-    src = Path(src)
-    key = weights_fingerprint(src, "hf-export", dtype)[:16]
-    out = Path(cache) / f"{src.stem}-{key}"
+    out = hf_checkpoint_dir(src, cache, dtype)
     if (out / "config.json").is_file():
         return out, False
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
