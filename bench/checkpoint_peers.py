@@ -114,13 +114,18 @@ def run_one(engine: str, path: Path, threads: int, tokens: int) -> dict:
     with tempfile.TemporaryDirectory() as home:  # a new user's empty home: no package, no cache
         kernels = os.environ.get("LOCALLLM_KERNEL_CACHE") or str(Path.home() / ".cache" / "localllm" / "kernels")
         env = {**os.environ, "LOCALLLM_HOME": home, "LOCALLLM_KERNEL_CACHE": kernels, "OMP_NUM_THREADS": str(threads),
-               "VLLM_CPU_OMP_THREADS_BIND": "all", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
                "PYTHONPATH": str(ROOT)}
         r = subprocess.run([python, __file__, "--worker", engine, str(path), "--threads", str(threads),
                             "--tokens", str(tokens)], env=env, capture_output=True, text=True, timeout=1800)
-    if r.returncode != 0:
-        raise SystemExit(f"{engine} on {path} failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    if r.returncode != 0:  # reported in the table (transformers needs autoawq/gptqmodel for those formats)
+        print(f"{engine} on {path} failed:\n{r.stderr[-2000:]}", file=sys.stderr, flush=True)
+        last = (r.stderr.strip().splitlines() or ["?"])[-1][:120]
+        return {"engine": engine, "held": f"failed: {last}", "load_s": float("nan"), "first_answer_s": float("nan"),
+                "ttft_ms": float("nan"), "decode_tok_s": float("nan"), "aggregate16_tok_s": float("nan"),
+                "peak_rss_mb": float("nan")}
+    # vLLM writes to stdout too (at exit): the worker's line is marked
+    return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))[7:])
 
 
 def main() -> None:
@@ -133,7 +138,7 @@ def main() -> None:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, str(args.dirs[0]), args.threads, args.tokens)))
+        print("RESULT " + json.dumps(worker(args.worker, str(args.dirs[0]), args.threads, args.tokens)), flush=True)
         return
     engines = args.engines.split(",")
     rows: dict[tuple[str, str], list[dict]] = {}
