@@ -930,7 +930,7 @@ def pull(
     ref = _ref(model)
     try:
         v = variant_for(ref, quant, revision)
-        result = hub_pull(v.repo, v.revision, v.filename)
+        result = hub_pull(v.repo, v.revision, v.filename, mmproj=v.mmproj)
     except HubError as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:

@@ -98,7 +98,7 @@ def local_path(ref: ModelRef) -> Path | None:
         return ref.local_path
     variants = spec_variants(ref.spec) if ref.spec is not None else [Variant(ref.repo, ref.revision)]
     for v in variants:
-        p = cached_snapshot(v.repo, v.revision, v.filename)
+        p = cached_snapshot(v.repo, v.revision, v.filename, v.mmproj)
         if p is not None:
             return p / v.filename if v.filename else p
     return None
