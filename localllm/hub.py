@@ -127,6 +127,10 @@ def variant_for(ref: ModelRef, quant: str = "auto", revision: str | None = None)
     if ref.repo is None:
         raise HubError(f"{ref.name} is a local file or directory: there is nothing to pull")
     spec, rev = ref.spec, revision or ref.revision
+    if spec is not None and spec.file:  # a GGUF entry: its file (and mmproj) is its one form
+        if quant not in ("auto", "gguf"):
+            raise HubError(f"{spec.name} is a GGUF entry ({spec.repo}/{spec.file}): it has no {quant.upper()} variant")
+        return Variant(ref.repo, rev, spec.file, "gguf", spec.mmproj)
     if quant in ("auto", "bf16"):
         return Variant(ref.repo, rev, None, "bf16")
     if spec is None:
@@ -145,7 +149,9 @@ def variant_for(ref: ModelRef, quant: str = "auto", revision: str | None = None)
 
 
 def spec_variants(spec: ModelSpec) -> list[Variant]:
-    out = [Variant(spec.repo, spec.revision, None, "bf16")]
+    """The forms of a registry entry, its own first (a GGUF entry's file and mmproj, or the
+    safetensors repo)."""
+    out = [Variant(spec.repo, spec.revision, spec.file, "gguf" if spec.file else "bf16", spec.mmproj)]
     out += [Variant(getattr(spec, k), "main", None, k) for k in ("awq", "gptq") if getattr(spec, k)]
     if spec.gguf_repo and spec.gguf_file:
         out.append(Variant(spec.gguf_repo, "main", spec.gguf_file, "gguf", spec.gguf_mmproj))
@@ -491,4 +497,5 @@ def ensure_local(ref: ModelRef) -> Path:
         path = cached_snapshot(v.repo, v.revision, v.filename, v.mmproj)
         if path is not None:
             return path / v.filename if v.filename else path
-    return download(ref.repo, ref.revision)
+    own = candidates[0]
+    return download(ref.repo, ref.revision, own.filename, own.mmproj)

@@ -74,7 +74,7 @@ def list_models() -> list[dict]:
             if info is not None:
                 mine.append(row(spec.name, v.repo, v.kind, "downloaded", info.size_on_disk,
                                 _latest_snapshot(info), spec))
-        rows += mine or [row(spec.name, spec.repo, "bf16", "available", None, None, spec)]
+        rows += mine or [row(spec.name, spec.repo, spec_variants(spec)[0].kind, "available", None, None, spec)]
     for repo_id, info in sorted(cache.items()):
         snap = _latest_snapshot(info)
         rows.append(row(repo_id, repo_id, _kind_of(snap), "downloaded", info.size_on_disk, snap))

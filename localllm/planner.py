@@ -476,10 +476,13 @@ def facts_for(model, mmproj: str | Path | None = None) -> ModelFacts:
     snap = cached_snapshot(ref.repo, ref.revision) if ref.repo else None
     if snap is not None and (snap / "config.json").is_file():
         return facts_for_path(snap, ref.name, variants)
-    if spec is not None and spec.gguf_repo and spec.gguf_file:  # the GGUF variant pulled (with its mmproj)
-        gguf = cached_snapshot(spec.gguf_repo, "main", spec.gguf_file, spec.gguf_mmproj)
+    ggufs = [] if spec is None else [(r, rev, f, m) for r, rev, f, m in (
+        (spec.repo, ref.revision, spec.file, spec.mmproj), (spec.gguf_repo, "main", spec.gguf_file, spec.gguf_mmproj))
+        if r and f]
+    for repo, rev, file, beside in ggufs:  # a GGUF form pulled (with its mmproj): planned from its files
+        gguf = cached_snapshot(repo, rev, file, beside)
         if gguf is not None:
-            return facts_for_path(gguf / spec.gguf_file, ref.name, variants, mmproj)
+            return facts_for_path(gguf / file, ref.name, variants, mmproj)
     shape = KNOWN_SHAPES.get((ref.repo or "").lower())
     context = spec.context if spec else None
     vision = spec.vision_params if spec else 0  # the registry's figure: the tower is not downloaded either

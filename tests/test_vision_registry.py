@@ -51,6 +51,12 @@ context = 1024
 vision_params = {vision}
 [models."tiny-vision".variants]
 gguf = {{ repo = "{GGUF_REPO}", file = "{TEXT}", mmproj = "{MMPROJ}" }}
+[models."tiny-vision-pair"]
+repo = "{GGUF_REPO}"
+file = "{TEXT}"
+mmproj = "{MMPROJ}"
+params = 1000000
+vision_params = {vision}
 [models."no-mmproj"]
 repo = "test-org/no-mmproj"
 params = 1000000
@@ -91,6 +97,37 @@ def test_pull_fetches_the_gguf_and_its_mmproj(env, pair_dir):
     mirror.clear()
     r = cli("pull", "tiny-vision", "--quant", "gguf")
     assert r.exit_code == 0 and "is up to date (2 files" in r.output and mirror.gets() == []
+
+
+def test_a_gguf_entry_is_pulled_whole(env):
+    """An entry whose repo is a GGUF repo (file + mmproj): `pull NAME` fetches both files; `list`
+    names it a gguf; it has no other form."""
+    mirror, _ = env
+    rows = {row["name"]: row for row in json.loads(cli("list", "--json").output)}
+    assert (rows["tiny-vision-pair"]["variant"], rows["tiny-vision-pair"]["status"]) == ("gguf", "available")
+    r = cli("pull", "tiny-vision-pair")
+    assert r.exit_code == 0 and f"pulled {GGUF_REPO} (2 files" in r.output, r.output
+    assert sorted(p.rsplit("/", 1)[1] for _, p, _ in mirror.gets()) == sorted([TEXT, MMPROJ])
+    assert cli("pull", "tiny-vision-pair", "--quant", "bf16").output.strip().endswith(
+        f"tiny-vision-pair is a GGUF entry ({GGUF_REPO}/{TEXT}): it has no BF16 variant")
+
+
+@pytest.mark.slow  # a server process (~20 s); the pull it runs is the CLI's (test_a_gguf_entry_is_pulled_whole)
+def test_api_pull_fetches_the_gguf_and_its_mmproj(env, tmp_path):
+    """Ollama's /api/pull on a real server (every model on demand) fetches both files too."""
+    import os
+
+    import httpx
+    from server_proc import running
+
+    mirror, _ = env
+    with running("--threads", "1", "--enforce-eager", model=None, env=dict(os.environ)) as server:
+        r = httpx.post(server.base + "/api/pull", json={"model": "tiny-vision-pair", "stream": False}, timeout=120)
+        assert r.status_code == 200 and r.json() == {"status": "success"}, r.text
+    assert sorted(p.rsplit("/", 1)[1] for _, p, _ in mirror.gets()) == sorted([TEXT, MMPROJ])
+    from localllm.hub import cached_snapshot
+
+    assert cached_snapshot(GGUF_REPO, "main", TEXT, MMPROJ) is not None
 
 
 def test_show_and_dry_run_report_the_tower(env):
