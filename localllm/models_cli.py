@@ -168,7 +168,8 @@ def describe(model: str | None, prompt: str | None = None, system: str | None = 
             raise HubError(f"{ref.name} is not downloaded: `localllm pull {ref.name}` first (--prompt needs "
                            "its tokenizer)")
         info.update({"parameters": spec.params if spec else None, "context_length": spec.context if spec else None,
-                     "architecture": None, "quantization": None, "chat_template": None, "stop_tokens": []})
+                     "architecture": None, "quantization": None, "chat_template": None, "stop_tokens": [],
+                     "vision": bool(spec and spec.vision_params), "vision_params": spec.vision_params if spec else 0})
         return info
     from .model.encoder_loader import describe_encoder, encoder_kind
 
@@ -227,6 +228,8 @@ def format_show(info: dict) -> str:
     if not info["downloaded"]:
         add("parameters", f"{info['parameters']:,}" if info.get("parameters") else None)
         add("context length", info.get("context_length"))
+        add("vision", f"images in (a vision tower of {info['vision_params']:,} parameters)"
+            if info.get("vision_params") else None)
         out.append(f"  not downloaded: `localllm pull {info['name']}`")
         return "Model\n" + "\n".join(out)
     add("architecture", info["architecture"])

@@ -132,6 +132,9 @@ def test_api_pull_fetches_the_gguf_and_its_mmproj(env, tmp_path):
 
 def test_show_and_dry_run_report_the_tower(env):
     _, vision = env
+    r = cli("show", "tiny-vision")  # not downloaded yet: the registry's figure
+    assert r.exit_code == 0 and f"images in (a vision tower of {vision:,} parameters)" in r.output, r.output
+    assert json.loads(cli("show", "tiny-vision", "--json").output)["vision_params"] == vision
     assert cli("pull", "tiny-vision", "--quant", "gguf").exit_code == 0
     r = cli("show", "tiny-vision", "--json")
     assert r.exit_code == 0, r.output
