@@ -45,6 +45,9 @@ EagerOpt = Annotated[bool, typer.Option("--eager", "--enforce-eager", help="Run 
 MmprojOpt = Annotated[Optional[str], typer.Option(
     "--mmproj", help="llama.cpp's mmproj GGUF (the vision tower) for a GGUF model: images in. Default: the "
                      "mmproj*.gguf beside the model file, when there is one.", show_default=False)]
+AllowImageURLsOpt = Annotated[bool, typer.Option(
+    "--allow-image-urls", help="Fetch http(s) image URLs (OpenAI image_url parts, --image URL) for a vision model: "
+                               "off by default, since the URLs may name any address this machine reaches.")]
 # the compiled step is the default now; --compile stays accepted so old scripts keep working
 CompileOpt = Annotated[bool, typer.Option("--compile", hidden=True, help="No-op (compiled is the default).")]
 
@@ -252,7 +255,9 @@ def run(
     compile: CompileOpt = False,
     image: Annotated[Optional[list[str]], typer.Option(
         "--image", help="An image file for a vision model (repeatable); a path of an image file in the prompt "
-                        "is attached too, as Ollama does.", show_default=False)] = None,
+                        "is attached too, as Ollama does; an http(s) URL with --allow-image-urls.",
+        show_default=False)] = None,
+    allow_image_urls: AllowImageURLsOpt = False,
     mmproj: MmprojOpt = None,
 ):
     """Answer one prompt and exit: `localllm run [MODEL] PROMPT` or `echo PROMPT | localllm run`."""
@@ -287,7 +292,7 @@ def run(
     config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device, parallel=1,
                            background_build=build, mmproj=mmproj)
     engine = open_engine(model, quant, device, config, max_gib)
-    content = _with_images(engine, prompt, list(image or []), raw)
+    content = _with_images(engine, prompt, list(image or []), raw, allow_image_urls)
     if raw:
         request = prompt
     else:
@@ -295,10 +300,11 @@ def run(
     _stream_answer(engine, request, params, verbose, think, raw_output)
 
 
-def _with_images(engine, prompt: str, files: list[str], raw: bool) -> str | list[dict]:
-    """The user turn's content: the prompt, with the --image files and (for a vision model) the
-    image paths written in it as image parts. One-line errors: a text-only model given --image,
-    an unreadable file, --raw with images."""
+def _with_images(engine, prompt: str, files: list[str], raw: bool, allow_urls: bool = False) -> str | list[dict]:
+    """The user turn's content: the prompt, with the --image files (or URLs, with `allow_urls`) and
+    (for a vision model) the image paths written in it as image parts. One-line errors: a text-only
+    model given --image, an unreadable file or URL, a URL without --allow-image-urls, --raw with images."""
+    from .model.vision.fetch import ImageURLPolicy, fetch_image_sync, is_http_url
     from .model.vision.images import ImageInputError, images_in_prompt, read_image_file
 
     if engine.vision is not None:
@@ -311,8 +317,14 @@ def _with_images(engine, prompt: str, files: list[str], raw: bool) -> str | list
         raise fail(f"--image: model {name} takes no images (a text-only model); use a vision model such as gemma3")
     if raw:
         raise fail("--image needs the chat template: not with --raw", 2)
+    urls = [f for f in files if is_http_url(f)]
+    if urls and not allow_urls:
+        raise fail(f"--image {urls[0]}: fetching images from http(s) URLs is off; pass --allow-image-urls to "
+                   "fetch it", 2)
+    policy = ImageURLPolicy(allow=True)
     try:
-        images = [{"type": "image", "image": read_image_file(f)} for f in files]
+        images = [{"type": "image", "image": fetch_image_sync(f, policy, f"--image {f}") if is_http_url(f)
+                   else read_image_file(f)} for f in files]
     except ImageInputError as e:
         raise fail(str(e)) from None
     return [*images, {"type": "text", "text": prompt}]
@@ -536,6 +548,17 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
             "model. Pass --api-key KEY (or set LOCALLLM_API_KEY), or listen on 127.0.0.1.")
 
 
+def image_url_policy(allow: bool, max_mb: float, timeout_s: float):
+    """--allow-image-urls, --image-url-max-mb, --image-url-timeout -> the server's ImageURLPolicy."""
+    from .model.vision.fetch import ImageURLPolicy
+
+    if not (math.isfinite(max_mb) and max_mb > 0):
+        raise fail(f"invalid value for --image-url-max-mb: must be a positive number of MiB, got {max_mb}", 2)
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise fail(f"invalid value for --image-url-timeout: must be a positive number of seconds, got {timeout_s}", 2)
+    return ImageURLPolicy(allow=allow, max_bytes=int(max_mb * (1 << 20)), timeout_s=timeout_s)
+
+
 # ---- serve ----------------------------------------------------------------------------------------
 @app.command()
 def serve(
@@ -593,6 +616,13 @@ def serve(
                                                     help="--engine vllm: the `vllm` executable (default: on PATH).")]
         = None,
     mmproj: MmprojOpt = None,
+    allow_image_urls: AllowImageURLsOpt = False,
+    image_url_max_mb: Annotated[float, typer.Option("--image-url-max-mb", help="With --allow-image-urls: the "
+                                                    "largest image fetched, in MiB (reading stops past it).")]
+        = 20.0,
+    image_url_timeout: Annotated[float, typer.Option("--image-url-timeout", help="With --allow-image-urls: seconds "
+                                                     "one image's fetch may take in all (redirects included).")]
+        = 10.0,
 ):
     """OpenAI- and Ollama-compatible server: /v1/... and /api/... on one port. With MODEL it serves that
     model; without, every local model, loaded on demand (least recently used unloaded to fit --max-memory)."""
@@ -615,6 +645,7 @@ def serve(
         raise fail(f"invalid value for --max-body-mb: must be a positive number of MiB, got {max_body_mb}", 2)
     check_api_key(api_key)
     hosts = check_allow_hosts(allow_host)
+    image_urls = image_url_policy(allow_image_urls, image_url_max_mb, image_url_timeout)
     keep = _keep_alive_seconds(keep_alive)
     mem = max_memory_gib(max_memory, device)
     from .server.app import create_app
@@ -627,7 +658,7 @@ def serve(
     if model is None:
         _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx,
                    kv_memory, threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts,
-                   kv_type)
+                   kv_type, image_urls)
     try:  # name mistakes fail now, not after the server started
         ref = resolve_model(model)
     except ValueError as e:
@@ -645,7 +676,7 @@ def serve(
     config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device,
                            max_num_seqs=max_num_seqs, parallel=parallel, mmproj=mmproj)
     cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, int(max_body_mb * (1 << 20)),
-                       bind_host=host, allowed_hosts=hosts)
+                       bind_host=host, allowed_hosts=hosts, image_urls=image_urls)
     if engine == "vllm":
         from .vllm_args import VLLMArgsError
 
@@ -814,7 +845,7 @@ def _has_cuda() -> bool:
 
 def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx, kv_memory,
                threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts,
-               kv_type: str = "auto") -> None:
+               kv_type, image_urls) -> None:
     """`serve` without MODEL: every local model, loaded on demand (server/pool.py)."""
     from .planner import normalize_quant
     from .server.app import create_app
@@ -834,7 +865,7 @@ def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parall
         typer.echo(message, err=True)
     pool = ModelPool(PoolConfig(config, quant, device, int(mem * (1 << 30)) if mem else None, keep), log)
     cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, int(max_body_mb * (1 << 20)),
-                       bind_host=host, allowed_hosts=hosts)
+                       bind_host=host, allowed_hosts=hosts, image_urls=image_urls)
     _startup_done()
     typer.echo(f"localllm serve: every local model, on demand, on http://{host}:{port}/v1 and /api (Ollama)"
                f"{' - API key required' if api_key else ''}", err=True)
@@ -928,7 +959,7 @@ def pull(
     ref = _ref(model)
     try:
         v = variant_for(ref, quant, revision)
-        result = hub_pull(v.repo, v.revision, v.filename)
+        result = hub_pull(v.repo, v.revision, v.filename, mmproj=v.mmproj)
     except HubError as e:
         raise fail(str(e)) from None
     except KeyboardInterrupt:

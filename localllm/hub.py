@@ -110,12 +110,14 @@ def check_revision(revision: str) -> str:
 # ---- variants ---------------------------------------------------------------------------------
 @dataclass
 class Variant:
-    """One downloadable form of a model: a repo, and for GGUF the one file in it."""
+    """One downloadable form of a model: a repo, and for GGUF the one file in it (and its mmproj, the
+    vision tower llama.cpp keeps in a second file of the same repo: pulled beside it)."""
 
     repo: str
     revision: str = "main"
     filename: str | None = None
     kind: str = "bf16"  # bf16 | awq | gptq | gguf
+    mmproj: str | None = None
 
 
 def variant_for(ref: ModelRef, quant: str = "auto", revision: str | None = None) -> Variant:
@@ -125,6 +127,10 @@ def variant_for(ref: ModelRef, quant: str = "auto", revision: str | None = None)
     if ref.repo is None:
         raise HubError(f"{ref.name} is a local file or directory: there is nothing to pull")
     spec, rev = ref.spec, revision or ref.revision
+    if spec is not None and spec.file:  # a GGUF entry: its file (and mmproj) is its one form
+        if quant not in ("auto", "gguf"):
+            raise HubError(f"{spec.name} is a GGUF entry ({spec.repo}/{spec.file}): it has no {quant.upper()} variant")
+        return Variant(ref.repo, rev, spec.file, "gguf", spec.mmproj)
     if quant in ("auto", "bf16"):
         return Variant(ref.repo, rev, None, "bf16")
     if spec is None:
@@ -133,7 +139,7 @@ def variant_for(ref: ModelRef, quant: str = "auto", revision: str | None = None)
     if quant == "gguf":
         if not (spec.gguf_repo and spec.gguf_file):
             raise HubError(f"{spec.name} has no GGUF variant in models.toml")
-        return Variant(spec.gguf_repo, revision or "main", spec.gguf_file, "gguf")
+        return Variant(spec.gguf_repo, revision or "main", spec.gguf_file, "gguf", spec.gguf_mmproj)
     repo = getattr(spec, quant)
     if not repo:
         known = [k for k in ("awq", "gptq") if getattr(spec, k)] + (["gguf"] if spec.gguf_repo else [])
@@ -143,10 +149,12 @@ def variant_for(ref: ModelRef, quant: str = "auto", revision: str | None = None)
 
 
 def spec_variants(spec: ModelSpec) -> list[Variant]:
-    out = [Variant(spec.repo, spec.revision, None, "bf16")]
+    """The forms of a registry entry, its own first (a GGUF entry's file and mmproj, or the
+    safetensors repo)."""
+    out = [Variant(spec.repo, spec.revision, spec.file, "gguf" if spec.file else "bf16", spec.mmproj)]
     out += [Variant(getattr(spec, k), "main", None, k) for k in ("awq", "gptq") if getattr(spec, k)]
     if spec.gguf_repo and spec.gguf_file:
-        out.append(Variant(spec.gguf_repo, "main", spec.gguf_file, "gguf"))
+        out.append(Variant(spec.gguf_repo, "main", spec.gguf_file, "gguf", spec.gguf_mmproj))
     return out
 
 
@@ -161,10 +169,11 @@ def _commit_for(repo: str, revision: str) -> str | None:
     return commit if commit and _COMMIT.match(commit) else None  # a damaged ref: not cached, pull again
 
 
-def snapshot_complete(path: Path, filename: str | None = None) -> bool:
-    """Does a snapshot folder hold a loadable model (not half of a pull)?"""
+def snapshot_complete(path: Path, filename: str | None = None, mmproj: str | None = None) -> bool:
+    """Does a snapshot folder hold a loadable model (not half of a pull)? A GGUF with an mmproj:
+    both files (without it the model would load text-only)."""
     if filename:
-        return (path / filename).is_file()
+        return (path / filename).is_file() and (mmproj is None or (path / mmproj).is_file())
     if not (path / "config.json").is_file():
         return False
     index = path / "model.safetensors.index.json"
@@ -179,13 +188,15 @@ def snapshot_complete(path: Path, filename: str | None = None) -> bool:
     return any(path.glob("*.safetensors"))
 
 
-def cached_snapshot(repo: str, revision: str = "main", filename: str | None = None) -> Path | None:
-    """The complete local snapshot of `repo@revision` (or of its one `filename`), else None."""
+def cached_snapshot(repo: str, revision: str = "main", filename: str | None = None,
+                    mmproj: str | None = None) -> Path | None:
+    """The complete local snapshot of `repo@revision` (or of its one `filename`, with its `mmproj`),
+    else None."""
     commit = _commit_for(repo, revision)
     if commit is None:
         return None
     path = repo_dir(repo) / "snapshots" / commit
-    return path if snapshot_complete(path, filename) else None
+    return path if snapshot_complete(path, filename, mmproj) else None
 
 
 # ---- progress: per-file bars on stderr, only on a terminal ------------------------------------
@@ -261,14 +272,16 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def select_files(repo: str, names: list[str], filename: str | None = None) -> list[str]:
+def select_files(repo: str, names: list[str], filename: str | None = None, mmproj: str | None = None) -> list[str]:
     """The files of `repo` that a variant needs, or a HubError naming what the repo has instead."""
     if filename is not None:
-        if filename not in names:
-            ggufs = [n for n in names if n.endswith(".gguf")]
-            raise HubError(f"{repo} has no file {filename!r}" + (f" (GGUF files: {', '.join(ggufs[:6])})"
-                                                                 if ggufs else ""))
-        return [filename]
+        wanted = [filename, *([mmproj] if mmproj else [])]
+        for f in wanted:
+            if f not in names:
+                ggufs = [n for n in names if n.endswith(".gguf")]
+                raise HubError(f"{repo} has no file {f!r}" + (f" (GGUF files: {', '.join(ggufs[:6])})"
+                                                              if ggufs else ""))
+        return wanted
     chosen = [n for n in names if any(fnmatch.fnmatch(n, p) for p in ALLOW_PATTERNS)]
     if not any(n.endswith(".safetensors") for n in chosen):
         found = sorted({Path(n).suffix or n for n in names if n.endswith((".bin", ".pth", ".pt", ".gguf", ".ckpt",
@@ -316,23 +329,25 @@ def _map_error(e: Exception, repo: str, revision: str) -> HubError | None:
 
 
 def pull(repo: str, revision: str = "main", filename: str | None = None, progress: bool | None = None,
-         bars=None) -> PullResult:
-    """Make `repo@revision` (all files a safetensors checkpoint needs, or the one GGUF `filename`)
-    complete in the HF cache. Downloads only what is missing; resumes partial files. `bars`: an
-    object with rich Progress's start/stop/add_task/update to report bytes to (the server's
-    /api/pull) instead of the terminal."""
+         bars=None, mmproj: str | None = None) -> PullResult:
+    """Make `repo@revision` (all files a safetensors checkpoint needs, or the one GGUF `filename`
+    and its `mmproj` beside it) complete in the HF cache. Downloads only what is missing; resumes
+    partial files. `bars`: an object with rich Progress's start/stop/add_task/update to report
+    bytes to (the server's /api/pull) instead of the terminal."""
     t0 = time.perf_counter()
+    if mmproj is not None and filename is None:
+        raise HubError(f"{repo}: an mmproj file goes with a GGUF file")
     if offline():
-        path = cached_snapshot(repo, revision, filename)
+        path = cached_snapshot(repo, revision, filename, mmproj)
         if path is None:
             raise HubError(f"{repo} is not in the local cache and offline mode is on (HF_HUB_OFFLINE=1); "
                            "pull it once while online")
-        files = [filename] if filename else sorted(p.name for p in path.iterdir())
+        files = [filename, *([mmproj] if mmproj else [])] if filename else sorted(p.name for p in path.iterdir())
         size = sum((path / f).stat().st_size for f in files)
         return PullResult(repo, revision, path.name, path / filename if filename else path, files, size)
     try:
         return _pull_online(repo, revision, filename, progress_enabled() if progress is None else progress, t0,
-                            bars)
+                            bars, mmproj)
     except HubError:
         raise
     except Exception as e:
@@ -342,14 +357,15 @@ def pull(repo: str, revision: str = "main", filename: str | None = None, progres
         raise mapped from None
 
 
-def _pull_online(repo: str, revision: str, filename: str | None, show: bool, t0: float, sink=None) -> PullResult:
+def _pull_online(repo: str, revision: str, filename: str | None, show: bool, t0: float, sink=None,
+                 mmproj: str | None = None) -> PullResult:
     from huggingface_hub import HfApi
 
     check_revision(revision)
     info = HfApi(endpoint=endpoint()).model_info(repo, revision=revision, files_metadata=True)
     commit = check_commit(info.sha, repo)
     sizes = {s.rfilename: (s.size or 0) for s in (info.siblings or [])}
-    files = [check_filename(f, repo) for f in select_files(repo, list(sizes), filename)]
+    files = [check_filename(f, repo) for f in select_files(repo, list(sizes), filename, mmproj)]
     snap = repo_dir(repo) / "snapshots" / commit
     todo = [f for f in files if not (snap / f).exists()]
     metas = {f: _file_meta(repo, f, commit) for f in todo}  # every name checked before a byte is written
@@ -461,9 +477,9 @@ def _fetch_blob(repo: str, filename: str, meta, bars) -> tuple[int, int]:
     return size - have, have
 
 
-def download(repo: str, revision: str = "main", filename: str | None = None) -> Path:
+def download(repo: str, revision: str = "main", filename: str | None = None, mmproj: str | None = None) -> Path:
     """Pull and tell the user on stderr (used when run/chat/serve need a model that is not here)."""
-    result = pull(repo, revision, filename)
+    result = pull(repo, revision, filename, mmproj=mmproj)
     if not result.up_to_date:
         print(result.summary(), file=sys.stderr)
     return result.path
@@ -478,7 +494,8 @@ def ensure_local(ref: ModelRef) -> Path:
     candidates = spec_variants(ref.spec) if ref.spec is not None else [Variant(ref.repo, ref.revision)]
     candidates[0].revision = ref.revision
     for v in candidates:
-        path = cached_snapshot(v.repo, v.revision, v.filename)
+        path = cached_snapshot(v.repo, v.revision, v.filename, v.mmproj)
         if path is not None:
             return path / v.filename if v.filename else path
-    return download(ref.repo, ref.revision)
+    own = candidates[0]
+    return download(ref.repo, ref.revision, own.filename, own.mmproj)

@@ -74,7 +74,7 @@ def list_models() -> list[dict]:
             if info is not None:
                 mine.append(row(spec.name, v.repo, v.kind, "downloaded", info.size_on_disk,
                                 _latest_snapshot(info), spec))
-        rows += mine or [row(spec.name, spec.repo, "bf16", "available", None, None, spec)]
+        rows += mine or [row(spec.name, spec.repo, spec_variants(spec)[0].kind, "available", None, None, spec)]
     for repo_id, info in sorted(cache.items()):
         snap = _latest_snapshot(info)
         rows.append(row(repo_id, repo_id, _kind_of(snap), "downloaded", info.size_on_disk, snap))
@@ -98,7 +98,7 @@ def local_path(ref: ModelRef) -> Path | None:
         return ref.local_path
     variants = spec_variants(ref.spec) if ref.spec is not None else [Variant(ref.repo, ref.revision)]
     for v in variants:
-        p = cached_snapshot(v.repo, v.revision, v.filename)
+        p = cached_snapshot(v.repo, v.revision, v.filename, v.mmproj)
         if p is not None:
             return p / v.filename if v.filename else p
     return None
@@ -168,7 +168,8 @@ def describe(model: str | None, prompt: str | None = None, system: str | None = 
             raise HubError(f"{ref.name} is not downloaded: `localllm pull {ref.name}` first (--prompt needs "
                            "its tokenizer)")
         info.update({"parameters": spec.params if spec else None, "context_length": spec.context if spec else None,
-                     "architecture": None, "quantization": None, "chat_template": None, "stop_tokens": []})
+                     "architecture": None, "quantization": None, "chat_template": None, "stop_tokens": [],
+                     "vision": bool(spec and spec.vision_params), "vision_params": spec.vision_params if spec else 0})
         return info
     from .model.encoder_loader import describe_encoder, encoder_kind
 
@@ -227,6 +228,8 @@ def format_show(info: dict) -> str:
     if not info["downloaded"]:
         add("parameters", f"{info['parameters']:,}" if info.get("parameters") else None)
         add("context length", info.get("context_length"))
+        add("vision", f"images in (a vision tower of {info['vision_params']:,} parameters)"
+            if info.get("vision_params") else None)
         out.append(f"  not downloaded: `localllm pull {info['name']}`")
         return "Model\n" + "\n".join(out)
     add("architecture", info["architecture"])

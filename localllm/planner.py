@@ -74,6 +74,9 @@ KNOWN_SHAPES = {
     "qwen/qwen3-vl-2b-instruct": (28, 2048, 6144, 16, 8, 128, 151936, True),
     "qwen/qwen3-vl-4b-instruct": (36, 2560, 9728, 32, 8, 128, 151936, True),
     "qwen/qwen3-vl-8b-instruct": (36, 4096, 12288, 32, 8, 128, 151936, False),
+    "huggingfacetb/smolvlm-256m-instruct": (30, 576, 1536, 9, 3, 64, 49280, False),
+    "huggingfacetb/smolvlm-500m-instruct": (32, 960, 2560, 15, 5, 64, 49280, False),
+    "huggingfacetb/smolvlm-instruct": (24, 2048, 8192, 32, 32, 64, 49155, False),
 }
 
 
@@ -147,6 +150,8 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     estimated: bool = False
     kv_type: str = ""  # the KV cache's element type (--kv-type, or what auto gives: kv_type_for)
+    vision_params: int = 0  # the vision tower's parameters (its bytes are part of weights_bytes)
+    vision_bytes: int = 0
 
     @property
     def needed_bytes(self) -> int:
@@ -161,6 +166,9 @@ class Plan:
                  + (f" ({self.kv_type})" if self.kv_type else "") + " + runtime "
                  f"{gib(self.overhead_bytes)} = {gib(self.needed_bytes)} of {gib(self.available_bytes)} available",
                  f"  why: {self.reason}"]
+        if self.vision_params:
+            lines.append(f"  vision tower: {self.vision_params / 1e6:.0f}M parameters, {gib(self.vision_bytes)} of the "
+                         "weights (images in)")
         lines += [f"  warning: {w}" for w in self.warnings]
         if self.estimated:
             lines.append("  note: shapes estimated from the parameter count (not downloaded yet)")
@@ -286,7 +294,14 @@ def plan(f: ModelFacts, dev: DeviceFacts, quant: str = "auto", ctx: int | None =
     (bytes, --kv-memory) is what the engine will allocate for KV whatever the context: the plan
     counts exactly that, and the context is what it holds (at most the model's). `kv_type`
     (--kv-type) is the KV cache's element type; its bytes per token are what the plan counts."""
-    quant = normalize_quant(quant)
+    p = _plan(f, dev, normalize_quant(quant), ctx, max_memory, kv_memory, kv_type)
+    p.vision_params = f.vision_params
+    p.vision_bytes = vision_bytes(f, p.precision, "cpu" if dev.device == "cpu" else "cuda")
+    return p
+
+
+def _plan(f: ModelFacts, dev: DeviceFacts, quant: str, ctx: int | None, max_memory: int | None,
+          kv_memory: int | None, kv_type: str) -> Plan:
     if kv_memory:
         return _plan_fixed_kv(f, dev, quant, ctx, max_memory, kv_memory, kv_type)
     kind = "cpu" if dev.device == "cpu" else "cuda"
@@ -461,17 +476,25 @@ def facts_for(model, mmproj: str | Path | None = None) -> ModelFacts:
     snap = cached_snapshot(ref.repo, ref.revision) if ref.repo else None
     if snap is not None and (snap / "config.json").is_file():
         return facts_for_path(snap, ref.name, variants)
+    ggufs = [] if spec is None else [(r, rev, f, m) for r, rev, f, m in (
+        (spec.repo, ref.revision, spec.file, spec.mmproj), (spec.gguf_repo, "main", spec.gguf_file, spec.gguf_mmproj))
+        if r and f]
+    for repo, rev, file, beside in ggufs:  # a GGUF form pulled (with its mmproj): planned from its files
+        gguf = cached_snapshot(repo, rev, file, beside)
+        if gguf is not None:
+            return facts_for_path(gguf / file, ref.name, variants, mmproj)
     shape = KNOWN_SHAPES.get((ref.repo or "").lower())
     context = spec.context if spec else None
+    vision = spec.vision_params if spec else 0  # the registry's figure: the tower is not downloaded either
     if shape is not None:
-        f = ModelFacts.from_config(ref.name, shape_config(shape, context), variants=variants)
+        f = ModelFacts.from_config(ref.name, shape_config(shape, context), variants=variants, vision_params=vision)
         if spec is not None and spec.params:
             f.params = spec.params
         return f
     if spec is None or not spec.params:
         raise PlanError(f"{ref.name} is not downloaded and its size is unknown: `localllm pull {ref.name}` first")
     f = _estimated_facts(ref.name, spec.params, context)
-    f.variants = variants
+    f.variants, f.vision_params = variants, vision
     return f
 
 

@@ -63,6 +63,10 @@ class ModelSpec:
     gptq: str | None = None
     gguf_repo: str | None = None
     gguf_file: str | None = None
+    gguf_mmproj: str | None = None  # the GGUF variant's mmproj (vision tower), in the same repo: pulled with it
+    file: str | None = None  # an entry whose repo is a GGUF repo: the GGUF file it loads (no safetensors form)
+    mmproj: str | None = None  # ... and that file's mmproj beside it
+    vision_params: int = 0  # the vision tower + projector's parameters, for the planner before download
     kind: str = "generate"  # "embedding" | "rerank": what the model is for (the server's capability check)
 
     def embedded_path(self) -> Path | None:
@@ -114,13 +118,17 @@ def load_registry(path: str | os.PathLike | None = None) -> Registry:
         raise ValueError(f"model registry {path}: {e}") from None
     models = {}
     for name, d in data.get("models", {}).items():
+        if d.get("mmproj") and not d.get("file"):
+            raise ValueError(f"model registry {path}: {name}: mmproj goes with file (the GGUF it belongs to)")
         v = d.get("variants", {})
         gguf = v.get("gguf") or {}
         models[name] = ModelSpec(
             name=name, repo=d["repo"], revision=d.get("revision", "main"), family=d.get("family", ""),
             context=d.get("context"), params=d.get("params"), aliases=list(d.get("aliases", [])),
             draft=d.get("draft"), embedded=d.get("embedded"), awq=v.get("awq"), gptq=v.get("gptq"),
-            gguf_repo=gguf.get("repo"), gguf_file=gguf.get("file"), kind=d.get("kind", "generate"),
+            gguf_repo=gguf.get("repo"), gguf_file=gguf.get("file"), gguf_mmproj=gguf.get("mmproj"),
+            vision_params=int(d.get("vision_params", 0)), file=d.get("file"), mmproj=d.get("mmproj"),
+            kind=d.get("kind", "generate"),
         )
     return Registry(models, data.get("default", next(iter(models), "")), data.get("default_embedding", "all-minilm"))
 

@@ -616,7 +616,7 @@ async def _pull(state: ServerState, body: PullRequest):
         try:
             if here is None:
                 v = variant_for(ref, "auto")
-                hub_pull(v.repo, v.revision, v.filename, progress=False, bars=_PullProgress(emit))
+                hub_pull(v.repo, v.revision, v.filename, progress=False, bars=_PullProgress(emit), mmproj=v.mmproj)
             emit({"status": "verifying sha256 digest"})
             emit({"status": "writing manifest"})
             emit({"status": "success"})

@@ -61,7 +61,8 @@ def router(state: ServerState) -> APIRouter:
         engine = served.engine
         try:  # rendering and encoding off the event loop, as for generation requests
             if body.messages is not None:
-                tokens = await asyncio.to_thread(engine.encode_prompt, oai.message_dicts(body.messages))
+                fetched = await oai.fetch_image_urls(body.messages, state.cfg.image_urls)
+                tokens = await asyncio.to_thread(engine.encode_prompt, oai.message_dicts(body.messages, fetched))
             else:
                 tokens = await asyncio.to_thread(engine.tokenizer.encode, body.prompt,
                                                  add_special_tokens=body.add_special_tokens)
@@ -322,7 +323,8 @@ async def start_chat(state: ServerState, body: oai.ChatCompletionRequest, served
         body = body.model_copy(update={"response_format": None})  # held to it inside the generic JSON
     params, constraint_param = _params_list(body, max_tokens, mt_param, logprobs, vocab, forced)
     kwargs = _template_kwargs(body.chat_template_kwargs)
-    messages = template_messages(oai.message_dicts(body.messages))
+    fetched = await oai.fetch_image_urls(body.messages, state.cfg.image_urls)
+    messages = template_messages(oai.message_dicts(body.messages, fetched))
     if not generic_tools.takes_tools(template):  # the tools (if offered) and tool turns as text turns
         messages = generic_tools.messages(messages, raw_tools if tools is not None else None, template)
     elif tools is not None:

@@ -11,16 +11,20 @@ JSON, not encodable text) gets past the request models.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..reply_stream import ReplyDelta
 from ..tool_calls import ToolCall
+
+if TYPE_CHECKING:
+    from ..model.vision.fetch import ImageURLPolicy
 
 
 class APIError(Exception):
@@ -211,24 +215,64 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
-def image_part(url: Any, where: str) -> dict:
-    """An OpenAI image_url part's data: URL -> our image part (its bytes, decoded with the prompt)."""
+def image_part(url: Any, where: str, fetched: dict[str, bytes] | None = None) -> dict:
+    """An OpenAI image_url part -> our image part (its bytes, decoded with the prompt): a data: URL's
+    bytes, or an http(s) URL's as fetch_image_urls fetched them (refused when it did not)."""
     from ..model.vision import ImageInputError
     from ..model.vision.images import decode_data_url
 
-    if isinstance(url, dict):
-        url = url.get("url")
-    if not isinstance(url, str):
-        raise APIError(400, f"{where}: a part of type 'image_url' needs image_url.url (a data: URL)", param=where)
+    url = _image_url(url, where)
+    if fetched is not None and url in fetched:
+        return {"type": "image", "image": fetched[url]}
     try:
         return {"type": "image", "image": decode_data_url(url, f"{where}.image_url")}
     except ImageInputError as e:
         raise APIError(400, str(e), param=where) from None
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+def _image_url(url: Any, where: str) -> str:
+    if isinstance(url, dict):
+        url = url.get("url")
+    if not isinstance(url, str):
+        raise APIError(400, f"{where}: a part of type 'image_url' needs image_url.url (a data: URL)", param=where)
+    return url
+
+
+async def fetch_image_urls(messages: list[ChatMessage], policy: ImageURLPolicy) -> dict[str, bytes]:
+    """The http(s) image_url parts' bytes, fetched concurrently (each URL once) where `policy`
+    allows it; {} where it does not (message_dicts then refuses them, saying how to allow them).
+    A failed fetch is a 400 naming the part and the problem."""
+    from ..model.vision import ImageInputError
+    from ..model.vision.fetch import fetch_image, is_http_url
+
+    if not policy.allow:
+        return {}
+    wanted: dict[str, str] = {}  # url -> the first part that names it
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    where = f"messages[{i}].content[{j}]"
+                    url = _image_url(part.get("image_url"), where)
+                    if is_http_url(url):
+                        wanted.setdefault(url, where)
+    if not wanted:
+        return {}
+
+    async def one(url: str, where: str) -> bytes:
+        try:
+            return await fetch_image(url, policy, f"{where}.image_url")
+        except ImageInputError as e:
+            raise APIError(400, str(e), param=where) from None
+
+    bodies = await asyncio.gather(*(one(u, w) for u, w in wanted.items()))
+    return dict(zip(wanted, bodies))
+
+
+def message_dicts(messages: list[ChatMessage], fetched: dict[str, bytes] | None = None) -> list[dict]:
     """ChatMessage models -> {"role", "content"} dicts for the chat template: text parts joined,
-    or, with images, a list of text and image parts ({"type": "image", "image": bytes})."""
+    or, with images, a list of text and image parts ({"type": "image", "image": bytes}); `fetched`:
+    the http(s) image URLs' bytes (fetch_image_urls)."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -237,7 +281,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
             for j, part in enumerate(content):
                 where = f"messages[{i}].content[{j}]"
                 if part.get("type") == "image_url":
-                    items.append(image_part(part.get("image_url"), where))
+                    items.append(image_part(part.get("image_url"), where, fetched))
                     continue
                 if part.get("type") != "text":
                     raise APIError(400, f"{where}: only text and image_url content parts are supported "

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..model.vision.fetch import ImageURLPolicy
 from .generation import Admission, ServedModel
 from .metrics import ServerMetrics
 from .openai_schema import APIError
@@ -28,6 +29,7 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20  # larger request bodies get a 413
     bind_host: str = "127.0.0.1"  # the --host it listens on (host_guard: loopback-bound servers check Host)
     allowed_hosts: list[str] = field(default_factory=list)  # --allow-host: more Host names ('*': any)
+    image_urls: ImageURLPolicy = field(default_factory=ImageURLPolicy)  # --allow-image-urls and its limits
 
 
 class ServerState:

@@ -53,10 +53,12 @@ def decode_base64(text: str, what: str = "image") -> bytes:
 
 
 def decode_data_url(url: str, what: str = "image_url") -> bytes:
-    """A data: URL's bytes (base64 only). http(s) URLs are refused: nothing is fetched."""
-    if url.startswith(("http://", "https://")):
-        raise ImageInputError(f"{what}: fetching images from http(s) URLs is not supported; send the image "
-                              "inline as a data: URL (data:image/png;base64,...)")
+    """A data: URL's bytes (base64 only). http(s) URLs are refused here: they are fetched (fetch.py)
+    only where the server allows it, before this is called."""
+    if url[:8].lower().startswith(("http://", "https://")):
+        raise ImageInputError(f"{what}: fetching images from http(s) URLs is off; start the server with "
+                              "--allow-image-urls to fetch them, or send the image inline as a data: URL "
+                              "(data:image/png;base64,...)")
     if not url.startswith("data:"):
         raise ImageInputError(f"{what} must be a data: URL (data:image/png;base64,...), got {url[:32]!r}")
     head, sep, body = url.partition(",")

@@ -1,0 +1,149 @@
+"""Time to first token for one 896x896 image: our engine against llama.cpp's mtmd path
+(llama-cpp-python's MTMDChatHandler) on the same GGUF + mmproj pair.
+
+    python bench/vision_ttft.py make DIR          # the pair, once (random weights, ~3 GB)
+    python bench/vision_ttft.py ours DIR [--threads 2]
+    python bench/vision_ttft.py llama DIR [--threads 2]
+
+The pair: Gemma 3 4B's vision side at its real shape (SigLIP so400m, 27 layers, 896x896 -> 4096
+patches, pooled to 256 tokens, projected to 2560) written by transformers with random weights,
+and a text model of Gemma-3-4B's width (hidden 2560, 8 heads, 4 KV heads, head_dim 256,
+intermediate 10240) but only LAYERS layers (the whole 34 would be a 16 GB fp32 checkpoint to
+write on this machine); the tokenizer is the tests' SmolLM2 one with Gemma 3's image tokens.
+The file pair is what tests/vision_gguf.py writes (llama.cpp's converter names, F16 mmproj, F32
+text GGUF). One process per measurement (`ours` / `llama`): the model is loaded, a warm-up
+request is run on another image, then one request with a fresh image (no image cache hit), one
+token out; printed: TTFT wall seconds and the process's CPU seconds over that request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' checkpoint writers (vision_models, vision_gguf)
+
+LAYERS = 2
+PROMPT = "Describe this image."
+
+
+def image_png(seed: int) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (896, 896, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def make(out: Path) -> None:
+    import torch
+    import transformers
+    from vision_gguf import write_pair
+    from vision_models import GEMMA3_TOKENS, _tokenizer
+
+    from localllm.family_templates import builtin_template
+    from localllm.model.loader import load_model
+    from localllm.registry import resolve_model
+
+    base = resolve_model("smollm2-135m").local_path
+    tokenizer = load_model(base, "float32").tokenizer
+    hf = out / "hf"
+    hf.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_hf(hf)
+    tok = _tokenizer(hf, GEMMA3_TOKENS, ["<start_of_turn>", "<end_of_turn>"])
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in GEMMA3_TOKENS.items()}
+    text = transformers.Gemma3TextConfig(
+        vocab_size=len(tok), hidden_size=2560, intermediate_size=10240, num_hidden_layers=LAYERS,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        sliding_window=1024, query_pre_attn_scalar=256, eos_token_id=sorted(tokenizer.eos_ids),
+        bos_token_id=tokenizer.bos_id, pad_token_id=0, tie_word_embeddings=True)
+    vision = transformers.SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                             num_attention_heads=16, image_size=896, patch_size=14,
+                                             vision_use_head=False)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=256,
+                                    boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+                                    image_token_index=ids["image_token"])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    model.save_pretrained(hf)
+    del model
+    transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 896, "width": 896}), tokenizer=tok,
+        chat_template=builtin_template("gemma3"), image_seq_length=256).save_pretrained(hf)
+    text_gguf, mmproj = write_pair(hf, "gemma3", base, out / "pair")
+    print(json.dumps({"text": str(text_gguf), "mmproj": str(mmproj)}))
+
+
+def _pair(d: Path) -> tuple[Path, Path]:
+    pair = d / "pair"
+    return next(pair.glob("gemma3-*.gguf")), next(pair.glob("mmproj-*.gguf"))
+
+
+def ours(d: Path, threads: int) -> dict:
+    import torch
+
+    from localllm.config import EngineConfig
+    from localllm.engine.engine import LLMEngine
+    from localllm.model.loader import load_model
+    from localllm.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    text, _ = _pair(d)
+    engine = LLMEngine(load_model(text, "auto"), EngineConfig(max_model_len=1024, compile=False, background_build=False, num_threads=threads, parallel=1))
+
+    def ask(png: bytes) -> None:
+        msgs = [{"role": "user", "content": [{"type": "image", "image": png}, {"type": "text", "text": PROMPT}]}]
+        for _ in engine.generate(msgs, SamplingParams(temperature=0, max_tokens=1)):
+            pass
+    ask(image_png(1))  # warm-up: kernels built, first-call costs paid
+    png = image_png(2)
+    c0, t0 = time.process_time(), time.perf_counter()
+    ask(png)
+    return {"engine": "localllm", "ttft_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+
+
+def llama(d: Path, threads: int) -> dict:
+    from llama_cpp import Llama
+    from llama_cpp.llama_chat_format import MTMDChatHandler
+
+    text, mmproj = _pair(d)
+    llm = Llama(model_path=str(text), chat_handler=MTMDChatHandler(clip_model_path=str(mmproj), verbose=False,
+                                                                    use_gpu=False),
+                n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def ask(png: bytes) -> None:
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        llm.create_chat_completion(messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]}],
+            max_tokens=1, temperature=0)
+        llm.reset()  # no prefix reuse between requests (ours has none for a new image either)
+    ask(image_png(1))
+    png = image_png(2)
+    c0, t0 = time.process_time(), time.perf_counter()
+    ask(png)
+    return {"engine": "llama.cpp", "ttft_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["make", "ours", "llama"])
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    if a.what == "make":
+        make(a.dir)
+    else:
+        print(json.dumps((ours if a.what == "ours" else llama)(a.dir, a.threads)))
+
+
+if __name__ == "__main__":
+    main()
