@@ -141,9 +141,9 @@ def test_bad_inputs_are_refused_with_the_reason():
     with pytest.raises(RuntimeError, match="force must be auto, avx512, avx2 or generic"):
         cpu_fused.isa("sse2")
     with pytest.raises(RuntimeError, match=r"weights must be the 10 \(or 12, with q/k norms\) tensors of a layer"):
-        torch.classes.localllm.DecodeLayer([qkv], [0] * 13, [0.0] * 4)
-    with pytest.raises(RuntimeError, match="13 ints and 4 floats, got 12 and 4"):
-        torch.classes.localllm.DecodeLayer([qkv] * 10, [0] * 12, [0.0] * 4)
+        torch.ops.localllm.decode_layer(qkv, None, [qkv], [0] * 13, [0.0] * 4, torch.tensor([0]), cos, cos, kc,
+                                        kc.clone(), torch.tensor([0]), torch.tensor([[0]]), torch.tensor([0, 1]),
+                                        torch.tensor([1]), 64, 1.0)
 
 
 # ---- the model on the fused ops vs the plain torch ops ------------------------------------------

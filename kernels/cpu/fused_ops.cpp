@@ -25,7 +25,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #if defined(__x86_64__)
@@ -500,49 +499,34 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return op.call(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window, softcap);
 }
 
-// DecodeLayer: the constants of one decoder layer's decode step, gathered once at load (cpu_ops.py)
-// and held by C++ (a registered class, torch.classes.localllm.DecodeLayer), so a call passes one
-// object where the list form converted ~12 tensors and two lists every call (~15-20 us a layer
-// from Python, BENCHMARKS.md).
-//   weights: input norm, qkv (w, scales), o (w, scales), post norm, gate_up (w, scales), down
-//            (w, scales)[, q norm, k norm]
-//   ints: group size and out features of qkv, o, gate_up, down; H, KVH, D, window, gelu
-//   floats: input norm eps, post norm eps, q/k norm eps, softcap
-struct DecodeLayer : torch::CustomClassHolder {
-  std::vector<at::Tensor> w;
-  std::vector<int64_t> i;
-  std::vector<double> f;
-  std::optional<at::Tensor> qw, kw;
-
-  DecodeLayer(std::vector<at::Tensor> weights, std::vector<int64_t> ints, std::vector<double> floats)
-      : w(std::move(weights)), i(std::move(ints)), f(std::move(floats)) {
-    TORCH_CHECK(w.size() == 10 || w.size() == 12,
-                "DecodeLayer: weights must be the 10 (or 12, with q/k norms) tensors of a layer, got ", w.size());
-    TORCH_CHECK(i.size() == 13 && f.size() == 4, "DecodeLayer: 13 ints and 4 floats, got ", i.size(), " and ",
-                f.size());
-    if (w.size() == 12) qw = w[10], kw = w[11];
-  }
-};
-
 // decode_layer: llama.py's DecoderLayer.forward for a layer whose four linears are int4 (our GEMM)
 // and which has no output norms or experts, as the same sequence of our ops the fused Ops set
 // calls one by one from Python (cpu_ops.py): add_rms_norm, qkv GEMM, rope_store, paged attention,
 // o GEMM, add_rms_norm, gate_up GEMM, silu_mul / gelu_tanh_mul, down GEMM; the same kernels, so
 // the same bits, with no Python between them (at batch 1 the ~10 calls of a layer from Python
 // cost ~3 ms per token on the 135M model: as much as a third of its GEMMs).
+//   weights: input norm, qkv (w, scales), o (w, scales), post norm, gate_up (w, scales), down
+//            (w, scales)[, q norm, k norm]
+//   ints: group size and out features of qkv, o, gate_up, down; H, KVH, D, window, gelu
+//   floats: input norm eps, post norm eps, q/k norm eps, softcap
 // (rotary_dim and scale come with the call: they are the model's, not the layer's)
 // -> (the MLP's output, the residual stream), as DecoderLayer.forward.
-std::tuple<at::Tensor, at::Tensor> decode_layer(const c10::intrusive_ptr<DecodeLayer>& layer, const at::Tensor& x,
-                                                const std::optional<at::Tensor>& residual,
-                                                const at::Tensor& positions, const at::Tensor& cos,
-                                                const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
-                                                const at::Tensor& slots, const at::Tensor& block_tables,
-                                                const at::Tensor& cu_seqlens_q, const at::Tensor& context_lens,
-                                                int64_t rotary_dim, double scale) {
-  const std::vector<at::Tensor>& weights = layer->w;
-  const std::vector<int64_t>& ints = layer->i;
-  const std::vector<double>& floats = layer->f;
+std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                                at::TensorList weights, at::IntArrayRef ints,
+                                                at::ArrayRef<double> floats, const at::Tensor& positions,
+                                                const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                                                at::Tensor& v_cache, const at::Tensor& slots,
+                                                const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                                                const at::Tensor& context_lens, int64_t rotary_dim,
+                                                double scale) {
+  TORCH_CHECK(weights.size() == 10 || weights.size() == 12,
+              "decode_layer: weights must be the 10 (or 12, with q/k norms) tensors of a layer, got ",
+              weights.size());
+  TORCH_CHECK(ints.size() == 13 && floats.size() == 4, "decode_layer: 13 ints and 4 floats, got ", ints.size(),
+              " and ", floats.size());
   const int64_t H = ints[8], KVH = ints[9], D = ints[10];
+  std::optional<at::Tensor> qw, kw;
+  if (weights.size() == 12) qw = weights[10], kw = weights[11];
   at::Tensor h, r;
   if (residual) {
     std::tie(h, r) = add_rms_norm(x, *residual, weights[0], floats[0]);
@@ -551,8 +535,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const c10::intrusive_ptr<DecodeL
     r = x;
   }
   const at::Tensor qkv = int4_linear(h, weights[1], weights[2], ints[0], ints[1]);
-  const at::Tensor q = rope_store(qkv, positions, cos, sin, k_cache, v_cache, slots, H, KVH, D, rotary_dim,
-                                  layer->qw, layer->kw, floats[2]);
+  const at::Tensor q = rope_store(qkv, positions, cos, sin, k_cache, v_cache, slots, H, KVH, D, rotary_dim, qw, kw,
+                                  floats[2]);
   const at::Tensor att = paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
                                          ints[11], floats[3]);
   const at::Tensor a = int4_linear(att.view({att.size(0), H * D}), weights[3], weights[4], ints[2], ints[3]);
@@ -572,12 +556,9 @@ TORCH_LIBRARY_FRAGMENT(localllm, m) {
         "Tensor slots, int H, int KVH, int D, int rotary_dim, Tensor? q_w, Tensor? k_w, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("gelu_tanh_mul(Tensor gate_up) -> Tensor");
-  m.class_<DecodeLayer>("DecodeLayer").def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>,
-                                                        std::vector<double>>());
-  m.def("decode_layer(__torch__.torch.classes.localllm.DecodeLayer layer, Tensor x, Tensor? residual, "
-        "Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
-        "Tensor block_tables, Tensor cu_seqlens_q, Tensor context_lens, int rotary_dim, float scale) "
-        "-> (Tensor, Tensor)");
+  m.def("decode_layer(Tensor x, Tensor? residual, Tensor[] weights, int[] ints, float[] floats, Tensor positions, "
+        "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, "
+        "Tensor cu_seqlens_q, Tensor context_lens, int rotary_dim, float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {

@@ -74,21 +74,20 @@ def fused_cpu_ops(plain, one_call_layers: bool = True):
         # (rope.cos goes through nn.Module.__getattr__: ~1 us; M-RoPE steps pass plain RopeRows)
         tables = rope.__dict__.get("_buffers") or rope.__dict__
         cos = tables["cos"]
-        if (args is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] >= args[1]
+        if (args is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] >= args[3]
                 or cos.dtype != torch.float32 or meta.spans or uses_sdpa(meta, layer)):
             return layer(x, residual, positions, meta, kv, ops, rope, scale)
-        return decode_layer(args[0], x, residual, positions, cos, tables["sin"], kv[0], kv[1], meta.slot_mapping,
-                            meta.block_tables, meta.cu_seqlens_q, meta.context_lens, rope.rotary_dim, scale)
+        return decode_layer(x, residual, args[0], args[1], args[2], positions, cos, tables["sin"], kv[0], kv[1],
+                            meta.slot_mapping, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                            rope.rotary_dim, scale)
 
     ops = dataclasses.replace(plain, add_norm=add_norm, act=act, gelu_act=gelu_act, attend=attend)
     return dataclasses.replace(ops, layer=layer_step) if one_call_layers else ops
 
 
 def decode_layer_args(layer) -> tuple | None:
-    """(the layer's constants as a C++ object, torch.classes.localllm.DecodeLayer; rows below which
-    it applies) of `layer` for the one-call decode step (torch.ops.localllm.decode_layer: the fused
-    ops' sequence for one layer in C++; the object passes as one argument where its ~12 tensors and
-    two lists cost ~15-20 us to convert every call), or None where
+    """(weights, ints, floats, rows below which it applies) of `layer` for the one-call decode step
+    (torch.ops.localllm.decode_layer: the fused ops' sequence for one layer in C++), or None where
     that does not apply: a linear that is not on our int4 kernel (or has a bias), experts, Gemma's
     output norms, norms in another dtype. Kept in the layer's __dict__ (nn.Module's attribute
     lookups cost ~1 us each, ~20 of them a layer) and checked against each linear's own cached
@@ -125,7 +124,7 @@ def _layer_args(layer, fast: list) -> tuple | None:
         weights += [qn.weight, kn.weight]
     ints = [qg, qn_, og, on, gg, gn, dg, dn, layer.H, layer.KVH, layer.D, int(layer.window or 0), int(layer.gelu)]
     floats = [layer.input_norm.eps, layer.post_norm.eps, 1e-6 if qn is None else qn.eps, float(layer.softcap or 0.0)]
-    return torch.classes.localllm.DecodeLayer(weights, ints, floats), min(qr, orr, gr, dr)
+    return weights, ints, floats, min(qr, orr, gr, dr)
 
 
 def uses_sdpa(meta: AttnMeta, layer) -> bool:
