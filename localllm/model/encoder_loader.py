@@ -24,6 +24,7 @@ from ..config import ModelConfig
 from .bert import BertConfig, BertEncoder, ClassifierHead, EncoderLayer, LayerNorm
 from .decoder_encoder import DecoderEncoder, YesNoHead
 from .errors import ModelLoadError
+from . import bf16x3
 from .layers import DenseLinear
 from .pooling import Pooling
 
@@ -305,7 +306,7 @@ def _gguf_config(path: Path) -> tuple[BertConfig, dict]:
     return cfg, meta
 
 
-def _load_gguf_encoder(path: Path, device: str) -> LoadedEncoder:
+def _load_gguf_encoder(path: Path, device: str, precision: str) -> LoadedEncoder:
     """A llama.cpp `bert` GGUF: its pooling_type decides the pooling; vectors are normalised (what
     Ollama's and llama.cpp's servers return: the file does not say)."""
     from ..tokenizer import wordpiece_from_gguf
@@ -314,7 +315,7 @@ def _load_gguf_encoder(path: Path, device: str) -> LoadedEncoder:
     pooling_type = int(meta.get(f"{meta['general.architecture']}.pooling_type", 1))
     if pooling_type not in GGUF_POOLING:
         raise ModelLoadError(f"{path}: pooling_type {pooling_type} is not supported (1 mean, 2 cls, 3 last)")
-    model = _build(cfg, _GGUFTensors(path), "embedding", device)
+    model = _build(cfg, _GGUFTensors(path), "embedding", device, precision)
     try:
         tok = wordpiece_from_gguf(meta)
     except (KeyError, ValueError) as e:
@@ -411,7 +412,7 @@ def load_encoder(path: str | os.PathLike, device: str = "cpu", kind: str | None 
     if is_decoder(path):
         return _load_decoder_encoder(path, device, kind, precision)
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf_encoder(path, device)
+        return _load_gguf_encoder(path, device, precision)
     raw = _json(path / "config.json")
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)")
@@ -423,7 +424,7 @@ def load_encoder(path: str | os.PathLike, device: str = "cpu", kind: str | None 
         cfg = BertConfig.from_hf(raw)
     except (KeyError, ValueError, TypeError) as e:
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
-    model = _build(cfg, _Tensors(path), kind, device)
+    model = _build(cfg, _Tensors(path), kind, device, precision)
     pooling, max_len = sentence_transformers_settings(path, cfg)
     params = sum(p.numel() for p in model.parameters())
     return LoadedEncoder(model, load_tokenizer(path), cfg, pooling, max_len, kind, str(path), params,
@@ -449,13 +450,19 @@ def _build_nomic(cfg: BertConfig, w, device: str) -> BertEncoder:
                        get("embeddings.token_type_embeddings.weight"), norm("emb_ln"), layers, None, device)
 
 
-def _build(cfg: BertConfig, w, kind: str, device: str) -> BertEncoder:
-    """The encoder from `w`'s tensors under HF's names (a checkpoint's or a GGUF's)."""
+def _build(cfg: BertConfig, w, kind: str, device: str, precision: str = "auto") -> BertEncoder:
+    """The encoder from `w`'s tensors under HF's names (a checkpoint's or a GGUF's); precision
+    "auto": the layers' linears on the AMX bf16x3 kernel where the CPU has it (fp32-level
+    results, BENCHMARKS.md), "float32": torch's fp32 linears."""
     if cfg.model_type == "nomic_bert":
         return _build_nomic(cfg, w, device)
+    if precision not in ("auto", "float32"):
+        raise ModelLoadError(f"precision {precision!r} is not supported for BERT-family encoders (auto, float32)")
+    fast = precision == "auto" and bf16x3.available(device)
 
-    def lin(name: str, encoder: bool = True) -> DenseLinear:
-        return DenseLinear(w.get(name + ".weight", encoder).to(device), w.get(name + ".bias", encoder).to(device))
+    def lin(name: str, encoder: bool = True, act: str = "none") -> torch.nn.Module:
+        return bf16x3.linear(w.get(name + ".weight", encoder).to(device), w.get(name + ".bias", encoder).to(device),
+                             fast, act)
 
     def norm(name: str) -> LayerNorm:
         return LayerNorm(w.get(name + ".weight").to(device), w.get(name + ".bias").to(device), cfg.layer_norm_eps)
@@ -465,15 +472,19 @@ def _build(cfg: BertConfig, w, kind: str, device: str) -> BertEncoder:
         p = f"encoder.layer.{i}."
         a = p + "attention.self."
         # q, k and v as one linear: one GEMM instead of three
-        qkv = DenseLinear(torch.cat([w.get(a + m + ".weight") for m in ("query", "key", "value")]).to(device),
-                          torch.cat([w.get(a + m + ".bias") for m in ("query", "key", "value")]).to(device))
+        qkv = bf16x3.linear(torch.cat([w.get(a + m + ".weight") for m in ("query", "key", "value")]).to(device),
+                            torch.cat([w.get(a + m + ".bias") for m in ("query", "key", "value")]).to(device), fast)
+        up = lin(p + "intermediate.dense", act="gelu" if cfg.hidden_act == "gelu" else "none")
         layers.append(EncoderLayer(cfg, qkv, lin(p + "attention.output.dense"), norm(p + "attention.output.LayerNorm"),
-                                   lin(p + "intermediate.dense"), lin(p + "output.dense"), norm(p + "output.LayerNorm")))
+                                   up, lin(p + "output.dense"), norm(p + "output.LayerNorm")))
+    def dense(name: str, encoder: bool = True) -> DenseLinear:  # the head: one row an input, fp32
+        return DenseLinear(w.get(name + ".weight", encoder).to(device), w.get(name + ".bias", encoder).to(device))
+
     head = None
     if kind == "rerank" and w.has("classifier.out_proj.weight"):  # RoBERTa's head
-        head = ClassifierHead(lin("classifier.dense", encoder=False), lin("classifier.out_proj", encoder=False))
+        head = ClassifierHead(dense("classifier.dense", encoder=False), dense("classifier.out_proj", encoder=False))
     elif kind == "rerank":
-        head = ClassifierHead(lin("pooler.dense"), lin("classifier", encoder=False))
+        head = ClassifierHead(dense("pooler.dense"), dense("classifier", encoder=False))
     e = "embeddings."
     return BertEncoder(cfg, w.get(e + "word_embeddings.weight").to(device),
                         w.get(e + "position_embeddings.weight").to(device),
