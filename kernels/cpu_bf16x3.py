@@ -56,14 +56,18 @@ def split(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (w - hi.float()).to(torch.bfloat16)
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """fp32 W [N, K] -> [Nt, nkb, 2, 16, 16, 2] bf16: column tiles of 16 outputs (Nt even),
-    k-blocks of 32, the (hi, lo) parts, each tile in TDPBF16PS's B layout (k pairs adjacent)."""
+def pack(w: torch.Tensor, parts: int = 2) -> torch.Tensor:
+    """fp32 W [N, K] -> [Nt, nkb, parts, 16, 16, 2] bf16: column tiles of 16 outputs (Nt even),
+    k-blocks of 32, the (hi, lo) parts (parts=2: fp32-level results) or the weights rounded to
+    bf16 (parts=1: two products instead of three, ~3 significant digits of each weight), each
+    tile in TDPBF16PS's B layout (k pairs adjacent)."""
+    if parts not in (1, 2):
+        raise ValueError(f"parts must be 1 or 2, got {parts}")
     n, k = w.shape
     w = torch.nn.functional.pad(w.float(), (0, -k % 32, 0, -n % 32))
     nt, nkb = w.shape[0] // 16, w.shape[1] // 32
-    parts = [p.view(nt, 16, nkb, 16, 2).permute(0, 2, 3, 1, 4) for p in split(w)]
-    return torch.stack(parts, dim=2).contiguous()
+    tiles = [p.view(nt, 16, nkb, 16, 2).permute(0, 2, 3, 1, 4) for p in split(w)[:parts]]
+    return torch.stack(tiles, dim=2).contiguous()
 
 
 def pad_bias(bias: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor | None:
@@ -75,7 +79,8 @@ def pad_bias(bias: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor | None:
 
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int, act: str = "none") -> torch.Tensor:
-    """fp32 x [M, K] @ W.T (+ bias), then act -> fp32 [M, n]."""
+    """fp32 x [M, K] @ W.T (+ bias), then act -> fp32 [M, n] (x split into two bf16 parts; W as
+    `pack` holds it)."""
     return torch.ops.localllm.bf16x3_gemm(x, w, bias, n, act)
 
 

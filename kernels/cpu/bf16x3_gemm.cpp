@@ -45,7 +45,11 @@ namespace {
 constexpr int kK = 32;                // k per tile step
 constexpr int kTile = 16 * kK;        // bf16 values of one tile (1 KB)
 constexpr int64_t kChunkBytes = 768 << 10;  // weight tiles a task keeps in L2 (2 MB a core here)
-constexpr int64_t kGroupRows = 256;          // rows a task runs over one column chunk
+constexpr int64_t kGroupRows = 256;
+#ifndef SLICE
+#define SLICE 8
+#endif
+constexpr int64_t kSliceK = SLICE;  // k-blocks a slice (see gemm_block)          // rows a task runs over one column chunk
 
 // AMX-BF16 and AVX-512 on the CPU and the tile state granted to this process by Linux
 bool amx_ready() {
@@ -145,28 +149,47 @@ AVX512 inline __m512 gelu_512(__m512 x) {
   return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5f)), one_plus_erf);
 }
 
-// row tiles [t0, t1) x column tiles [c0, c1) (pairs): a holds x split (split_rows), M rows
+// row tiles [t0, t1) x column tiles [c0, c1) (pairs): a holds x split (split_rows), M rows; WP
+// weight parts (2: hi, lo; 1: the weights rounded to bf16)
+template <int WP>
 AMX void gemm_block(const uint16_t* a, int64_t M, int64_t t0, int64_t t1, int64_t nkb, const uint16_t* w, int64_t c0,
                     int64_t c1, const float* bias, bool gelu, float* y, int64_t N) {
   alignas(64) float acc[32][32];
-  const int64_t tstride = nkb * 2 * kTile, mt = (M + 15) / 16;  // bf16 values per row (column) tile
-  for (int64_t t = t0; t < t1; t += 2) {  // the row pair's tiles stay in L1 across the column tiles
+  const int64_t tstride = nkb * 2 * kTile, mt = (M + 15) / 16;  // bf16 values per row tile
+  const int64_t bstride = nkb * WP * kTile;                         // per column tile
+  // K in slices of ~kSliceK: a row pair's slice of activation tiles (<= 32 KB) stays in L1 while
+  // every column pair of the range multiplies it (a whole K = 1536 pair, 192 KB, came from L2 for
+  // each column pair: 1.35x torch's time); the partial sums wait in `part` between slices
+  const int64_t slices = (nkb + kSliceK - 1) / kSliceK, ld = (c1 - c0) * 16;
+  std::vector<float> part(slices > 1 ? 32 * ld + 16 : 0);
+  float* ps = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(part.data()) + 63) & ~uintptr_t{63});
+  for (int64_t t = t0; t < t1; t += 2) {
     const uint16_t* a0 = a + t * tstride;
     const uint16_t* a1 = t + 1 < mt ? a0 + tstride : a0;  // an odd last tile pairs with itself
+    for (int64_t s = 0; s < slices; ++s) {
+    const int64_t k0 = nkb * s / slices, k1 = nkb * (s + 1) / slices;
     for (int64_t c = c0; c < c1; c += 2) {
-      const uint16_t* b0 = w + c * tstride;
-      const uint16_t* b1 = b0 + tstride;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t kb = 0; kb < nkb; ++kb) {
-        const int64_t o = kb * 2 * kTile;
+      const uint16_t* b0 = w + c * bstride;
+      const uint16_t* b1 = b0 + bstride;
+      float* pc = ps + (c - c0) * 16;
+      if (s == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_loadd(0, pc, ld * 4);
+        _tile_loadd(1, pc + 16, ld * 4);
+        _tile_loadd(2, pc + 16 * ld, ld * 4);
+        _tile_loadd(3, pc + 16 * ld + 16, ld * 4);
+      }
+      for (int64_t kb = k0; kb < k1; ++kb) {
+        const int64_t o = kb * 2 * kTile, ob = kb * WP * kTile;
         // x_lo w_hi, then x_hi w_hi (w_hi stays), then x_hi w_lo (x_hi stays): 8 loads, 12 products
         _tile_loadd(4, a0 + o + kTile, 64);
         _tile_loadd(5, a1 + o + kTile, 64);
-        _tile_loadd(6, b0 + o, 64);
-        _tile_loadd(7, b1 + o, 64);
+        _tile_loadd(6, b0 + ob, 64);
+        _tile_loadd(7, b1 + ob, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
@@ -177,12 +200,21 @@ AMX void gemm_block(const uint16_t* a, int64_t M, int64_t t0, int64_t t1, int64_
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
-        _tile_loadd(6, b0 + o + kTile, 64);
-        _tile_loadd(7, b1 + o + kTile, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        if constexpr (WP == 2) {
+          _tile_loadd(6, b0 + ob + kTile, 64);
+          _tile_loadd(7, b1 + ob + kTile, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      if (s + 1 < slices) {
+        _tile_stored(0, pc, ld * 4);
+        _tile_stored(1, pc + 16, ld * 4);
+        _tile_stored(2, pc + 16 * ld, ld * 4);
+        _tile_stored(3, pc + 16 * ld + 16, ld * 4);
+        continue;
       }
       _tile_stored(0, &acc[0][0], 128);
       _tile_stored(1, &acc[0][16], 128);
@@ -201,11 +233,12 @@ AMX void gemm_block(const uint16_t* a, int64_t M, int64_t t0, int64_t t1, int64_
         }
       }
     }
+    }
   }
 }
 
 // tasks [q0, q1) of the column chunks x row groups on this thread (its own tile state)
-AMX void run_tasks(const uint16_t* a, int64_t M, int64_t nkb, const uint16_t* w, int64_t nt, int64_t chunk_tiles,
+AMX void run_tasks(const uint16_t* a, int64_t M, int64_t nkb, const uint16_t* w, int wp, int64_t nt, int64_t chunk_tiles,
                    int64_t groups, int64_t q0, int64_t q1, const float* b, bool gelu, float* y, int64_t N) {
   tile_config();
   const int64_t mt = (M + 15) / 16;
@@ -213,7 +246,8 @@ AMX void run_tasks(const uint16_t* a, int64_t M, int64_t nkb, const uint16_t* w,
     const int64_t cc = q / groups, g = q % groups;
     const int64_t t0 = mt * g / groups / 2 * 2, t1 = g + 1 == groups ? mt : mt * (g + 1) / groups / 2 * 2;
     const int64_t c0 = cc * chunk_tiles, c1 = std::min(nt, c0 + chunk_tiles);
-    if (t0 < t1) gemm_block(a, M, t0, t1, nkb, w, c0, c1, b, gelu, y, N);
+    if (t0 < t1 && wp == 2) gemm_block<2>(a, M, t0, t1, nkb, w, c0, c1, b, gelu, y, N);
+    if (t0 < t1 && wp == 1) gemm_block<1>(a, M, t0, t1, nkb, w, c0, c1, b, gelu, y, N);
   }
   _tile_release();
 }
@@ -232,8 +266,8 @@ at::Tensor bf16x3_gemm(const at::Tensor& x, const at::Tensor& w, const std::opti
   TORCH_CHECK(act == "none" || act == "gelu", "bf16x3_gemm: act must be none or gelu, got ", act);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "bf16x3_gemm: x must be fp32 [M, K]");
   TORCH_CHECK(w.dim() == 6 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(0) % 2 == 0 &&
-              w.size(2) == 2 && w.size(3) == 16 && w.size(4) == 16 && w.size(5) == 2,
-              "bf16x3_gemm: the weight must be contiguous bf16 [Nt (even), nkb, 2, 16, 16, 2]");
+              (w.size(2) == 1 || w.size(2) == 2) && w.size(3) == 16 && w.size(4) == 16 && w.size(5) == 2,
+              "bf16x3_gemm: the weight must be contiguous bf16 [Nt (even), nkb, 1 or 2, 16, 16, 2]");
   const int64_t M = x.size(0), K = x.size(1), Nt = w.size(0), nkb = w.size(1);
   TORCH_CHECK((K + kK - 1) / kK == nkb, "bf16x3_gemm: x has K = ", K, " but the weight ", nkb, " k-blocks");
   TORCH_CHECK(N > 16 * (Nt - 2) && N <= 16 * Nt, "bf16x3_gemm: N = ", N, " does not fit ", Nt, " column tiles");
@@ -248,7 +282,7 @@ at::Tensor bf16x3_gemm(const at::Tensor& x, const at::Tensor& w, const std::opti
   if (M == 0 || N == 0) return y;
 #if defined(__x86_64__)
   const float* xp = xc.data_ptr<float>();
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  const auto* wp_ = reinterpret_cast<const uint16_t*>(w.data_ptr());
   float* yp = y.data_ptr<float>();
   const bool gelu = act == "gelu";
   // x split once into activation tiles (as many bytes as x), shared by the threads; then tasks of
@@ -260,12 +294,13 @@ at::Tensor bf16x3_gemm(const at::Tensor& x, const at::Tensor& w, const std::opti
   uint16_t* a = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(abuf.data()) + 63) & ~uintptr_t{63});
   at::parallel_for(0, mt, 16, [&](int64_t t0, int64_t t1) { split_rows(xp, M, K, t0, t1, nkb, a); });
   const int64_t threads = at::get_num_threads();
-  int64_t chunk_tiles = std::max<int64_t>(2, kChunkBytes / (tstride * 2) / 2 * 2);
+  const int parts = static_cast<int>(w.size(2));
+  int64_t chunk_tiles = std::max<int64_t>(2, kChunkBytes / (nkb * parts * kTile * 2) / 2 * 2);
   const int64_t groups = std::max<int64_t>(1, std::min((mt + 1) / 2, mt * 16 / kGroupRows));
   while (chunk_tiles > 2 && ((Nt + chunk_tiles - 1) / chunk_tiles) * groups < 2 * threads) chunk_tiles -= 2;
   const int64_t chunks = (Nt + chunk_tiles - 1) / chunk_tiles;
   at::parallel_for(0, chunks * groups, 1, [&](int64_t q0, int64_t q1) {
-    run_tasks(a, M, nkb, wp, Nt, chunk_tiles, groups, q0, q1, b, gelu, yp, N);
+    run_tasks(a, M, nkb, wp_, parts, Nt, chunk_tiles, groups, q0, q1, b, gelu, yp, N);
   });
 #endif
   return y;

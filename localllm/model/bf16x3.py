@@ -29,7 +29,7 @@ class Bf16x3Linear(nn.Module):
 
     kind = "bf16x3"
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none"):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none", parts: int = 2):
         from localllm_kernels import cpu_bf16x3
 
         super().__init__()
@@ -37,7 +37,7 @@ class Bf16x3Linear(nn.Module):
             raise ValueError(f"act must be one of {', '.join(cpu_bf16x3.ACTS)}, got {act!r}")
         self.out_features, self.in_features = weight.shape
         self.act = act
-        self.register_buffer("w", cpu_bf16x3.pack(weight))
+        self.register_buffer("w", cpu_bf16x3.pack(weight, parts))
         self.register_buffer("b", cpu_bf16x3.pad_bias(bias, self.w))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,9 +47,10 @@ class Bf16x3Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
-def linear(weight: torch.Tensor, bias: torch.Tensor | None, fast: bool, act: str = "none") -> nn.Module:
-    """A Bf16x3Linear (act fused) when `fast` (the caller checked `available`), else torch's
-    fp32 DenseLinear (act left to the caller)."""
-    if fast:
-        return Bf16x3Linear(weight, bias, act)
+def linear(weight: torch.Tensor, bias: torch.Tensor | None, parts: int, act: str = "none") -> nn.Module:
+    """A Bf16x3Linear (act fused) of `parts` weight parts (2: fp32-level, 1: the weights rounded
+    to bf16) when parts > 0 (the caller checked `available`), else torch's fp32 DenseLinear (act
+    left to the caller)."""
+    if parts:
+        return Bf16x3Linear(weight, bias, act, parts)
     return DenseLinear(weight.float(), bias)

@@ -21,10 +21,10 @@ import torch
 from tokenizers import Tokenizer
 
 from ..config import ModelConfig
+from . import bf16x3
 from .bert import BertConfig, BertEncoder, ClassifierHead, EncoderLayer, LayerNorm
 from .decoder_encoder import DecoderEncoder, YesNoHead
 from .errors import ModelLoadError
-from . import bf16x3
 from .layers import DenseLinear
 from .pooling import Pooling
 
@@ -450,19 +450,30 @@ def _build_nomic(cfg: BertConfig, w, device: str) -> BertEncoder:
                        get("embeddings.token_type_embeddings.weight"), norm("emb_ln"), layers, None, device)
 
 
+# BERT-family encoders' linears: "auto" (the AMX kernel where the CPU has it, AUTO_PARTS weight
+# parts; torch's fp32 elsewhere), "float32" (torch's fp32), "bf16x3" (AMX, weights in two bf16
+# parts: fp32-level), "bfloat16" (AMX, weights rounded to bf16, activations in two parts)
+ENCODER_PRECISIONS = ("auto", "float32", "bf16x3", "bfloat16")
+AUTO_PARTS = 2  # fp32-level; 1 (bfloat16) measured faster and at cosine >= 0.99997 (BENCHMARKS.md)
+
+
 def _build(cfg: BertConfig, w, kind: str, device: str, precision: str = "auto") -> BertEncoder:
     """The encoder from `w`'s tensors under HF's names (a checkpoint's or a GGUF's); precision
     "auto": the layers' linears on the AMX bf16x3 kernel where the CPU has it (fp32-level
     results, BENCHMARKS.md), "float32": torch's fp32 linears."""
     if cfg.model_type == "nomic_bert":
         return _build_nomic(cfg, w, device)
-    if precision not in ("auto", "float32"):
-        raise ModelLoadError(f"precision {precision!r} is not supported for BERT-family encoders (auto, float32)")
-    fast = precision == "auto" and bf16x3.available(device)
+    if precision not in ENCODER_PRECISIONS:
+        raise ModelLoadError(f"precision {precision!r} is not supported for BERT-family encoders "
+                             f"({', '.join(ENCODER_PRECISIONS)})")
+    fast = bf16x3.available(device)
+    if precision in ("bf16x3", "bfloat16") and not fast:
+        raise ModelLoadError(f"precision {precision!r} needs a CPU with AMX-BF16 (this one has none: use auto)")
+    parts = {"auto": AUTO_PARTS if fast else 0, "float32": 0, "bf16x3": 2, "bfloat16": 1}[precision]
 
     def lin(name: str, encoder: bool = True, act: str = "none") -> torch.nn.Module:
         return bf16x3.linear(w.get(name + ".weight", encoder).to(device), w.get(name + ".bias", encoder).to(device),
-                             fast, act)
+                             parts, act)
 
     def norm(name: str) -> LayerNorm:
         return LayerNorm(w.get(name + ".weight").to(device), w.get(name + ".bias").to(device), cfg.layer_norm_eps)
@@ -473,7 +484,7 @@ def _build(cfg: BertConfig, w, kind: str, device: str, precision: str = "auto") 
         a = p + "attention.self."
         # q, k and v as one linear: one GEMM instead of three
         qkv = bf16x3.linear(torch.cat([w.get(a + m + ".weight") for m in ("query", "key", "value")]).to(device),
-                            torch.cat([w.get(a + m + ".bias") for m in ("query", "key", "value")]).to(device), fast)
+                            torch.cat([w.get(a + m + ".bias") for m in ("query", "key", "value")]).to(device), parts)
         up = lin(p + "intermediate.dense", act="gelu" if cfg.hidden_act == "gelu" else "none")
         layers.append(EncoderLayer(cfg, qkv, lin(p + "attention.output.dense"), norm(p + "attention.output.LayerNorm"),
                                    up, lin(p + "output.dense"), norm(p + "output.LayerNorm")))
