@@ -149,3 +149,10 @@ def test_minilm_modes_on_held_out_sentences(minilm_dir):
         emb = Embedder(loaded)
         cos = F.cosine_similarity(emb.embed(emb.tokenize(HELD_OUT)).float(), st)
         assert cos.min().item() >= bar, (precision, cos.min().item())
+
+
+def test_parameter_count_is_the_checkpoints(minilm_dir):
+    """The AMX linears keep their weights in buffers: the count a model reports is the fp32
+    model's parameters all the same."""
+    ref = load_encoder(minilm_dir, precision="float32")
+    assert load_encoder(minilm_dir).params == ref.params == sum(p.numel() for p in ref.model.parameters())

@@ -37,6 +37,7 @@ class Bf16x3Linear(nn.Module):
             raise ValueError(f"act must be one of {', '.join(cpu_bf16x3.ACTS)}, got {act!r}")
         self.out_features, self.in_features = weight.shape
         self.act = act
+        self.weights = weight.numel() + (0 if bias is None else bias.numel())  # held in buffers, not parameters
         self.register_buffer("w", cpu_bf16x3.pack(weight, parts))
         self.register_buffer("b", cpu_bf16x3.pad_bias(bias, self.w))
 
@@ -54,3 +55,9 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None, parts: int, act: str
     if parts:
         return Bf16x3Linear(weight, bias, act, parts)
     return DenseLinear(weight.float(), bias)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """The model's parameters, its Bf16x3Linears' weights and biases counted (kept as buffers)."""
+    return (sum(p.numel() for p in model.parameters())
+            + sum(m.weights for m in model.modules() if isinstance(m, Bf16x3Linear)))

@@ -320,7 +320,7 @@ def _load_gguf_encoder(path: Path, device: str, precision: str) -> LoadedEncoder
         tok = wordpiece_from_gguf(meta)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"{path}: GGUF tokenizer metadata: {e}") from None
-    params = sum(p.numel() for p in model.parameters())
+    params = bf16x3.count_parameters(model)
     return LoadedEncoder(model, tok, cfg, Pooling(GGUF_POOLING[pooling_type], True), cfg.max_position_embeddings,
                          "embedding", str(path), params)
 
@@ -426,7 +426,7 @@ def load_encoder(path: str | os.PathLike, device: str = "cpu", kind: str | None 
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
     model = _build(cfg, _Tensors(path), kind, device, precision)
     pooling, max_len = sentence_transformers_settings(path, cfg)
-    params = sum(p.numel() for p in model.parameters())
+    params = bf16x3.count_parameters(model)
     return LoadedEncoder(model, load_tokenizer(path), cfg, pooling, max_len, kind, str(path), params,
                          *_st_prompts(path))
 
