@@ -8,8 +8,11 @@ bench/make_embed_gguf.py; ours also on that GGUF), the same threads each.
     python bench/embed_throughput.py [--threads 2] [--runs 5] [--batches 1,64]
 
 Prints a markdown table: the median wall time of `--runs` calls per engine and batch (after one
-warm-up call), as sentences/s, and the process CPU seconds per sentence (what a loaded machine
-distorts least). Every engine embeds the same texts; the script checks each sentence is exactly
+warm-up call; the engines' calls interleaved, A B C A B C ..., so load changes hit all alike), as
+sentences/s, and the process CPU seconds per sentence (what a loaded machine distorts least).
+Our engine also runs as `--precision float32` (torch's fp32 linears: the path before the AMX
+kernel, and what CPUs without AMX run) and `bfloat16` (the opt-in bf16-rounded weights) where
+the CPU has AMX. Without llama-cpp-python installed its rows are left out (said in the output). Every engine embeds the same texts; the script checks each sentence is exactly
 128 tokens for all three tokenizers and that the engines agree (cosine >= 0.9999).
 """
 
@@ -44,16 +47,20 @@ def sentences(n: int, tokens: int, tokenizer) -> list[str]:
     return out
 
 
-def timed(fn, runs: int) -> tuple[float, float]:
-    """(median wall seconds, median process CPU seconds) of fn() over `runs` calls, after a warm-up."""
-    fn()
-    walls, cpus = [], []
-    for _ in range(runs):
-        w, c = time.perf_counter(), time.process_time()
+def timed(fns: dict, runs: int) -> dict[str, tuple[float, float]]:
+    """name -> (median wall seconds, median process CPU seconds) of fns[name]() over `runs`
+    calls, after a warm-up each; the calls interleaved (one of each engine per round)."""
+    for fn in fns.values():
         fn()
-        walls.append(time.perf_counter() - w)
-        cpus.append(time.process_time() - c)
-    return statistics.median(walls), statistics.median(cpus)
+    walls = {name: [] for name in fns}
+    cpus = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            w, c = time.perf_counter(), time.process_time()
+            fn()
+            walls[name].append(time.perf_counter() - w)
+            cpus[name].append(time.process_time() - c)
+    return {name: (statistics.median(walls[name]), statistics.median(cpus[name])) for name in fns}
 
 
 def main() -> None:
@@ -63,6 +70,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--llama-ubatch", type=int, default=4, help="sentences per llama.cpp decode in its second row")
+    ap.add_argument("--skip-llama-full-context", action="store_true",
+                    help="leave out llama.cpp's whole-batch context above --llama-ubatch sentences (its slowest row: "
+                         "~3 s a sentence at batch 64, 8192-square attention)")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
     sys.path.insert(0, str(ROOT))
@@ -74,6 +84,7 @@ def main() -> None:
     from make_embed_gguf import write_bert_gguf
 
     from localllm.engine.embedder import Embedder
+    from localllm.model import bf16x3
     from localllm.model.encoder_loader import load_encoder
     from localllm.registry import resolve_model
 
@@ -82,6 +93,8 @@ def main() -> None:
     write_bert_gguf(src, gguf_path)
     ours = Embedder(load_encoder(src))
     ours_gguf = Embedder(load_encoder(gguf_path))
+    ours_fp32 = Embedder(load_encoder(src, precision="float32"))
+    ours_bf16 = Embedder(load_encoder(src, precision="bfloat16")) if bf16x3.available() else None
     batches = [int(b) for b in a.batches.split(",")]
     texts = sentences(max(batches), a.tokens, lambda t: ours.tokenize([t]).ids[0])
 
@@ -89,7 +102,11 @@ def main() -> None:
 
     st = SentenceTransformer(str(src), device="cpu")
     assert all(len(st.tokenizer(t)["input_ids"]) == a.tokens for t in texts)
-    import llama_cpp
+    try:
+        import llama_cpp
+    except ImportError:
+        llama_cpp = None
+        print("llama-cpp-python is not installed: no llama.cpp rows", file=sys.stderr)
 
     @functools.cache
     def llama(n_ctx: int):
@@ -99,11 +116,15 @@ def main() -> None:
         return llama_cpp.Llama(str(gguf_path), embedding=True, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                                n_threads=a.threads, n_threads_batch=a.threads, verbose=False)
 
-    assert all(len(llama(a.tokens).tokenize(t.encode())) == a.tokens for t in texts)
+    assert llama_cpp is None or all(len(llama(a.tokens).tokenize(t.encode())) == a.tokens for t in texts)
 
     engines = {
         "localllm (HF dir)": lambda b: ours.embed(ours.tokenize(texts[:b])),
         "localllm (GGUF)": lambda b: ours_gguf.embed(ours_gguf.tokenize(texts[:b])),
+        "localllm (HF dir, --precision float32: torch's linears)": lambda b: ours_fp32.embed(
+            ours_fp32.tokenize(texts[:b])),
+        **({"localllm (HF dir, --precision bfloat16, opt-in)": lambda b: ours_bf16.embed(ours_bf16.tokenize(texts[:b]))}
+           if ours_bf16 is not None else {}),
         "sentence-transformers": lambda b: st.encode(texts[:b], batch_size=b, convert_to_numpy=True),
         # the context sized to the batch (one decode of all its sentences)
         "llama.cpp, n_ctx = batch tokens": lambda b: llama(b * a.tokens).embed(texts[:b], normalize=True),
@@ -111,23 +132,32 @@ def main() -> None:
         f"llama.cpp, n_ctx = {a.llama_ubatch} sentences": lambda b: llama(min(b, a.llama_ubatch) * a.tokens).embed(
             texts[:b], normalize=True),
     }
+    if llama_cpp is None:
+        engines = {name: fn for name, fn in engines.items() if not name.startswith("llama.cpp")}
     ref = np.asarray(engines["sentence-transformers"](8))
     for name, fn in engines.items():
         v = np.asarray(fn(8), dtype=np.float32)
         cos = (v * ref).sum(1) / np.linalg.norm(v, axis=1) / np.linalg.norm(ref, axis=1)
         assert cos.min() >= 0.9999, (name, cos.min())
     rows = {}
+    load_start = os.getloadavg()[0]
     for b in batches:
-        for name, fn in engines.items():
-            if name.startswith(f"llama.cpp, n_ctx = {a.llama_ubatch}") and b <= a.llama_ubatch:
-                rows[(name, b)] = rows[("llama.cpp, n_ctx = batch tokens", b)]  # the same setting
-                continue
-            wall, cpu = timed(functools.partial(fn, b), a.runs)
+        same = f"llama.cpp, n_ctx = {a.llama_ubatch}"  # at batch <= its sentences: the first llama.cpp row
+        full = "llama.cpp, n_ctx = batch tokens"
+        fns = {name: functools.partial(fn, b) for name, fn in engines.items()
+               if not (name.startswith(same) and b <= a.llama_ubatch)
+               and not (name == full and b > a.llama_ubatch and a.skip_llama_full_context)}
+        for name, (wall, cpu) in timed(fns, a.runs).items():
             rows[(name, b)] = (b / wall, cpu / b)
             print(f"  {name}, batch {b}: {b / wall:.1f} sentences/s, {cpu / b * 1e3:.1f} CPU ms/sentence",
                   file=sys.stderr, flush=True)  # progress: the table comes at the end
-    print(f"{a.tokens}-token sentences, {a.threads} threads, median of {a.runs} calls (torch {torch.__version__}, "
-          f"llama-cpp-python {llama_cpp.__version__}); load average {os.getloadavg()[0]:.1f} at the end\n")
+        for name in engines:
+            if (name, b) not in rows:
+                rows[(name, b)] = rows.get((full, b), (float("nan"), float("nan")))  # the same setting, or skipped
+    version = llama_cpp.__version__ if llama_cpp is not None else "not installed"
+    print(f"{a.tokens}-token sentences, {a.threads} threads, median of {a.runs} interleaved calls (torch "
+          f"{torch.__version__}, llama-cpp-python {version}); load average {load_start:.1f} at the start, "
+          f"{os.getloadavg()[0]:.1f} at the end\n")
     head = "| engine | " + " | ".join(f"batch {b}: sentences/s | CPU ms/sentence" for b in batches) + " |"
     print(head)
     print("|---|" + "---|---|" * len(batches))

@@ -177,7 +177,9 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.qkv, self.o, self.attn_norm, self.up, self.down, self.mlp_norm = qkv, o, attn_norm, up, down, mlp_norm
         self.H, self.D = cfg.num_heads, cfg.head_dim
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        # the up linear may apply the activation itself (fused into its GEMM: bf16x3.Bf16x3Linear)
+        fused = not cfg.gated and getattr(up, "act", "none") == cfg.hidden_act
+        self.act = (lambda h: h) if fused else ACTIVATIONS[cfg.hidden_act]
         self.gated = cfg.gated
 
     def forward(self, x: torch.Tensor, packed: Packed, scale: float, rope: RotaryEmbedding | None = None

@@ -21,6 +21,7 @@ import torch
 from tokenizers import Tokenizer
 
 from ..config import ModelConfig
+from . import bf16x3
 from .bert import BertConfig, BertEncoder, ClassifierHead, EncoderLayer, LayerNorm
 from .decoder_encoder import DecoderEncoder, YesNoHead
 from .errors import ModelLoadError
@@ -305,7 +306,7 @@ def _gguf_config(path: Path) -> tuple[BertConfig, dict]:
     return cfg, meta
 
 
-def _load_gguf_encoder(path: Path, device: str) -> LoadedEncoder:
+def _load_gguf_encoder(path: Path, device: str, precision: str) -> LoadedEncoder:
     """A llama.cpp `bert` GGUF: its pooling_type decides the pooling; vectors are normalised (what
     Ollama's and llama.cpp's servers return: the file does not say)."""
     from ..tokenizer import wordpiece_from_gguf
@@ -314,12 +315,12 @@ def _load_gguf_encoder(path: Path, device: str) -> LoadedEncoder:
     pooling_type = int(meta.get(f"{meta['general.architecture']}.pooling_type", 1))
     if pooling_type not in GGUF_POOLING:
         raise ModelLoadError(f"{path}: pooling_type {pooling_type} is not supported (1 mean, 2 cls, 3 last)")
-    model = _build(cfg, _GGUFTensors(path), "embedding", device)
+    model = _build(cfg, _GGUFTensors(path), "embedding", device, precision)
     try:
         tok = wordpiece_from_gguf(meta)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"{path}: GGUF tokenizer metadata: {e}") from None
-    params = sum(p.numel() for p in model.parameters())
+    params = bf16x3.count_parameters(model)
     return LoadedEncoder(model, tok, cfg, Pooling(GGUF_POOLING[pooling_type], True), cfg.max_position_embeddings,
                          "embedding", str(path), params)
 
@@ -411,7 +412,7 @@ def load_encoder(path: str | os.PathLike, device: str = "cpu", kind: str | None 
     if is_decoder(path):
         return _load_decoder_encoder(path, device, kind, precision)
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf_encoder(path, device)
+        return _load_gguf_encoder(path, device, precision)
     raw = _json(path / "config.json")
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)")
@@ -423,9 +424,9 @@ def load_encoder(path: str | os.PathLike, device: str = "cpu", kind: str | None 
         cfg = BertConfig.from_hf(raw)
     except (KeyError, ValueError, TypeError) as e:
         raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
-    model = _build(cfg, _Tensors(path), kind, device)
+    model = _build(cfg, _Tensors(path), kind, device, precision)
     pooling, max_len = sentence_transformers_settings(path, cfg)
-    params = sum(p.numel() for p in model.parameters())
+    params = bf16x3.count_parameters(model)
     return LoadedEncoder(model, load_tokenizer(path), cfg, pooling, max_len, kind, str(path), params,
                          *_st_prompts(path))
 
@@ -449,13 +450,30 @@ def _build_nomic(cfg: BertConfig, w, device: str) -> BertEncoder:
                        get("embeddings.token_type_embeddings.weight"), norm("emb_ln"), layers, None, device)
 
 
-def _build(cfg: BertConfig, w, kind: str, device: str) -> BertEncoder:
-    """The encoder from `w`'s tensors under HF's names (a checkpoint's or a GGUF's)."""
+# BERT-family encoders' linears: "auto" (the AMX kernel where the CPU has it, AUTO_PARTS weight
+# parts; torch's fp32 elsewhere), "float32" (torch's fp32), "bf16x3" (AMX, weights in two bf16
+# parts: fp32-level), "bfloat16" (AMX, weights rounded to bf16, activations in two parts)
+ENCODER_PRECISIONS = ("auto", "float32", "bf16x3", "bfloat16")
+AUTO_PARTS = 2  # fp32-level; 1 (bfloat16) measured faster and at cosine >= 0.99997 (BENCHMARKS.md)
+
+
+def _build(cfg: BertConfig, w, kind: str, device: str, precision: str = "auto") -> BertEncoder:
+    """The encoder from `w`'s tensors under HF's names (a checkpoint's or a GGUF's); precision
+    "auto": the layers' linears on the AMX bf16x3 kernel where the CPU has it (fp32-level
+    results, BENCHMARKS.md), "float32": torch's fp32 linears."""
     if cfg.model_type == "nomic_bert":
         return _build_nomic(cfg, w, device)
+    if precision not in ENCODER_PRECISIONS:
+        raise ModelLoadError(f"precision {precision!r} is not supported for BERT-family encoders "
+                             f"({', '.join(ENCODER_PRECISIONS)})")
+    fast = bf16x3.available(device)
+    if precision in ("bf16x3", "bfloat16") and not fast:
+        raise ModelLoadError(f"precision {precision!r} needs a CPU with AMX-BF16 (this one has none: use auto)")
+    parts = {"auto": AUTO_PARTS if fast else 0, "float32": 0, "bf16x3": 2, "bfloat16": 1}[precision]
 
-    def lin(name: str, encoder: bool = True) -> DenseLinear:
-        return DenseLinear(w.get(name + ".weight", encoder).to(device), w.get(name + ".bias", encoder).to(device))
+    def lin(name: str, encoder: bool = True, act: str = "none") -> torch.nn.Module:
+        return bf16x3.linear(w.get(name + ".weight", encoder).to(device), w.get(name + ".bias", encoder).to(device),
+                             parts, act)
 
     def norm(name: str) -> LayerNorm:
         return LayerNorm(w.get(name + ".weight").to(device), w.get(name + ".bias").to(device), cfg.layer_norm_eps)
@@ -465,15 +483,19 @@ def _build(cfg: BertConfig, w, kind: str, device: str) -> BertEncoder:
         p = f"encoder.layer.{i}."
         a = p + "attention.self."
         # q, k and v as one linear: one GEMM instead of three
-        qkv = DenseLinear(torch.cat([w.get(a + m + ".weight") for m in ("query", "key", "value")]).to(device),
-                          torch.cat([w.get(a + m + ".bias") for m in ("query", "key", "value")]).to(device))
+        qkv = bf16x3.linear(torch.cat([w.get(a + m + ".weight") for m in ("query", "key", "value")]).to(device),
+                            torch.cat([w.get(a + m + ".bias") for m in ("query", "key", "value")]).to(device), parts)
+        up = lin(p + "intermediate.dense", act="gelu" if cfg.hidden_act == "gelu" else "none")
         layers.append(EncoderLayer(cfg, qkv, lin(p + "attention.output.dense"), norm(p + "attention.output.LayerNorm"),
-                                   lin(p + "intermediate.dense"), lin(p + "output.dense"), norm(p + "output.LayerNorm")))
+                                   up, lin(p + "output.dense"), norm(p + "output.LayerNorm")))
+    def dense(name: str, encoder: bool = True) -> DenseLinear:  # the head: one row an input, fp32
+        return DenseLinear(w.get(name + ".weight", encoder).to(device), w.get(name + ".bias", encoder).to(device))
+
     head = None
     if kind == "rerank" and w.has("classifier.out_proj.weight"):  # RoBERTa's head
-        head = ClassifierHead(lin("classifier.dense", encoder=False), lin("classifier.out_proj", encoder=False))
+        head = ClassifierHead(dense("classifier.dense", encoder=False), dense("classifier.out_proj", encoder=False))
     elif kind == "rerank":
-        head = ClassifierHead(lin("pooler.dense"), lin("classifier", encoder=False))
+        head = ClassifierHead(dense("pooler.dense"), dense("classifier", encoder=False))
     e = "embeddings."
     return BertEncoder(cfg, w.get(e + "word_embeddings.weight").to(device),
                         w.get(e + "position_embeddings.weight").to(device),
