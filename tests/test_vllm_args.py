@@ -270,7 +270,6 @@ def test_a_gguf_is_written_once_as_an_hf_checkpoint(tiny_gguf, tmp_path, monkeyp
 
     from localllm.model import export
     from localllm.model.weights import open_weights
-
     from localllm.models_cli import remove
     from localllm.paths import cache_home
 
