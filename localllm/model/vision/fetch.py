@@ -47,10 +47,11 @@ async def fetch_image(url: str, policy: ImageURLPolicy, what: str = "image_url")
         raise ImageInputError(f"{what}: {_shown(url)!r} is not an http(s) URL with a host")
     shown = _shown(url)
     limit = policy.max_bytes
-    try:
-        async with asyncio.timeout(policy.timeout_s), httpx.AsyncClient(
-                follow_redirects=True, max_redirects=policy.max_redirects, timeout=policy.timeout_s,
-                headers={"Accept": "image/*"}) as client, client.stream("GET", url) as r:
+
+    async def get() -> list[bytes]:
+        async with httpx.AsyncClient(follow_redirects=True, max_redirects=policy.max_redirects,
+                                     timeout=policy.timeout_s, headers={"Accept": "image/*"}) as client, \
+                client.stream("GET", url) as r:
             if r.status_code != 200:
                 raise ImageInputError(f"{what}: fetching {shown} answered HTTP {r.status_code} {r.reason_phrase}")
             declared = r.headers.get("content-length", "")
@@ -64,7 +65,11 @@ async def fetch_image(url: str, policy: ImageURLPolicy, what: str = "image_url")
                     raise ImageInputError(f"{what}: {shown} is too large (more than {limit} bytes; at most "
                                           f"{limit} are fetched)")
                 body.append(chunk)
-    except TimeoutError:
+            return body
+
+    try:  # wait_for, not asyncio.timeout: Python 3.10 has no asyncio.timeout
+        body = await asyncio.wait_for(get(), policy.timeout_s)
+    except asyncio.TimeoutError:  # the one deadline over connect, redirects and body
         raise ImageInputError(f"{what}: fetching {shown} timed out (more than {policy.timeout_s:g} s)") from None
     except httpx.TooManyRedirects:
         raise ImageInputError(f"{what}: fetching {shown} took more than {policy.max_redirects} redirects") from None
