@@ -808,13 +808,17 @@ def _vllm_checkpoint(gguf):
     return path
 
 
-def _vllm_cpu_kv(path, s) -> int:
+def _vllm_cpu_kv(path, s) -> int | None:
     """The KV budget vLLM's CPU backend gets when --kv-memory is not given: room for a few full-length
     sequences (bf16, at most 4 or --max-num-seqs), as our engine sizes its own. Left to itself it
-    reserves 92% of the machine's memory and refuses to start where other programs hold more than 8%."""
+    reserves 92% of the machine's memory and refuses to start where other programs hold more than 8%.
+    None where we cannot read the model's shape: vLLM reads the checkpoint itself and says what is wrong."""
     from .planner import facts_for_path
 
-    f = facts_for_path(path)
+    try:
+        f = facts_for_path(path)
+    except Exception:  # noqa: BLE001 - any config we cannot read is vLLM's to judge
+        return None
     return f.kv_bytes_per_token * (s.max_model_len or f.max_context) * min(4, s.max_num_seqs or 4)
 
 
