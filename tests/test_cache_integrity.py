@@ -94,6 +94,7 @@ def first_answer(home) -> str:
     return r.stdout
 
 
+@pytest.mark.slow  # ~2 min on a busy 2-core machine (its fixture converts the model in a fresh home): `make test-slow`
 def test_flipped_conversion_cache_is_converted_again_and_answers_as_before(home, first_answer):
     (cached,) = (home / "converted").glob("*.safetensors")
     good = cached.read_bytes()
