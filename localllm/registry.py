@@ -36,8 +36,8 @@ def local_path(name: str) -> Path | None:
 
 
 def _shown(name: str) -> str:
-    """A name as an error message quotes it: a 10,000-character prompt taken for one is cut."""
-    return repr(name) if len(name) <= 80 else repr(name[:60]) + f"... ({len(name)} characters)"
+    """A name as an error message quotes it: a deep path stays whole, a 10,000-character prompt taken for one is cut."""
+    return repr(name) if len(name) <= 200 else repr(name[:160]) + f"... ({len(name)} characters)"
 
 
 class UnknownModelError(ValueError):
