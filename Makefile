@@ -5,9 +5,9 @@ BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
 VLLM_VENV ?= .venv-vllm
-# extra pytest arguments, e.g. PYTEST_WORKERS="-n 2 --dist loadfile" (pytest-xdist: two processes,
-# a file each at a time)
-PYTEST_WORKERS ?=
+# pytest-xdist: two worker processes, a test file each at a time, each on its share of the CPUs
+# (tests/conftest.py); the suite is mostly one core's work at a time. PYTEST_WORKERS= runs it serially.
+PYTEST_WORKERS ?= -n 2 --dist loadfile
 
 .PHONY: run test test-slow setup setup-vllm lint bench bench-setup clean
 

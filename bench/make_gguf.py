@@ -72,6 +72,10 @@ SHAPES = {
     "gemma3-1b": dict(block_count=26, embedding_length=1152, feed_forward_length=6912, head_count=4,
                       head_count_kv=1, rope_freq_base=1000000.0, context_length=32768, sliding_window=512,
                       layer_norm_rms_epsilon=1e-6, arch="gemma3", head_dim=256, vocab=262144),
+    # Gemma 3 4B's text model (the vision benchmark's language side: bench/vision_ttft.py)
+    "gemma3-4b": dict(block_count=34, embedding_length=2560, feed_forward_length=10240, head_count=8,
+                      head_count_kv=4, rope_freq_base=1000000.0, context_length=131072, sliding_window=1024,
+                      layer_norm_rms_epsilon=1e-6, arch="gemma3", head_dim=256, vocab=262144),
     # Gemma 2 2B: every other layer local (fixed by arch); Gemma2Model writes no RoPE base (10000)
     "gemma2-2b": dict(block_count=26, embedding_length=2304, feed_forward_length=9216, head_count=8,
                       head_count_kv=4, context_length=8192, sliding_window=4096, attn_logit_softcapping=50.0,
@@ -79,7 +83,7 @@ SHAPES = {
                       vocab=256000),
 }
 PEAKED = {"tiny", "tiny-qwen3", "tiny-moe"}
-GEMMA = {"gemma3-1b", "gemma2-2b"}  # weighted for the llama.cpp check (see above)
+GEMMA = {"gemma3-1b", "gemma3-4b", "gemma2-2b"}  # weighted for the llama.cpp check (see above)
 QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3")
 SANDWICH_ARCHS = ("gemma2", "gemma3")  # norms on the attention and MLP outputs too
 # shape key -> its GGUF key under the arch
@@ -131,12 +135,15 @@ def scale(shape: str, name: str, cols: int) -> float:
     return 0.02
 
 
-def write(shape: str, out_path: str, seed: int = 0, src=None) -> str:
+def write(shape: str, out_path: str, seed: int = 0, src=None, meta=None) -> str:
     """src: a gguf.GGUFReader of the embedded model's file, when the caller has one (parsing it
-    takes seconds)."""
+    takes seconds). meta: another GGUF's reader to take the metadata (tokenizer, template) from
+    instead, its own shape keys dropped: the tensor types stay the embedded model's."""
     import gguf
 
     src = src or gguf.GGUFReader(source_gguf())
+    meta = meta or src
+    meta_arch = str(meta.fields["general.architecture"].contents())
     s = dict(SHAPES[shape])
     arch, head_dim, vocab = s.pop("arch", "llama"), s.pop("head_dim", None), s.pop("vocab", None)
     types = {}
@@ -155,30 +162,31 @@ def write(shape: str, out_path: str, seed: int = 0, src=None) -> str:
     shape_keys[f"{arch}.rope.dimension_count"] = head_dim or s["embedding_length"] // s["head_count"]
     if head_dim:
         shape_keys[f"{arch}.attention.key_length"] = shape_keys[f"{arch}.attention.value_length"] = head_dim
-    tokens = src.fields["tokenizer.ggml.tokens"].contents()
+    tokens = meta.fields["tokenizer.ggml.tokens"].contents()
     pad = max(0, (vocab or len(tokens)) - len(tokens))
     shape_keys[f"{arch}.vocab_size"] = len(tokens) + pad
-    shape_keys.setdefault(f"{arch}.attention.layer_norm_rms_epsilon", float(  # else the source's
-        src.fields["llama.attention.layer_norm_rms_epsilon"].contents()))
+    if f"{arch}.attention.layer_norm_rms_epsilon" not in shape_keys:  # else the source's
+        shape_keys[f"{arch}.attention.layer_norm_rms_epsilon"] = float(
+            meta.fields[f"{meta_arch}.attention.layer_norm_rms_epsilon"].contents())
     extend = {"tokenizer.ggml.tokens": [f"<|unused_{i}|>" for i in range(pad)],
               "tokenizer.ggml.token_type": [gguf.TokenType.UNUSED] * pad,
               "tokenizer.ggml.scores": [0.0] * pad}
     overrides = {"general.name": f"random {shape}", "general.size_label": shape}
-    for key, field in src.fields.items():
+    for key, field in meta.fields.items():
         if key in skip:
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        if key.startswith("llama."):  # the source's shape keys: ours replace them, under our arch
+        if key.startswith(meta_arch + "."):  # the source's shape keys: ours replace them, under our arch
             continue
         val = overrides.pop(key, None)
         val = field.contents() if val is None else val
         if key in extend:
             val = list(val) + extend[key]
         w.add_key_value(key, val, vtype, sub)
-    for key, val in shape_keys.items():
-        w.add_key_value(key, val, gguf.GGUFValueType.FLOAT32 if isinstance(val, float) else gguf.GGUFValueType.UINT32)
-    assert not overrides, f"keys missing from the source file: {overrides}"
+    for key, val in [*shape_keys.items(), *overrides.items()]:  # overrides left: keys the source lacks
+        kind = gguf.GGUFValueType.STRING if isinstance(val, str) else gguf.GGUFValueType.UINT32
+        w.add_key_value(key, val, gguf.GGUFValueType.FLOAT32 if isinstance(val, float) else kind)
     vocab = len(tokens) + pad
     rng = np.random.default_rng(seed)
     for name, shp in tensor_shapes(SHAPES[shape], vocab).items():

@@ -1,17 +1,18 @@
 """Time to first token for one 896x896 image: our engine against llama.cpp's mtmd path
 (llama-cpp-python's MTMDChatHandler) on the same GGUF + mmproj pair.
 
-    python bench/vision_ttft.py make DIR          # the pair, once (random weights, ~3 GB)
+    python bench/vision_ttft.py make DIR          # the pair, once (random weights, ~3.5 GB)
     python bench/vision_ttft.py ours DIR [--threads 2]
     python bench/vision_ttft.py llama DIR [--threads 2]
+    python bench/vision_ttft.py compare DIR [--threads 2] [--runs 3]   # the two interleaved, medians
 
 The pair: Gemma 3 4B's vision side at its real shape (SigLIP so400m, 27 layers, 896x896 -> 4096
-patches, pooled to 256 tokens, projected to 2560) written by transformers with random weights,
-and a text model of Gemma-3-4B's width (hidden 2560, 8 heads, 4 KV heads, head_dim 256,
-intermediate 10240) but only LAYERS layers (the whole 34 would be a 16 GB fp32 checkpoint to
-write on this machine); the tokenizer is the tests' SmolLM2 one with Gemma 3's image tokens.
-The file pair is what tests/vision_gguf.py writes (llama.cpp's converter names, F16 mmproj, F32
-text GGUF). One process per measurement (`ours` / `llama`): the model is loaded, a warm-up
+patches, pooled to 256 tokens, projected to 2560) written by transformers with random weights
+and converted as tests/vision_gguf.py does (llama.cpp's converter names, F16 mmproj); the text
+model is Gemma 3 4B's whole shape (34 layers, hidden 2560, 8 heads, 4 KV heads, head_dim 256,
+intermediate 10240, 262,144-token vocabulary) written by bench/make_gguf.py as the default
+model is stored (Q4_1 matrices, Q8_0 embedding), with the tests' SmolLM2 tokenizer carrying
+Gemma 3's image tokens. One process per measurement (`ours` / `llama`): the model is loaded, a warm-up
 request is run on another image, then one request with a fresh image (no image cache hit), one
 token out; printed: TTFT wall seconds and the process's CPU seconds over that request.
 """
@@ -28,8 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' checkpoint writers (vision_models, vision_gguf)
+sys.path.insert(0, str(ROOT / "bench"))  # make_gguf
 
-LAYERS = 2
+LAYERS = 2  # of the transformers checkpoint's text model: only its tokenizer and vision side are kept
 PROMPT = "Describe this image."
 
 
@@ -79,7 +81,13 @@ def make(out: Path) -> None:
     transformers.Gemma3Processor(
         image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 896, "width": 896}), tokenizer=tok,
         chat_template=builtin_template("gemma3"), image_seq_length=256).save_pretrained(hf)
-    text_gguf, mmproj = write_pair(hf, "gemma3", base, out / "pair")
+    small, mmproj = write_pair(hf, "gemma3", base, out / "pair")
+    import gguf
+    import make_gguf
+
+    text_gguf = out / "pair" / "gemma3-4b-Q4_1.gguf"
+    make_gguf.write("gemma3-4b", str(text_gguf), meta=gguf.GGUFReader(small))  # its metadata, 34 layers
+    small.rename(out / small.name)  # out of the pair's folder: one text GGUF beside the mmproj
     print(json.dumps({"text": str(text_gguf), "mmproj": str(mmproj)}))
 
 
@@ -133,14 +141,37 @@ def llama(d: Path, threads: int) -> dict:
     return {"engine": "llama.cpp", "ttft_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
 
 
+def compare(d: Path, threads: int, runs: int) -> dict:
+    """ours, llama, ours, llama, ...: one fresh process each, so both see the same load drift."""
+    import os
+    import statistics
+    import subprocess
+
+    rows = {"localllm": [], "llama.cpp": []}
+    for i in range(runs):
+        for what in ("ours", "llama"):
+            load = os.getloadavg()[0]
+            out = subprocess.run([sys.executable, __file__, what, str(d), "--threads", str(threads)],
+                                 check=True, capture_output=True, text=True).stdout
+            row = json.loads(out.strip().splitlines()[-1])
+            print(json.dumps({"run": i + 1, "load_before": round(load, 2), **row}), flush=True)
+            rows[row["engine"]].append(row)
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("ttft_s", "cpu_s")} for k, v in rows.items()}
+    return {"runs": runs, "threads": threads, "median": med,
+            "ttft_ratio_llama_over_ours": med["llama.cpp"]["ttft_s"] / med["localllm"]["ttft_s"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["make", "ours", "llama"])
+    ap.add_argument("what", choices=["make", "ours", "llama", "compare"])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=3)
     a = ap.parse_args()
     if a.what == "make":
         make(a.dir)
+    elif a.what == "compare":
+        print(json.dumps(compare(a.dir, a.threads, a.runs)))
     else:
         print(json.dumps((ours if a.what == "ours" else llama)(a.dir, a.threads)))
 

@@ -1,5 +1,15 @@
 import os
 
+# Under pytest-xdist (`make test` runs two workers), each worker gets its share of the CPUs, so its
+# torch threads and the processes it starts (CLI runs, servers, background builders) see a
+# smaller machine instead of all workers' OpenMP teams spinning on the same cores: a test of two
+# threads on each of two workers ran ~10x slower than alone.
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw") and hasattr(os, "sched_setaffinity"):
+    _cpus = sorted(os.sched_getaffinity(0))
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _mine = _cpus[int(os.environ["PYTEST_XDIST_WORKER"][2:]) % len(_cpus)::max(1, min(_workers, len(_cpus)))]
+    os.sched_setaffinity(0, _mine)
+
 # Triton's interpreter must be chosen before any @triton.jit decorator runs, i.e. before
 # localllm_kernels is imported anywhere; without a GPU the kernels can only run interpreted.
 if not os.environ.get("CUDA_VISIBLE_DEVICES_FORCE_NATIVE"):
