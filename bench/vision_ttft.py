@@ -1,7 +1,7 @@
 """Time to first token for one 896x896 image: our engine against llama.cpp's mtmd path
 (llama-cpp-python's MTMDChatHandler) on the same GGUF + mmproj pair.
 
-    python bench/vision_ttft.py make DIR          # the pair, once (random weights, ~3.5 GB)
+    python bench/vision_ttft.py make DIR          # the pair, once (random weights, ~3.6 GB)
     python bench/vision_ttft.py ours DIR [--threads 2]
     python bench/vision_ttft.py llama DIR [--threads 2]
     python bench/vision_ttft.py compare DIR [--threads 2] [--runs 3]   # the two interleaved, medians
@@ -46,6 +46,8 @@ def image_png(seed: int) -> bytes:
 
 
 def make(out: Path) -> None:
+    import gguf
+    import make_gguf
     import torch
     import transformers
     from vision_gguf import write_pair
@@ -82,12 +84,9 @@ def make(out: Path) -> None:
         image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 896, "width": 896}), tokenizer=tok,
         chat_template=builtin_template("gemma3"), image_seq_length=256).save_pretrained(hf)
     small, mmproj = write_pair(hf, "gemma3", base, out / "pair")
-    import gguf
-    import make_gguf
-
     text_gguf = out / "pair" / "gemma3-4b-Q4_1.gguf"
     make_gguf.write("gemma3-4b", str(text_gguf), meta=gguf.GGUFReader(small))  # its metadata, 34 layers
-    small.rename(out / small.name)  # out of the pair's folder: one text GGUF beside the mmproj
+    small.unlink()  # the 2-layer F32 text GGUF served for its metadata only (1.3 GB)
     print(json.dumps({"text": str(text_gguf), "mmproj": str(mmproj)}))
 
 

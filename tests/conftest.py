@@ -7,7 +7,7 @@ import os
 if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw") and hasattr(os, "sched_setaffinity"):
     _cpus = sorted(os.sched_getaffinity(0))
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    _mine = _cpus[int(os.environ["PYTEST_XDIST_WORKER"][2:]) % len(_cpus)::max(1, min(_workers, len(_cpus)))]
+    _mine = _cpus[int(os.environ["PYTEST_XDIST_WORKER"][2:]) % len(_cpus)::min(_workers, len(_cpus))]
     os.sched_setaffinity(0, _mine)
 
 # Triton's interpreter must be chosen before any @triton.jit decorator runs, i.e. before
