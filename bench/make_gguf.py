@@ -10,6 +10,11 @@
                                                          # window 512, q/k norms, 262,144-token vocab)
     python bench/make_gguf.py gemma2-2b [--out DIR]      # Gemma 2 2B (arch gemma2: every other layer
                                                          # local, window 4096, soft-caps 50 / 30)
+    python bench/make_gguf.py llama-1b --type Q4_K_M     # any llama.cpp file type (Q4_K_M, Q5_K_M,
+                                                         # Q6_K, Q8_0, IQ4_XS, ...): an F16 file of the
+                                                         # shape (kept beside it, reused), then
+                                                         # llama.cpp's own quantizer, as published
+                                                         # files are made (needs the bench extra)
 
 The metadata (tokenizer, chat template, special tokens) is copied from SmolLM2-135M's GGUF, the
 shape keys are replaced, and every tensor gets the type it has there (Q4_1 matrices, Q8_0
@@ -41,6 +46,10 @@ SHAPES = {
                      head_count_kv=8, rope_freq_base=500000.0, context_length=131072),
     "smollm2-1.7b": dict(block_count=24, embedding_length=2048, feed_forward_length=8192, head_count=32,
                          head_count_kv=32, rope_freq_base=130000.0, context_length=8192),
+    # Llama-3.2-3B's layers (28 x 3072, GQA 24/8); SmolLM2's vocabulary as above (the real 128,256
+    # would add ~0.4 GB of head)
+    "llama-3b": dict(block_count=28, embedding_length=3072, feed_forward_length=8192, head_count=24,
+                     head_count_kv=8, rope_freq_base=500000.0, context_length=131072),
     "smollm2-135m": dict(block_count=30, embedding_length=576, feed_forward_length=1536, head_count=9,
                          head_count_kv=3, rope_freq_base=100000.0, context_length=8192),
     # Qwen3: arch qwen3 (per-head q/k RMSNorm), head_dim 128 != hidden / heads, Qwen3's vocabulary size
@@ -135,10 +144,11 @@ def scale(shape: str, name: str, cols: int) -> float:
     return 0.02
 
 
-def write(shape: str, out_path: str, seed: int = 0, src=None, meta=None) -> str:
+def write(shape: str, out_path: str, seed: int = 0, src=None, meta=None, f16: bool = False) -> str:
     """src: a gguf.GGUFReader of the embedded model's file, when the caller has one (parsing it
     takes seconds). meta: another GGUF's reader to take the metadata (tokenizer, template) from
-    instead, its own shape keys dropped: the tensor types stay the embedded model's."""
+    instead, its own shape keys dropped: the tensor types stay the embedded model's. f16: every
+    matrix F16 instead (the quantizer's input)."""
     import gguf
 
     src = src or gguf.GGUFReader(source_gguf())
@@ -191,7 +201,7 @@ def write(shape: str, out_path: str, seed: int = 0, src=None, meta=None) -> str:
     rng = np.random.default_rng(seed)
     for name, shp in tensor_shapes(SHAPES[shape], vocab).items():
         role = name.split(".", 2)[-1] if name.startswith("blk.") else name
-        qtype = types[role]
+        qtype = gguf.GGMLQuantizationType.F16 if f16 and len(shp) > 1 else types[role]
         if len(shp) == 1:
             if shape in GEMMA:
                 gain = shp[0] ** 0.5 / 6 if "post_" in name else 1.0
@@ -201,8 +211,8 @@ def write(shape: str, out_path: str, seed: int = 0, src=None, meta=None) -> str:
             continue
         data = rng.standard_normal(shp, dtype=np.float32)
         data *= scale(shape, name, shp[-1])
-        if qtype == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, data)
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            w.add_tensor(name, data if qtype == gguf.GGMLQuantizationType.F32 else data.astype(np.float16))
             continue
         q = gguf.quants.quantize(data, qtype)
         w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
@@ -218,14 +228,29 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("shape", choices=sorted(SHAPES))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "models"))
+    ap.add_argument("--type", default="Q4_1", help="the file's type: Q4_1 (written here, the default) or any "
+                    "llama.cpp file type (quantized by llama.cpp from an F16 file of the shape)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="the quantizer's threads")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"random-{args.shape}.Q4_1.gguf")
+    path = os.path.join(args.out, f"random-{args.shape}.{args.type}.gguf")
     if os.path.exists(path):
         print(path)
         return
-    print(f"writing {path} ...", file=sys.stderr)
-    print(write(args.shape, path))
+    if args.type == "Q4_1":
+        print(f"writing {path} ...", file=sys.stderr)
+        print(write(args.shape, path))
+        return
+    from check_kquants import FTYPES, quantize
+
+    if args.type not in FTYPES:
+        ap.error(f"--type {args.type}: one of Q4_1, {', '.join(FTYPES)}")
+    f16 = os.path.join(args.out, f"random-{args.shape}.F16.gguf")
+    if not os.path.exists(f16):
+        print(f"writing {f16} ...", file=sys.stderr)
+        write(args.shape, f16, f16=True)
+    print(f"quantizing to {path} ...", file=sys.stderr)
+    print(quantize(f16, args.type, path, args.threads))
 
 
 if __name__ == "__main__":

@@ -140,10 +140,17 @@ def test_bad_inputs_are_refused_with_the_reason():
         torch.ops.localllm.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-6)
     with pytest.raises(RuntimeError, match="force must be auto, avx512, avx2 or generic"):
         cpu_fused.isa("sse2")
-    with pytest.raises(RuntimeError, match=r"weights must be the 10 \(or 12, with q/k norms\) tensors of a layer"):
-        torch.ops.localllm.decode_layer(qkv, None, [qkv], [0] * 13, [0.0] * 4, torch.tensor([0]), cos, cos, kc,
+    def layer(weights: list, ints: list) -> None:
+        torch.ops.localllm.decode_layer(qkv, None, weights, ints, [0.0] * 4, torch.tensor([0]), cos, cos, kc,
                                         kc.clone(), torch.tensor([0]), torch.tensor([[0]]), torch.tensor([0, 1]),
                                         torch.tensor([1]), 64, 1.0)
+
+    with pytest.raises(RuntimeError, match=r"weights must be 2 norms \(4 with q/k norms\) and 3 tensors per linear part"):
+        layer([qkv], [6, 2, 64, 0, 0, 1, 1, 1, 1] + [0, 32, 640, 0] * 4)
+    with pytest.raises(RuntimeError, match="each linear at least one"):
+        layer([qkv] * 11, [6, 2, 64, 0, 0, 0, 1, 1, 1] + [0, 32, 640, 0] * 3)
+    with pytest.raises(RuntimeError, match=r"part kind 5 is none of int4 \(0\)"):
+        layer([torch.ones(640)] * 2 + [qkv] * 12, [6, 2, 64, 0, 0, 1, 1, 1, 1] + [5, 32, 640, 0] * 4)
 
 
 # ---- the model on the fused ops vs the plain torch ops ------------------------------------------
@@ -165,11 +172,17 @@ def test_one_call_layers_equal_the_ops_one_by_one(tiny_int4, isa, kv_dtype):
     """torch.ops.localllm.decode_layer runs the fused ops' sequence in C++: the same bits as the
     ops called one by one from Python (hidden states and every cache slot written), for the steps it
     takes (decode alone and batched, a speculative verify, a prefix-hit extend), on each path."""
+    assert_one_call_equals_one_by_one(tiny_int4.model, kv_dtype)
+
+
+def assert_one_call_equals_one_by_one(m, kv_dtype) -> None:
+    """Model `m` (on the fused ops, one call per layer) gives the hidden states and cache writes of
+    the same ops called one by one, for decode at batch 1 and 3, a 4-token verify and an extend,
+    on the int4 GEMM's VNNI path (where the CPU has it) and its AVX2 one."""
     from localllm.model.attention import describe_batch
     from localllm.model.cpu_ops import fused_cpu_ops
     from localllm.model.llama import Ops
 
-    m = tiny_int4.model
     one_by_one = fused_cpu_ops(Ops.for_backend("torch"), one_call_layers=False)
     assert m.ops.layer is not one_by_one.layer
     g = torch.Generator().manual_seed(3)
@@ -183,7 +196,7 @@ def test_one_call_layers_equal_the_ops_one_by_one(tiny_int4, isa, kv_dtype):
         for k, v in kv0:  # the cached prefix: any numbers, the same for both
             k.copy_(torch.randn(k.shape, generator=g))
             v.copy_(torch.randn(v.shape, generator=g))
-        for avx2 in (False, True):  # the int4 GEMM's VNNI path (where the CPU has it) and its AVX2 one
+        for avx2 in (False, True):
             torch.ops.localllm.int4_isa(avx2)
             try:
                 kv1, kv2 = ([(k.clone(), v.clone()) for k, v in kv0] for _ in range(2))

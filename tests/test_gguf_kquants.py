@@ -11,10 +11,12 @@ import pytest
 import torch
 from conftest import make_engine
 from localllm_kernels import cpu_int4, cpu_int8
+from test_cpu_fused import assert_one_call_equals_one_by_one
 from test_families import tokenizer_fields
 
 from localllm.model import gguf_blocks
 from localllm.model.convert_cache import ConvertCache
+from localllm.model.cpu_ops import decode_layer_args
 from localllm.model.layers import ConcatLinear, Int4Linear, Int8wLinear, W16Linear
 from localllm.model.loader import load_model
 
@@ -287,6 +289,25 @@ def test_mixed_file_runs_each_tensor_on_its_kernel(mixed_gguf):
             assert type(a) is type(o) and bits_equal(layer_values(a), layer_values(o).numpy()), f
             assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), o.state_dict().values()))
     assert torch.equal(make_engine(again).score(prompt), got)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
+def test_mixed_file_decodes_each_layer_in_one_call(mixed_gguf, kv_dtype):
+    """Every layer of the 12-type file takes the one-call decode step (its fused linears' parts on
+    the int4, int8-lane and 16-bit kernels each), with the bits of the same ops one by one; a
+    replaced buffer (`.to()` and the like) is seen, not a stale one used."""
+    loaded = load_model(mixed_gguf, "auto")
+    m = loaded.model
+    assert m.ops.layer.__module__ == "localllm.model.cpu_ops"
+    args = [decode_layer_args(layer) for layer in m.layers]
+    assert all(a is not None for a in args)
+    assert [a[1][5:9] for a in args] == [[2, 1, 2, 1], [3, 1, 2, 1]]  # parts of qkv, o, gate_up, down
+    assert [a[1][-4] for a in args] == [1, 2]  # the downs: Q6_K int8-lane, F16 16-bit
+    assert_one_call_equals_one_by_one(m, kv_dtype)
+    down = m.layers[1].down
+    down.w = down.w.clone()
+    again = decode_layer_args(m.layers[1])
+    assert again is not args[1] and again[0][-3] is down.w
 
 
 def test_mixed_file_holds_the_files_bytes_where_the_layout_allows(mixed_gguf):

@@ -22,6 +22,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -478,13 +480,33 @@ at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) { return act_mul(gate_up, tr
 
 // ---- one decoder layer's decode step ------------------------------------------------------------
 
-// y = x W^T by our int4 GEMM (int4_gemm.cpp, another library: reached through the dispatcher from
-// C++, ~0.2 us, where a call from Python costs ~6 us), its padded columns cut to n
+// y = x W^T by our GEMMs in the other libraries (int4_gemm.cpp, int8_gemm.cpp, bf16_gemm.cpp),
+// reached through the dispatcher from C++ (~0.2 us, where a call from Python costs ~6 us), their
+// padded columns cut to n
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group, int64_t n) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("localllm::int4_gemm", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
   at::Tensor y = op.call(x, w, sc, group);
+  return y.size(1) == n ? y : y.narrow(1, 0, n);
+}
+
+at::Tensor int8w_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group, int64_t zero,
+                        int64_t n) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("localllm::int8w_gemm", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  at::Tensor y = op.call(x, w, sc, group, zero);
+  return y.size(1) == n ? y : y.narrow(1, 0, n);
+}
+
+at::Tensor w16_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("localllm::w16_gemm", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  at::Tensor y = op.call(x, w, bias);
   return y.size(1) == n ? y : y.narrow(1, 0, n);
 }
 
@@ -499,15 +521,47 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return op.call(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window, softcap);
 }
 
-// decode_layer: llama.py's DecoderLayer.forward for a layer whose four linears are int4 (our GEMM)
-// and which has no output norms or experts, as the same sequence of our ops the fused Ops set
-// calls one by one from Python (cpu_ops.py): add_rms_norm, qkv GEMM, rope_store, paged attention,
-// o GEMM, add_rms_norm, gate_up GEMM, silu_mul / gelu_tanh_mul, down GEMM; the same kernels, so
-// the same bits, with no Python between them (at batch 1 the ~10 calls of a layer from Python
-// cost ~3 ms per token on the 135M model: as much as a third of its GEMMs).
-//   weights: input norm, qkv (w, scales), o (w, scales), post norm, gate_up (w, scales), down
-//            (w, scales)[, q norm, k norm]
-//   ints: group size and out features of qkv, o, gate_up, down; H, KVH, D, window, gelu
+enum PartKind : int64_t { kInt4 = 0, kInt8w = 1, kW16 = 2 };
+constexpr int64_t kPartInts = 4;     // kind, group size, out features, zero point
+constexpr int64_t kPartTensors = 3;  // weights, scales (empty for 16-bit), bias (empty: none)
+
+// One linear of the layer as the layers' forwards compute it (layers.py): each part on its own
+// kernel (the file's type: Int4Linear, Int8wLinear, W16Linear), the bias added after the cut (int4,
+// int8-lane) or in the kernel (16-bit), the parts' outputs side by side (ConcatLinear).
+at::Tensor linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef ints, int64_t& wi, int64_t& ii,
+                  int64_t parts) {
+  std::vector<at::Tensor> outs;
+  outs.reserve(parts);
+  for (int64_t p = 0; p < parts; ++p, wi += kPartTensors, ii += kPartInts) {
+    const int64_t kind = ints[ii], group = ints[ii + 1], n = ints[ii + 2], zero = ints[ii + 3];
+    const at::Tensor& w = weights[wi];
+    const at::Tensor& bias = weights[wi + 2];
+    at::Tensor y;
+    if (kind == kW16) {
+      y = w16_linear(x, w, bias.numel() ? std::optional<at::Tensor>(bias) : std::nullopt, n);
+    } else {
+      TORCH_CHECK(kind == kInt4 || kind == kInt8w, "decode_layer: part kind ", kind, " is none of int4 (0), ",
+                  "int8-lane (1), 16-bit (2)");
+      y = kind == kInt4 ? int4_linear(x, w, weights[wi + 1], group, n)
+                        : int8w_linear(x, w, weights[wi + 1], group, zero, n);
+      if (bias.numel()) y = at::add(y, bias);
+    }
+    outs.push_back(std::move(y));
+  }
+  return parts == 1 ? outs[0] : at::cat(outs, 1);
+}
+
+// decode_layer: llama.py's DecoderLayer.forward for a layer whose linears are on our GEMMs and
+// which has no output norms or experts, as the same sequence of our ops the fused Ops set calls
+// one by one from Python (cpu_ops.py): add_rms_norm, qkv GEMM(s), rope_store, paged attention,
+// o GEMM(s), add_rms_norm, gate_up GEMM(s), silu_mul / gelu_tanh_mul, down GEMM(s); the same
+// kernels, so the same bits, with no Python between them (at batch 1 the ~10 calls of a layer from
+// Python cost ~3 ms per token on the 135M model: as much as a third of its GEMMs).
+//   weights: input norm, post norm[, q norm, k norm], then per part of qkv, o, gate_up and down in
+//            that order (a GGUF's fused linear may have parts of different types): its weights,
+//            scales and bias (empty tensors where a part has none)
+//   ints: H, KVH, D, window, gelu; the parts of qkv, o, gate_up, down; per part its kind (0 int4,
+//         1 int8-lane, 2 16-bit), group size, out features and zero point
 //   floats: input norm eps, post norm eps, q/k norm eps, softcap
 // (rotary_dim and scale come with the call: they are the model's, not the layer's)
 // -> (the MLP's output, the residual stream), as DecoderLayer.forward.
@@ -519,14 +573,19 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
                                                 const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                                                 const at::Tensor& context_lens, int64_t rotary_dim,
                                                 double scale) {
-  TORCH_CHECK(weights.size() == 10 || weights.size() == 12,
-              "decode_layer: weights must be the 10 (or 12, with q/k norms) tensors of a layer, got ",
-              weights.size());
-  TORCH_CHECK(ints.size() == 13 && floats.size() == 4, "decode_layer: 13 ints and 4 floats, got ", ints.size(),
-              " and ", floats.size());
-  const int64_t H = ints[8], KVH = ints[9], D = ints[10];
+  TORCH_CHECK(ints.size() >= 9 && floats.size() == 4, "decode_layer: 9 ints and 4 per linear part, and 4 floats; got ",
+              ints.size(), " ints and ", floats.size(), " floats");
+  const int64_t H = ints[0], KVH = ints[1], D = ints[2];
+  const int64_t parts = ints[5] + ints[6] + ints[7] + ints[8];
+  const int64_t norms = static_cast<int64_t>(weights.size()) - kPartTensors * parts;
+  TORCH_CHECK(std::min({ints[5], ints[6], ints[7], ints[8]}) >= 1 &&
+                  static_cast<int64_t>(ints.size()) == 9 + kPartInts * parts && (norms == 2 || norms == 4),
+              "decode_layer: weights must be 2 norms (4 with q/k norms) and 3 tensors per linear part, ints 9 and 4 ",
+              "per part (each linear at least one); got ", weights.size(), " tensors and ", ints.size(),
+              " ints for ", parts, " parts");
   std::optional<at::Tensor> qw, kw;
-  if (weights.size() == 12) qw = weights[10], kw = weights[11];
+  if (norms == 4) qw = weights[2], kw = weights[3];
+  int64_t wi = norms, ii = 9;
   at::Tensor h, r;
   if (residual) {
     std::tie(h, r) = add_rms_norm(x, *residual, weights[0], floats[0]);
@@ -534,15 +593,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
     h = rms_norm(x, weights[0], floats[0]);
     r = x;
   }
-  const at::Tensor qkv = int4_linear(h, weights[1], weights[2], ints[0], ints[1]);
+  const at::Tensor qkv = linear(h, weights, ints, wi, ii, ints[5]);
   const at::Tensor q = rope_store(qkv, positions, cos, sin, k_cache, v_cache, slots, H, KVH, D, rotary_dim, qw, kw,
                                   floats[2]);
   const at::Tensor att = paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                                         ints[11], floats[3]);
-  const at::Tensor a = int4_linear(att.view({att.size(0), H * D}), weights[3], weights[4], ints[2], ints[3]);
-  auto [h2, r2] = add_rms_norm(a, r, weights[5], floats[1]);
-  const at::Tensor gu = int4_linear(h2, weights[6], weights[7], ints[4], ints[5]);
-  const at::Tensor out = int4_linear(act_mul(gu, ints[12] != 0), weights[8], weights[9], ints[6], ints[7]);
+                                         ints[3], floats[3]);
+  const at::Tensor a = linear(att.view({att.size(0), H * D}), weights, ints, wi, ii, ints[6]);
+  auto [h2, r2] = add_rms_norm(a, r, weights[1], floats[1]);
+  const at::Tensor gu = linear(h2, weights, ints, wi, ii, ints[7]);
+  const at::Tensor out = linear(act_mul(gu, ints[4] != 0), weights, ints, wi, ii, ints[8]);
   return {out, r2};
 }
 

@@ -8,7 +8,8 @@ the residual adds, RoPE and the cache writes bit-exact, the norms and activation
 ulp. Anything the fused ops do not cover (other activation dtypes, a fresh prompt that attends
 with SDPA) runs the plain ops.
 
-A layer whose linears are all on our int4 kernel takes its decode-sized steps (decode, verify,
+A layer whose linears are all on our GEMMs (int4, int8-lane, 16-bit: every GGUF block type, mixed
+files' parts each on its own) takes its decode-sized steps (decode, verify,
 prefix-hit extend: below the rows where the GEMMs go dense) as one C++ call, `Ops.layer` ->
 torch.ops.localllm.decode_layer: the same ops in the same order, so the same bits, without the ~10
 Python-to-dispatcher hops per layer that left the eager step 1.4x the compiled one's time.
@@ -26,8 +27,8 @@ from .layers import Int4Linear, RMSNorm, RotaryEmbedding
 
 def fused_cpu_ops(plain, one_call_layers: bool = True):
     """`plain` (llama.Ops of plain torch ops) with the fused ops where our library loads; `plain`
-    itself when it does not (no C++ compiler). one_call_layers: a decode step's layer (int4
-    linears) runs as one C++ call of the same ops (`Ops.layer`); False: the ops one by one from
+    itself when it does not (no C++ compiler). one_call_layers: a decode step's layer (linears on
+    our GEMMs) runs as one C++ call of the same ops (`Ops.layer`); False: the ops one by one from
     Python (tests compare the two)."""
     from localllm_kernels import cpu_attention, cpu_fused
 
@@ -88,43 +89,74 @@ def fused_cpu_ops(plain, one_call_layers: bool = True):
 def decode_layer_args(layer) -> tuple | None:
     """(weights, ints, floats, rows below which it applies) of `layer` for the one-call decode step
     (torch.ops.localllm.decode_layer: the fused ops' sequence for one layer in C++), or None where
-    that does not apply: a linear that is not on our int4 kernel (or has a bias), experts, Gemma's
-    output norms, norms in another dtype. Kept in the layer's __dict__ (nn.Module's attribute
-    lookups cost ~1 us each, ~20 of them a layer) and checked against each linear's own cached
-    decode arguments, which `.to()` and the like drop."""
+    that does not apply: a linear not on our int4 / int8-lane / 16-bit kernels (or one of their
+    parts, for a GGUF's mixed qkv), experts, Gemma's output norms, norms in another dtype. Kept in
+    the layer's __dict__ (nn.Module's attribute lookups cost ~1 us each, ~20 of them a layer) and
+    checked against the buffers it was made from, which `.to()` and the like replace."""
     d = layer.__dict__
     cached = d.get("_fused_decode")
     if cached is not None:
-        for lin_dict, fast in cached[0]:
-            if lin_dict.get("_decode", False) is not fast:
+        for buffers, name, t in cached[0]:
+            if buffers.get(name) is not t:
                 break
         else:
             return cached[1]
     mods = d["_modules"]
-    lins = [mods.get(n) for n in ("qkv", "o", "gate_up", "down")]
-    if not all(isinstance(m, Int4Linear) for m in lins):
-        d["_fused_decode"] = ([], None)
-        return None
-    fast = [m.decode_args() for m in lins]
-    args = _layer_args(layer, fast)
-    d["_fused_decode"] = ([(m.__dict__, f) for m, f in zip(lins, fast)], args)
+    leaves: list = []
+    parts = [_linear_parts(mods.get(n), leaves) for n in ("qkv", "o", "gate_up", "down")]
+    args = None if any(p is None for p in parts) else _layer_args(layer, parts)
+    d["_fused_decode"] = (leaves, args)
     return args
 
 
-def _layer_args(layer, fast: list) -> tuple | None:
+NO_TENSOR = torch.empty(0)  # decode_layer's "none" in a tensor list (a part's absent scales or bias)
+
+
+def _linear_parts(m, leaves: list) -> list | None:
+    """The parts of linear `m` as decode_layer takes them: (weights, scales, bias, kind, group, out
+    features, zero point, rows below which the part runs its kernel), or None where a part is on
+    no kernel decode_layer calls. Each part's buffers go into `leaves` (the cache's check)."""
+    from .layers import ConcatLinear, Int8wLinear, W16Linear
+
+    if isinstance(m, ConcatLinear):
+        parts = [_linear_parts(p, leaves) for p in m.parts]
+        return None if any(p is None for p in parts) else [q for p in parts for q in p]
+    bias = NO_TENSOR if getattr(m, "bias", None) is None else m.bias
+    if isinstance(m, Int4Linear):
+        if m.kind != "cpu_int4" or m.in_perm is not None:
+            return None
+        part = (m.qw, m.qsc, bias, 0, m.group_size, m.out_features, 0,
+                m.dense_min_rows if m.dense is not None else 1 << 62)
+        names = ("qw", "qsc")
+    elif isinstance(m, Int8wLinear):
+        part = (m.qw, m.qsc, bias, 1, m.group_size, m.out_features, m.zero, 1 << 62)
+        names = ("qw", "qsc")
+    elif isinstance(m, W16Linear):
+        part = (m.w, NO_TENSOR, NO_TENSOR if m.b is None else m.b, 2, 0, m.out_features, 0, 1 << 62)
+        names = ("w", "b")
+    else:
+        return None
+    if bias.dtype != torch.float32:
+        return None
+    buffers, params = m.__dict__["_buffers"], m.__dict__["_parameters"]
+    leaves += [(buffers, n, buffers.get(n)) for n in names]
+    leaves.append((params, "bias", params.get("bias")))  # (None there: a bias set later is seen)
+    return [part]
+
+
+def _layer_args(layer, parts: list[list]) -> tuple | None:
     qn, kn = layer.q_norm, layer.k_norm
     norms = [layer.input_norm, layer.post_norm] + ([qn, kn] if qn is not None else [])
-    if (any(f is None for f in fast) or layer.moe is not None or layer.attn_out_norm is not None
-            or layer.mlp_out_norm is not None or any(n.weight.dtype != torch.float32 for n in norms)
-            or (qn is not None and kn.eps != qn.eps)):
+    if (layer.moe is not None or layer.attn_out_norm is not None or layer.mlp_out_norm is not None
+            or any(n.weight.dtype != torch.float32 for n in norms) or (qn is not None and kn.eps != qn.eps)):
         return None
-    (qw, qs, qg, qn_, qr), (ow, os_, og, on, orr), (gw, gs, gg, gn, gr), (dw, ds, dg, dn, dr) = fast
-    weights = [layer.input_norm.weight, qw, qs, ow, os_, layer.post_norm.weight, gw, gs, dw, ds]
-    if qn is not None:
-        weights += [qn.weight, kn.weight]
-    ints = [qg, qn_, og, on, gg, gn, dg, dn, layer.H, layer.KVH, layer.D, int(layer.window or 0), int(layer.gelu)]
+    weights = [n.weight for n in norms]
+    ints = [layer.H, layer.KVH, layer.D, int(layer.window or 0), int(layer.gelu)] + [len(p) for p in parts]
+    for part in (q for p in parts for q in p):
+        weights += part[:3]
+        ints += part[3:7]
     floats = [layer.input_norm.eps, layer.post_norm.eps, 1e-6 if qn is None else qn.eps, float(layer.softcap or 0.0)]
-    return weights, ints, floats, min(qr, orr, gr, dr)
+    return weights, ints, floats, min(q[7] for p in parts for q in p)
 
 
 def uses_sdpa(meta: AttnMeta, layer) -> bool:
