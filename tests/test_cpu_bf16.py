@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import CHAT_PROMPTS, chat, make_engine
-from localllm_kernels import cpu_bf16
 from test_families import gguf_reader
 from test_reference import hf_greedy
 
@@ -16,6 +15,7 @@ from localllm.model import gguf_blocks
 from localllm.model.layers import DenseLinear, W16Linear, W16Matrix
 from localllm.model.loader import load_model
 from localllm.planner import plan_for
+from localllm_kernels import cpu_bf16
 
 PATHS = ["amx", "avx512", "avx2", "generic"]
 

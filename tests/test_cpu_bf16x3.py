@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from embed_reference import SENTENCES, st_vectors
-from localllm_kernels import cpu_bf16x3
 
 from localllm.engine.embedder import Embedder
 from localllm.model import bf16x3
@@ -16,6 +15,7 @@ from localllm.model.encoder_loader import load_encoder
 from localllm.model.errors import ModelLoadError
 from localllm.model.layers import DenseLinear
 from localllm.registry import resolve_model
+from localllm_kernels import cpu_bf16x3
 
 AMX = cpu_bf16x3.available()
 # texts unlike the 50 of embed_reference (held out from every check made while building the mode)

@@ -1,4 +1,4 @@
-"""The fused CPU layer ops (kernels/cpu/fused_ops.cpp, chosen at load by localllm.model.cpu_ops):
+"""The fused CPU layer ops (localllm_kernels/cpu/fused_ops.cpp, chosen at load by localllm.model.cpu_ops):
 each op against the torch ops it replaces, on every instruction-set path this CPU has (bit-exact
 where the math is the same sequence of roundings: residual adds, RoPE, cache writes; a few ulp
 for the norms' and activations' reductions and exp), and the model on the fused ops against the
@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_engine
-from localllm_kernels import cpu_fused
 from test_engine import prompts, run_all
 
 from localllm.model.cpu_ops import decode_layer_args
 from localllm.model.layers import RotaryEmbedding
 from localllm.sampling import SamplingParams
+from localllm_kernels import cpu_fused
 
 
 def paths() -> list[str]:

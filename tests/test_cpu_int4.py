@@ -4,11 +4,11 @@ candidate search."""
 
 import pytest
 import torch
-from localllm_kernels import cpu_int4
 
 from localllm.model import layers
 from localllm.model.int4 import Int4Weight, quantize_rtn
 from localllm.model.layers import Int4Linear, top_indices
+from localllm_kernels import cpu_int4
 
 needs_kernel = pytest.mark.skipif(not cpu_int4.supported(), reason="this CPU has no AVX2 (with FMA and F16C)")
 

@@ -1,11 +1,11 @@
-"""GGUF Q8_0 matrices read in place (kernels/cpu/q8_0.cpp): against fp64 on the expanded matrix,
+"""GGUF Q8_0 matrices read in place (localllm_kernels/cpu/q8_0.cpp): against fp64 on the expanded matrix,
 and the embedded model's embedding and head loaded that way."""
 
 import pytest
 import torch
-from localllm_kernels import cpu_q8
 
 from localllm.model.layers import DenseMatrix, Q8Matrix
+from localllm_kernels import cpu_q8
 
 
 def random_blocks(n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_engine
-from localllm_kernels import cpu_int4, cpu_int8
 from test_cpu_fused import assert_one_call_equals_one_by_one
 from test_families import tokenizer_fields
 
@@ -19,6 +18,7 @@ from localllm.model.convert_cache import ConvertCache
 from localllm.model.cpu_ops import decode_layer_args
 from localllm.model.layers import ConcatLinear, Int4Linear, Int8wLinear, W16Linear
 from localllm.model.loader import load_model
+from localllm_kernels import cpu_int4, cpu_int8
 
 KINDS = list(gguf_blocks.BLOCK_BYTES)
 # the fp16 fields of each block (scales d, and mins / dmin): the byte offsets

@@ -1,4 +1,4 @@
-"""GGUF token tables and heads in block types other than Q8_0 read in place (kernels/cpu/gguf_table.cpp,
+"""GGUF token tables and heads in block types other than Q8_0 read in place (localllm_kernels/cpu/gguf_table.cpp,
 layers.BlockMatrix): rows bit-equal to gguf-py's dequantization, products against fp64 on the
 dequantized matrix, and a file with a Q4_K embedding and a Q6_K head (as llama.cpp's Q4_K_M mix
 writes them) loaded without an fp32 copy, its tokens and logprobs those of the fp32 tables."""
@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_engine
-from localllm_kernels import cpu_table
 from test_families import tokenizer_fields
 from test_gguf_kquants import F16_FIELDS, bits_equal, random_blocks, reference
 from test_model_memory import nbytes, planner_matches_held
@@ -17,6 +16,7 @@ from localllm.model.gguf import read_gguf
 from localllm.model.layers import BlockMatrix, DenseMatrix, LMHead
 from localllm.model.loader import load_model
 from localllm.sampling import SamplingParams
+from localllm_kernels import cpu_table
 
 KINDS = list(cpu_table.KINDS)
 

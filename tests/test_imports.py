@@ -110,7 +110,7 @@ def test_only_the_cli_imports_the_server_wing():
 
 
 def test_kernels_import_nothing_from_localllm():
-    kernels = Path(__file__).resolve().parent.parent / "kernels"
+    kernels = Path(__file__).resolve().parent.parent / "localllm_kernels"
     bad = []
     for path in kernels.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

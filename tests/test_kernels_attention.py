@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+
 from localllm_kernels import flash_attn_varlen_paged, paged_decode_attention, store_kv
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

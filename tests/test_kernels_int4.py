@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from localllm_kernels import int4_dequantize, int4_matmul
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+
 from localllm_kernels import apply_rope, rms_norm, silu_and_mul
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,7 +9,6 @@ import pytest
 import torch
 from conftest import make_engine
 from gguf import GGMLQuantizationType, quants
-from localllm_kernels import cpu_attention, kv_quant
 from test_cli_run import run
 from test_cpu_attention import make_batch
 from test_cpu_fused import isa  # noqa: F401  (the fixture: each instruction-set path of the fused ops)
@@ -21,6 +20,7 @@ from localllm.model.attention import AttnMeta, describe_batch, torch_attention
 from localllm.model.layers import RotaryEmbedding
 from localllm.planner import DeviceFacts, ModelFacts, kv_bytes, plan
 from localllm.sampling import SamplingParams
+from localllm_kernels import cpu_attention, kv_quant
 
 
 def hard_rows(n: int = 64, D: int = 64, seed: int = 0) -> torch.Tensor:

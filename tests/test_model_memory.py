@@ -5,7 +5,6 @@ ranking head) against the holdings they replace."""
 
 import pytest
 import torch
-from localllm_kernels import cpu_bf16, cpu_int4
 
 from localllm.model.gguf import read_gguf
 from localllm.model.int4 import Int4Weight
@@ -19,6 +18,7 @@ from localllm.model.layers import (
     ranking_head,
 )
 from localllm.planner import facts_for_path
+from localllm_kernels import cpu_bf16, cpu_int4
 
 # types whose kernel layout takes the file's own bytes per weight, within 5% (the K-quants'
 # sub-scales as int8 lanes: Q4_K 0.578 vs 0.5625, Q5_K 0.703 vs 0.6875, IQ4_XS 0.539 vs 0.531;

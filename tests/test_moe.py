@@ -205,10 +205,9 @@ def test_moe_int4_op_matches_the_torch_loop():
     """localllm::moe_int4 (experts stacked, rows grouped per expert in C++) against the torch loop
     over the same int4 experts (one int4_gemm each) and the dequantized fp32 math, at batch 1 and
     5 with several expert sets: tokens sharing experts, an expert used twice, every expert."""
-    from localllm_kernels import cpu_int4
-
     from localllm.model.llama import silu_mul
     from localllm.model.moe import Int4Experts, LoopExperts
+    from localllm_kernels import cpu_int4
 
     if not cpu_int4.load():
         pytest.skip("no int4 CPU kernel on this machine (it needs AVX2)")
@@ -238,10 +237,9 @@ def test_compiled_step_covers_int4_moe(family):
     """An int4 MoE model (Q4_1 experts on our int4 kernel) compiles: the d1 package (exported with
     the MoE op, checked against the eager step when built) decodes the eager tokens. An fp32 MoE
     model (experts looped in Python) runs eagerly."""
-    from localllm_kernels import cpu_int4
-
     from localllm.model import compiled
     from localllm.model.moe import Int4Experts
+    from localllm_kernels import cpu_int4
 
     model, _, gguf_file, q4_file, _ = family
     if not cpu_int4.load():

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from localllm_kernels import cpu_sampler
 
 from localllm.sampling import (
     MIN_REPETITION_PENALTY,
@@ -16,6 +15,7 @@ from localllm.sampling import (
     nucleus,
     sample_row,
 )
+from localllm_kernels import cpu_sampler
 
 
 @pytest.fixture(params=["native", "torch"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+
 from localllm_kernels import cpu_attention, kv_quant
 
 from ..model.attention import AttnMeta, describe_batch

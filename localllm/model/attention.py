@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from localllm_kernels import kv_quant
 
 # a fresh prompt (no cached prefix) of this many tokens or more attends with torch's SDPA (its

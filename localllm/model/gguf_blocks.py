@@ -226,7 +226,7 @@ def cpu_bytes_per_value(kind: str) -> float:
     (Q4_0 / Q4_1 / Q4_K) or the int8-lane kernel's (nibbles plus a plane per bit above 4, 4-bit
     indices for the codebook types, bytes for 8-bit values; on AVX2-only CPUs Q6_K takes bytes,
     0.25 more than counted here), plus the scales: the file's fp16 d (and m) per group, or for
-    the K-quants their records of fp16 super-scales and int8 sub-scales (kernels/group_scales.py:
+    the K-quants their records of fp16 super-scales and int8 sub-scales (localllm_kernels/group_scales.py:
     (32 + 16 * 256 / group) bytes per 16 rows and 256 values, twice that with offsets). Other
     types: fp32 values."""
     if kind in ("F16", "BF16"):  # kept as stored on cpu_bf16's kernel (N padded to 32 rows)

@@ -84,7 +84,7 @@ class LoopExperts(nn.Module):
 
 
 class Int4Experts(nn.Module):
-    """Int4 experts stacked for localllm::moe_int4 (kernels/cpu/int4_gemm.cpp): w1/s1 each expert's
+    """Int4 experts stacked for localllm::moe_int4 (localllm_kernels/cpu/int4_gemm.cpp): w1/s1 each expert's
     gate_up, w2/s2 its down, [E, ...] in our int4 kernel's layout (what the conversion cache stores)."""
 
     def __init__(self, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, group1: int,

@@ -1,4 +1,4 @@
-"""The CPU GEMM on 16-bit weights (`kernels/cpu/bf16_gemm.cpp`): build, load, packing.
+"""The CPU GEMM on 16-bit weights (`localllm_kernels/cpu/bf16_gemm.cpp`): build, load, packing.
 
 ``torch.ops.localllm.w16_gemm(x, w, bias)``: fp32 x [M, K] times W^T -> fp32 [M, N padded to 32],
 W held as bf16 or fp16 (the checkpoint's own values, converted exactly to fp32 in registers),

@@ -10,7 +10,7 @@
 // accumulated in fp32 (the dropped x_lo w_lo is ~2^-16 of the product). The outputs are an
 // fp32 GEMM's to ~1e-5 relative, far inside the 0.9999 cosine the encoders must keep.
 //
-// Layout: w [Nt, nkb, 2, 16, 16, 2] bf16 (kernels/cpu_bf16x3.py `pack`): column tile c (outputs
+// Layout: w [Nt, nkb, 2, 16, 16, 2] bf16 (localllm_kernels/cpu_bf16x3.py `pack`): column tile c (outputs
 // 16c..16c+15), k-block kb (k 32kb..32kb+31), part (hi, lo), then a tile as TDPBF16PS reads its
 // B operand: [k pair r][output j][k parity e] = W[16c + j, 32kb + 2r + e]; Nt even, zeros past N
 // and K. x fp32 [M, K]; bias fp32 [16 Nt] or none; y fp32 [M, N]:

@@ -1,4 +1,4 @@
-"""fp32 linears on the AMX-BF16 tile unit at fp32-level accuracy (`kernels/cpu/bf16x3_gemm.cpp`):
+"""fp32 linears on the AMX-BF16 tile unit at fp32-level accuracy (`localllm_kernels/cpu/bf16x3_gemm.cpp`):
 build, load, packing.
 
 ``torch.ops.localllm.bf16x3_gemm(x, w, bias, n, act)``: fp32 x [M, K] times W^T (+ bias, then

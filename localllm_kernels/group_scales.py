@@ -1,4 +1,4 @@
-"""The K-quant scale records our CPU GEMMs read (`kernels/cpu/group_scales.h`: the Super form), built
+"""The K-quant scale records our CPU GEMMs read (`localllm_kernels/cpu/group_scales.h`: the Super form), built
 and read back here for both of them (cpu_int4's Q4_K, cpu_int8's other K-quants).
 
 Per 16-row block and 256 columns, one record: the 16 rows' fp16 super-scales d, (with offsets) their

@@ -12,7 +12,7 @@
 // (max, sum, acc) are merged afterwards, and short ones into groups of KV heads. Items are taken
 // from a shared counter, longest first. fp16/bf16 caches are converted to fp32 on load (once per
 // tile and head); all arithmetic is fp32. A q8_0 cache (uint8, llama.cpp's Q8_0 blocks: an fp16
-// scale d and 32 int8 q per 32 values of a head's row, kernels/kv_quant.py) is read as d * q (exact
+// scale d and 32 int8 q per 32 values of a head's row, localllm_kernels/kv_quant.py) is read as d * q (exact
 // in fp32) where it lies, 16 values at a time: half the bytes of an fp16 cache.
 //
 // Built with -march=native (the cached library is keyed by the CPU's flags): AVX-512, AVX2+F16C+FMA,

@@ -1,4 +1,4 @@
-"""GGUF Q8_0 matrices read in place on CPU (`kernels/cpu/q8_0.cpp`): build, load, torch reference.
+"""GGUF Q8_0 matrices read in place on CPU (`localllm_kernels/cpu/q8_0.cpp`): build, load, torch reference.
 
 ``torch.ops.localllm.q8_0_gemm(x, blocks)``: x fp32 [M, K] times the matrix held as Q8_0 blocks
 (uint8 [N, K/32, 34]: an fp16 scale d, then 32 int8 q; value d * q, exact in fp32) transposed ->

@@ -1,4 +1,4 @@
-"""Building, caching and loading our C++ CPU kernels (kernels/cpu/*.cpp), shared by cpu_int4 and
+"""Building, caching and loading our C++ CPU kernels (localllm_kernels/cpu/*.cpp), shared by cpu_int4 and
 cpu_attention.
 
 Each source is compiled once per machine with the system C++ compiler ($CXX, default c++) against

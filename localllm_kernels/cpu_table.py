@@ -1,5 +1,5 @@
 """GGUF token tables and heads in the other block types read in place on CPU
-(`kernels/cpu/gguf_table.cpp`): build, load.
+(`localllm_kernels/cpu/gguf_table.cpp`): build, load.
 
 ``torch.ops.localllm.gguf_table_gemm(x, blocks, kind)``: x fp32 [M, K] times the matrix held as
 the file's blocks of `kind` (uint8 [N, K / block values, block bytes]; Q4_0, Q4_1, Q5_0, Q5_1,

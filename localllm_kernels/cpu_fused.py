@@ -1,4 +1,4 @@
-"""The fused elementwise ops of a decoder layer on CPU (`kernels/cpu/fused_ops.cpp`): build and load.
+"""The fused elementwise ops of a decoder layer on CPU (`localllm_kernels/cpu/fused_ops.cpp`): build and load.
 
 Registers ``torch.ops.localllm.rms_norm``, ``add_rms_norm``, ``rope_store`` (qkv split, per-head
 q/k norm, RoPE and the paged-cache write of k and v in one call), ``silu_mul``, ``gelu_tanh_mul``

@@ -9,7 +9,7 @@
 //       and k when q_w/k_w are given (Qwen3, Gemma 3); HF rotate_half RoPE of the first rotary_dim
 //       columns of each head by cos/sin [P, rotary_dim] at positions [T]; k and v written into the
 //       paged caches [blocks, block_size, KVH, D] (fp32/fp16/bf16; or uint8 [.., KVH, D / 32 * 34]: q8_0
-//       blocks, quantized as kernels/kv_quant.py does, bit for bit) at slots [T]; q returned.
+//       blocks, quantized as localllm_kernels/kv_quant.py does, bit for bit) at slots [T]; q returned.
 //   silu_mul(gate_up [T, 2I]) -> silu(gate) * up;  gelu_tanh_mul(gate_up) -> gelu_tanh(gate) * up
 //
 // RoPE, the residual add and the cache writes do what the torch ops they replace do, one rounding

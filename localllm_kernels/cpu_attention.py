@@ -1,4 +1,4 @@
-"""Paged attention on CPU (`kernels/cpu/paged_attention.cpp`): build, load, and a torch reference.
+"""Paged attention on CPU (`localllm_kernels/cpu/paged_attention.cpp`): build, load, and a torch reference.
 
 ``paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window,
 softcap)``: the queries of a flattened batch (q [T, H, D] fp32; rows cu_seqlens_q[b]:cu_seqlens_q[b+1]

@@ -1,4 +1,4 @@
-"""The CPU int4 GEMM (`kernels/cpu/int4_gemm.cpp`, AVX-512 VNNI or AVX2): build, load and weight packing.
+"""The CPU int4 GEMM (`localllm_kernels/cpu/int4_gemm.cpp`, AVX-512 VNNI or AVX2): build, load and weight packing.
 
 The C++ source is compiled once per machine with the system C++ compiler against torch's headers
 (~7 s) into a shared library cached under ~/.cache/localllm/kernels (LOCALLLM_KERNEL_CACHE),

@@ -1,4 +1,4 @@
-"""The sampler's pass over a row of logits on CPU (`kernels/cpu/sampler.cpp`): build, load.
+"""The sampler's pass over a row of logits on CPU (`localllm_kernels/cpu/sampler.cpp`): build, load.
 
 ``torch.ops.localllm.softmax_top(x, inv_t, span)`` -> (idx, stats): for a fp32 row x, stats =
 (max, sum exp((x - max) * inv_t)) and idx the tokens with x >= max - span / inv_t, in index order.

@@ -1,4 +1,4 @@
-"""The CPU GEMM on weights of up to 8 bits in int8 lanes (`kernels/cpu/int8_gemm.cpp`): build,
+"""The CPU GEMM on weights of up to 8 bits in int8 lanes (`localllm_kernels/cpu/int8_gemm.cpp`): build,
 load, packing, and the unpacked values.
 
 ``torch.ops.localllm.int8w_gemm(x, w, scales, group_size, zero)``: fp32 x [M, K] times W^T ->
