@@ -70,9 +70,10 @@ def image_only(base):
 
     class ImageProcessor(base):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            self.image_token, self.video_token = QWEN_TOKENS["image_token"], QWEN_TOKENS["video_token"]
-            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            # the tokens (and ids) the base __init__ would set (Qwen3-VL's reads the vision start/end too)
+            for name, token in QWEN_TOKENS.items():
+                setattr(self, name, token)
+                setattr(self, name + "_id", tokenizer.convert_tokens_to_ids(token))
             transformers.ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
     return ImageProcessor
