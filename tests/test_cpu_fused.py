@@ -175,6 +175,26 @@ def test_one_call_layers_equal_the_ops_one_by_one(tiny_int4, isa, kv_dtype):
     assert_one_call_equals_one_by_one(tiny_int4.model, kv_dtype)
 
 
+def test_one_call_layers_add_each_parts_bias_after_its_cut(tiny_gguf, isa):
+    """Biased linears (Qwen2's qkv; any linear of an HF checkpoint): decode_layer adds each int4
+    part's bias after the cut to its out features, as Int4Linear.forward does, with the bits of
+    the ops one by one; a bias set after the arguments were made is seen."""
+    from localllm.model.loader import load_model
+
+    m = load_model(tiny_gguf, "auto").model
+    g = torch.Generator().manual_seed(5)
+    for layer in m.layers:
+        for lin in (layer.qkv, layer.o):
+            lin.bias = torch.nn.Parameter(torch.randn(lin.out_features, generator=g), requires_grad=False)
+    args = [decode_layer_args(layer) for layer in m.layers]
+    assert all(a is not None for a in args)
+    assert all(a[0][4] is layer.qkv.bias for a, layer in zip(args, m.layers))  # 2 norms, then qkv's w, scales, bias
+    assert_one_call_equals_one_by_one(m, torch.float32)
+    layer = m.layers[0]
+    layer.down.bias = torch.nn.Parameter(torch.zeros(layer.down.out_features), requires_grad=False)
+    assert decode_layer_args(layer)[0][-1] is layer.down.bias
+
+
 def assert_one_call_equals_one_by_one(m, kv_dtype) -> None:
     """Model `m` (on the fused ops, one call per layer) gives the hidden states and cache writes of
     the same ops called one by one, for decode at batch 1 and 3, a 4-token verify and an extend,

@@ -310,6 +310,23 @@ def test_mixed_file_decodes_each_layer_in_one_call(mixed_gguf, kv_dtype):
     assert again is not args[1] and again[0][-3] is down.w
 
 
+def test_mixed_file_one_call_layers_add_each_parts_bias(mixed_gguf):
+    """The 12-type file with a bias on every int4 and int8-lane part of its fused linears (as a
+    Qwen2 K-quant file's qkv has): each part's bias after its cut, the bits of the ops one by one."""
+    m = load_model(mixed_gguf, "auto").model
+    g = torch.Generator().manual_seed(7)
+    biased = 0
+    for layer in m.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for part in (lin.parts if isinstance(lin, ConcatLinear) else [lin]):
+                if isinstance(part, (Int4Linear, Int8wLinear)):
+                    part.bias = torch.nn.Parameter(torch.randn(part.out_features, generator=g), requires_grad=False)
+                    biased += 1
+    assert biased >= 6
+    assert all(decode_layer_args(layer) is not None for layer in m.layers)
+    assert_one_call_equals_one_by_one(m, torch.float32)
+
+
 def test_mixed_file_holds_the_files_bytes_where_the_layout_allows(mixed_gguf):
     """The 12-type file: the types whose layout is the file's hold its bytes per weight (within 5%:
     the K-quants' sub-scales kept as int8 lanes, not 6-bit fields); the planner says what every

@@ -136,8 +136,6 @@ def _linear_parts(m, leaves: list) -> list | None:
         names = ("w", "b")
     else:
         return None
-    if bias is not NO_TENSOR:  # a bias after the cut (Qwen2's qkv): its test did not pass yet, so left to the ops
-        return None
     buffers, params = m.__dict__["_buffers"], m.__dict__["_parameters"]
     leaves += [(buffers, n, buffers.get(n)) for n in names]
     leaves.append((params, "bias", params.get("bias")))  # (None there: a bias set later is seen)
