@@ -56,7 +56,7 @@ def describe_batch(block_tables: torch.Tensor, q_lens: list[int], ctx_lens: list
     step's export, the engine's memory probe and the quantizer all describe batches with this, so
     a slot means the same everywhere. The Triton kernels take int32 descriptions on the device."""
     positions = torch.tensor([p for n, c in zip(q_lens, ctx_lens) for p in range(c - n, c)], dtype=torch.int64)
-    # (repeat_interleave with a tensor of counts costs ~80 us a call: as much as a layer's attention)
+    # (from a list: repeat_interleave over a tensor of counts took 27 us a decode step here, this 22)
     row = torch.tensor([b for b, n in enumerate(q_lens) for _ in range(n)], dtype=torch.int64)
     slots = block_tables[row, positions // block_size] * block_size + positions % block_size
     cu = torch.tensor([0, *q_lens], dtype=torch.int64).cumsum(0)
