@@ -96,13 +96,19 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, zero: int, bi
     if planes < 0:
         w = q.view(nb, ROWS, k // 4, 4).permute(0, 2, 1, 3).reshape(nb, k // 4, 64).contiguous()
     else:
-        qb = q.view(nb, ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [nb, K/8, half, 16 rows, 4]
-        recs = [((qb[:, :, 0] & 15) | ((qb[:, :, 1] & 15) << 4)).reshape(nb, k // 8, 64)]
-        weights = (1 << torch.arange(8, dtype=torch.int32)).view(1, 1, 1, 8)
-        for p in range(planes):  # per half, bit 4r + j of a 64-bit mask, little-endian bytes
-            bit = ((qb >> (4 + p)) & 1).to(torch.int32).reshape(nb, k // 8, 2 * 8, 8)
-            recs.append((bit * weights).sum(-1).to(torch.uint8))
-        w = torch.cat(recs, dim=2).contiguous()
+        # one copy into the records' order, then uint8 ops only (int32 bit sums over a dim of 8 and
+        # the strided reshapes took ~20 s of a 1B Q6_K file's 31 s first load)
+        qb = q.view(nb, ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4).contiguous()  # [nb, K/8, half, 16 rows, 4]
+        recs = [((qb[:, :, 0] & 15) | ((qb[:, :, 1] & 15) << 4)).view(nb, k // 8, 64)]
+        # per half, bit 4r + j of a 64-bit mask, little-endian bytes: byte i of a record holds
+        # values 8i..8i+7, so the 8 values of each byte side by side first (contiguous slices)
+        by_bit = qb.view(nb, k // 8, 2 * 8, 8).permute(3, 0, 1, 2).contiguous() if planes else None
+        for p in range(planes):
+            mask = (by_bit[0] >> (4 + p)) & 1
+            for j in range(1, 8):
+                mask |= ((by_bit[j] >> (4 + p)) & 1) << j
+            recs.append(mask)
+        w = torch.cat(recs, dim=2)
     if sub is not None:
         return w, group_scales.pack(*sub, group=k // g)
     sc = torch.stack([p.view(nb, ROWS, g) for p in parts], 1).permute(0, 3, 1, 2).contiguous()
