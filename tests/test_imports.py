@@ -174,3 +174,23 @@ def test_replies_are_split_in_one_place():
     users = {m for m, ts in g.items() if "localllm.reply_stream" in ts}
     assert {"localllm.cli", "localllm.repl", "localllm.server.ollama"} <= users
     assert any(m.startswith("localllm.server.") and m != "localllm.server.ollama" for m in users)  # OpenAI's
+
+
+def test_every_package_and_kernel_source_is_in_the_distribution():
+    """pyproject's explicit package list names every folder with an __init__.py (a wheel install
+    lacked localllm.model.vision while the editable one hid it), and its package data covers every
+    C++ source and header the kernels compile from and every template."""
+    import fnmatch
+
+    import tomllib
+
+    repo = ROOT.parent
+    conf = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join(p.parent.relative_to(repo).parts) for top in ("localllm", "localllm_kernels")
+             for p in (repo / top).rglob("__init__.py")}
+    assert set(conf["packages"]) == found
+    for pkg, globs in conf["package-data"].items():
+        base = repo / pkg
+        data = {str(p.relative_to(base)) for sub in {g.split("/")[0] for g in globs}
+                for p in (base / sub).iterdir() if p.suffix not in (".pyc",) and p.is_file()}
+        assert data and {f for f in data if any(fnmatch.fnmatch(f, g) for g in globs)} == data, (pkg, data)
