@@ -182,7 +182,10 @@ def test_every_package_and_kernel_source_is_in_the_distribution():
     C++ source and header the kernels compile from and every template."""
     import fnmatch
 
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
+        import tomli as tomllib
 
     repo = ROOT.parent
     conf = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
