@@ -22,6 +22,7 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES_FORCE_NATIVE"):
     if not _has_cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -36,7 +37,7 @@ import pytest  # noqa: E402
 from localllm_kernels import cpu_build  # noqa: E402
 
 os.environ.setdefault("LOCALLLM_KERNEL_CACHE", str(cpu_build.cache_dir()))
-os.environ["LOCALLLM_HOME"] = tempfile.mkdtemp(prefix="localllm-test-home-")
+HOME = os.environ["LOCALLLM_HOME"] = tempfile.mkdtemp(prefix="localllm-test-home-")
 
 
 def end_builders(homes: list[str]) -> None:
@@ -61,12 +62,14 @@ def end_builders(homes: list[str]) -> None:
 def pytest_sessionfinish(session, exitstatus):
     """Default engines start background builders of the compiled step; end the ones this test run
     started instead of leaving them to finish (only this run's: its home or its tmp_path folders,
-    not another test run's on the same machine)."""
-    homes = [os.environ["LOCALLLM_HOME"]]
+    not another test run's on the same machine). Then remove this process's home (each pytest
+    process, xdist workers too, made one at import: up to ~400 MB each, left in /tmp before)."""
+    homes = [HOME]
     factory = getattr(session.config, "_tmp_path_factory", None)
     if factory is not None:
         homes.append(str(factory.getbasetemp()))
     end_builders(homes)
+    shutil.rmtree(HOME, ignore_errors=True)
 
 
 CHAT_PROMPTS = [
