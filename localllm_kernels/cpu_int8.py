@@ -84,7 +84,7 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, zero: int, bi
             raise ValueError("4-bit codebook indices are for the IQ4 codebook (+128, zero point 128) only")
         inverse = torch.zeros(256, dtype=torch.uint8)
         inverse[lut.long()] = torch.arange(16, dtype=torch.uint8)
-        q, bits = _pairs_through(inverse, q), 4
+        q, bits = take_bytes(inverse, q), 4
     pad = -n % ROWS
     parts = [d.float()] if m is None else [d.float(), m.float()]
     q = q.to(torch.uint8)
@@ -117,10 +117,11 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, zero: int, bi
     return w, (half if exact else sc)
 
 
-def _pairs_through(table: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """table[q] for uint8 `table` [256] and q [..., K] (K even), looked up two bytes at a time (one
-    int64 index per pair: the index pass took ~1.6 s of a 1B-shape IQ4_XS file's first load). The
-    pair's value and the table's entries are built by arithmetic, so byte order does not matter."""
+def take_bytes(table: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """table[q] for a uint8 `table` [256] and uint8 q [..., K] (K even), looked up two bytes at a
+    time: one int64 index per pair (a 1B-shape IQ4_XS file's index passes took ~3 s of its first
+    load one byte at a time). The pairs' table is built by arithmetic on values, so byte order
+    does not matter."""
     a = torch.arange(1 << 16, dtype=torch.int32)
     t = table.to(torch.int32)
     pair = (t[a & 255] | (t[a >> 8] << 8)).to(torch.uint16).view(torch.int16)

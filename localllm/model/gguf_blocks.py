@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from localllm_kernels.cpu_int8 import take_bytes
+
 # bytes per block and values per block of each type decoded here
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q2_K": 84, "Q3_K": 110,
                "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136}
@@ -145,7 +147,7 @@ def decode(kind: str, raw: torch.Tensor) -> Blocks:
             return Blocks(q.reshape(n, k), d, None, 32, 8, 128)
         if kind == "IQ4_NL":
             lut = iq4_lut()
-            q = _codebook_values(b[..., 2:], lut)
+            q = take_bytes(_codebook(lut), _nibbles(b[..., 2:]))
             return Blocks(q.reshape(n, k), d, None, 32, 8, 128, lut=lut)
         if kind in ("Q4_0", "Q4_1"):
             q = _nibbles(b[..., size - 16:]).reshape(n, k)
@@ -211,18 +213,14 @@ def decode(kind: str, raw: torch.Tensor) -> Blocks:
     D = (d * sc.float()).reshape(n, -1)
     lut = iq4_lut()
     qs = b[..., 8:136].reshape(n, nb, 8, 16)
-    q = _codebook_values(qs, lut)
+    q = take_bytes(_codebook(lut), _nibbles(qs))
     sub = SubScales(d.reshape(n, nb), sc.to(torch.int8).reshape(n, -1))
     return Blocks(q.reshape(n, k), D, None, 32, 8, 128, sub, lut)
 
 
-def _codebook_values(b: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
-    """lut[_nibbles(b)]: uint8 [..., n] of 4-bit index pairs -> their values [..., 2n], looked up a
-    byte (two values) at a time: one int64 index per byte instead of one per value (the index
-    passes took ~3 s of a 1B-shape IQ4_XS file's first load)."""
-    pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1)  # byte -> (low, high)
-    v = pairs.view(torch.int16)[b.long()].view(torch.uint8)  # [..., n, 2]: (low, high) per byte
-    return v.view(*b.shape, 2).transpose(-1, -2).reshape(*b.shape[:-1], 2 * b.shape[-1])
+def _codebook(lut: torch.Tensor) -> torch.Tensor:
+    """`lut` as a 256-entry byte table (4-bit indices in, values out) for take_bytes."""
+    return torch.cat([lut, lut.new_zeros(256 - len(lut))])
 
 
 def iq4_lut() -> torch.Tensor:
