@@ -10,9 +10,9 @@ bench/make_embed_gguf.py; ours also on that GGUF), the same threads each.
 Prints a markdown table: the median wall time of `--runs` calls per engine and batch (after one
 warm-up call; the engines' calls interleaved, A B C A B C ..., so load changes hit all alike), as
 sentences/s, and the process CPU seconds per sentence (what a loaded machine distorts least).
-Our engine also runs as `--precision float32` (torch's fp32 linears: the path before the AMX
-kernel, and what CPUs without AMX run) and `bfloat16` (the opt-in bf16-rounded weights) where
-the CPU has AMX. Without llama-cpp-python installed its rows are left out (said in the output). Every engine embeds the same texts; the script checks each sentence is exactly
+Our engine also runs as `--precision float32` (torch's fp32 linears: what CPUs without bf16 dot
+products run by default) and, where the CPU has AMX, `bf16x3` (fp32-level: weights and
+activations in two bf16 parts). Without llama-cpp-python installed its rows are left out (said in the output). Every engine embeds the same texts; the script checks each sentence is exactly
 128 tokens for all three tokenizers and that the engines agree (cosine >= 0.9999).
 """
 
@@ -94,7 +94,7 @@ def main() -> None:
     ours = Embedder(load_encoder(src))
     ours_gguf = Embedder(load_encoder(gguf_path))
     ours_fp32 = Embedder(load_encoder(src, precision="float32"))
-    ours_bf16 = Embedder(load_encoder(src, precision="bfloat16")) if bf16x3.available() else None
+    ours_x3 = Embedder(load_encoder(src, precision="bf16x3")) if bf16x3.available() else None
     batches = [int(b) for b in a.batches.split(",")]
     texts = sentences(max(batches), a.tokens, lambda t: ours.tokenize([t]).ids[0])
 
@@ -123,8 +123,8 @@ def main() -> None:
         "localllm (GGUF)": lambda b: ours_gguf.embed(ours_gguf.tokenize(texts[:b])),
         "localllm (HF dir, --precision float32: torch's linears)": lambda b: ours_fp32.embed(
             ours_fp32.tokenize(texts[:b])),
-        **({"localllm (HF dir, --precision bfloat16, opt-in)": lambda b: ours_bf16.embed(ours_bf16.tokenize(texts[:b]))}
-           if ours_bf16 is not None else {}),
+        **({"localllm (HF dir, --precision bf16x3: fp32-level, AMX)": lambda b: ours_x3.embed(ours_x3.tokenize(texts[:b]))}
+           if ours_x3 is not None else {}),
         "sentence-transformers": lambda b: st.encode(texts[:b], batch_size=b, convert_to_numpy=True),
         # the context sized to the batch (one decode of all its sentences)
         "llama.cpp, n_ctx = batch tokens": lambda b: llama(b * a.tokens).embed(texts[:b], normalize=True),

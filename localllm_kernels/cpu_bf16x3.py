@@ -49,6 +49,12 @@ def available() -> bool:
     return load() and torch.ops.localllm.bf16x3_available()
 
 
+@functools.cache
+def dot_available() -> bool:
+    """The kernel loads and this CPU has AVX512-BF16 (VDPBF16PS): the one-part mode without AMX."""
+    return load() and torch.ops.localllm.bf16dot_available()
+
+
 def split(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 w -> (hi, lo) bf16 with hi = bf16(w), lo = bf16(w - hi) (round to nearest even)."""
     w = w.float()

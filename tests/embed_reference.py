@@ -1,12 +1,14 @@
 """What the embedding tests compare against: sentences, sentence-transformers on the same files
 (loaded once per test run), tiny random BERT checkpoints written by transformers."""
 
+import contextlib
 import functools
 import json
 import shutil
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 # 50 sentences of every length from one word to far past the model's 256 tokens (cut there)
 SENTENCES = [
@@ -39,6 +41,32 @@ SENTENCES = [
 ]
 assert len(SENTENCES) == 50
 
+
+
+@contextlib.contextmanager
+def default_linears():
+    """torch's nn.Linear, while in the block, as the BERT-family encoders' default ("auto") computes
+    a linear on this CPU: with the weights rounded to bf16 where it has bf16 dot products, and the
+    inputs too where that is AVX512-BF16 without the AMX tile unit (which splits them in two parts,
+    ~fp32); unchanged on other CPUs. A reference model run in it does our arithmetic, so ours
+    must match it to fp32 summation order."""
+    from localllm_kernels import cpu_bf16x3
+
+    amx, dot = cpu_bf16x3.available(), cpu_bf16x3.dot_available()
+    if not (amx or dot):
+        yield
+        return
+    plain = torch.nn.Linear.forward
+
+    def rounded(self, x):
+        x = x if amx else x.to(torch.bfloat16).float()
+        return F.linear(x, self.weight.to(torch.bfloat16).float(), self.bias)
+
+    torch.nn.Linear.forward = rounded
+    try:
+        yield
+    finally:
+        torch.nn.Linear.forward = plain
 
 
 @functools.lru_cache(maxsize=2)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from embed_reference import SENTENCES, st_model, tiny_bert
+from embed_reference import SENTENCES, default_linears, st_model, tiny_bert
 
 from localllm.engine.embedder import Embedder, InputTooLong
 from localllm.model.encoder_loader import encoder_kind, load_encoder
@@ -75,7 +75,7 @@ def test_tiny_bert_cls_pooling_matches_transformers(tmp_path, minilm_dir):
     tok = transformers.AutoTokenizer.from_pretrained(path)
     hf = transformers.BertModel.from_pretrained(path).eval()
     batch = tok(texts, padding=True, truncation=True, max_length=100, return_tensors="pt")
-    with torch.no_grad():
+    with torch.no_grad(), default_linears():
         ref = hf(**batch).last_hidden_state[:, 0]
     assert (ours - ref).abs().max().item() < 1e-4
 
@@ -110,7 +110,7 @@ def test_tiny_xlm_roberta_embedder_and_reranker_match_transformers(tmp_path, min
     tok = transformers.AutoTokenizer.from_pretrained(path)
     hf = transformers.XLMRobertaModel.from_pretrained(path).eval()
     batch = tok(texts, padding=True, truncation=True, max_length=100, return_tensors="pt", return_token_type_ids=False)
-    with torch.no_grad():
+    with torch.no_grad(), default_linears():
         states = hf(**batch).last_hidden_state
     mask = batch["attention_mask"][..., None].float()
     ref = (states * mask).sum(1) / mask.sum(1)

@@ -1,9 +1,12 @@
-"""fp32 linears for encoders on the AMX tile unit (localllm_kernels.cpu_bf16x3): weights and
-activations each split into two bf16 parts, three exact products accumulated in fp32 (~1e-5
-relative to fp32), the bias and the exact GELU fused into the GEMM's output.
+"""Encoder linears on the CPU's bf16 dot products (localllm_kernels.cpu_bf16x3), the bias and the
+exact GELU fused into the GEMM's output: on the AMX tile unit, weights and activations each split
+into two bf16 parts (three exact products accumulated in fp32, ~1e-5 relative to fp32) or the
+weights rounded to bf16; with AVX512-BF16 alone (VDPBF16PS), the weights and the activations
+rounded to bf16 (one product, fp32 accumulation).
 
-What the encoder loader asks: whether the kernel runs here (`available`) and the linear for a
-weight (`linear`): a Bf16x3Linear where the CPU has AMX-BF16, torch's fp32 DenseLinear elsewhere.
+What the encoder loader asks: which modes run here (`available`: AMX, both; `dot_available`:
+the one-part mode) and the linear for a weight (`linear`): a Bf16x3Linear, or torch's fp32
+DenseLinear.
 """
 
 from __future__ import annotations
@@ -23,8 +26,17 @@ def available(device: str = "cpu") -> bool:
     return cpu_bf16x3.available()
 
 
+def dot_available(device: str = "cpu") -> bool:
+    """The one-part mode (weights rounded to bf16) runs here: AMX-BF16 or AVX512-BF16 (CPU models only)."""
+    if device != "cpu":
+        return False
+    from localllm_kernels import cpu_bf16x3
+
+    return cpu_bf16x3.available() or cpu_bf16x3.dot_available()
+
+
 class Bf16x3Linear(nn.Module):
-    """y = act(x W^T + b) on the tile unit; `act` ("none" or "gelu", the erf GELU) is applied
+    """y = act(x W^T + b) on the bf16 kernel; `act` ("none" or "gelu", the erf GELU) is applied
     here, so a layer whose activation this module already applied skips its own."""
 
     kind = "bf16x3"

@@ -450,26 +450,30 @@ def _build_nomic(cfg: BertConfig, w, device: str) -> BertEncoder:
                        get("embeddings.token_type_embeddings.weight"), norm("emb_ln"), layers, None, device)
 
 
-# BERT-family encoders' linears: "auto" (the AMX kernel where the CPU has it, AUTO_PARTS weight
-# parts; torch's fp32 elsewhere), "float32" (torch's fp32), "bf16x3" (AMX, weights in two bf16
-# parts: fp32-level), "bfloat16" (AMX, weights rounded to bf16, activations in two parts)
+# BERT-family encoders' linears: "auto" (the weights rounded to bf16 on the CPU's bf16 dot
+# products where it has them, AMX-BF16 or AVX512-BF16: on the real all-MiniLM, cosine >= 0.99997
+# to fp32 on 300 held-out sentences, 1.9x MKL's fp32 GEMMs on Zen 4; torch's fp32 elsewhere),
+# "float32" (torch's fp32), "bf16x3" (AMX, weights and activations in two bf16 parts:
+# fp32-level), "bfloat16" (the weights rounded to bf16: activations in two parts on AMX, rounded
+# too with AVX512-BF16)
 ENCODER_PRECISIONS = ("auto", "float32", "bf16x3", "bfloat16")
-AUTO_PARTS = 2  # fp32-level; 1 (bfloat16) measured faster and at cosine >= 0.99997 (BENCHMARKS.md)
 
 
 def _build(cfg: BertConfig, w, kind: str, device: str, precision: str = "auto") -> BertEncoder:
-    """The encoder from `w`'s tensors under HF's names (a checkpoint's or a GGUF's); precision
-    "auto": the layers' linears on the AMX bf16x3 kernel where the CPU has it (fp32-level
-    results, BENCHMARKS.md), "float32": torch's fp32 linears."""
+    """The encoder from `w`'s tensors under HF's names (a checkpoint's or a GGUF's); precision as
+    ENCODER_PRECISIONS says."""
     if cfg.model_type == "nomic_bert":
         return _build_nomic(cfg, w, device)
     if precision not in ENCODER_PRECISIONS:
         raise ModelLoadError(f"precision {precision!r} is not supported for BERT-family encoders "
                              f"({', '.join(ENCODER_PRECISIONS)})")
-    fast = bf16x3.available(device)
-    if precision in ("bf16x3", "bfloat16") and not fast:
-        raise ModelLoadError(f"precision {precision!r} needs a CPU with AMX-BF16 (this one has none: use auto)")
-    parts = {"auto": AUTO_PARTS if fast else 0, "float32": 0, "bf16x3": 2, "bfloat16": 1}[precision]
+    if precision == "bf16x3" and not bf16x3.available(device):
+        raise ModelLoadError("precision 'bf16x3' needs a CPU with AMX-BF16 (this one has none: use auto)")
+    dot = bf16x3.dot_available(device)
+    if precision == "bfloat16" and not dot:
+        raise ModelLoadError("precision 'bfloat16' needs a CPU with bf16 dot products, AMX-BF16 or AVX512-BF16 "
+                             "(this one has neither: use auto)")
+    parts = {"auto": 1 if dot else 0, "float32": 0, "bf16x3": 2, "bfloat16": 1}[precision]
 
     def lin(name: str, encoder: bool = True, act: str = "none") -> torch.nn.Module:
         return bf16x3.linear(w.get(name + ".weight", encoder).to(device), w.get(name + ".bias", encoder).to(device),

@@ -18,6 +18,13 @@
 // Each task takes a block of rows and a range of column-tile pairs, splits its rows into a
 // per-thread buffer of activation tiles, and runs 2 x 2 tile accumulators (32 rows x 32 outputs)
 // over K; the epilogue adds the bias and applies the activation on the way to y.
+//
+// Without the tile unit, on AVX512-BF16 CPUs (AMD Zen 4 and later, Intel Cooper Lake): one weight
+// part only ("bfloat16"), the activations rounded to bf16 too (one product, VDPBF16PS: 32
+// multiply-adds a cycle against fp32 FMA's 16; measured 2x MKL's fp32 sgemm on Zen 4). The same
+// weight layout: a tile's k pair r is one 64-byte row, 16 outputs x 2 k, VDPBF16PS's operand as it
+// is; 12 rows x 2 column tiles of accumulators, the activations' k pair broadcast from a bf16
+// row-major copy of x.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,10 +32,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -45,8 +54,8 @@ namespace {
 constexpr int kK = 32;                // k per tile step
 constexpr int kTile = 16 * kK;        // bf16 values of one tile (1 KB)
 constexpr int64_t kChunkBytes = 768 << 10;  // weight tiles a task keeps in L2 (2 MB a core here)
-constexpr int64_t kGroupRows = 256;
-constexpr int64_t kSliceK = 8;  // k-blocks a slice (see gemm_block; 4 and 12 measured no better)          // rows a task runs over one column chunk
+constexpr int64_t kGroupRows = 256;        // rows a task runs over one column chunk
+constexpr int64_t kSliceK = 8;  // k-blocks a slice (see gemm_block; 4 and 12 measured no better)
 
 // AMX-BF16 and AVX-512 on the CPU and the tile state granted to this process by Linux
 bool amx_ready() {
@@ -64,11 +73,28 @@ bool amx_ready() {
 #endif
 }
 
+// AVX512-BF16 (CPUID.(7,1):EAX bit 5) with AVX-512 F/BW/VL
+bool dot_ready() {
+#if defined(__x86_64__)
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 bool bf16x3_available() { return amx_ready(); }
+bool bf16dot_available() { return dot_ready(); }
 
 #if defined(__x86_64__)
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
 #define AMX __attribute__((target("avx512f,avx512bw,avx512vl,fma,amx-tile,amx-bf16")))
+#define BF16DOT __attribute__((target("avx512f,avx512bw,avx512vl,fma,avx512bf16")))
 
 struct alignas(64) TileCfg {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -249,6 +275,74 @@ AMX void run_tasks(const uint16_t* a, int64_t M, int64_t nkb, const uint16_t* w,
   _tile_release();
 }
 
+// rows [r0, r1) of x [M, K] -> xb [M, Kp] bf16 rounded to nearest even, zeros past K
+AVX512 void round_rows(const float* x, int64_t K, int64_t Kp, int64_t r0, int64_t r1, uint16_t* xb) {
+  for (int64_t i = r0; i < r1; ++i) {
+    for (int64_t k = 0; k < Kp; k += 16) {
+      const __mmask16 mask = K - k >= 16 ? 0xffff : K > k ? static_cast<__mmask16>((1u << (K - k)) - 1) : 0;
+      const __m512i v = rne_bf16(_mm512_castps_si512(_mm512_maskz_loadu_ps(mask, x + i * K + k)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + i * Kp + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+    }
+  }
+}
+
+// MR rows of xb (from a, row stride lda) x column tiles c and c + 1 (b0, b0 + bstride) over nkb
+// k-blocks: 2 MR accumulators; the epilogue adds the bias, applies the activation and stores
+// outputs n0 .. n0 + 31 (those below N) of the MR rows of y
+template <int MR>
+BF16DOT void dot_tile(const uint16_t* a, int64_t lda, const uint16_t* b0, int64_t bstride, int64_t nkb,
+                      const float* bias, bool gelu, float* y, int64_t N, int64_t n0) {
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const uint16_t* bk = b0 + kb * kTile;
+    const uint16_t* ak = a + kb * kK;
+    for (int r = 0; r < 16; ++r) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(bk + r * 32);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(bk + bstride + r * 32);
+      for (int i = 0; i < MR; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, ak + i * lda + 2 * r, sizeof pair);
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], av, w0);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], av, w1);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t n = n0 + 16 * h;
+    if (n >= N) break;
+    const __mmask16 mask = N - n >= 16 ? 0xffff : static_cast<__mmask16>((1u << (N - n)) - 1);
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+      __m512 v = _mm512_add_ps(acc[i][h], bv);
+      if (gelu) v = gelu_512(v);
+      _mm512_mask_storeu_ps(y + i * N + n, mask, v);
+    }
+  }
+}
+
+constexpr int kDotRows = 12;  // 24 accumulators + 2 weight rows + 1 broadcast of the 32 registers
+
+template <int... R>
+constexpr auto dot_tiles(std::integer_sequence<int, R...>) {
+  return std::array{&dot_tile<R + 1>...};
+}
+
+// rows [r0, r1) x column-tile pairs [p0, p1): each pair's weights (K x 32 outputs) stay in L1/L2
+// while the rows stream by in groups of kDotRows
+void dot_block(const uint16_t* xb, int64_t Kp, int64_t r0, int64_t r1, const uint16_t* w, int64_t nkb, int64_t p0,
+               int64_t p1, const float* bias, bool gelu, float* y, int64_t N) {
+  static constexpr auto tiles = dot_tiles(std::make_integer_sequence<int, kDotRows>{});
+  const int64_t bstride = nkb * kTile;
+  for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t i = r0; i < r1; i += kDotRows) {
+      const int64_t rows = std::min<int64_t>(kDotRows, r1 - i);
+      tiles[rows - 1](xb + i * Kp, Kp, w + 2 * p * bstride, bstride, nkb, bias, gelu, y + i * N, N, 32 * p);
+    }
+  }
+}
+
 AVX512 void gelu_rows(float* y, int64_t n) {  // tests: the epilogue's GELU on its own
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 mask = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
@@ -259,7 +353,10 @@ AVX512 void gelu_rows(float* y, int64_t n) {  // tests: the epilogue's GELU on i
 
 at::Tensor bf16x3_gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t N,
                        const std::string& act) {
-  TORCH_CHECK(amx_ready(), "bf16x3_gemm: this CPU (or kernel) has no AMX-BF16 tile unit");
+  const bool amx = amx_ready();
+  TORCH_CHECK(amx || dot_ready(), "bf16x3_gemm: this CPU (or kernel) has neither the AMX-BF16 tile unit nor AVX512-BF16");
+  TORCH_CHECK(amx || w.size(2) == 1, "bf16x3_gemm: without the AMX-BF16 tile unit the weights must be one bf16 part "
+              "(two parts need AMX)");
   TORCH_CHECK(act == "none" || act == "gelu", "bf16x3_gemm: act must be none or gelu, got ", act);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "bf16x3_gemm: x must be fp32 [M, K]");
   TORCH_CHECK(w.dim() == 6 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(0) % 2 == 0 &&
@@ -282,6 +379,26 @@ at::Tensor bf16x3_gemm(const at::Tensor& x, const at::Tensor& w, const std::opti
   const auto* wp_ = reinterpret_cast<const uint16_t*>(w.data_ptr());
   float* yp = y.data_ptr<float>();
   const bool gelu = act == "gelu";
+  const int64_t threads = at::get_num_threads();
+  if (!amx) {
+    // x rounded once (half its bytes), shared; tasks of a row group x a range of column-tile pairs,
+    // enough of them for every thread (a short batch is cut by columns too)
+    const int64_t Kp = nkb * kK, pairs = Nt / 2;
+    std::vector<uint16_t> xbuf(M * Kp + 32);
+    uint16_t* xb = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(xbuf.data()) + 63) & ~uintptr_t{63});
+    at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) { round_rows(xp, K, Kp, r0, r1, xb); });
+    const int64_t groups = (M + 95) / 96;
+    int64_t chunks = 1;
+    while (groups * chunks < 4 * threads && chunks < pairs) ++chunks;
+    at::parallel_for(0, groups * chunks, 1, [&](int64_t q0, int64_t q1) {
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t g = q / chunks, c = q % chunks;
+        dot_block(xb, Kp, M * g / groups, M * (g + 1) / groups, wp_, nkb, pairs * c / chunks, pairs * (c + 1) / chunks,
+                  b, gelu, yp, N);
+      }
+    });
+    return y;
+  }
   // x split once into activation tiles (as many bytes as x), shared by the threads; then tasks of
   // a column chunk (~kChunkBytes of weight tiles: stays in L2 while its row group streams by) x a
   // group of rows, column-major so each thread keeps one chunk for many tasks; a short batch is
@@ -290,7 +407,6 @@ at::Tensor bf16x3_gemm(const at::Tensor& x, const at::Tensor& w, const std::opti
   std::vector<uint16_t> abuf(mt * tstride + 32);
   uint16_t* a = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(abuf.data()) + 63) & ~uintptr_t{63});
   at::parallel_for(0, mt, 16, [&](int64_t t0, int64_t t1) { split_rows(xp, M, K, t0, t1, nkb, a); });
-  const int64_t threads = at::get_num_threads();
   const int parts = static_cast<int>(w.size(2));
   int64_t chunk_tiles = std::max<int64_t>(2, kChunkBytes / (nkb * parts * kTile * 2) / 2 * 2);
   const int64_t groups = std::max<int64_t>(1, std::min((mt + 1) / 2, mt * 16 / kGroupRows));
@@ -304,7 +420,7 @@ at::Tensor bf16x3_gemm(const at::Tensor& x, const at::Tensor& w, const std::opti
 }
 
 at::Tensor bf16x3_gelu(const at::Tensor& x) {  // the epilogue's GELU alone, for tests
-  TORCH_CHECK(amx_ready(), "bf16x3_gelu: this CPU (or kernel) has no AMX-BF16 tile unit");
+  TORCH_CHECK(amx_ready() || dot_ready(), "bf16x3_gelu: this CPU (or kernel) has no AVX-512 bf16 unit");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "bf16x3_gelu: x must be fp32");
   at::Tensor y = x.contiguous().clone();
 #if defined(__x86_64__)
@@ -319,6 +435,7 @@ TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("bf16x3_gemm(Tensor x, Tensor w, Tensor? bias, int n, str act) -> Tensor");
   m.def("bf16x3_gelu(Tensor x) -> Tensor");
   m.def("bf16x3_available() -> bool", &bf16x3_available);
+  m.def("bf16dot_available() -> bool", &bf16dot_available);
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
