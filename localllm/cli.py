@@ -890,6 +890,8 @@ def embed(
                                                       "unit length again (Matryoshka).")] = None,
     truncate: Annotated[bool, typer.Option("--truncate/--no-truncate", help="Cut texts longer than the model "
                                            "takes (default), or refuse them.")] = True,
+    quant: Annotated[str, typer.Option("--quant", "--precision", help="auto|fp32|bf16 (auto: BERT-family linears in "
+                                       "bf16 where the CPU has bf16 dot products, fp32 elsewhere).")] = "auto",
     device: DeviceOpt = "auto",
     threads: ThreadsOpt = None,
 ):
@@ -917,9 +919,13 @@ def embed(
         torch.set_num_threads(threads)
     from .hub import HubError
     from .llm import build_embedder
+    from .planner import QUANT_ALIASES
 
+    precision = QUANT_ALIASES.get(quant.lower())
+    if precision not in ("auto", "float32", "bfloat16"):
+        raise fail(f"invalid value for --quant: an embedding model takes auto, fp32 or bf16, got {quant!r}", 2)
     try:
-        embedder = build_embedder(model, device)
+        embedder = build_embedder(model, device, precision)
     except (ValueError, HubError, OSError) as e:
         raise fail(str(e)) from None
     if dimensions is not None and dimensions > embedder.dimensions:

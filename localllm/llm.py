@@ -41,10 +41,10 @@ def build_engine(model: str | None = None, precision: str = "auto", device: str 
     return LLMEngine(loaded, config, draft)
 
 
-def build_embedder(model: str | None = None, device: str = "auto"):
+def build_embedder(model: str | None = None, device: str = "auto", precision: str = "auto"):
     """An Embedder (engine/embedder.py) on the encoder a MODEL argument names (default: the
-    registry's default embedding model), fetched first if needed. ValueError for a model that is
-    not an embedding model."""
+    registry's default embedding model), fetched first if needed, at `precision`
+    (encoder_loader.load_encoder's). ValueError for a model that is not an embedding model."""
     from .engine.embedder import Embedder
     from .hub import ensure_local
     from .model.encoder_loader import encoder_kind, load_encoder
@@ -58,7 +58,7 @@ def build_embedder(model: str | None = None, device: str = "auto"):
         what = "a reranker" if kind == "rerank" else "a text generation model"
         raise ValueError(f"{ref.name} is not an embedding model (it is {what}); embedding models run by localllm: "
                          f"BERT-family checkpoints such as {registry.default_embedding}")
-    return Embedder(load_encoder(path, pick_device(device)))
+    return Embedder(load_encoder(path, pick_device(device), precision=precision))
 
 
 def _refuse_encoder(name: str, path) -> None:

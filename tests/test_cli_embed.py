@@ -54,3 +54,21 @@ def test_run_with_an_embedding_model_says_what_it_is():
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip() == ("Error: all-minilm is an embedding model, not a text generation model: use "
                                 "`localllm embed`, or /v1/embeddings and /api/embed of `localllm serve`")
+
+
+def test_precision_fp32_is_the_exact_path_and_a_decoder_quant_is_refused():
+    """`--precision fp32`: torch's fp32 linears, the vectors of load_encoder(precision="float32")
+    (to JSON's float printing); auto may round the linears to bf16 (within cosine 0.9999 above);
+    a quantization only decoders have is a usage error naming what an embedding model takes."""
+    from localllm.engine.embedder import Embedder
+    from localllm.model.encoder_loader import load_encoder
+
+    texts = SENTENCES[:3]
+    r = run(["--precision", "fp32", *texts])
+    assert r.returncode == 0, r.stderr
+    got = torch.tensor([json.loads(line)["embedding"] for line in r.stdout.splitlines()])
+    emb = Embedder(load_encoder(minilm_dir(), precision="float32"))
+    assert torch.allclose(got, emb.embed(emb.tokenize(texts)), atol=1e-6, rtol=0)
+    r = run(["--precision", "int4", "hello"])
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == "Error: invalid value for --quant: an embedding model takes auto, fp32 or bf16, got 'int4'"

@@ -231,3 +231,21 @@ def test_qwen3_reranker_on_rerank_and_score(server, hf_home):
     s = httpx.post(server.base + "/score", json={"model": "qwen3-reranker", "text_1": query, "text_2": docs},
                    timeout=60).json()
     assert max(abs(d["score"] - ref[d["index"]]) for d in s["data"]) < 1e-5
+
+
+def test_serve_quant_fp32_serves_the_exact_encoder(minilm_dir):
+    """`localllm serve --quant fp32` applies to encoders too: /api/embed answers the float32 path's
+    vectors (auto may round the linears to bf16 where the CPU has bf16 dot products)."""
+    from localllm.engine.embedder import Embedder
+    from localllm.model.encoder_loader import load_encoder
+
+    emb = Embedder(load_encoder(minilm_dir, precision="float32"))
+    want = emb.embed(emb.tokenize(TEXTS[:3]))
+    s = ServerProc("--quant", "fp32")
+    try:
+        s.wait_ready()
+        r = httpx.post(s.base + "/api/embed", json={"model": "all-minilm", "input": TEXTS[:3]}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert torch.allclose(torch.tensor(r.json()["embeddings"]), want, atol=1e-6, rtol=0)
+    finally:
+        s.stop()

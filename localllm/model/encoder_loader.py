@@ -405,8 +405,8 @@ def _load_decoder_encoder(path: Path, device: str, kind: str | None, precision: 
 
 def load_encoder(path: str | os.PathLike, device: str = "cpu", kind: str | None = None,
                  precision: str = "auto") -> LoadedEncoder:
-    """A BERT-family checkpoint directory (or a llama.cpp `bert` GGUF) -> LoadedEncoder (fp32
-    weights: the reference's numbers); a decoder checkpoint or GGUF -> its DecoderEncoder (kind:
+    """A BERT-family checkpoint directory (or a llama.cpp `bert` GGUF) -> LoadedEncoder (precision
+    one of ENCODER_PRECISIONS); a decoder checkpoint or GGUF -> its DecoderEncoder (kind:
     "embedding" or "rerank" where the files do not say; precision: load_model's, for decoders)."""
     path = Path(path)
     if is_decoder(path):

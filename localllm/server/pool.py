@@ -372,7 +372,13 @@ class ModelPool:
         from .encoder_loop import EncoderLoop, ServedEncoder
 
         t0 = time.perf_counter()
-        embedder = self._build(entry, lambda: Embedder(load_encoder(path, pick_device(self.cfg.device), kind)), aloop)
+        from ..planner import QUANT_ALIASES
+
+        # --quant fp32 / bf16 apply to encoders too; any other (int4...) is a decoder's: encoders keep auto
+        precision = QUANT_ALIASES.get(self.cfg.quant.lower(), "auto")
+        precision = precision if precision in ("float32", "bfloat16") else "auto"
+        embedder = self._build(entry, lambda: Embedder(load_encoder(path, pick_device(self.cfg.device), kind, precision)),
+                               aloop)
         if embedder is None:
             return
         served = entry.model = ServedEncoder(entry.name.removesuffix(EMBED_TWIN), embedder,
