@@ -50,6 +50,26 @@ def test_packed_batch_equals_one_at_a_time(minilm):
     assert (together - alone).abs().max().item() < 1e-5
 
 
+def test_forwards_are_cut_to_keep_the_widest_activation_small(minilm):
+    """A batch goes in forwards whose widest activation (tokens x the MLP width, fp32) is within
+    ACTIVATION_BYTES (a power of two of tokens, never below one full-length input), and the
+    vectors are the ones one big forward gives."""
+    from localllm.engine.embedder import ACTIVATION_BYTES, MAX_BATCH_TOKENS, forward_tokens
+
+    assert forward_tokens(384, 1536, 256) == 2048 and 2048 * 1536 * 4 <= ACTIVATION_BYTES  # all-MiniLM
+    assert forward_tokens(1024, 4096, 512) == 512  # bge-large: one full-length input's worth
+    assert forward_tokens(1024, 4096, 8192) == 8192  # never below the model's input length
+    assert forward_tokens(64, 128, 256) == MAX_BATCH_TOKENS
+    assert minilm.max_batch_tokens == 2048
+    texts = [" ".join(SENTENCES[i:i + 9]) for i in range(40)]  # ~100-250 tokens each
+    enc = minilm.tokenize(texts)
+    forwards = minilm.batches(enc)
+    assert len(forwards) > 2 and all(sum(len(enc.ids[i]) for i in f) <= 2048 for f in forwards)
+    one = Embedder(minilm.loaded, max_batch_tokens=MAX_BATCH_TOKENS)
+    assert len(one.batches(enc)) == 1
+    assert (minilm.embed(enc) - one.embed(enc)).abs().max().item() < 1e-5
+
+
 def test_truncate_false_refuses_a_long_input(minilm):
     with pytest.raises(InputTooLong) as e:
         minilm.tokenize(["short", " ".join(["token"] * 300)], truncate_inputs=False)

@@ -15,7 +15,22 @@ from ..model.bert import Packed
 from ..model.encoder_loader import LoadedEncoder
 from ..model.pooling import pool, truncate
 
-MAX_BATCH_TOKENS = 8192  # tokens per forward (activations: ~T * 4 * hidden * 4 bytes per layer)
+MAX_BATCH_TOKENS = 8192  # tokens per forward at most (activations: ~T * 4 * hidden * 4 bytes per layer)
+# the widest activation of a forward (T x the MLP's width, fp32) at most: below glibc's 32 MiB
+# ceiling for heap allocations (a bigger tensor is a fresh mmap, every page faulted in again on
+# each use: 18 ms per 50 MB measured), and mostly inside the L3. all-MiniLM: 2048-token forwards,
+# 1.15x the throughput of 8192 at batch 64 (BENCHMARKS.md)
+ACTIVATION_BYTES = 12 << 20
+
+
+def forward_tokens(hidden_size: int, intermediate_size: int, max_len: int) -> int:
+    """Tokens per forward for a model of these widths: the widest activation within
+    ACTIVATION_BYTES, a power of two between one full-length input and MAX_BATCH_TOKENS."""
+    widest = max(intermediate_size, 3 * hidden_size) * 4
+    n = MAX_BATCH_TOKENS
+    while n > 256 and n * widest > ACTIVATION_BYTES:
+        n //= 2
+    return max(n, max_len)
 
 
 class InputTooLong(ValueError):
@@ -37,11 +52,14 @@ class Encoded:
 
 
 class Embedder:
-    def __init__(self, loaded: LoadedEncoder, max_batch_tokens: int = MAX_BATCH_TOKENS):
+    def __init__(self, loaded: LoadedEncoder, max_batch_tokens: int | None = None):
         self.loaded = loaded
         self.model, self.tokenizer, self.kind = loaded.model, loaded.tokenizer, loaded.kind
         self.max_model_len = loaded.max_len
-        self.dimensions = loaded.config.hidden_size
+        cfg = loaded.config
+        self.dimensions = cfg.hidden_size
+        if max_batch_tokens is None:
+            max_batch_tokens = forward_tokens(cfg.hidden_size, cfg.intermediate_size, loaded.max_len)
         self.max_batch_tokens = max(max_batch_tokens, loaded.max_len)
         # a second tokenizer that cuts pairs (the longer side first): no shared setting toggled per call
         self.pair_tokenizer = type(self.tokenizer).from_str(self.tokenizer.to_str())
