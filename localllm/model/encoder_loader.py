@@ -431,11 +431,14 @@ def load_encoder(path: str | os.PathLike, device: str = "cpu", kind: str | None 
                          *_st_prompts(path))
 
 
-def _build_nomic(cfg: BertConfig, w, device: str) -> BertEncoder:
+def _build_nomic(cfg: BertConfig, w, device: str, parts: int) -> BertEncoder:
     """nomic-bert from `w`'s tensors under its original names: fused Wqkv, fc12 (gate) and fc11 (up)
-    as one gate/up linear, no linear biases."""
+    as one gate/up linear, no linear biases; the linears as _build's (`parts`: bf16x3.linear's)."""
     def get(name: str) -> torch.Tensor:
         return w.get(name).to(device)
+
+    def lin(*names: str) -> torch.nn.Module:
+        return bf16x3.linear(torch.cat([get(n + ".weight") for n in names]), None, parts)
 
     def norm(name: str) -> LayerNorm:
         return LayerNorm(get(name + ".weight"), get(name + ".bias"), cfg.layer_norm_eps)
@@ -443,9 +446,8 @@ def _build_nomic(cfg: BertConfig, w, device: str) -> BertEncoder:
     layers = []
     for i in range(cfg.num_layers):
         p = f"encoder.layers.{i}."
-        gate_up = DenseLinear(torch.cat([get(p + "mlp.fc12.weight"), get(p + "mlp.fc11.weight")]))
-        layers.append(EncoderLayer(cfg, DenseLinear(get(p + "attn.Wqkv.weight")), DenseLinear(get(p + "attn.out_proj.weight")),
-                                   norm(p + "norm1"), gate_up, DenseLinear(get(p + "mlp.fc2.weight")), norm(p + "norm2")))
+        layers.append(EncoderLayer(cfg, lin(p + "attn.Wqkv"), lin(p + "attn.out_proj"), norm(p + "norm1"),
+                                   lin(p + "mlp.fc12", p + "mlp.fc11"), lin(p + "mlp.fc2"), norm(p + "norm2")))
     return BertEncoder(cfg, get("embeddings.word_embeddings.weight"), None,
                        get("embeddings.token_type_embeddings.weight"), norm("emb_ln"), layers, None, device)
 
@@ -462,8 +464,6 @@ ENCODER_PRECISIONS = ("auto", "float32", "bf16x3", "bfloat16")
 def _build(cfg: BertConfig, w, kind: str, device: str, precision: str = "auto") -> BertEncoder:
     """The encoder from `w`'s tensors under HF's names (a checkpoint's or a GGUF's); precision as
     ENCODER_PRECISIONS says."""
-    if cfg.model_type == "nomic_bert":
-        return _build_nomic(cfg, w, device)
     if precision not in ENCODER_PRECISIONS:
         raise ModelLoadError(f"precision {precision!r} is not supported for BERT-family encoders "
                              f"({', '.join(ENCODER_PRECISIONS)})")
@@ -474,6 +474,8 @@ def _build(cfg: BertConfig, w, kind: str, device: str, precision: str = "auto") 
         raise ModelLoadError("precision 'bfloat16' needs a CPU with bf16 dot products, AMX-BF16 or AVX512-BF16 "
                              "(this one has neither: use auto)")
     parts = {"auto": 1 if dot else 0, "float32": 0, "bf16x3": 2, "bfloat16": 1}[precision]
+    if cfg.model_type == "nomic_bert":
+        return _build_nomic(cfg, w, device, parts)
 
     def lin(name: str, encoder: bool = True, act: str = "none") -> torch.nn.Module:
         return bf16x3.linear(w.get(name + ".weight", encoder).to(device), w.get(name + ".bias", encoder).to(device),
