@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from . import cpu_build
 
 # the modules with a C++ library (each has library_path() and build(out))
-MODULES = ("cpu_int4", "cpu_int8", "cpu_q8", "cpu_table", "cpu_bf16", "cpu_bf16x3", "cpu_attention", "cpu_fused", "cpu_sampler")
+MODULES = ("cpu_int4", "cpu_int8", "cpu_q8", "cpu_table", "cpu_repack", "cpu_bf16", "cpu_bf16x3", "cpu_attention",
+           "cpu_fused", "cpu_sampler")
 
 
 def missing() -> list[str]:

@@ -291,6 +291,30 @@ def test_mixed_file_runs_each_tensor_on_its_kernel(mixed_gguf):
     assert torch.equal(make_engine(again).score(prompt), got)
 
 
+def test_q4_k_and_q6_k_parts_are_repacked_in_one_cpp_pass(mixed_gguf, tmp_path, monkeypatch):
+    """A first load (an empty home: no conversion cache) takes the C++ repack for the file's Q4_K
+    and Q6_K parts (localllm_kernels.cpu_repack) and builds the layers the torch path builds, byte
+    for byte."""
+    from localllm.model import loader
+    from localllm_kernels import cpu_repack
+
+    calls = []
+    for name in ("q4_k", "q6_k"):
+        real = getattr(cpu_repack, name)
+        monkeypatch.setattr(cpu_repack, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "fast"))
+    fast = load_model(mixed_gguf, "auto")
+    assert sorted(set(calls)) == ["q4_k", "q6_k"]
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "torch"))
+    monkeypatch.setattr(loader, "_gguf_repacked_linear", lambda *a: None)
+    slow = load_model(mixed_gguf, "auto")
+    for lf, ls in zip(fast.model.layers, slow.model.layers):
+        for f in ("qkv", "o", "gate_up", "down"):
+            a, b = getattr(lf, f), getattr(ls, f)
+            assert type(a) is type(b), f
+            assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values())), f
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
 def test_mixed_file_decodes_each_layer_in_one_call(mixed_gguf, kv_dtype):
     """Every layer of the 12-type file takes the one-call decode step (its fused linears' parts on

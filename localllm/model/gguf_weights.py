@@ -155,16 +155,18 @@ class GGUFWeights:
         perm = self._perm(name)
         return w.permute_rows(perm) if perm is not None else w
 
-    def q4_blocks(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The file's own Q4_0 / Q4_1 blocks of `name`, uint8 [N, K/32, 18 | 20] (read, not viewed
-        through the map: they are repacked, and mapped pages would stay in our RSS, a whole MoE
-        file's), with the row order `int4` applies (q/k into rotate_half order; None: as
-        stored); None for other types."""
+    def raw_blocks(self, name: str, kinds: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The file's own blocks of `name` if its type is one of `kinds`, uint8 [N, K / block values,
+        block bytes] (read, not viewed through the map: they are repacked, and mapped pages would
+        stay in our RSS, a whole MoE file's), with the row order `int4` applies (q/k into
+        rotate_half order; None: as stored); None for other types."""
         t = self._tensor(name)
-        if t.qtype.name not in ("Q4_0", "Q4_1"):
+        kind = t.qtype.name
+        if kind not in kinds or not gguf_blocks.supported(kind) or len(t.shape) != 2:
             return None
         n, k = t.shape
-        blocks = torch.from_numpy(self.file.read(t)).view(n, k // 32, 18 if t.qtype.name == "Q4_0" else 20)
+        blocks = torch.from_numpy(self.file.read(t)).view(n, k // gguf_blocks.BLOCK_VALUES[kind],
+                                                           gguf_blocks.BLOCK_BYTES[kind])
         return blocks, self._perm(name)
 
     def kind(self, name: str) -> str:

@@ -100,7 +100,7 @@ def _gguf_q4_linear(weights: GGUFWeights, names: list[str], bias: torch.Tensor |
     parts or this CPU do not allow it."""
     from localllm_kernels import cpu_int4
 
-    parts = [weights.q4_blocks(n) for n in names]
+    parts = [weights.raw_blocks(n, ("Q4_0", "Q4_1")) for n in names]
     if any(p is None for p in parts):
         return None
     raws = [r for r, _ in parts]
@@ -134,12 +134,42 @@ def _gguf_kernel(kind: str, n: int, k: int) -> str:
     return "int8" if cpu_int8.fits(n, k, gguf_blocks.GROUP[kind]) and cpu_int8.load() else "dense"
 
 
+def _gguf_repacked_linear(weights: GGUFWeights, names: list[str], kernel: str,
+                          bias: torch.Tensor | None) -> nn.Module | None:
+    """Parts all Q4_K (on the int4 kernel) or all Q6_K (int8-lane) repacked from the file's blocks
+    in one C++ pass (localllm_kernels.cpu_repack: the torch path's bytes, ~6 of a 1B Q4_K_M file's
+    9.8 s first load); None where the parts, their shapes or the kernel do not allow it."""
+    from localllm_kernels import cpu_int8, cpu_repack
+
+    kinds = {weights.kind(n) for n in names}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    if (kind, kernel) not in (("Q4_K", "int4"), ("Q6_K", "int8")):
+        return None
+    parts = [weights.raw_blocks(n, cpu_repack.KINDS) for n in names]
+    # a 16-row block of the layout must not straddle two parts
+    if any(p is None or p[0].shape[0] % 16 for p in parts) or not cpu_repack.load():
+        return None
+    raws = [raw if perm is None else raw[perm] for raw, perm in parts]
+    n = sum(r.shape[0] for r in raws)
+    if kind == "Q4_K":
+        packed = [cpu_repack.q4_k(r) for r in raws]
+    else:
+        packed = [cpu_repack.q6_k(r, cpu_int8.preferred_bits(6)) for r in raws]
+    qw, qsc = (torch.cat([p[i] for p in packed]) for i in (0, 1))
+    if kind == "Q4_K":
+        return Int4Linear.from_kernel_tensors({"qw": qw, "qsc": qsc}, n, 32, bias)
+    return Int8wLinear(qw, qsc, n, gguf_blocks.GROUP[kind], gguf_blocks.ZERO[kind], bias)
+
+
 def _gguf_run_linear(weights: GGUFWeights, names: list[str], kernel: str, bias: torch.Tensor | None) -> nn.Module:
     """One kernel's linear over consecutive parts of a fused layer (their rows stacked)."""
     if kernel == "dense":
         return DenseLinear(torch.cat([weights.dense(n).float() for n in names]), bias)
     if kernel == "w16":
         return w16.linear(weights, names, bias)
+    fast = _gguf_repacked_linear(weights, names, kernel, bias)
+    if fast is not None:
+        return fast
     parts = [weights.blocks(n) for n in names]
     n = sum(p.q.shape[0] for p in parts)
     # a run of one K-quant type keeps the file's sub-scales (its own bytes; see stack_key)

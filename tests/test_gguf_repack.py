@@ -1,0 +1,54 @@
+"""The C++ repack of GGUF Q4_K / Q6_K blocks (localllm_kernels.cpu_repack) against the torch path it
+replaces at load (gguf_blocks.decode, then cpu_int4.pack_dm / cpu_int8.pack): the same bytes for
+every shape class (rows a multiple of 16 or not, one or several super-blocks, both Q6_K layouts),
+on blocks of random bytes with finite fp16 scales; the loader takes it for such parts."""
+
+import pytest
+import torch
+
+from localllm.model import gguf_blocks
+from localllm_kernels import cpu_int4, cpu_int8, cpu_repack
+
+SHAPES = [(16, 1), (48, 3), (40, 2), (3, 1)]  # (rows, super-blocks of 256)
+
+
+def blocks(kind: str, n: int, s: int, seed: int) -> torch.Tensor:
+    """Random blocks of `kind` whose fp16 fields are finite (what a quantizer writes)."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, s, gguf_blocks.BLOCK_BYTES[kind]), dtype=torch.uint8, generator=g)
+    f16 = (torch.randn(n, s, 2, generator=g) * 0.01).half().view(torch.uint8).view(n, s, 4)
+    if kind == "Q4_K":
+        raw[..., 0:4] = f16  # d, dmin
+    else:
+        raw[..., 208:210] = f16[..., 0:2]  # d
+    return raw
+
+
+@pytest.mark.parametrize("n,s", SHAPES)
+def test_q4_k_repack_equals_the_torch_path(n, s):
+    assert cpu_repack.load()
+    raw = blocks("Q4_K", n, s, n * 7 + s)
+    b = gguf_blocks.decode("Q4_K", raw)
+    want = cpu_int4.pack_dm(b.q, b.d, b.m, b.sub.packed())
+    got = cpu_repack.q4_k(raw)
+    assert all(torch.equal(a, c) for a, c in zip(got, want))
+
+
+@pytest.mark.parametrize("bits", [6, 8])
+@pytest.mark.parametrize("n,s", SHAPES)
+def test_q6_k_repack_equals_the_torch_path(n, s, bits):
+    assert cpu_repack.load()
+    raw = blocks("Q6_K", n, s, n * 5 + s)
+    b = gguf_blocks.decode("Q6_K", raw)
+    want = cpu_int8.pack(b.q, b.d, b.m, b.zero, bits, b.sub.packed())
+    got = cpu_repack.q6_k(raw, bits)
+    assert all(torch.equal(a, c) for a, c in zip(got, want))
+
+
+def test_repack_refuses_what_it_does_not_take():
+    with pytest.raises(RuntimeError, match=r"uint8 \[N, K / 256, 144\]"):
+        cpu_repack.q4_k(torch.zeros(16, 1, 210, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match=r"uint8 \[N, K / 256, 210\]"):
+        cpu_repack.q6_k(torch.zeros(16, 1, 144, dtype=torch.uint8), 6)
+    with pytest.raises(ValueError, match="6 or 8"):
+        cpu_repack.q6_k(torch.zeros(16, 1, 210, dtype=torch.uint8), 5)
