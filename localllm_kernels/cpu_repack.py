@@ -1,13 +1,14 @@
-"""GGUF Q4_K and Q6_K blocks straight into our CPU layer kernels' layouts
-(`localllm_kernels/cpu/gguf_repack.cpp`): build, load, the two repacks.
+"""GGUF K-quant blocks straight into our CPU layer kernels' layouts
+(`localllm_kernels/cpu/gguf_repack.cpp`): build, load, the repacks.
 
 ``q4_k(blocks)``: the file's Q4_K blocks, uint8 [N, K / 256, 144] -> cpu_int4's (w, scale records),
-what ``cpu_int4.pack_dm`` makes of ``gguf_blocks.decode``'s Q4_K, bit for bit. ``q6_k(blocks,
-bits)``: Q6_K blocks [N, K / 256, 210] -> cpu_int8's (w, records) for values packed with `bits`
-(6: nibbles and two bit planes; 8: byte lanes), what ``cpu_int8.pack`` makes of the decoded
-Q6_K. One pass over the file's bytes instead of the torch path's several (its expanded values,
-fp32 products and reorders). Compiled once per machine (see cpu_build); without a compiler
-``load()`` is False and the loader keeps the torch path. Imports only torch.
+what ``cpu_int4.pack_dm`` makes of ``gguf_blocks.decode``'s Q4_K, bit for bit. ``int8(blocks, kind,
+bits)``: Q5_K, Q6_K or IQ4_XS blocks -> cpu_int8's (w, records) for values packed with `bits` (the
+type's own: nibbles and bit planes, IQ4_XS its 4-bit codebook indices; 8: byte lanes), what
+``cpu_int8.pack`` makes of the decoded blocks. One pass over the file's bytes instead of the
+torch path's several (its expanded values, fp32 products and reorders). Compiled once per machine
+(see cpu_build); without a compiler ``load()`` is False and the loader keeps the torch path.
+Imports only torch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from . import cpu_build
 
 SOURCE = Path(__file__).parent / "cpu" / "gguf_repack.cpp"
 CXXFLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
-KINDS = ("Q4_K", "Q6_K")
+INT8_KINDS = ("Q5_K", "Q6_K", "IQ4_XS")  # on the int8-lane kernel; Q4_K on the int4 one
+KINDS = ("Q4_K", *INT8_KINDS)
+BITS = {"Q5_K": 5, "Q6_K": 6, "IQ4_XS": 4}  # IQ4_XS: its codebook indices
+# the zero point gguf_blocks.decode gives each type (what the layer is built with on the torch path)
+ZERO = {"Q4_K": 8, "Q5_K": 16, "Q6_K": 32, "IQ4_XS": 128}
 
 
 def library_path() -> Path:
@@ -43,9 +48,14 @@ def q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ops.localllm.q4_k_repack(blocks.contiguous())
 
 
-def q6_k(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q6_K blocks uint8 [N, K / 256, 210] -> (w, records [N/16, K/256, 288]): w [N/16, K/8, 96]
-    (bits 6) or byte lanes [N/16, K/4, 64] (bits 8)."""
-    if bits not in (6, 8):
-        raise ValueError(f"Q6_K values pack with 6 or 8 bits, got {bits}")
-    return torch.ops.localllm.q6_k_repack(blocks.contiguous(), 2 if bits == 6 else -1)
+def int8(blocks: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_K / Q6_K / IQ4_XS blocks uint8 [N, K / 256, block bytes] -> (w, records [N/16, K/256, ...]):
+    w [N/16, K/8, 64 + 16 (bits - 4)] for the type's own `bits` (BITS), byte lanes [N/16, K/4, 64]
+    for 8 (not IQ4_XS: its values are codebook indices)."""
+    if kind not in INT8_KINDS:
+        raise ValueError(f"no int8-lane repack for {kind} (only {', '.join(INT8_KINDS)})")
+    allowed = (4,) if kind == "IQ4_XS" else (BITS[kind], 8)  # codebook indices have no byte-lane form
+    if bits not in allowed:
+        raise ValueError(f"{kind} values pack with {' or '.join(map(str, allowed))} bits, got {bits}")
+    planes = -1 if bits == 8 else bits - 4
+    return torch.ops.localllm.k_repack(blocks.contiguous(), kind, planes)

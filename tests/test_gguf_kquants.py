@@ -291,20 +291,20 @@ def test_mixed_file_runs_each_tensor_on_its_kernel(mixed_gguf):
     assert torch.equal(make_engine(again).score(prompt), got)
 
 
-def test_q4_k_and_q6_k_parts_are_repacked_in_one_cpp_pass(mixed_gguf, tmp_path, monkeypatch):
-    """A first load (an empty home: no conversion cache) takes the C++ repack for the file's Q4_K
-    and Q6_K parts (localllm_kernels.cpu_repack) and builds the layers the torch path builds, byte
-    for byte."""
+def test_k_quant_parts_are_repacked_in_one_cpp_pass(mixed_gguf, tmp_path, monkeypatch):
+    """A first load (an empty home: no conversion cache) takes the C++ repack for the file's Q4_K,
+    Q5_K, Q6_K and IQ4_XS parts (localllm_kernels.cpu_repack) and builds the layers the torch path
+    builds, byte for byte."""
     from localllm.model import loader
     from localllm_kernels import cpu_repack
 
     calls = []
-    for name in ("q4_k", "q6_k"):
-        real = getattr(cpu_repack, name)
-        monkeypatch.setattr(cpu_repack, name, lambda *a, _f=real, _n=name: calls.append(_n) or _f(*a))
+    q4_k, int8 = cpu_repack.q4_k, cpu_repack.int8
+    monkeypatch.setattr(cpu_repack, "q4_k", lambda raw: calls.append("Q4_K") or q4_k(raw))
+    monkeypatch.setattr(cpu_repack, "int8", lambda raw, kind, bits: calls.append(kind) or int8(raw, kind, bits))
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "fast"))
     fast = load_model(mixed_gguf, "auto")
-    assert sorted(set(calls)) == ["q4_k", "q6_k"]
+    assert sorted(set(calls)) == ["IQ4_XS", "Q4_K", "Q5_K", "Q6_K"]
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "torch"))
     monkeypatch.setattr(loader, "_gguf_repacked_linear", lambda *a: None)
     slow = load_model(mixed_gguf, "auto")
@@ -313,6 +313,9 @@ def test_q4_k_and_q6_k_parts_are_repacked_in_one_cpp_pass(mixed_gguf, tmp_path, 
             a, b = getattr(lf, f), getattr(ls, f)
             assert type(a) is type(b), f
             assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values())), f
+            for pa, pb in zip(getattr(a, "parts", [a]), getattr(b, "parts", [b])):
+                assert (getattr(pa, "zero", None), getattr(pa, "group_size", None)) == \
+                    (getattr(pb, "zero", None), getattr(pb, "group_size", None)), f
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])

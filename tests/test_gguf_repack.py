@@ -1,7 +1,8 @@
-"""The C++ repack of GGUF Q4_K / Q6_K blocks (localllm_kernels.cpu_repack) against the torch path it
-replaces at load (gguf_blocks.decode, then cpu_int4.pack_dm / cpu_int8.pack): the same bytes for
-every shape class (rows a multiple of 16 or not, one or several super-blocks, both Q6_K layouts),
-on blocks of random bytes with finite fp16 scales; the loader takes it for such parts."""
+"""The C++ repack of GGUF K-quant blocks (localllm_kernels.cpu_repack: Q4_K, Q5_K, Q6_K, IQ4_XS)
+against the torch path it replaces at load (gguf_blocks.decode, then cpu_int4.pack_dm /
+cpu_int8.pack): the same bytes for every shape class (rows a multiple of 16 or not, one or
+several super-blocks, each layout a type has), on blocks of random bytes with finite fp16 scales.
+tests/test_gguf_kquants.py checks the loader takes it."""
 
 import pytest
 import torch
@@ -17,10 +18,12 @@ def blocks(kind: str, n: int, s: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (n, s, gguf_blocks.BLOCK_BYTES[kind]), dtype=torch.uint8, generator=g)
     f16 = (torch.randn(n, s, 2, generator=g) * 0.01).half().view(torch.uint8).view(n, s, 4)
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q5_K"):
         raw[..., 0:4] = f16  # d, dmin
-    else:
+    elif kind == "Q6_K":
         raw[..., 208:210] = f16[..., 0:2]  # d
+    else:  # IQ4_XS
+        raw[..., 0:2] = f16[..., 0:2]
     return raw
 
 
@@ -32,23 +35,31 @@ def test_q4_k_repack_equals_the_torch_path(n, s):
     want = cpu_int4.pack_dm(b.q, b.d, b.m, b.sub.packed())
     got = cpu_repack.q4_k(raw)
     assert all(torch.equal(a, c) for a, c in zip(got, want))
+    assert cpu_repack.ZERO["Q4_K"] == b.zero
 
 
-@pytest.mark.parametrize("bits", [6, 8])
+@pytest.mark.parametrize("kind,bits", [("Q5_K", 5), ("Q5_K", 8), ("Q6_K", 6), ("Q6_K", 8), ("IQ4_XS", 4)])
 @pytest.mark.parametrize("n,s", SHAPES)
-def test_q6_k_repack_equals_the_torch_path(n, s, bits):
+def test_int8_lane_repacks_equal_the_torch_path(kind, bits, n, s):
     assert cpu_repack.load()
-    raw = blocks("Q6_K", n, s, n * 5 + s)
-    b = gguf_blocks.decode("Q6_K", raw)
-    want = cpu_int8.pack(b.q, b.d, b.m, b.zero, bits, b.sub.packed())
-    got = cpu_repack.q6_k(raw, bits)
+    raw = blocks(kind, n, s, n * 5 + s + bits)
+    b = gguf_blocks.decode(kind, raw)
+    want = cpu_int8.pack(b.q, b.d, b.m, b.zero, bits, b.sub.packed(), b.lut)
+    got = cpu_repack.int8(raw, kind, bits)
     assert all(torch.equal(a, c) for a, c in zip(got, want))
+    assert cpu_repack.ZERO[kind] == b.zero
 
 
 def test_repack_refuses_what_it_does_not_take():
     with pytest.raises(RuntimeError, match=r"uint8 \[N, K / 256, 144\]"):
         cpu_repack.q4_k(torch.zeros(16, 1, 210, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match=r"uint8 \[N, K / 256, 210\]"):
-        cpu_repack.q6_k(torch.zeros(16, 1, 144, dtype=torch.uint8), 6)
+        cpu_repack.int8(torch.zeros(16, 1, 144, dtype=torch.uint8), "Q6_K", 6)
     with pytest.raises(ValueError, match="6 or 8"):
-        cpu_repack.q6_k(torch.zeros(16, 1, 210, dtype=torch.uint8), 5)
+        cpu_repack.int8(torch.zeros(16, 1, 210, dtype=torch.uint8), "Q6_K", 5)
+    with pytest.raises(ValueError, match="with 4 bits"):
+        cpu_repack.int8(torch.zeros(16, 1, 136, dtype=torch.uint8), "IQ4_XS", 8)
+    with pytest.raises(ValueError, match="no int8-lane repack for Q8_0"):
+        cpu_repack.int8(torch.zeros(16, 1, 34, dtype=torch.uint8), "Q8_0", 8)
+    with pytest.raises(RuntimeError, match="1 bit planes or in byte lanes"):
+        torch.ops.localllm.k_repack(torch.zeros(16, 1, 176, dtype=torch.uint8), "Q5_K", 2)

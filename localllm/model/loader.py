@@ -136,14 +136,15 @@ def _gguf_kernel(kind: str, n: int, k: int) -> str:
 
 def _gguf_repacked_linear(weights: GGUFWeights, names: list[str], kernel: str,
                           bias: torch.Tensor | None) -> nn.Module | None:
-    """Parts all Q4_K (on the int4 kernel) or all Q6_K (int8-lane) repacked from the file's blocks
-    in one C++ pass (localllm_kernels.cpu_repack: the torch path's bytes, ~6 of a 1B Q4_K_M file's
-    9.8 s first load); None where the parts, their shapes or the kernel do not allow it."""
+    """Parts all Q4_K (on the int4 kernel) or all Q5_K, Q6_K or IQ4_XS (int8-lane) repacked from the
+    file's blocks in one C++ pass (localllm_kernels.cpu_repack: the torch path's bytes; it took ~6
+    of a 1B Q4_K_M file's 9.8 s first load); None where the parts, their shapes or the kernel do
+    not allow it."""
     from localllm_kernels import cpu_int8, cpu_repack
 
     kinds = {weights.kind(n) for n in names}
     kind = kinds.pop() if len(kinds) == 1 else None
-    if (kind, kernel) not in (("Q4_K", "int4"), ("Q6_K", "int8")):
+    if not ((kind == "Q4_K" and kernel == "int4") or (kind in cpu_repack.INT8_KINDS and kernel == "int8")):
         return None
     parts = [weights.raw_blocks(n, cpu_repack.KINDS) for n in names]
     # a 16-row block of the layout must not straddle two parts
@@ -154,11 +155,12 @@ def _gguf_repacked_linear(weights: GGUFWeights, names: list[str], kernel: str,
     if kind == "Q4_K":
         packed = [cpu_repack.q4_k(r) for r in raws]
     else:
-        packed = [cpu_repack.q6_k(r, cpu_int8.preferred_bits(6)) for r in raws]
+        bits = cpu_int8.preferred_bits(cpu_repack.BITS[kind])
+        packed = [cpu_repack.int8(r, kind, bits) for r in raws]
     qw, qsc = (torch.cat([p[i] for p in packed]) for i in (0, 1))
     if kind == "Q4_K":
         return Int4Linear.from_kernel_tensors({"qw": qw, "qsc": qsc}, n, 32, bias)
-    return Int8wLinear(qw, qsc, n, gguf_blocks.GROUP[kind], gguf_blocks.ZERO[kind], bias)
+    return Int8wLinear(qw, qsc, n, gguf_blocks.GROUP[kind], cpu_repack.ZERO[kind], bias)
 
 
 def _gguf_run_linear(weights: GGUFWeights, names: list[str], kernel: str, bias: torch.Tensor | None) -> nn.Module:

@@ -1,22 +1,22 @@
-// GGUF Q4_K and Q6_K blocks -> our CPU layer kernels' layouts, in one pass at load.
+// GGUF K-quant blocks (Q4_K, Q5_K, Q6_K, IQ4_XS) -> our CPU layer kernels' layouts, in one pass
+// at load.
 //
 // Why: the torch path (gguf_blocks.decode, then cpu_int4.pack_dm / cpu_int8.pack) expands every
 // value to a byte, builds fp32 group products it then drops, and reorders in several passes: ~6 of
 // a 1B-shape Q4_K_M file's 9.8 s first load. Here each 16-row block is read once and written
 // once, bit-identical to that path (tests/test_gguf_repack.py compares them).
 //
-// In: blocks uint8 [N, K / 256, block bytes] (ggml-quants.c's block_q4_K: d, dmin fp16, 12 bytes of
-// 6-bit scales and mins, 128 bytes of nibbles; block_q6_K: 128 bytes of low nibbles, 64 of high
-// bit pairs, 16 int8 scales, d fp16). Out (rows past N are zeros, to a multiple of 16):
-//   q4_k_repack -> (w uint8 [N/16, K/8, 64]: cpu_int4's nibbles, value k of row r in byte
-//     16-row block b, chunk k/8, byte 4r + k%4, low nibble for k%8 < 4;
-//     records uint8 [N/16, K/256, 320]: group_scales.h's Super form: the 16 rows' d, then -dmin
-//     (fp16), then 8 sub-scales and 8 mins a row (int8, [group][row])).
-//   q6_k_repack(planes) -> (w: cpu_int8's layout of 6-bit values, planes 2: [N/16, K/8, 96], the
-//     low nibbles as above then per bit 4 and 5 a 16-byte mask, bit j of byte i the value at
-//     8i + j of the chunk's (half, row, k%4) order; planes -1: byte lanes [N/16, K/4, 64], value
-//     k of row r at byte 4r + k%4 of chunk k/4; records [N/16, K/256, 288]: d, then 16 int8
-//     scales a row, [group][row]). Zero point 32 (the kernel's), as gguf_blocks gives it.
+// In: blocks uint8 [N, K / 256, block bytes], ggml-quants.c's block_q4_K / q5_K / q6_K / iq4_xs.
+// Out (rows past N are zeros, to a multiple of 16):
+//   q4_k_repack -> (w uint8 [N/16, K/8, 64]: cpu_int4's nibbles, value k of row r of a 16-row
+//     block in chunk k/8, byte 4r + k%4, the low nibble for k%8 < 4; records)
+//   k_repack(kind, planes) -> (w: cpu_int8's layout: planes >= 0: [N/16, K/8, 64 + 16 planes],
+//     the nibbles as above then a 16-byte mask per bit above 4 (bit j of byte i: the value at 8i + j
+//     of the chunk's (half, row, k%4) order); planes -1: byte lanes [N/16, K/4, 64], value k of
+//     row r at byte 4r + k%4 of chunk k/4; records). Q5_K takes 1 plane, Q6_K 2, IQ4_XS 0 (its
+//     4-bit codebook indices as they are), or byte lanes.
+//   records uint8 [N/16, K/256, bytes]: group_scales.h's Super form: the 16 rows' fp16 d (and -dmin),
+//     then the int8 sub-scales (and mins), [group][row].
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,7 +25,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -41,11 +43,16 @@ inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
   }
 }
 
-// one super-block's 256 values of a row into q (0..15 for Q4_K, 0..63 for Q6_K)
-inline void q4_k_values(const uint8_t* blk, uint8_t* q) {
-  const uint8_t* qs = blk + 16;
+// one super-block's 256 values of a row into q: 0..15 (Q4_K; IQ4_XS: the codebook's indices),
+// 0..31 (Q5_K), 0..63 (Q6_K), as gguf_blocks.decode orders them
+inline void q45_k_values(const uint8_t* blk, bool five, uint8_t* q) {
+  const uint8_t* qs = blk + (five ? 48 : 16);
   for (int j = 0; j < 8; ++j)
-    for (int i = 0; i < 32; ++i) q[32 * j + i] = (qs[(j / 2) * 32 + i] >> (4 * (j % 2))) & 15;
+    for (int i = 0; i < 32; ++i) {
+      uint8_t v = (qs[(j / 2) * 32 + i] >> (4 * (j % 2))) & 15;
+      if (five) v |= ((blk[16 + i] >> j) & 1) << 4;  // bit j of qh byte i: the fifth bit of sub-block j
+      q[32 * j + i] = v;
+    }
 }
 
 inline void q6_k_values(const uint8_t* blk, uint8_t* q) {
@@ -59,6 +66,15 @@ inline void q6_k_values(const uint8_t* blk, uint8_t* q) {
       }
 }
 
+inline void iq4_xs_values(const uint8_t* blk, uint8_t* q) {
+  const uint8_t* qs = blk + 8;
+  for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 16; ++i) {
+      q[32 * j + i] = qs[16 * j + i] & 15;
+      q[32 * j + 16 + i] = qs[16 * j + i] >> 4;
+    }
+}
+
 void check_blocks(const at::Tensor& b, int64_t bytes, const char* what) {
   TORCH_CHECK(b.dim() == 3 && b.scalar_type() == at::kByte && b.is_contiguous() && b.size(2) == bytes, what,
               ": blocks must be contiguous uint8 [N, K / 256, ", bytes, "]");
@@ -70,49 +86,80 @@ inline void nibbles(const uint8_t* q, int64_t ld, int64_t rows, int64_t c, uint8
     for (int t = 0; t < 4; ++t) dst[4 * r + t] = (q[r * ld + 8 * c + t] & 15) | ((q[r * ld + 8 * c + 4 + t] & 15) << 4);
 }
 
-std::tuple<at::Tensor, at::Tensor> q4_k_repack(const at::Tensor& blocks) {
-  check_blocks(blocks, 144, "q4_k_repack");
-  const int64_t N = blocks.size(0), S = blocks.size(1), K = S * 256, nb = (N + kRows - 1) / kRows;
-  at::Tensor w = at::zeros({nb, K / 8, 64}, blocks.options());
-  at::Tensor rec = at::zeros({nb, S, 320}, blocks.options());
-  const uint8_t* src = blocks.data_ptr<uint8_t>();
-  uint8_t* wp = w.data_ptr<uint8_t>();
-  uint8_t* rp = rec.data_ptr<uint8_t>();
-  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint8_t> q(kRows * 256);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t rows = std::min(kRows, N - b * kRows);
-      for (int64_t s = 0; s < S; ++s) {
-        uint8_t* r = rp + (b * S + s) * 320;
-        for (int64_t i = 0; i < rows; ++i) {
-          const uint8_t* blk = src + ((b * kRows + i) * S + s) * 144;
-          std::memcpy(r + 2 * i, blk, 2);  // d
-          const uint16_t nm = static_cast<uint16_t>((blk[2] | (blk[3] << 8)) ^ 0x8000);  // -dmin
-          r[32 + 2 * i] = nm & 255;
-          r[33 + 2 * i] = nm >> 8;
-          uint8_t sc[8], mn[8];
-          k_scales(blk + 4, sc, mn);
-          for (int j = 0; j < 8; ++j) {
-            r[64 + 16 * j + i] = sc[j];
-            r[192 + 16 * j + i] = mn[j];
-          }
-          q4_k_values(blk, q.data() + i * 256);
-        }
-        for (int64_t c = 0; c < 32; ++c) nibbles(q.data(), 256, rows, c, wp + (b * (K / 8) + s * 32 + c) * 64);
-      }
-    }
-  });
-  return {w, rec};
+// the types, their block bytes, record bytes and high-bit planes (-1: byte lanes)
+enum Kind { kQ4K, kQ5K, kQ6K, kIQ4XS };
+
+struct Spec {
+  int64_t block, record;
+};
+
+constexpr Spec spec(Kind k) {
+  switch (k) {
+    case kQ4K: return {144, 320};
+    case kQ5K: return {176, 320};
+    case kQ6K: return {210, 288};
+    default: return {136, 160};
+  }
 }
 
-std::tuple<at::Tensor, at::Tensor> q6_k_repack(const at::Tensor& blocks, int64_t planes) {
-  check_blocks(blocks, 210, "q6_k_repack");
-  TORCH_CHECK(planes == 2 || planes == -1, "q6_k_repack: planes must be 2 (nibbles and two bit planes) or -1 "
-              "(byte lanes), got ", planes);
+// row i's part of a super-block's scale record r (group_scales.h's Super form, 16 rows)
+inline void record_row(Kind kind, const uint8_t* blk, int64_t i, uint8_t* r) {
+  if (kind == kQ4K || kind == kQ5K) {
+    std::memcpy(r + 2 * i, blk, 2);  // d
+    const uint16_t nm = static_cast<uint16_t>((blk[2] | (blk[3] << 8)) ^ 0x8000);  // -dmin
+    r[32 + 2 * i] = nm & 255;
+    r[33 + 2 * i] = nm >> 8;
+    uint8_t sc[8], mn[8];
+    k_scales(blk + 4, sc, mn);
+    for (int j = 0; j < 8; ++j) {
+      r[64 + 16 * j + i] = sc[j];
+      r[192 + 16 * j + i] = mn[j];
+    }
+  } else if (kind == kQ6K) {
+    std::memcpy(r + 2 * i, blk + 208, 2);
+    for (int g = 0; g < 16; ++g) r[32 + 16 * g + i] = blk[192 + g];
+  } else {  // IQ4_XS: 6-bit scales, low nibbles in bytes 4..7, high bit pairs in the uint16 at 2
+    std::memcpy(r + 2 * i, blk, 2);
+    const int high = blk[2] | (blk[3] << 8);
+    for (int j = 0; j < 8; ++j) {
+      const int low = (blk[4 + j / 2] >> (4 * (j % 2))) & 15;
+      r[32 + 16 * j + i] = static_cast<uint8_t>((low | (((high >> (2 * j)) & 3) << 4)) - 32);
+    }
+  }
+}
+
+// the 16 x 256 values q of a super-block into the weight layout: `planes` >= 0: chunks of 8
+// values as nibbles then `planes` 16-byte masks (bits 4, 5...); -1: byte lanes in chunks of 4
+void write_values(const uint8_t* q, int64_t rows, int planes, uint8_t* dst) {
+  if (planes < 0) {
+    for (int64_t c = 0; c < 64; ++c, dst += 64)
+      for (int64_t i = 0; i < rows; ++i)
+        for (int t = 0; t < 4; ++t) dst[4 * i + t] = q[i * 256 + 4 * c + t];
+    return;
+  }
+  const int64_t stride = 64 + 16 * planes;
+  for (int64_t c = 0; c < 32; ++c, dst += stride) {
+    nibbles(q, 256, rows, c, dst);
+    // value f of the chunk's (half, row, k%4) order: row (f % 64) / 4, k = 8c + 4 (f / 64) + f % 4
+    for (int p = 0; p < planes; ++p)
+      for (int byte = 0; byte < 16; ++byte) {
+        uint8_t mask = 0;
+        for (int j = 0; j < 8; ++j) {
+          const int f = 8 * byte + j, row = (f % 64) / 4;
+          if (row < rows) mask |= ((q[row * 256 + 8 * c + 4 * (f / 64) + f % 4] >> (4 + p)) & 1) << j;
+        }
+        dst[64 + 16 * p + byte] = mask;
+      }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& blocks, Kind kind, int planes, const char* what) {
+  const Spec sp = spec(kind);
+  check_blocks(blocks, sp.block, what);
   const int64_t N = blocks.size(0), S = blocks.size(1), K = S * 256, nb = (N + kRows - 1) / kRows;
-  const bool lanes = planes < 0;
-  at::Tensor w = lanes ? at::zeros({nb, K / 4, 64}, blocks.options()) : at::zeros({nb, K / 8, 96}, blocks.options());
-  at::Tensor rec = at::zeros({nb, S, 288}, blocks.options());
+  const int64_t chunk_bytes = planes < 0 ? 64 * 64 : 32 * (64 + 16 * planes);  // one super-block's
+  at::Tensor w = at::zeros({nb, S * chunk_bytes}, blocks.options());
+  at::Tensor rec = at::zeros({nb, S, sp.record}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* rp = rec.data_ptr<uint8_t>();
@@ -121,49 +168,44 @@ std::tuple<at::Tensor, at::Tensor> q6_k_repack(const at::Tensor& blocks, int64_t
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t rows = std::min(kRows, N - b * kRows);
       for (int64_t s = 0; s < S; ++s) {
-        uint8_t* r = rp + (b * S + s) * 288;
         for (int64_t i = 0; i < rows; ++i) {
-          const uint8_t* blk = src + ((b * kRows + i) * S + s) * 210;
-          std::memcpy(r + 2 * i, blk + 208, 2);  // d
-          for (int g = 0; g < 16; ++g) r[32 + 16 * g + i] = blk[192 + g];
-          q6_k_values(blk, q.data() + i * 256);
+          const uint8_t* blk = src + ((b * kRows + i) * S + s) * sp.block;
+          record_row(kind, blk, i, rp + (b * S + s) * sp.record);
+          uint8_t* qi = q.data() + i * 256;
+          if (kind == kQ6K) q6_k_values(blk, qi);
+          else if (kind == kIQ4XS) iq4_xs_values(blk, qi);
+          else q45_k_values(blk, kind == kQ5K, qi);
         }
-        if (lanes) {
-          for (int64_t c = 0; c < 64; ++c) {
-            uint8_t* dst = wp + (b * (K / 4) + s * 64 + c) * 64;
-            for (int64_t i = 0; i < rows; ++i)
-              for (int t = 0; t < 4; ++t) dst[4 * i + t] = q[i * 256 + 4 * c + t];
-          }
-          continue;
-        }
-        for (int64_t c = 0; c < 32; ++c) {
-          uint8_t* dst = wp + (b * (K / 8) + s * 32 + c) * 96;
-          nibbles(q.data(), 256, rows, c, dst);
-          // value f of the chunk's (half, row, k%4) order: row (f % 64) / 4, k = 8c + 4 (f / 64) + f % 4
-          for (int p = 0; p < 2; ++p)
-            for (int byte = 0; byte < 16; ++byte) {
-              uint8_t mask = 0;
-              for (int j = 0; j < 8; ++j) {
-                const int f = 8 * byte + j, row = (f % 64) / 4;
-                if (row < rows) mask |= ((q[row * 256 + 8 * c + 4 * (f / 64) + f % 4] >> (4 + p)) & 1) << j;
-              }
-              dst[64 + 16 * p + byte] = mask;
-            }
-        }
+        write_values(q.data(), rows, planes, wp + (b * S + s) * chunk_bytes);
       }
     }
   });
-  return {w, rec};
+  const int64_t record = planes < 0 ? 64 : 64 + 16 * planes;
+  return {w.view({nb, K / (planes < 0 ? 4 : 8), record}), rec};
+}
+
+std::tuple<at::Tensor, at::Tensor> q4_k_repack(const at::Tensor& blocks) {
+  return repack(blocks, kQ4K, 0, "q4_k_repack");
+}
+
+std::tuple<at::Tensor, at::Tensor> k_repack(const at::Tensor& blocks, const std::string& kind, int64_t planes) {
+  const Kind k = kind == "Q5_K" ? kQ5K : kind == "Q6_K" ? kQ6K : kIQ4XS;
+  TORCH_CHECK(kind == "Q5_K" || kind == "Q6_K" || kind == "IQ4_XS", "k_repack: kind must be Q5_K, Q6_K or IQ4_XS, got ",
+              kind);
+  const int own = k == kQ5K ? 1 : k == kQ6K ? 2 : 0;
+  TORCH_CHECK(planes == own || planes == -1, "k_repack: ", kind, " packs with ", own, " bit planes or in byte lanes "
+              "(-1), got ", planes);
+  return repack(blocks, k, static_cast<int>(planes), "k_repack");
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("q4_k_repack(Tensor blocks) -> (Tensor, Tensor)");
-  m.def("q6_k_repack(Tensor blocks, int planes) -> (Tensor, Tensor)");
+  m.def("k_repack(Tensor blocks, str kind, int planes) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("q4_k_repack", &q4_k_repack);
-  m.impl("q6_k_repack", &q6_k_repack);
+  m.impl("k_repack", &k_repack);
 }
