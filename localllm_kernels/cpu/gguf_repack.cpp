@@ -140,16 +140,20 @@ void write_values(const uint8_t* q, int64_t rows, int planes, uint8_t* dst) {
   const int64_t stride = 64 + 16 * planes;
   for (int64_t c = 0; c < 32; ++c, dst += stride) {
     nibbles(q, 256, rows, c, dst);
-    // value f of the chunk's (half, row, k%4) order: row (f % 64) / 4, k = 8c + 4 (f / 64) + f % 4
-    for (int p = 0; p < planes; ++p)
-      for (int byte = 0; byte < 16; ++byte) {
-        uint8_t mask = 0;
-        for (int j = 0; j < 8; ++j) {
-          const int f = 8 * byte + j, row = (f % 64) / 4;
-          if (row < rows) mask |= ((q[row * 256 + 8 * c + 4 * (f / 64) + f % 4] >> (4 + p)) & 1) << j;
+    // bit j of mask byte 8h + i: value f = 8 (8h + i) + j of the chunk's (half, row, k%4) order,
+    // i.e. row 2i + j / 4, k = 8c + 4h + j % 4
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 8; ++i)
+        for (int p = 0; p < planes; ++p) {
+          uint8_t mask = 0;
+          for (int half_row = 0; half_row < 2; ++half_row) {
+            const int64_t row = 2 * i + half_row;
+            if (row >= rows) break;
+            const uint8_t* v = q + row * 256 + 8 * c + 4 * h;
+            for (int t = 0; t < 4; ++t) mask |= ((v[t] >> (4 + p)) & 1) << (4 * half_row + t);
+          }
+          dst[64 + 16 * p + 8 * h + i] = mask;
         }
-        dst[64 + 16 * p + byte] = mask;
-      }
   }
 }
 
