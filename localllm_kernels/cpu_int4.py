@@ -122,6 +122,13 @@ def pack_dm(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
     return w, (half if exact else sc)
 
 
+def rtn_pack(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 rows x [n, K] -> (w, sc fp32 [ceil(n/16), K/32, 2, 16]): round-to-nearest int4 groups
+    of 32 in this layout, scales and offsets rounded to fp16 as the greedy head's ranking copy
+    keeps them (localllm.model.layers.ranking_head), the torch route's bytes in one C++ pass."""
+    return torch.ops.localllm.rtn_pack_int4(x.float().contiguous())
+
+
 def unpack(w: torch.Tensor, sc: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of `pack_dm`: (q uint8 [n, K], d fp32 [n, G], m fp32 [n, G]; the symmetric
     form's m = -8d)."""

@@ -251,3 +251,31 @@ def test_gguf_layers_load_straight_into_the_kernel_layout(gguf_path):
         slow = Int4Linear(Int4Weight.cat([weights.int4(n) for n in names]), torch.float32)
         assert fast.kind == slow.kind == "cpu_int4"
         assert torch.equal(fast.qw, slow.qw) and torch.equal(fast.qsc, slow.qsc)
+
+
+def test_rtn_pack_equals_the_torch_route():
+    """cpu_int4.rtn_pack (the greedy head's ranking copy in one C++ pass) gives the bytes of the
+    torch route it replaced (int4.quantize_rtn, the scale and offset rounded to fp16, pack_dm) on
+    rows of every magnitude, constant and zero rows, and a row count that is no multiple of 16."""
+    from localllm.model.layers import _ranking_rows
+
+    assert cpu_int4.load()
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(37, 96, generator=g) * torch.logspace(-6, 3, 37)[:, None]
+    x[3] = 0.0
+    x[5] = 1.5
+    x[7, :32] = -2.0
+    x[9] = -x[9].abs()
+
+    class Rows:
+        def rows(self, idx):
+            return x[idx]
+
+    w = _ranking_rows(Rows(), 0, x.shape[0])
+    want = cpu_int4.pack_dm(w.q, w.scales.t(), w.zeros.t() - 8.0 * w.scales.t())
+    got = cpu_int4.rtn_pack(x)
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1], want[1].float())
+    assert got[0].shape == (3, 12, 64) and got[1].shape == (3, 3, 2, 16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_int4.rtn_pack(torch.zeros(4, 40))
