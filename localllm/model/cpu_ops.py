@@ -123,10 +123,10 @@ def _linear_parts(m, leaves: list) -> list | None:
         return None if any(p is None for p in parts) else [q for p in parts for q in p]
     bias = NO_TENSOR if getattr(m, "bias", None) is None else m.bias
     if isinstance(m, Int4Linear):
-        if m.kind != "cpu_int4" or m.in_perm is not None:
+        rows = m.kernel_rows()
+        if rows is None:
             return None
-        part = (m.qw, m.qsc, bias, 0, m.group_size, m.out_features, 0,
-                m.dense_min_rows if m.dense is not None else 1 << 62)
+        part = (m.qw, m.qsc, bias, 0, m.group_size, m.out_features, 0, rows)
         names = ("qw", "qsc")
     elif isinstance(m, Int8wLinear):
         part = (m.qw, m.qsc, bias, 1, m.group_size, m.out_features, m.zero, 1 << 62)

@@ -123,13 +123,20 @@ class Int4Linear(nn.Module):
         self.__dict__.pop("_decode", None)
         return super()._apply(fn, recurse)
 
+    def kernel_rows(self) -> int | None:
+        """The input rows below which our CPU kernel runs this layer (above: its dense copy), or
+        None where the layer is not on our kernel as it is (another kind, an input permutation)."""
+        if self.kind != "cpu_int4" or self.in_perm is not None:
+            return None
+        return self.dense_min_rows if self.dense is not None else 1 << 62
+
     def _decode_args(self) -> tuple | None:
         """(qw, qsc, group size, out features, rows below which our kernel runs) as one plain
-        attribute when this layer takes the one-call decode case: nn.Module's __getattr__ costs
-        ~1 us per buffer name, ~10 of them a call, 4 calls a layer."""
-        if self.kind != "cpu_int4" or self.bias is not None or self.in_perm is not None:
+        attribute when this layer takes the one-call decode case (no bias): nn.Module's
+        __getattr__ costs ~1 us per buffer name, ~10 of them a call, 4 calls a layer."""
+        rows = self.kernel_rows()
+        if rows is None or self.bias is not None:
             return None
-        rows = self.dense_min_rows if self.dense is not None else 1 << 62
         return self.qw, self.qsc, self.group_size, self.out_features, rows
 
     def decode_args(self) -> tuple | None:
