@@ -1,4 +1,4 @@
-"""The C++ repack of GGUF K-quant blocks (localllm_kernels.cpu_repack: Q4_K, Q5_K, Q6_K, IQ4_XS)
+"""The C++ repack of GGUF K-quant blocks (localllm_kernels.cpu_repack: Q4_K, Q5_K, Q6_K, IQ4_XS, Q8_0)
 against the torch path it replaces at load (gguf_blocks.decode, then cpu_int4.pack_dm /
 cpu_int8.pack): the same bytes for every shape class (rows a multiple of 16 or not, one or
 several super-blocks, each layout a type has), on blocks of random bytes with finite fp16 scales.
@@ -22,6 +22,8 @@ def blocks(kind: str, n: int, s: int, seed: int) -> torch.Tensor:
         raw[..., 0:4] = f16  # d, dmin
     elif kind == "Q6_K":
         raw[..., 208:210] = f16[..., 0:2]  # d
+    elif kind == "Q8_0":
+        raw[..., 0:2] = f16[..., 0:2]
     else:  # IQ4_XS
         raw[..., 0:2] = f16[..., 0:2]
     return raw
@@ -50,6 +52,17 @@ def test_int8_lane_repacks_equal_the_torch_path(kind, bits, n, s):
     assert cpu_repack.ZERO[kind] == b.zero
 
 
+@pytest.mark.parametrize("n,s", SHAPES)
+def test_q8_0_repack_equals_the_torch_path(n, s):
+    assert cpu_repack.load()
+    raw = blocks("Q8_0", n, 8 * s, n * 3 + s)  # 8 blocks of 32 a super-block's width
+    b = gguf_blocks.decode("Q8_0", raw)
+    want = cpu_int8.pack(b.q, b.d, b.m, b.zero, 8)
+    got = cpu_repack.q8_0(raw)
+    assert want[1].dtype == torch.float16 and all(torch.equal(a, c) for a, c in zip(got, want))
+    assert cpu_repack.ZERO["Q8_0"] == b.zero
+
+
 def test_repack_refuses_what_it_does_not_take():
     with pytest.raises(RuntimeError, match=r"uint8 \[N, K / 256, 144\]"):
         cpu_repack.q4_k(torch.zeros(16, 1, 210, dtype=torch.uint8))
@@ -59,6 +72,8 @@ def test_repack_refuses_what_it_does_not_take():
         cpu_repack.int8(torch.zeros(16, 1, 210, dtype=torch.uint8), "Q6_K", 5)
     with pytest.raises(ValueError, match="with 4 bits"):
         cpu_repack.int8(torch.zeros(16, 1, 136, dtype=torch.uint8), "IQ4_XS", 8)
+    with pytest.raises(RuntimeError, match=r"uint8 \[N, K / 32, 34\]"):
+        cpu_repack.q8_0(torch.zeros(16, 1, 36, dtype=torch.uint8))
     with pytest.raises(ValueError, match="no int8-lane repack for Q8_0"):
         cpu_repack.int8(torch.zeros(16, 1, 34, dtype=torch.uint8), "Q8_0", 8)
     with pytest.raises(RuntimeError, match="1 bit planes or in byte lanes"):

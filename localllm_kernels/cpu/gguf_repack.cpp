@@ -1,4 +1,4 @@
-// GGUF K-quant blocks (Q4_K, Q5_K, Q6_K, IQ4_XS) -> our CPU layer kernels' layouts, in one pass
+// GGUF K-quant blocks (Q4_K, Q5_K, Q6_K, IQ4_XS) and Q8_0 -> our CPU layer kernels' layouts, in one pass
 // at load.
 //
 // Why: the torch path (gguf_blocks.decode, then cpu_int4.pack_dm / cpu_int8.pack) expands every
@@ -15,6 +15,7 @@
 //     of the chunk's (half, row, k%4) order); planes -1: byte lanes [N/16, K/4, 64], value k of
 //     row r at byte 4r + k%4 of chunk k/4; records). Q5_K takes 1 plane, Q6_K 2, IQ4_XS 0 (its
 //     4-bit codebook indices as they are), or byte lanes.
+//   q8_0_repack -> (w: byte lanes of value + 128, fp16 d [N/16, K/32, 1, 16]): Q8_0 blocks [N, K/32, 34]
 //   records uint8 [N/16, K/256, bytes]: group_scales.h's Super form: the 16 rows' fp16 d (and -dmin),
 //     then the int8 sub-scales (and mins), [group][row].
 
@@ -202,14 +203,42 @@ std::tuple<at::Tensor, at::Tensor> k_repack(const at::Tensor& blocks, const std:
   return repack(blocks, k, static_cast<int>(planes), "k_repack");
 }
 
+// Q8_0 blocks [N, K / 32, 34] -> cpu_int8's byte lanes of value + 128 (w [N/16, K/4, 64]) and the
+// blocks' fp16 d as its scales [N/16, K/32, 1, 16]
+std::tuple<at::Tensor, at::Tensor> q8_0_repack(const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.size(2) == 34,
+              "q8_0_repack: blocks must be contiguous uint8 [N, K / 32, 34]");
+  const int64_t N = blocks.size(0), G = blocks.size(1), K = G * 32, nb = (N + kRows - 1) / kRows;
+  at::Tensor w = at::zeros({nb, K / 4, 64}, blocks.options());
+  at::Tensor sc = at::zeros({nb, G, 1, kRows}, blocks.options().dtype(at::kHalf));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* sp = reinterpret_cast<uint8_t*>(sc.data_ptr<at::Half>());
+  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t r = 0; r < std::min(kRows, N - b * kRows); ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* blk = src + ((b * kRows + r) * G + g) * 34;
+          std::memcpy(sp + ((b * G + g) * kRows + r) * 2, blk, 2);
+          for (int c = 0; c < 8; ++c) {
+            uint8_t* dst = wp + (b * (K / 4) + g * 8 + c) * 64 + 4 * r;
+            for (int t = 0; t < 4; ++t) dst[t] = blk[2 + 4 * c + t] ^ 0x80;
+          }
+        }
+  });
+  return {w, sc};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("q4_k_repack(Tensor blocks) -> (Tensor, Tensor)");
   m.def("k_repack(Tensor blocks, str kind, int planes) -> (Tensor, Tensor)");
+  m.def("q8_0_repack(Tensor blocks) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("q4_k_repack", &q4_k_repack);
   m.impl("k_repack", &k_repack);
+  m.impl("q8_0_repack", &q8_0_repack);
 }
