@@ -1,11 +1,13 @@
-"""fp32 linears on the AMX-BF16 tile unit at fp32-level accuracy (`localllm_kernels/cpu/bf16x3_gemm.cpp`):
-build, load, packing.
+"""Encoder linears on the CPU's bf16 dot products (`localllm_kernels/cpu/bf16x3_gemm.cpp`): build,
+load, packing.
 
 ``torch.ops.localllm.bf16x3_gemm(x, w, bias, n, act)``: fp32 x [M, K] times W^T (+ bias, then
-"none" or the erf "gelu") -> fp32 [M, n]; weights and activations each split into two bf16
-parts (16 significant bits), three exact products per pair accumulated in fp32: ~1e-5 relative
-to an fp32 GEMM, at the tile unit's rate. AMX CPUs only (``available()``); elsewhere the caller
-keeps torch's fp32 linear. Compiled once per machine (see cpu_build). Imports only torch.
+"none" or the erf "gelu") -> fp32 [M, n]. On the AMX-BF16 tile unit (``available()``): weights
+and activations each split into two bf16 parts (16 significant bits), three exact products per
+pair accumulated in fp32, ~1e-5 relative to an fp32 GEMM (or the weights in one part, rounded to
+bf16). With AVX512-BF16 alone (``dot_available()``): the weights in one part and the activations
+rounded to bf16 too, one VDPBF16PS product, fp32 accumulation. Elsewhere the caller keeps torch's
+fp32 linear. Compiled once per machine (see cpu_build). Imports only torch.
 """
 
 from __future__ import annotations

@@ -137,9 +137,9 @@ def _gguf_kernel(kind: str, n: int, k: int) -> str:
 def _gguf_repacked_linear(weights: GGUFWeights, names: list[str], kernel: str,
                           bias: torch.Tensor | None) -> nn.Module | None:
     """Parts all Q4_K (on the int4 kernel) or all Q5_K, Q6_K, IQ4_XS or Q8_0 (int8-lane) repacked
-    from the file's blocks in one C++ pass (localllm_kernels.cpu_repack: the torch path's bytes; it took ~6
-    of a 1B Q4_K_M file's 9.8 s first load); None where the parts, their shapes or the kernel do
-    not allow it."""
+    from the file's blocks in one C++ pass (localllm_kernels.cpu_repack: the torch path's bytes;
+    that path took ~6 of a 1B Q4_K_M file's 9.8 s first load); None where the parts, their
+    shapes or the kernel do not allow it."""
     from localllm_kernels import cpu_int8, cpu_repack
 
     kinds = {weights.kind(n) for n in names}

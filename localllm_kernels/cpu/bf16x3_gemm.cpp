@@ -21,7 +21,7 @@
 //
 // Without the tile unit, on AVX512-BF16 CPUs (AMD Zen 4 and later, Intel Cooper Lake): one weight
 // part only ("bfloat16"), the activations rounded to bf16 too (one product, VDPBF16PS: 32
-// multiply-adds a cycle against fp32 FMA's 16; measured 2x MKL's fp32 sgemm on Zen 4). The same
+// multiply-adds a cycle against fp32 FMA's 16; 1.85x MKL's fp32 sgemm measured on Zen 4). The same
 // weight layout: a tile's k pair r is one 64-byte row, 16 outputs x 2 k, VDPBF16PS's operand as it
 // is; 12 rows x 2 column tiles of accumulators, the activations' k pair broadcast from a bf16
 // row-major copy of x.
