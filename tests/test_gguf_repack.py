@@ -1,4 +1,4 @@
-"""The C++ repack of GGUF K-quant blocks (localllm_kernels.cpu_repack: Q4_K, Q5_K, Q6_K, IQ4_XS, Q8_0)
+"""The C++ repack of GGUF K-quant blocks (localllm_kernels.cpu_repack: Q4_K, Q5_K, Q6_K, IQ4_XS; Q5_0, Q5_1, IQ4_NL, Q8_0)
 against the torch path it replaces at load (gguf_blocks.decode, then cpu_int4.pack_dm /
 cpu_int8.pack): the same bytes for every shape class (rows a multiple of 16 or not, one or
 several super-blocks, each layout a type has), on blocks of random bytes with finite fp16 scales.
@@ -22,7 +22,9 @@ def blocks(kind: str, n: int, s: int, seed: int) -> torch.Tensor:
         raw[..., 0:4] = f16  # d, dmin
     elif kind == "Q6_K":
         raw[..., 208:210] = f16[..., 0:2]  # d
-    elif kind == "Q8_0":
+    elif kind == "Q5_1":
+        raw[..., 0:4] = f16  # d, m
+    elif kind in ("Q5_0", "IQ4_NL", "Q8_0"):
         raw[..., 0:2] = f16[..., 0:2]
     else:  # IQ4_XS
         raw[..., 0:2] = f16[..., 0:2]
@@ -52,15 +54,16 @@ def test_int8_lane_repacks_equal_the_torch_path(kind, bits, n, s):
     assert cpu_repack.ZERO[kind] == b.zero
 
 
+@pytest.mark.parametrize("kind,bits", [("Q5_0", 5), ("Q5_0", 8), ("Q5_1", 5), ("IQ4_NL", 4), ("Q8_0", 8)])
 @pytest.mark.parametrize("n,s", SHAPES)
-def test_q8_0_repack_equals_the_torch_path(n, s):
+def test_32_value_block_repacks_equal_the_torch_path(kind, bits, n, s):
     assert cpu_repack.load()
-    raw = blocks("Q8_0", n, 8 * s, n * 3 + s)  # 8 blocks of 32 a super-block's width
-    b = gguf_blocks.decode("Q8_0", raw)
-    want = cpu_int8.pack(b.q, b.d, b.m, b.zero, 8)
-    got = cpu_repack.q8_0(raw)
+    raw = blocks(kind, n, 3 * s, n * 3 + s + bits)  # 3 blocks of 32 a unit of s: K need not be 256's multiple
+    b = gguf_blocks.decode(kind, raw)
+    want = cpu_int8.pack(b.q, b.d, b.m, b.zero, bits, None, b.lut)
+    got = cpu_repack.block32(raw, kind, bits)
     assert want[1].dtype == torch.float16 and all(torch.equal(a, c) for a, c in zip(got, want))
-    assert cpu_repack.ZERO["Q8_0"] == b.zero
+    assert cpu_repack.ZERO[kind] == b.zero
 
 
 def test_repack_refuses_what_it_does_not_take():
@@ -73,7 +76,11 @@ def test_repack_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="with 4 bits"):
         cpu_repack.int8(torch.zeros(16, 1, 136, dtype=torch.uint8), "IQ4_XS", 8)
     with pytest.raises(RuntimeError, match=r"uint8 \[N, K / 32, 34\]"):
-        cpu_repack.q8_0(torch.zeros(16, 1, 36, dtype=torch.uint8))
+        cpu_repack.block32(torch.zeros(16, 1, 36, dtype=torch.uint8), "Q8_0", 8)
+    with pytest.raises(ValueError, match="IQ4_NL values pack with 4 bits"):
+        cpu_repack.block32(torch.zeros(16, 1, 18, dtype=torch.uint8), "IQ4_NL", 8)
+    with pytest.raises(ValueError, match="no 32-value block repack for Q4_0"):
+        cpu_repack.block32(torch.zeros(16, 1, 18, dtype=torch.uint8), "Q4_0", 4)
     with pytest.raises(ValueError, match="no int8-lane repack for Q8_0"):
         cpu_repack.int8(torch.zeros(16, 1, 34, dtype=torch.uint8), "Q8_0", 8)
     with pytest.raises(RuntimeError, match="1 bit planes or in byte lanes"):

@@ -136,15 +136,15 @@ def _gguf_kernel(kind: str, n: int, k: int) -> str:
 
 def _gguf_repacked_linear(weights: GGUFWeights, names: list[str], kernel: str,
                           bias: torch.Tensor | None) -> nn.Module | None:
-    """Parts all Q4_K (on the int4 kernel) or all Q5_K, Q6_K, IQ4_XS or Q8_0 (int8-lane) repacked
-    from the file's blocks in one C++ pass (localllm_kernels.cpu_repack: the torch path's bytes;
+    """Parts all Q4_K (on the int4 kernel) or all of one of cpu_repack's other types (int8-lane)
+    repacked from the file's blocks in one C++ pass (localllm_kernels.cpu_repack: the torch path's bytes;
     that path took ~6 of a 1B Q4_K_M file's 9.8 s first load); None where the parts, their
     shapes or the kernel do not allow it."""
     from localllm_kernels import cpu_int8, cpu_repack
 
     kinds = {weights.kind(n) for n in names}
     kind = kinds.pop() if len(kinds) == 1 else None
-    if not ((kind == "Q4_K" and kernel == "int4") or (kind in (*cpu_repack.INT8_KINDS, "Q8_0") and kernel == "int8")):
+    if not ((kind == "Q4_K" and kernel == "int4") or (kind in cpu_repack.KINDS[1:] and kernel == "int8")):
         return None
     parts = [weights.raw_blocks(n, cpu_repack.KINDS) for n in names]
     # a 16-row block of the layout must not straddle two parts
@@ -152,14 +152,14 @@ def _gguf_repacked_linear(weights: GGUFWeights, names: list[str], kernel: str,
         return None
     raws = [raw if perm is None else raw[perm] for raw, perm in parts]
     n = sum(r.shape[0] for r in raws)
+    bits = cpu_int8.preferred_bits(cpu_repack.BITS.get(kind, 4))
     if kind == "Q4_K":
         packed = [cpu_repack.q4_k(r) for r in raws]
-    elif kind == "Q8_0":
-        packed = [cpu_repack.q8_0(r) for r in raws]
+    elif kind in cpu_repack.BLOCK32:
+        packed = [cpu_repack.block32(r, kind, bits) for r in raws]
         if not all(torch.isfinite(sc).all() for _, sc in packed):  # the torch path keeps fp32 scales then
             return None
     else:
-        bits = cpu_int8.preferred_bits(cpu_repack.BITS[kind])
         packed = [cpu_repack.int8(r, kind, bits) for r in raws]
     qw, qsc = (torch.cat([p[i] for p in packed]) for i in (0, 1))
     if kind == "Q4_K":

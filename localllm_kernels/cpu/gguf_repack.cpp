@@ -1,12 +1,12 @@
-// GGUF K-quant blocks (Q4_K, Q5_K, Q6_K, IQ4_XS) and Q8_0 -> our CPU layer kernels' layouts, in one pass
-// at load.
+// GGUF K-quant blocks (Q4_K, Q5_K, Q6_K, IQ4_XS) and the 32-value types (Q5_0, Q5_1, IQ4_NL, Q8_0)
+// -> our CPU layer kernels' layouts, in one pass at load.
 //
 // Why: the torch path (gguf_blocks.decode, then cpu_int4.pack_dm / cpu_int8.pack) expands every
 // value to a byte, builds fp32 group products it then drops, and reorders in several passes: ~6 of
 // a 1B-shape Q4_K_M file's 9.8 s first load. Here each 16-row block is read once and written
 // once, bit-identical to that path (tests/test_gguf_repack.py compares them).
 //
-// In: blocks uint8 [N, K / 256, block bytes], ggml-quants.c's block_q4_K / q5_K / q6_K / iq4_xs.
+// In: blocks uint8 [N, K / values a block, block bytes], ggml-quants.c's block_* structs.
 // Out (rows past N are zeros, to a multiple of 16):
 //   q4_k_repack -> (w uint8 [N/16, K/8, 64]: cpu_int4's nibbles, value k of row r of a 16-row
 //     block in chunk k/8, byte 4r + k%4, the low nibble for k%8 < 4; records)
@@ -15,7 +15,8 @@
 //     of the chunk's (half, row, k%4) order); planes -1: byte lanes [N/16, K/4, 64], value k of
 //     row r at byte 4r + k%4 of chunk k/4; records). Q5_K takes 1 plane, Q6_K 2, IQ4_XS 0 (its
 //     4-bit codebook indices as they are), or byte lanes.
-//   q8_0_repack -> (w: byte lanes of value + 128, fp16 d [N/16, K/32, 1, 16]): Q8_0 blocks [N, K/32, 34]
+//   block32_repack(kind, planes) -> (w as k_repack's, the blocks' fp16 d (and m) [N/16, K/32, 1 | 2, 16]):
+//     Q5_0, Q5_1 (1 plane or bytes), IQ4_NL (its indices), Q8_0 (bytes of value + 128), [N, K/32, bytes]
 //   records uint8 [N/16, K/256, bytes]: group_scales.h's Super form: the 16 rows' fp16 d (and -dmin),
 //     then the int8 sub-scales (and mins), [group][row].
 
@@ -129,18 +130,19 @@ inline void record_row(Kind kind, const uint8_t* blk, int64_t i, uint8_t* r) {
   }
 }
 
-// the 16 x 256 values q of a super-block into the weight layout: `planes` >= 0: chunks of 8
-// values as nibbles then `planes` 16-byte masks (bits 4, 5...); -1: byte lanes in chunks of 4
-void write_values(const uint8_t* q, int64_t rows, int planes, uint8_t* dst) {
+// the 16 rows x ld values q (row stride ld) of a block column into the weight layout: `planes` >= 0:
+// chunks of 8 values as nibbles then `planes` 16-byte masks (bits 4, 5...); -1: byte lanes in
+// chunks of 4
+void write_values(const uint8_t* q, int64_t ld, int64_t rows, int planes, uint8_t* dst) {
   if (planes < 0) {
-    for (int64_t c = 0; c < 64; ++c, dst += 64)
+    for (int64_t c = 0; c < ld / 4; ++c, dst += 64)
       for (int64_t i = 0; i < rows; ++i)
-        for (int t = 0; t < 4; ++t) dst[4 * i + t] = q[i * 256 + 4 * c + t];
+        for (int t = 0; t < 4; ++t) dst[4 * i + t] = q[i * ld + 4 * c + t];
     return;
   }
   const int64_t stride = 64 + 16 * planes;
-  for (int64_t c = 0; c < 32; ++c, dst += stride) {
-    nibbles(q, 256, rows, c, dst);
+  for (int64_t c = 0; c < ld / 8; ++c, dst += stride) {
+    nibbles(q, ld, rows, c, dst);
     // bit j of mask byte 8h + i: value f = 8 (8h + i) + j of the chunk's (half, row, k%4) order,
     // i.e. row 2i + j / 4, k = 8c + 4h + j % 4
     for (int h = 0; h < 2; ++h)
@@ -150,7 +152,7 @@ void write_values(const uint8_t* q, int64_t rows, int planes, uint8_t* dst) {
           for (int half_row = 0; half_row < 2; ++half_row) {
             const int64_t row = 2 * i + half_row;
             if (row >= rows) break;
-            const uint8_t* v = q + row * 256 + 8 * c + 4 * h;
+            const uint8_t* v = q + row * ld + 8 * c + 4 * h;
             for (int t = 0; t < 4; ++t) mask |= ((v[t] >> (4 + p)) & 1) << (4 * half_row + t);
           }
           dst[64 + 16 * p + 8 * h + i] = mask;
@@ -181,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& blocks, Kind kind, i
           else if (kind == kIQ4XS) iq4_xs_values(blk, qi);
           else q45_k_values(blk, kind == kQ5K, qi);
         }
-        write_values(q.data(), rows, planes, wp + (b * S + s) * chunk_bytes);
+        write_values(q.data(), 256, rows, planes, wp + (b * S + s) * chunk_bytes);
       }
     }
   });
@@ -203,28 +205,64 @@ std::tuple<at::Tensor, at::Tensor> k_repack(const at::Tensor& blocks, const std:
   return repack(blocks, k, static_cast<int>(planes), "k_repack");
 }
 
-// Q8_0 blocks [N, K / 32, 34] -> cpu_int8's byte lanes of value + 128 (w [N/16, K/4, 64]) and the
-// blocks' fp16 d as its scales [N/16, K/32, 1, 16]
-std::tuple<at::Tensor, at::Tensor> q8_0_repack(const at::Tensor& blocks) {
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.size(2) == 34,
-              "q8_0_repack: blocks must be contiguous uint8 [N, K / 32, 34]");
+// the 32-value block types: d (and m) fp16 first, then Q5_0 / Q5_1: the fifth bits as a 32-bit
+// little-endian word and 16 bytes of nibbles; IQ4_NL: the nibbles (codebook indices); Q8_0: 32 int8
+struct Block32 {
+  int64_t bytes;
+  int scales, planes;  // fp16 scales a block (d; d and m), the layout's own bit planes (-1: bytes)
+};
+
+Block32 block32(const std::string& kind) {
+  if (kind == "Q5_0") return {22, 1, 1};
+  if (kind == "Q5_1") return {24, 2, 1};
+  if (kind == "IQ4_NL") return {18, 1, 0};
+  TORCH_CHECK(kind == "Q8_0", "block32_repack: kind must be Q5_0, Q5_1, IQ4_NL or Q8_0, got ", kind);
+  return {34, 1, -1};
+}
+
+inline void block32_values(const uint8_t* blk, const Block32& t, uint8_t* q) {
+  if (t.planes < 0) {  // Q8_0: int8 + 128
+    for (int i = 0; i < 32; ++i) q[i] = blk[2 + i] ^ 0x80;
+    return;
+  }
+  const uint8_t* qs = blk + t.bytes - 16;
+  uint32_t high = 0;
+  if (t.planes == 1) std::memcpy(&high, blk + 2 * t.scales, 4);
+  for (int i = 0; i < 16; ++i) {
+    q[i] = (qs[i] & 15) | (((high >> i) & 1) << 4);
+    q[16 + i] = (qs[i] >> 4) | (((high >> (16 + i)) & 1) << 4);
+  }
+}
+
+// Q5_0, Q5_1, IQ4_NL or Q8_0 blocks [N, K / 32, bytes] -> cpu_int8's layout (`planes`: the type's
+// own, or -1 for byte lanes where the values are not codebook indices) and the blocks' fp16
+// scales [N/16, K/32, 1 | 2, 16]
+std::tuple<at::Tensor, at::Tensor> block32_repack(const at::Tensor& blocks, const std::string& kind, int64_t planes) {
+  const Block32 t = block32(kind);
+  TORCH_CHECK(planes == t.planes || (planes == -1 && kind != "IQ4_NL"), "block32_repack: ", kind, " packs with ",
+              t.planes, " bit planes", kind != "IQ4_NL" ? " or in byte lanes (-1)" : "", ", got ", planes);
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
+              blocks.size(2) == t.bytes, "block32_repack: blocks must be contiguous uint8 [N, K / 32, ", t.bytes, "]");
   const int64_t N = blocks.size(0), G = blocks.size(1), K = G * 32, nb = (N + kRows - 1) / kRows;
-  at::Tensor w = at::zeros({nb, K / 4, 64}, blocks.options());
-  at::Tensor sc = at::zeros({nb, G, 1, kRows}, blocks.options().dtype(at::kHalf));
+  const int64_t record = planes < 0 ? 64 : 64 + 16 * planes, group_bytes = planes < 0 ? 8 * 64 : 4 * record;
+  at::Tensor w = at::zeros({nb, K / (planes < 0 ? 4 : 8), record}, blocks.options());
+  at::Tensor sc = at::zeros({nb, G, t.scales, kRows}, blocks.options().dtype(at::kHalf));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* sp = reinterpret_cast<uint8_t*>(sc.data_ptr<at::Half>());
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t r = 0; r < std::min(kRows, N - b * kRows); ++r)
-        for (int64_t g = 0; g < G; ++g) {
-          const uint8_t* blk = src + ((b * kRows + r) * G + g) * 34;
-          std::memcpy(sp + ((b * G + g) * kRows + r) * 2, blk, 2);
-          for (int c = 0; c < 8; ++c) {
-            uint8_t* dst = wp + (b * (K / 4) + g * 8 + c) * 64 + 4 * r;
-            for (int t = 0; t < 4; ++t) dst[t] = blk[2 + 4 * c + t] ^ 0x80;
-          }
+    uint8_t q[kRows * 32];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t rows = std::min(kRows, N - b * kRows);
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const uint8_t* blk = src + ((b * kRows + r) * G + g) * t.bytes;
+          for (int j = 0; j < t.scales; ++j) std::memcpy(sp + (((b * G + g) * t.scales + j) * kRows + r) * 2, blk + 2 * j, 2);
+          block32_values(blk, t, q + r * 32);
         }
+        write_values(q, 32, rows, static_cast<int>(planes), wp + (b * G + g) * group_bytes);
+      }
+    }
   });
   return {w, sc};
 }
@@ -234,11 +272,11 @@ std::tuple<at::Tensor, at::Tensor> q8_0_repack(const at::Tensor& blocks) {
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("q4_k_repack(Tensor blocks) -> (Tensor, Tensor)");
   m.def("k_repack(Tensor blocks, str kind, int planes) -> (Tensor, Tensor)");
-  m.def("q8_0_repack(Tensor blocks) -> (Tensor, Tensor)");
+  m.def("block32_repack(Tensor blocks, str kind, int planes) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("q4_k_repack", &q4_k_repack);
   m.impl("k_repack", &k_repack);
-  m.impl("q8_0_repack", &q8_0_repack);
+  m.impl("block32_repack", &block32_repack);
 }
