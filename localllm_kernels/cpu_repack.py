@@ -3,7 +3,7 @@
 
 ``q4_k(blocks)``: the file's Q4_K blocks, uint8 [N, K / 256, 144] -> cpu_int4's (w, scale records),
 what ``cpu_int4.pack_dm`` makes of ``gguf_blocks.decode``'s Q4_K, bit for bit. ``int8(blocks, kind,
-bits)``: Q5_K, Q6_K or IQ4_XS blocks -> cpu_int8's (w, records) for values packed with `bits` (the
+bits)``: Q5_K, Q6_K, Q3_K, Q2_K or IQ4_XS blocks -> cpu_int8's (w, records) for values packed with `bits` (the
 type's own: nibbles and bit planes, IQ4_XS its 4-bit codebook indices; 8: byte lanes), what
 ``cpu_int8.pack`` makes of the decoded blocks; ``block32(blocks, kind, bits)`` the same for
 Q5_0, Q5_1, IQ4_NL and Q8_0. One pass over the file's bytes instead of the
@@ -23,13 +23,14 @@ from . import cpu_build
 
 SOURCE = Path(__file__).parent / "cpu" / "gguf_repack.cpp"
 CXXFLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
-INT8_KINDS = ("Q5_K", "Q6_K", "IQ4_XS")  # K-quants on the int8-lane kernel; Q4_K on the int4 one
+INT8_KINDS = ("Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")  # K-quants on the int8-lane kernel; Q4_K on the int4 one
 BLOCK32 = ("Q5_0", "Q5_1", "IQ4_NL", "Q8_0")  # blocks of 32 values with fp16 scales, int8-lane too
 KINDS = ("Q4_K", *INT8_KINDS, *BLOCK32)
 # the bits of each type's values (IQ4: its codebook indices)
-BITS = {"Q5_K": 5, "Q6_K": 6, "IQ4_XS": 4, "Q5_0": 5, "Q5_1": 5, "IQ4_NL": 4, "Q8_0": 8}
+BITS = {"Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2, "IQ4_XS": 4, "Q5_0": 5, "Q5_1": 5, "IQ4_NL": 4, "Q8_0": 8}
 # the zero point gguf_blocks.decode gives each type (what the layer is built with on the torch path)
-ZERO = {"Q4_K": 8, "Q5_K": 16, "Q6_K": 32, "IQ4_XS": 128, "Q5_0": 16, "Q5_1": 16, "IQ4_NL": 128, "Q8_0": 128}
+ZERO = {"Q4_K": 8, "Q5_K": 16, "Q6_K": 32, "Q3_K": 4, "Q2_K": 2, "IQ4_XS": 128, "Q5_0": 16, "Q5_1": 16, "IQ4_NL": 128,
+        "Q8_0": 128}
 
 
 def library_path() -> Path:
@@ -57,13 +58,13 @@ def _planes(kind: str, bits: int) -> int:
     allowed = (4,) if kind.startswith("IQ4") else tuple(dict.fromkeys((BITS[kind], 8)))  # indices: no bytes
     if bits not in allowed:
         raise ValueError(f"{kind} values pack with {' or '.join(map(str, allowed))} bits, got {bits}")
-    return -1 if bits == 8 else bits - 4
+    return -1 if bits == 8 else max(bits - 4, 0)  # values of 4 bits or fewer: nibbles alone
 
 
 def int8(blocks: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q5_K / Q6_K / IQ4_XS blocks uint8 [N, K / 256, block bytes] -> (w, records [N/16, K/256, ...]):
-    w [N/16, K/8, 64 + 16 (bits - 4)] for the type's own `bits` (BITS), byte lanes [N/16, K/4, 64]
-    for 8 (not IQ4_XS: its values are codebook indices)."""
+    """Q5_K / Q6_K / Q3_K / Q2_K / IQ4_XS blocks uint8 [N, K / 256, block bytes] -> (w, records
+    [N/16, K/256, ...]): w [N/16, K/8, 64 + 16 max(bits - 4, 0)] for the type's own `bits` (BITS),
+    byte lanes [N/16, K/4, 64] for 8 (not IQ4_XS: its values are codebook indices)."""
     if kind not in INT8_KINDS:
         raise ValueError(f"no int8-lane repack for {kind} (only {', '.join(INT8_KINDS)})")
     return torch.ops.localllm.k_repack(blocks.contiguous(), kind, _planes(kind, bits))

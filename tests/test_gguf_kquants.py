@@ -292,8 +292,8 @@ def test_mixed_file_runs_each_tensor_on_its_kernel(mixed_gguf):
 
 
 def test_k_quant_parts_are_repacked_in_one_cpp_pass(mixed_gguf, tmp_path, monkeypatch):
-    """A first load (an empty home: no conversion cache) takes the C++ repack for the file's Q4_K,
-    Q5_K, Q6_K, IQ4_XS, Q5_0, Q5_1, IQ4_NL and Q8_0 parts (localllm_kernels.cpu_repack) and builds the layers the torch path
+    """A first load (an empty home: no conversion cache) takes the C++ repack for each of the file's
+    ten block types (Q2_K to Q6_K, IQ4_XS, Q5_0, Q5_1, IQ4_NL, Q8_0; Q4_0 has its own) (localllm_kernels.cpu_repack) and builds the layers the torch path
     builds, byte for byte."""
     from localllm.model import loader
     from localllm_kernels import cpu_repack
@@ -305,7 +305,7 @@ def test_k_quant_parts_are_repacked_in_one_cpp_pass(mixed_gguf, tmp_path, monkey
     monkeypatch.setattr(cpu_repack, "block32", lambda raw, kind, bits: calls.append(kind) or block32(raw, kind, bits))
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "fast"))
     fast = load_model(mixed_gguf, "auto")
-    assert sorted(set(calls)) == ["IQ4_NL", "IQ4_XS", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
+    assert sorted(set(calls)) == ["IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "torch"))
     monkeypatch.setattr(loader, "_gguf_repacked_linear", lambda *a: None)
     slow = load_model(mixed_gguf, "auto")

@@ -1,4 +1,4 @@
-"""The C++ repack of GGUF K-quant blocks (localllm_kernels.cpu_repack: Q4_K, Q5_K, Q6_K, IQ4_XS; Q5_0, Q5_1, IQ4_NL, Q8_0)
+"""The C++ repack of GGUF K-quant blocks (localllm_kernels.cpu_repack: Q2_K to Q6_K, IQ4_XS; Q5_0, Q5_1, IQ4_NL, Q8_0)
 against the torch path it replaces at load (gguf_blocks.decode, then cpu_int4.pack_dm /
 cpu_int8.pack): the same bytes for every shape class (rows a multiple of 16 or not, one or
 several super-blocks, each layout a type has), on blocks of random bytes with finite fp16 scales.
@@ -22,6 +22,10 @@ def blocks(kind: str, n: int, s: int, seed: int) -> torch.Tensor:
         raw[..., 0:4] = f16  # d, dmin
     elif kind == "Q6_K":
         raw[..., 208:210] = f16[..., 0:2]  # d
+    elif kind == "Q3_K":
+        raw[..., 108:110] = f16[..., 0:2]
+    elif kind == "Q2_K":
+        raw[..., 80:84] = f16  # d, dmin
     elif kind == "Q5_1":
         raw[..., 0:4] = f16  # d, m
     elif kind in ("Q5_0", "IQ4_NL", "Q8_0"):
@@ -42,7 +46,8 @@ def test_q4_k_repack_equals_the_torch_path(n, s):
     assert cpu_repack.ZERO["Q4_K"] == b.zero
 
 
-@pytest.mark.parametrize("kind,bits", [("Q5_K", 5), ("Q5_K", 8), ("Q6_K", 6), ("Q6_K", 8), ("IQ4_XS", 4)])
+@pytest.mark.parametrize("kind,bits", [("Q5_K", 5), ("Q5_K", 8), ("Q6_K", 6), ("Q6_K", 8), ("Q3_K", 3), ("Q3_K", 8),
+                                       ("Q2_K", 2), ("IQ4_XS", 4)])
 @pytest.mark.parametrize("n,s", SHAPES)
 def test_int8_lane_repacks_equal_the_torch_path(kind, bits, n, s):
     assert cpu_repack.load()
@@ -85,3 +90,5 @@ def test_repack_refuses_what_it_does_not_take():
         cpu_repack.int8(torch.zeros(16, 1, 34, dtype=torch.uint8), "Q8_0", 8)
     with pytest.raises(RuntimeError, match="1 bit planes or in byte lanes"):
         torch.ops.localllm.k_repack(torch.zeros(16, 1, 176, dtype=torch.uint8), "Q5_K", 2)
+    with pytest.raises(RuntimeError, match=r"IQ4_XS packs with 0 bit planes, got -1"):
+        torch.ops.localllm.k_repack(torch.zeros(16, 1, 136, dtype=torch.uint8), "IQ4_XS", -1)

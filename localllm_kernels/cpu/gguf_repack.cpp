@@ -1,4 +1,4 @@
-// GGUF K-quant blocks (Q4_K, Q5_K, Q6_K, IQ4_XS) and the 32-value types (Q5_0, Q5_1, IQ4_NL, Q8_0)
+// GGUF K-quant blocks (Q2_K .. Q6_K, IQ4_XS) and the 32-value types (Q5_0, Q5_1, IQ4_NL, Q8_0)
 // -> our CPU layer kernels' layouts, in one pass at load.
 //
 // Why: the torch path (gguf_blocks.decode, then cpu_int4.pack_dm / cpu_int8.pack) expands every
@@ -7,14 +7,15 @@
 // once, bit-identical to that path (tests/test_gguf_repack.py compares them).
 //
 // In: blocks uint8 [N, K / values a block, block bytes], ggml-quants.c's block_* structs.
+// (Q3_K, Q2_K: their 3- and 2-bit values held as nibbles, as the torch path holds them.)
 // Out (rows past N are zeros, to a multiple of 16):
 //   q4_k_repack -> (w uint8 [N/16, K/8, 64]: cpu_int4's nibbles, value k of row r of a 16-row
 //     block in chunk k/8, byte 4r + k%4, the low nibble for k%8 < 4; records)
 //   k_repack(kind, planes) -> (w: cpu_int8's layout: planes >= 0: [N/16, K/8, 64 + 16 planes],
 //     the nibbles as above then a 16-byte mask per bit above 4 (bit j of byte i: the value at 8i + j
 //     of the chunk's (half, row, k%4) order); planes -1: byte lanes [N/16, K/4, 64], value k of
-//     row r at byte 4r + k%4 of chunk k/4; records). Q5_K takes 1 plane, Q6_K 2, IQ4_XS 0 (its
-//     4-bit codebook indices as they are), or byte lanes.
+//     row r at byte 4r + k%4 of chunk k/4; records). Q5_K takes 1 plane, Q6_K 2, Q3_K and Q2_K
+//     0, or byte lanes; IQ4_XS 0 (its 4-bit codebook indices as they are).
 //   block32_repack(kind, planes) -> (w as k_repack's, the blocks' fp16 d (and m) [N/16, K/32, 1 | 2, 16]):
 //     Q5_0, Q5_1 (1 plane or bytes), IQ4_NL (its indices), Q8_0 (bytes of value + 128), [N, K/32, bytes]
 //   records uint8 [N/16, K/256, bytes]: group_scales.h's Super form: the 16 rows' fp16 d (and -dmin),
@@ -68,6 +69,19 @@ inline void q6_k_values(const uint8_t* blk, uint8_t* q) {
       }
 }
 
+inline void q3_k_values(const uint8_t* blk, uint8_t* q) {  // 0..7: 2 low bits from qs, the third from hmask
+  const uint8_t *hmask = blk, *qs = blk + 32;
+  for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 32; ++i)
+      q[32 * j + i] = static_cast<uint8_t>(((qs[(j / 4) * 32 + i] >> (2 * (j % 4))) & 3) | (((hmask[i] >> j) & 1) << 2));
+}
+
+inline void q2_k_values(const uint8_t* blk, uint8_t* q) {  // 0..3
+  const uint8_t* qs = blk + 16;
+  for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 32; ++i) q[32 * j + i] = (qs[(j / 4) * 32 + i] >> (2 * (j % 4))) & 3;
+}
+
 inline void iq4_xs_values(const uint8_t* blk, uint8_t* q) {
   const uint8_t* qs = blk + 8;
   for (int j = 0; j < 8; ++j)
@@ -89,7 +103,7 @@ inline void nibbles(const uint8_t* q, int64_t ld, int64_t rows, int64_t c, uint8
 }
 
 // the types, their block bytes, record bytes and high-bit planes (-1: byte lanes)
-enum Kind { kQ4K, kQ5K, kQ6K, kIQ4XS };
+enum Kind { kQ4K, kQ5K, kQ6K, kIQ4XS, kQ3K, kQ2K };
 
 struct Spec {
   int64_t block, record;
@@ -100,6 +114,8 @@ constexpr Spec spec(Kind k) {
     case kQ4K: return {144, 320};
     case kQ5K: return {176, 320};
     case kQ6K: return {210, 288};
+    case kQ3K: return {110, 288};
+    case kQ2K: return {84, 576};
     default: return {136, 160};
   }
 }
@@ -120,6 +136,22 @@ inline void record_row(Kind kind, const uint8_t* blk, int64_t i, uint8_t* r) {
   } else if (kind == kQ6K) {
     std::memcpy(r + 2 * i, blk + 208, 2);
     for (int g = 0; g < 16; ++g) r[32 + 16 * g + i] = blk[192 + g];
+  } else if (kind == kQ3K) {  // 6-bit scales: low nibbles in bytes 96..103, high bit pairs in 104..107
+    std::memcpy(r + 2 * i, blk + 108, 2);
+    const uint8_t* s = blk + 96;
+    for (int g = 0; g < 16; ++g) {
+      const int low = (s[g % 8] >> (4 * (g / 8))) & 15, high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+      r[32 + 16 * g + i] = static_cast<uint8_t>((low | (high << 4)) - 32);
+    }
+  } else if (kind == kQ2K) {  // 16 bytes: a scale (low nibble) and a min (high nibble) per group
+    std::memcpy(r + 2 * i, blk + 80, 2);
+    const uint16_t nm = static_cast<uint16_t>((blk[82] | (blk[83] << 8)) ^ 0x8000);  // -dmin
+    r[32 + 2 * i] = nm & 255;
+    r[33 + 2 * i] = nm >> 8;
+    for (int g = 0; g < 16; ++g) {
+      r[64 + 16 * g + i] = blk[g] & 15;
+      r[320 + 16 * g + i] = blk[g] >> 4;
+    }
   } else {  // IQ4_XS: 6-bit scales, low nibbles in bytes 4..7, high bit pairs in the uint16 at 2
     std::memcpy(r + 2 * i, blk, 2);
     const int high = blk[2] | (blk[3] << 8);
@@ -181,6 +213,8 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& blocks, Kind kind, i
           uint8_t* qi = q.data() + i * 256;
           if (kind == kQ6K) q6_k_values(blk, qi);
           else if (kind == kIQ4XS) iq4_xs_values(blk, qi);
+          else if (kind == kQ3K) q3_k_values(blk, qi);
+          else if (kind == kQ2K) q2_k_values(blk, qi);
           else q45_k_values(blk, kind == kQ5K, qi);
         }
         write_values(q.data(), 256, rows, planes, wp + (b * S + s) * chunk_bytes);
@@ -196,12 +230,13 @@ std::tuple<at::Tensor, at::Tensor> q4_k_repack(const at::Tensor& blocks) {
 }
 
 std::tuple<at::Tensor, at::Tensor> k_repack(const at::Tensor& blocks, const std::string& kind, int64_t planes) {
-  const Kind k = kind == "Q5_K" ? kQ5K : kind == "Q6_K" ? kQ6K : kIQ4XS;
-  TORCH_CHECK(kind == "Q5_K" || kind == "Q6_K" || kind == "IQ4_XS", "k_repack: kind must be Q5_K, Q6_K or IQ4_XS, got ",
-              kind);
-  const int own = k == kQ5K ? 1 : k == kQ6K ? 2 : 0;
-  TORCH_CHECK(planes == own || planes == -1, "k_repack: ", kind, " packs with ", own, " bit planes or in byte lanes "
-              "(-1), got ", planes);
+  const Kind k = kind == "Q5_K" ? kQ5K : kind == "Q6_K" ? kQ6K : kind == "Q3_K" ? kQ3K : kind == "Q2_K" ? kQ2K : kIQ4XS;
+  TORCH_CHECK(kind == "Q5_K" || kind == "Q6_K" || kind == "Q3_K" || kind == "Q2_K" || kind == "IQ4_XS",
+              "k_repack: kind must be Q5_K, Q6_K, Q3_K, Q2_K or IQ4_XS, got ", kind);
+  const int own = k == kQ5K ? 1 : k == kQ6K ? 2 : 0;  // 2- to 4-bit values: nibbles alone
+  // IQ4_XS's nibbles are codebook indices: no byte-lane form
+  TORCH_CHECK(planes == own || (planes == -1 && k != kIQ4XS), "k_repack: ", kind, " packs with ", own, " bit planes",
+              k != kIQ4XS ? " or in byte lanes (-1)" : "", ", got ", planes);
   return repack(blocks, k, static_cast<int>(planes), "k_repack");
 }
 
