@@ -4,7 +4,8 @@ The C++ source is compiled once per machine with the system C++ compiler against
 (~7 s) into a shared library cached under ~/.cache/localllm/kernels (LOCALLLM_KERNEL_CACHE),
 keyed by the source, torch and the flags (see cpu_build); it registers
 ``torch.ops.localllm.int4_gemm`` (and ``moe_int4``, the mixture-of-experts MLP on stacked int4
-experts, ``pack_gguf_q4``, ``int4_isa``). The kernel runs with AVX-512 VNNI where the CPU has it,
+experts, ``rtn_pack_int4``, ``int4_isa``; the GGUF blocks' repacks into this layout are
+cpu_repack's). The kernel runs with AVX-512 VNNI where the CPU has it,
 else with AVX2 (same layouts, same results). A CPU without AVX2, FMA and F16C, or a missing
 compiler, leaves ``load()`` False and callers on torch's own int4 kernel.
 Imports only torch.
@@ -145,22 +146,3 @@ def unpack(w: torch.Tensor, sc: torch.Tensor, n: int) -> tuple[torch.Tensor, tor
 def int4_gemm(x: torch.Tensor, w: torch.Tensor, sc: torch.Tensor, group_size: int) -> torch.Tensor:
     """fp32 x [M, K] @ W.T -> fp32 [M, N padded to 16]."""
     return torch.ops.localllm.int4_gemm(x, w, sc, group_size)
-
-
-def pack_gguf(raws: list[torch.Tensor], rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF Q4_0 / Q4_1 blocks (per part uint8 [n_i, K/32, 18 | 20], the file's bytes) straight
-    into (w, sc) as `pack_dm` lays them out, sc in fp16 (Q4_0: d alone, the symmetric form).
-    rows [N]: the source row (over the parts stacked) of each output row; padded here to a
-    multiple of 16."""
-    pad = -rows.shape[0] % ROWS
-    if pad:
-        rows = torch.cat([rows, rows.new_full((pad,), -1)])
-    return torch.ops.localllm.pack_gguf_q4([r.contiguous() for r in raws], rows.to(torch.int64), k)
-
-
-def moe_int4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
-             w2: torch.Tensor, s2: torch.Tensor, group1: int, group2: int, inter: int) -> torch.Tensor:
-    """fp32 x [T, H], expert ids int64 [T, k] and fp32 weights [T, k] -> fp32 [T, H]: the weighted
-    sum of the chosen experts' SiLU-gated MLPs. w1/s1: each expert's gate rows then up rows, as
-    `pack` lays them out, stacked [E, ...]; w2/s2: the down matrices (K = inter)."""
-    return torch.ops.localllm.moe_int4(x, ids, weights, w1, s1, w2, s2, group1, group2, inter)

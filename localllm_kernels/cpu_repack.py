@@ -1,6 +1,7 @@
 """GGUF K-quant and 32-value blocks straight into our CPU layer kernels' layouts
 (`localllm_kernels/cpu/gguf_repack.cpp`): build, load, the repacks.
 
+``q4_0_1(parts, rows, k)``: Q4_0 / Q4_1 parts of a fused layer into cpu_int4's layout.
 ``q4_k(blocks)``: the file's Q4_K blocks, uint8 [N, K / 256, 144] -> cpu_int4's (w, scale records),
 what ``cpu_int4.pack_dm`` makes of ``gguf_blocks.decode``'s Q4_K, bit for bit. ``int8(blocks, kind,
 bits)``: Q5_K, Q6_K, Q3_K, Q2_K or IQ4_XS blocks -> cpu_int8's (w, records) for values packed with `bits` (the
@@ -45,6 +46,17 @@ def build(out: Path) -> None:
 def load() -> bool:
     """Make the repack ops available (building them on first use); False when they cannot be built."""
     return cpu_build.load_library(library_path(), build, "GGUF repack kernel", "the torch repack")
+
+
+def q4_0_1(raws: list[torch.Tensor], rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q4_0 / Q4_1 blocks (per part uint8 [n_i, K/32, 18 | 20], the file's bytes) straight
+    into cpu_int4's (w, sc) as its `pack_dm` lays them out, sc in fp16 (Q4_0: d alone, the
+    symmetric form). rows [N]: the source row (over the parts stacked) of each output row;
+    padded here to a multiple of 16."""
+    pad = -rows.shape[0] % 16
+    if pad:
+        rows = torch.cat([rows, rows.new_full((pad,), -1)])
+    return torch.ops.localllm.pack_gguf_q4([r.contiguous() for r in raws], rows.to(torch.int64), k)
 
 
 def q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import torch
 from localllm.model import layers
 from localllm.model.int4 import Int4Weight, quantize_rtn
 from localllm.model.layers import Int4Linear, top_indices
-from localllm_kernels import cpu_int4
+from localllm_kernels import cpu_int4, cpu_repack
 
 needs_kernel = pytest.mark.skipif(not cpu_int4.supported(), reason="this CPU has no AVX2 (with FMA and F16C)")
 
@@ -193,21 +193,21 @@ def gguf_blocks(n: int, k: int, q4_1: bool, seed: int, big_d: bool = False) -> t
 @needs_kernel
 @pytest.mark.parametrize("q4_1", [True, False])
 def test_pack_gguf_equals_pack(q4_1):
-    """The C++ shuffle from GGUF blocks (several parts, rows permuted, N padded) gives the bytes
-    `pack` gives from the decoded weight, so the layer computes the same numbers."""
-    assert cpu_int4.load()
+    """The C++ shuffle from GGUF blocks (cpu_repack.q4_0_1: several parts, rows permuted, N padded)
+    gives the bytes `pack` gives from the decoded weight, so the layer computes the same numbers."""
+    assert cpu_int4.load() and cpu_repack.load()
     sizes, k = [40, 24, 8], 128
     parts = [gguf_blocks(n, k, q4_1, seed=i) for i, n in enumerate(sizes)]
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(9))
     rows = torch.cat([perm, torch.arange(24) + 40, torch.arange(8) + 64])
-    w, sc = cpu_int4.pack_gguf([r for r, _ in parts], rows, k)
+    w, sc = cpu_repack.q4_0_1([r for r, _ in parts], rows, k)
     decoded = Int4Weight.cat([parts[0][1].permute_rows(perm), parts[1][1], parts[2][1]])
     want_w, want_sc = (cpu_int4.pack(decoded.q, decoded.scales, decoded.zeros) if q4_1 else
                        cpu_int4.pack_dm(decoded.q, decoded.scales.t(), None))  # Q4_0: d alone
     assert torch.equal(w, want_w) and sc.dtype == want_sc.dtype == torch.float16 and torch.equal(sc, want_sc)
     assert sc.shape[2] == (2 if q4_1 else 1)
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu_int4.pack_gguf([parts[0][0]], torch.tensor([40]), k)
+        cpu_repack.q4_0_1([parts[0][0]], torch.tensor([40]), k)
 
 
 @needs_kernel
@@ -218,7 +218,8 @@ def test_q4_0_holds_its_scales_alone(big_d):
     the outputs of the old form (d and m = -8d in fp32) bit for bit on both paths."""
     n, k = 32, 256
     raw, decoded = gguf_blocks(n, k, False, seed=3, big_d=big_d)
-    w, sc = cpu_int4.pack_gguf([raw], torch.arange(n), k)
+    assert cpu_repack.load()
+    w, sc = cpu_repack.q4_0_1([raw], torch.arange(n), k)
     assert sc.shape == (n // 16, k // 32, 1, 16) and sc.dtype == torch.float16
     assert w.numel() + 2 * sc.numel() == raw.numel()  # the file's bytes
     d = decoded.scales.t().float()

@@ -98,7 +98,7 @@ def _gguf_q4_linear(weights: GGUFWeights, names: list[str], bias: torch.Tensor |
     """GGUF Q4_0 / Q4_1 parts straight into our int4 kernel's layout by one C++ shuffle (no
     unpacked or fp32 copy of the weights on the way: first loads ~7x faster); None when the
     parts or this CPU do not allow it."""
-    from localllm_kernels import cpu_int4
+    from localllm_kernels import cpu_int4, cpu_repack
 
     parts = [weights.raw_blocks(n, ("Q4_0", "Q4_1")) for n in names]
     if any(p is None for p in parts):
@@ -107,13 +107,13 @@ def _gguf_q4_linear(weights: GGUFWeights, names: list[str], bias: torch.Tensor |
     if len({r.shape[2] for r in raws}) != 1:
         return None
     n, k = sum(r.shape[0] for r in raws), raws[0].shape[1] * 32
-    if not (cpu_int4.fits(n, k, 32) and cpu_int4.load()):
+    if not (cpu_int4.fits(n, k, 32) and cpu_int4.load() and cpu_repack.load()):
         return None
     rows, off = [], 0
     for r, perm in parts:  # each part's rows in the order `int4` gives them, offset in the stack
         rows.append((torch.arange(r.shape[0]) if perm is None else perm) + off)
         off += r.shape[0]
-    packed = cpu_int4.pack_gguf(raws, torch.cat(rows), k)
+    packed = cpu_repack.q4_0_1(raws, torch.cat(rows), k)
     return Int4Linear.from_kernel_tensors({"qw": packed[0], "qsc": packed[1]}, n, 32, bias)
 
 

@@ -1,4 +1,4 @@
-// GGUF K-quant blocks (Q2_K .. Q6_K, IQ4_XS) and the 32-value types (Q5_0, Q5_1, IQ4_NL, Q8_0)
+// GGUF K-quant blocks (Q2_K .. Q6_K, IQ4_XS) and the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q8_0)
 // -> our CPU layer kernels' layouts, in one pass at load.
 //
 // Why: the torch path (gguf_blocks.decode, then cpu_int4.pack_dm / cpu_int8.pack) expands every
@@ -18,14 +18,17 @@
 //     0, or byte lanes; IQ4_XS 0 (its 4-bit codebook indices as they are).
 //   block32_repack(kind, planes) -> (w as k_repack's, the blocks' fp16 d (and m) [N/16, K/32, 1 | 2, 16]):
 //     Q5_0, Q5_1 (1 plane or bytes), IQ4_NL (its indices), Q8_0 (bytes of value + 128), [N, K/32, bytes]
+//   pack_gguf_q4(parts, rows, K) -> Q4_0 / Q4_1 parts (and a row order) into cpu_int4's layout, fp16 scales
 //   records uint8 [N/16, K/256, bytes]: group_scales.h's Super form: the 16 rows' fp16 d (and -dmin),
 //     then the int8 sub-scales (and mins), [group][row].
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -302,16 +305,88 @@ std::tuple<at::Tensor, at::Tensor> block32_repack(const at::Tensor& blocks, cons
   return {w, sc};
 }
 
+// GGUF Q4_0 / Q4_1 blocks straight into cpu_int4's layout: a lossless shuffle of nibbles and
+// scales, with no pass through unpacked or fp32 weights (the first load of a 1 GB GGUF spent
+// ~20 s in those passes). raws: the parts of one layer (fused qkv / gate_up), each uint8
+// [n_i, K/32, 18 | 20] in the file's block layout; rows [N] (N a multiple of 16): for each output
+// row its source row in the parts stacked, -1 for padding. Q4_1 keeps the file's d and m
+// (scales [N/16, K/32, 2, 16]); Q4_0 its d alone (symmetric: [N/16, K/32, 1, 16]), the file's bytes.
+std::tuple<at::Tensor, at::Tensor> pack_gguf_q4(at::TensorList raws, const at::Tensor& rows, int64_t K) {
+  TORCH_CHECK(!raws.empty() && K % 32 == 0, "pack_gguf_q4: no parts, or K not a multiple of 32");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) % kRows == 0,
+              "pack_gguf_q4: rows must be int64 [N], N a multiple of 16");
+  const int64_t nbk = K / 32, bsz = raws[0].size(2), N = rows.size(0);
+  TORCH_CHECK(bsz == 18 || bsz == 20, "pack_gguf_q4: blocks of 18 (Q4_0) or 20 (Q4_1) bytes");
+  std::vector<const uint8_t*> base;
+  std::vector<int64_t> start{0};
+  for (const at::Tensor& r : raws) {
+    TORCH_CHECK(r.dim() == 3 && r.size(1) == nbk && r.size(2) == bsz && r.scalar_type() == at::kByte &&
+                r.is_contiguous(), "pack_gguf_q4: every part must be contiguous uint8 [n, K/32, ", bsz, "]");
+    base.push_back(r.data_ptr<uint8_t>());
+    start.push_back(start.back() + r.size(0));
+  }
+  const at::Tensor rc = rows.contiguous();
+  const int64_t* rix = rc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK(rix[i] >= -1 && rix[i] < start.back(), "pack_gguf_q4: row ", rix[i], " out of range");
+  at::Tensor w = at::empty({N / kRows, K / 8, 64}, rows.options().dtype(at::kByte));
+  const int ns = bsz == 20 ? 2 : 1;
+  at::Tensor sc = at::empty({N / kRows, nbk, ns, kRows}, rows.options().dtype(at::kHalf));
+  uint8_t* wo = w.data_ptr<uint8_t>();
+  at::Half* so = sc.data_ptr<at::Half>();
+  // value i of a block sits in the low nibble of qs[i], value i + 16 in the high nibble; chunk c
+  // of the layout pairs values (8c + j, 8c + 4 + j), j < 4: with a_i the 4 bytes qs[4i..4i+3],
+  // chunks 0 and 1 are the low nibbles of (a0, a1) and (a2, a3), chunks 2 and 3 their high nibbles
+  constexpr uint32_t kLo = 0x0F0F0F0Fu, kHi = 0xF0F0F0F0u;
+  at::parallel_for(0, N / kRows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t src = rix[nb * kRows + r];
+        const uint8_t* row = nullptr;
+        if (src >= 0) {
+          const size_t p = std::upper_bound(start.begin(), start.end(), src) - start.begin() - 1;
+          row = base[p] + (src - start[p]) * nbk * bsz;
+        }
+        for (int64_t b = 0; b < nbk; ++b) {
+          at::Half d(0.f), m(0.f);
+          uint32_t a[4] = {0, 0, 0, 0};
+          if (row) {
+            const uint8_t* blk = row + b * bsz;
+            uint16_t bits;
+            std::memcpy(&bits, blk, 2);
+            d = at::Half(bits, at::Half::from_bits());
+            if (bsz == 20) {
+              std::memcpy(&bits, blk + 2, 2);
+              m = at::Half(bits, at::Half::from_bits());
+            }
+            std::memcpy(a, blk + bsz - 16, 16);
+          }
+          uint8_t* o = wo + (nb * (K / 8) + b * 4) * 64 + 4 * r;
+          const uint32_t c[4] = {(a[0] & kLo) | ((a[1] & kLo) << 4), (a[2] & kLo) | ((a[3] & kLo) << 4),
+                                 ((a[0] >> 4) & kLo) | (a[1] & kHi), ((a[2] >> 4) & kLo) | (a[3] & kHi)};
+          for (int k = 0; k < 4; ++k) std::memcpy(o + k * 64, &c[k], 4);
+          at::Half* s = so + (nb * nbk + b) * ns * kRows;
+          s[r] = d;
+          if (ns == 2) s[kRows + r] = m;
+        }
+      }
+    }
+  });
+  return {w, sc};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("q4_k_repack(Tensor blocks) -> (Tensor, Tensor)");
   m.def("k_repack(Tensor blocks, str kind, int planes) -> (Tensor, Tensor)");
   m.def("block32_repack(Tensor blocks, str kind, int planes) -> (Tensor, Tensor)");
+  m.def("pack_gguf_q4(Tensor[] raws, Tensor rows, int K) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("q4_k_repack", &q4_k_repack);
   m.impl("k_repack", &k_repack);
   m.impl("block32_repack", &block32_repack);
+  m.impl("pack_gguf_q4", &pack_gguf_q4);
 }
