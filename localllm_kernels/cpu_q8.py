@@ -29,8 +29,9 @@ def library_path() -> Path:
     return cpu_build.library_path(SOURCE, CXXFLAGS, cpu_build.cpu_flags())
 
 
-def build(out: Path) -> None:
-    cpu_build.build(SOURCE, out, CXXFLAGS)
+def build(out: Path, flags: list[str] | None = None) -> None:
+    """Compile the library into `out` (atomically); RuntimeError when the compiler fails."""
+    cpu_build.build(SOURCE, out, flags or CXXFLAGS)
 
 
 @functools.cache

@@ -1,6 +1,14 @@
 """GGUF Q8_0 matrices read in place (localllm_kernels/cpu/q8_0.cpp): against fp64 on the expanded matrix,
 and the embedded model's embedding and head loaded that way."""
 
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -24,10 +32,46 @@ def test_dequantize_is_exact():
     assert torch.equal(cpu_q8.dequantize(b).double(), (d * q).reshape(40, 96))
 
 
+GEMM_SHAPES = [(1, 32), (17, 64), (1100, 576), (300, 2048)]
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (1100, 576), (300, 2048)])
+@pytest.mark.parametrize("n,k", GEMM_SHAPES)
 def test_gemm_matches_fp64(m, n, k):
     assert cpu_q8.load()
+    assert torch.ops.localllm.q8_0_isa() in ("avx512", "avx2", "generic")
+    check_gemm(m, n, k)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which(os.environ.get("CXX", "c++")) is None,
+                    reason="x86-64 builds need a C++ compiler")
+def test_portable_builds(tmp_path):
+    """The AVX2 and the plain-loop paths (what CPUs without AVX-512 get from -march=native; the
+    machine running the suite has one of the three), each built for that baseline and run in a
+    fresh process against fp64."""
+    portable = {"avx2": "-march=x86-64-v3", "generic": "-march=x86-64"}
+    base = [f for f in cpu_q8.CXXFLAGS if not f.startswith("-march")]
+    with ThreadPoolExecutor(len(portable)) as pool:
+        list(pool.map(lambda isa: cpu_q8.build(tmp_path / f"{isa}.so", [*base, portable[isa]]), portable))
+    code = textwrap.dedent("""
+        import sys, torch
+        from test_cpu_q8 import GEMM_SHAPES, check_gemm
+        torch.ops.load_library(sys.argv[1])
+        assert torch.ops.localllm.q8_0_isa() == sys.argv[2], torch.ops.localllm.q8_0_isa()
+        torch.set_num_threads(2)
+        for n, k in GEMM_SHAPES:
+            for m in (1, 2, 4, 5):
+                check_gemm(m, n, k)
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))}
+    for isa in portable:
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"{isa}.so"), isa], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip() == "ok", (isa, done.stderr[-3000:])
+
+
+def check_gemm(m: int, n: int, k: int) -> None:
     b = random_blocks(n, k, seed=n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     ref = x.double() @ cpu_q8.dequantize(b).double().t()

@@ -21,8 +21,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -43,6 +44,20 @@ inline float scale_of(const uint8_t* blk) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 #endif
 }
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define Q8_AVX2 1
+// 8 int8 values at p -> fp32 (exact)
+inline __m256 quarter(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
 
 // MC rows of x against weight rows [n0, n1).
 template <int MC>
@@ -69,6 +84,20 @@ void gemm_rows(const float* x, int64_t K, const uint8_t* w, int64_t n0, int64_t 
       }
     }
     for (int m = 0; m < MC; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+#elif defined(Q8_AVX2)
+    // two accumulators a row, each taking two of a block's four 8-value quarters
+    __m256 acc[MC][2];
+    for (int m = 0; m < MC; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * kBytes;
+      const __m256 d = _mm256_set1_ps(scale_of(blk));
+      for (int h = 0; h < 4; ++h) {
+        const __m256 wv = _mm256_mul_ps(d, quarter(blk + 2 + 8 * h));
+        for (int m = 0; m < MC; ++m)
+          acc[m][h & 1] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + b * kBlock + 8 * h), acc[m][h & 1]);
+      }
+    }
+    for (int m = 0; m < MC; ++m) y[m * ldy + n] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
 #else
     float acc[MC][kBlock] = {};
     for (int64_t b = 0; b < nb; ++b) {
@@ -123,6 +152,37 @@ void gemv(const float* x, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, f
 }
 #endif
 
+#if defined(Q8_AVX2)
+// The AVX-512 gemv's shape with 8 lanes: two weight rows at a time, each with two accumulators
+// (four independent FMA chains), the rows' bytes asked for 4 KB ahead.
+void gemv(const float* x, int64_t K, const uint8_t* w, int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / kBlock, row_bytes = nb * kBytes;
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    const uint8_t* r0 = w + n * row_bytes;
+    const uint8_t* r1 = r0 + row_bytes;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = r0 + b * kBytes;
+      const uint8_t* q = r1 + b * kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetch), _MM_HINT_T0);
+      const __m256 dp = _mm256_set1_ps(scale_of(p)), dq = _mm256_set1_ps(scale_of(q));
+      for (int h = 0; h < 4; h += 2) {
+        const __m256 x0 = _mm256_loadu_ps(x + b * kBlock + 8 * h), x1 = _mm256_loadu_ps(x + b * kBlock + 8 * h + 8);
+        a0 = _mm256_fmadd_ps(_mm256_mul_ps(dp, quarter(p + 2 + 8 * h)), x0, a0);
+        a1 = _mm256_fmadd_ps(_mm256_mul_ps(dp, quarter(p + 10 + 8 * h)), x1, a1);
+        b0 = _mm256_fmadd_ps(_mm256_mul_ps(dq, quarter(q + 2 + 8 * h)), x0, b0);
+        b1 = _mm256_fmadd_ps(_mm256_mul_ps(dq, quarter(q + 10 + 8 * h)), x1, b1);
+      }
+    }
+    y[n] = hsum(_mm256_add_ps(a0, a1));
+    y[n + 1] = hsum(_mm256_add_ps(b0, b1));
+  }
+  if (n < n1) gemm_rows<1>(x, K, w, n, n1, y, 0);
+}
+#endif
+
 void check_blocks(const at::Tensor& blocks) {
   TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == kBytes && blocks.scalar_type() == at::kByte &&
               blocks.is_contiguous(), "q8_0: blocks must be contiguous uint8 [N, K/32, 34]");
@@ -145,7 +205,7 @@ at::Tensor q8_0_gemm(const at::Tensor& x, const at::Tensor& blocks) {
       const float* xm = xp + m0 * K;
       float* ym = yp + m0 * N;
       switch (std::min<int64_t>(kMc, M - m0)) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(Q8_AVX2)
         case 1: gemv(xm, K, w, n0, n1, ym); break;
 #else
         case 1: gemm_rows<1>(xm, K, w, n0, n1, ym, N); break;
@@ -184,9 +244,21 @@ at::Tensor q8_0_rows(const at::Tensor& blocks, const at::Tensor& idx) {
   return out;
 }
 
+// -> the path this build takes (the compiler's target, -march=native): "avx512", "avx2" or "generic"
+std::string q8_0_isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(Q8_AVX2)
+  return "avx2";
+#else
+  return "generic";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
+  m.def("q8_0_isa() -> str", &q8_0_isa);
   m.def("q8_0_gemm(Tensor x, Tensor blocks) -> Tensor");
   m.def("q8_0_rows(Tensor blocks, Tensor idx) -> Tensor");
 }
