@@ -61,11 +61,13 @@ def planes_for(bits: int) -> int:
 
 
 def preferred_bits(bits: int) -> int:
-    """The `bits` to pack values of `bits` bits with on this CPU: their own (the fewest bytes)
-    except 6 on the AVX2 path, where rebuilding bytes from two bit planes costs more than the
-    bytes it saves (8192 x 2048 at batch 1, 1 thread: 1.5 ms against 1.1 in byte lanes; with
-    AVX-512 one masked add per plane: 0.63 against 0.80). Any layout runs on every path."""
-    return 8 if bits == 6 and isa() != "avx512_vnni" else bits
+    """The `bits` to pack values of `bits` bits with on this CPU: their own (the fewest bytes),
+    but 6 in byte lanes on the plain-loop path (no AVX2), which rebuilds bytes from bit planes one
+    weight at a time. With AVX2, decode streams the weights from memory and two planes (0.75
+    bytes a weight) beat byte lanes (1.0): the 135M shapes' 120 Q6_K-like matrices at batch 1
+    on a Zen 3 AVX2 CPU, 1 thread, 8.7 ms against 14.0 (with AVX-512 one masked add per plane:
+    0.63 against 0.80 at 8192 x 2048). Any layout runs on every path."""
+    return 8 if bits == 6 and isa() == "generic" else bits
 
 
 def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, zero: int, bits: int = 8,

@@ -267,7 +267,7 @@ def test_mixed_file_runs_each_tensor_on_its_kernel(mixed_gguf):
     iq4nl, iq4xs = l1.qkv.parts[2], l1.o
     assert (iq4nl.zero, iq4nl.qsc.dtype, iq4xs.qsc.shape[2]) == (128, torch.float16, 160)
     assert l0.qkv.parts[0].qsc.dtype == torch.uint8 and l1.qkv.parts[0].qsc.shape[2] == 1  # Q4_K records, Q4_0 d
-    # the layouts: Q6_K's 2 high-bit planes (byte lanes where the CPU has no AVX-512: cpu_int8.preferred_bits),
+    # the layouts: Q6_K's 2 high-bit planes (byte lanes where the CPU has no AVX2: cpu_int8.preferred_bits),
     # Q5_0's and Q5_K's 1, Q8_0 in byte lanes, Q3_K and Q2_K in nibbles, IQ4_NL / IQ4_XS as 4-bit codebook indices
     q6k_rec = 96 if cpu_int8.preferred_bits(6) == 6 else 64
     assert [m.qw.shape[2] for m in (l0.down, l0.o, q5k, q8, q3k, q2k, iq4nl, iq4xs)] == [q6k_rec, 80, 80, 64, 64, 64, 64, 64]
@@ -364,8 +364,8 @@ def test_mixed_file_holds_the_files_bytes_where_the_layout_allows(mixed_gguf):
 
     loaded = load_model(mixed_gguf, "auto")
     per = held_by_gguf_tensor(loaded, mixed_gguf)
-    # (on AVX2 without AVX-512 Q6_K takes byte lanes: cpu_int8.preferred_bits)
-    like = LIKE_FILE - ({"Q6_K"} if cpu_int8.isa() != "avx512_vnni" else set())
+    # (without AVX2 Q6_K takes byte lanes: cpu_int8.preferred_bits)
+    like = LIKE_FILE - ({"Q6_K"} if cpu_int8.preferred_bits(6) != 6 else set())
     checked = set()
     for name, (kind, file_b, held) in per.items():
         if kind in like:
@@ -390,8 +390,8 @@ def test_planner_bytes_are_the_layouts_bytes(kind):
         w, sc = cpu_int8.pack(b.q, b.d, b.m, b.zero, cpu_int8.preferred_bits(b.bits), **form)
     got = (w.numel() * w.element_size() + sc.numel() * sc.element_size()) / (n * k)
     expected = gguf_blocks.cpu_bytes_per_value(kind)
-    if kind == "Q6_K" and cpu_int8.isa() != "avx512_vnni":
-        expected += 0.25  # byte lanes on AVX2 (see cpu_bytes_per_value)
+    if kind == "Q6_K" and cpu_int8.preferred_bits(6) != 6:
+        expected += 0.25  # byte lanes without AVX2 (see cpu_bytes_per_value)
     assert got == expected
     file = gguf_blocks.BLOCK_BYTES[kind] / gguf_blocks.BLOCK_VALUES[kind]
     # the file's bytes within 5%, but for the 2- and 3-bit K-quants (held as nibbles)

@@ -231,8 +231,8 @@ def iq4_lut() -> torch.Tensor:
 def cpu_bytes_per_value(kind: str) -> float:
     """Bytes per weight of a matrix of this type as the CPU loader holds it: the int4 layout
     (Q4_0 / Q4_1 / Q4_K) or the int8-lane kernel's (nibbles plus a plane per bit above 4, 4-bit
-    indices for the codebook types, bytes for 8-bit values; on AVX2-only CPUs Q6_K takes bytes,
-    0.25 more than counted here), plus the scales: the file's fp16 d (and m) per group, or for
+    indices for the codebook types, bytes for 8-bit values; on CPUs without AVX2 Q6_K takes
+    bytes, 0.25 more than counted here: cpu_int8.preferred_bits), plus the scales: the file's fp16 d (and m) per group, or for
     the K-quants their records of fp16 super-scales and int8 sub-scales (localllm_kernels/group_scales.py:
     (32 + 16 * 256 / group) bytes per 16 rows and 256 values, twice that with offsets). Other
     types: fp32 values."""

@@ -475,10 +475,21 @@ __attribute__((target("avx2"))) void widen_block_avx2(const uint8_t* src, int pl
   }
 }
 
+// an activation part's 4 int8 at columns 4c.. of its 32-block, in every dword lane
+__attribute__((target("avx2"))) inline __m256i xs(const int8_t* xp, int c) {
+  int32_t x4;
+  std::memcpy(&x4, xp + c * 4, 4);
+  return _mm256_set1_epi32(x4);
+}
+
+// NH = 2 at one activation row (decode): both 8-row halves from each chunk as it arrives, sharing
+// the activations' broadcasts (int4_gemm.cpp's block_rows_avx2 says why: the halves one after the
+// other leave the memory idle during the second pass).
 template <int MC, bool G16, class F, bool SIGNED, int PL>
 __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, const typename F::E* sc, int64_t K, int z,
                                                                const int8_t* px, const Meta* meta, const float* s,
                                                                float* out, int64_t ldo) {
+  constexpr int NH = MC == 1 ? 2 : 1;
   const int64_t nb = K / 32;
   constexpr int kGroups = G16 ? 2 : 1, kChunks = 8 / kGroups;
   constexpr int kRec = 64 + 16 * std::max(PL, 0);
@@ -488,103 +499,117 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
   const __m256i lut_s = _mm256_xor_si256(
       _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4))), flip);
   const __m256 inv_base = _mm256_set1_ps(1.f / kBase), zf = _mm256_set1_ps(static_cast<float>(z));
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[MC];
-    for (int m = 0; m < MC; ++m) acc[m] = _mm256_setzero_ps();
+  for (int h0 = 0; h0 < 2; h0 += NH) {
+    __m256 acc[NH][MC];
+    for (int h = 0; h < NH; ++h)
+      for (int m = 0; m < MC; ++m) acc[h][m] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nb; ++blk) {
       const int8_t* xb = px + blk * MC * kParts * 32;
       const Meta* bm = meta + blk * MC;
-      const uint8_t* wb = w + blk * (PL == -1 ? 8 * 64 : 4 * kRec) + (PL == -1 ? half * 32 : 0);
-      for (int h = 0; h < kGroups; ++h) {
-        __m256i ip[MC][kParts];
-        for (int m = 0; m < MC; ++m)
-          for (int p = 0; p < kParts; ++p)
-            ip[m][p] = SIGNED ? _mm256_setzero_si256()
-                              : _mm256_set1_epi32(-z * (G16 ? bm[m].ps[p][h] : bm[m].ps[p][0] + bm[m].ps[p][1]));
+      const uint8_t* wb = w + blk * (PL == -1 ? 8 * 64 : 4 * kRec);
+      for (int gi = 0; gi < kGroups; ++gi) {
+        __m256i ip[NH][MC][kParts];
+        for (int h = 0; h < NH; ++h)
+          for (int m = 0; m < MC; ++m)
+            for (int p = 0; p < kParts; ++p)
+              ip[h][m][p] = SIGNED ? _mm256_setzero_si256()
+                                   : _mm256_set1_epi32(-z * (G16 ? bm[m].ps[p][gi] : bm[m].ps[p][0] + bm[m].ps[p][1]));
         if constexpr (PL >= 0 || PL == kLut) {
           for (int cc = 0; cc < kChunks; cc += 2) {  // one record: chunks c (low nibbles) and c + 1
-            const int c = h * kChunks + cc;
+            const int c = gi * kChunks + cc;
             const uint8_t* rec = wb + (c / 2) * kRec;
-            if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch), _MM_HINT_T0);
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + half * 32));
-            __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-            if constexpr (PL == kLut) {  // 2 * 127 * 127 per pair: each product widened on its own
-              const __m256i sl = _mm256_shuffle_epi8(lut_s, lo), sh = _mm256_shuffle_epi8(lut_s, hi);
-              const __m256i al = _mm256_abs_epi8(sl), ah = _mm256_abs_epi8(sh);
-              for (int m = 0; m < MC; ++m) {
-                for (int p = 0; p < kParts; ++p) {
-                  int32_t xl, xh;
-                  std::memcpy(&xl, xb + (m * kParts + p) * 32 + c * 4, 4);
-                  std::memcpy(&xh, xb + (m * kParts + p) * 32 + c * 4 + 4, 4);
-                  const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(_mm256_set1_epi32(xl), sl));
-                  const __m256i ph = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(_mm256_set1_epi32(xh), sh));
-                  ip[m][p] = _mm256_add_epi32(ip[m][p], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
-                                                                         _mm256_madd_epi16(ph, ones)));
-                }
+            if (h0 == 0) _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch), _MM_HINT_T0);
+            __m256i lo[NH], hi[NH];
+            for (int h = 0; h < NH; ++h) {
+              const int half = h0 + h;
+              const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + half * 32));
+              lo[h] = _mm256_and_si256(raw, nib);
+              hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+              for (int pl = 0; pl < std::max(PL, 0); ++pl) {  // this half's rows: bits 32 * half.. of each mask
+                uint32_t bl, bh;
+                std::memcpy(&bl, rec + 64 + 16 * pl + 4 * half, 4);
+                std::memcpy(&bh, rec + 72 + 16 * pl + 4 * half, 4);
+                const __m256i add = _mm256_set1_epi8(static_cast<char>(16 << pl));
+                lo[h] = _mm256_add_epi8(lo[h], _mm256_and_si256(bytes_from_bits(bl), add));
+                hi[h] = _mm256_add_epi8(hi[h], _mm256_and_si256(bytes_from_bits(bh), add));
               }
+            }
+            if constexpr (PL == kLut) {  // 2 * 127 * 127 per pair: each product widened on its own
+              __m256i sl[NH], sh[NH], al[NH], ah[NH];
+              for (int h = 0; h < NH; ++h) {
+                sl[h] = _mm256_shuffle_epi8(lut_s, lo[h]), sh[h] = _mm256_shuffle_epi8(lut_s, hi[h]);
+                al[h] = _mm256_abs_epi8(sl[h]), ah[h] = _mm256_abs_epi8(sh[h]);
+              }
+              for (int m = 0; m < MC; ++m)
+                for (int p = 0; p < kParts; ++p) {
+                  const int8_t* xp = xb + (m * kParts + p) * 32;
+                  const __m256i xl = xs(xp, c), xh = xs(xp, c + 1);
+                  for (int h = 0; h < NH; ++h) {
+                    const __m256i pl = _mm256_maddubs_epi16(al[h], _mm256_sign_epi8(xl, sl[h]));
+                    const __m256i ph = _mm256_maddubs_epi16(ah[h], _mm256_sign_epi8(xh, sh[h]));
+                    ip[h][m][p] = _mm256_add_epi32(ip[h][m][p], _mm256_add_epi32(_mm256_madd_epi16(pl, ones),
+                                                                                 _mm256_madd_epi16(ph, ones)));
+                  }
+                }
               continue;
             }
-            for (int pl = 0; pl < PL; ++pl) {  // this half's rows: bits 32 * half.. of each mask
-              uint32_t bl, bh;
-              std::memcpy(&bl, rec + 64 + 16 * pl + 4 * half, 4);
-              std::memcpy(&bh, rec + 72 + 16 * pl + 4 * half, 4);
-              const __m256i add = _mm256_set1_epi8(static_cast<char>(16 << pl));
-              lo = _mm256_add_epi8(lo, _mm256_and_si256(bytes_from_bits(bl), add));
-              hi = _mm256_add_epi8(hi, _mm256_and_si256(bytes_from_bits(bh), add));
-            }
-            for (int m = 0; m < MC; ++m) {
+            for (int m = 0; m < MC; ++m)
               for (int p = 0; p < kParts; ++p) {
-                int32_t xl, xh;
-                std::memcpy(&xl, xb + (m * kParts + p) * 32 + c * 4, 4);
-                std::memcpy(&xh, xb + (m * kParts + p) * 32 + c * 4 + 4, 4);
-                const __m256i d = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
-                                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh))),
-                                                    ones);  // values below 64: see the byte-lane loop
-                ip[m][p] = _mm256_add_epi32(ip[m][p], d);
+                const int8_t* xp = xb + (m * kParts + p) * 32;
+                const __m256i xl = xs(xp, c), xh = xs(xp, c + 1);
+                for (int h = 0; h < NH; ++h) {
+                  const __m256i d = _mm256_madd_epi16(
+                      _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl), _mm256_maddubs_epi16(hi[h], xh)),
+                      ones);  // values below 64: see the byte-lane loop
+                  ip[h][m][p] = _mm256_add_epi32(ip[h][m][p], d);
+                }
               }
-            }
           }
         }
         for (int cc = 0; cc < (PL == -1 ? kChunks : 0); cc += 2) {
-          const int c = h * kChunks + cc;
-          if (half == 0) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
-          __m256i wv[2], ws[2];
-          for (int i = 0; i < 2; ++i) {
-            wv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (c + i) * 64));
-            if (SIGNED) {
-              ws[i] = _mm256_xor_si256(wv[i], flip);  // q - 128 as int8
-              wv[i] = _mm256_abs_epi8(ws[i]);
+          const int c = gi * kChunks + cc;
+          if (h0 == 0) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
+          __m256i wv[NH][2], ws[NH][2];
+          for (int h = 0; h < NH; ++h)
+            for (int i = 0; i < 2; ++i) {
+              wv[h][i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (c + i) * 64 + (h0 + h) * 32));
+              if (SIGNED) {
+                ws[h][i] = _mm256_xor_si256(wv[h][i], flip);  // q - 128 as int8
+                wv[h][i] = _mm256_abs_epi8(ws[h][i]);
+              }
             }
-          }
           for (int m = 0; m < MC; ++m) {
             for (int p = 0; p < kParts; ++p) {
-              __m256i prod[2];
-              for (int i = 0; i < 2; ++i) {
-                int32_t x4;
-                std::memcpy(&x4, xb + (m * kParts + p) * 32 + (c + i) * 4, 4);
-                __m256i xv = _mm256_set1_epi32(x4);
-                if (SIGNED) xv = _mm256_sign_epi8(xv, ws[i]);
-                prod[i] = _mm256_maddubs_epi16(wv[i], xv);
+              const int8_t* xp = xb + (m * kParts + p) * 32;
+              const __m256i xv[2] = {xs(xp, c), xs(xp, c + 1)};
+              for (int h = 0; h < NH; ++h) {
+                __m256i prod[2];
+                for (int i = 0; i < 2; ++i)
+                  prod[i] = _mm256_maddubs_epi16(wv[h][i], SIGNED ? _mm256_sign_epi8(xv[i], ws[h][i]) : xv[i]);
+                // values below 64: two chunks' pair sums add up in int16 (2 * 2 * 63 * 127 = 32004)
+                const __m256i d = SIGNED ? _mm256_add_epi32(_mm256_madd_epi16(prod[0], ones),
+                                                            _mm256_madd_epi16(prod[1], ones))
+                                         : _mm256_madd_epi16(_mm256_add_epi16(prod[0], prod[1]), ones);
+                ip[h][m][p] = _mm256_add_epi32(ip[h][m][p], d);
               }
-              // values below 64: two chunks' pair sums add up in int16 (2 * 2 * 63 * 127 = 32004)
-              const __m256i d = SIGNED ? _mm256_add_epi32(_mm256_madd_epi16(prod[0], ones), _mm256_madd_epi16(prod[1], ones))
-                                       : _mm256_madd_epi16(_mm256_add_epi16(prod[0], prod[1]), ones);
-              ip[m][p] = _mm256_add_epi32(ip[m][p], d);
             }
           }
         }
-        const int64_t g = blk * kGroups + h;
-        const __m256 d = F::d8(sc, g, half);
-        __m256 off = _mm256_setzero_ps();
-        if constexpr (F::kOff) off = _mm256_fmadd_ps(zf, d, F::m8(sc, g, half));
-        for (int m = 0; m < MC; ++m) {
-          const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip[m][1]), inv_base, _mm256_cvtepi32_ps(ip[m][0]));
-          acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(t, _mm256_set1_ps(bm[m].e)), d, acc[m]);
-          if constexpr (F::kOff) acc[m] = _mm256_fmadd_ps(off, _mm256_set1_ps(s[g * MC + m]), acc[m]);
+        const int64_t g = blk * kGroups + gi;
+        for (int h = 0; h < NH; ++h) {
+          const __m256 d = F::d8(sc, g, h0 + h);
+          __m256 off = _mm256_setzero_ps();
+          if constexpr (F::kOff) off = _mm256_fmadd_ps(zf, d, F::m8(sc, g, h0 + h));
+          for (int m = 0; m < MC; ++m) {
+            const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip[h][m][1]), inv_base, _mm256_cvtepi32_ps(ip[h][m][0]));
+            acc[h][m] = _mm256_fmadd_ps(_mm256_mul_ps(t, _mm256_set1_ps(bm[m].e)), d, acc[h][m]);
+            if constexpr (F::kOff) acc[h][m] = _mm256_fmadd_ps(off, _mm256_set1_ps(s[g * MC + m]), acc[h][m]);
+          }
         }
       }
     }
-    for (int m = 0; m < MC; ++m) _mm256_storeu_ps(out + m * ldo + half * 8, acc[m]);
+    for (int h = 0; h < NH; ++h)
+      for (int m = 0; m < MC; ++m) _mm256_storeu_ps(out + m * ldo + (h0 + h) * 8, acc[h][m]);
   }
 }
 
