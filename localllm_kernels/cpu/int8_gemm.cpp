@@ -484,12 +484,13 @@ __attribute__((target("avx2"))) inline __m256i xs(const int8_t* xp, int c) {
 
 // NH = 2 at one activation row (decode): both 8-row halves from each chunk as it arrives, sharing
 // the activations' broadcasts (int4_gemm.cpp's block_rows_avx2 says why: the halves one after the
-// other leave the memory idle during the second pass).
+// other leave the memory idle during the second pass). Not for byte lanes: their signed form needs
+// more registers per half, and with both halves GCC spills (Q8_0 measured 3-5% slower, in the noise).
 template <int MC, bool G16, class F, bool SIGNED, int PL>
 __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, const typename F::E* sc, int64_t K, int z,
                                                                const int8_t* px, const Meta* meta, const float* s,
                                                                float* out, int64_t ldo) {
-  constexpr int NH = MC == 1 ? 2 : 1;
+  constexpr int NH = MC == 1 && PL != -1 ? 2 : 1;
   const int64_t nb = K / 32;
   constexpr int kGroups = G16 ? 2 : 1, kChunks = 8 / kGroups;
   constexpr int kRec = 64 + 16 * std::max(PL, 0);
