@@ -99,7 +99,7 @@ def attention(g: torch.Generator) -> None:
             tables, cu, lens = torch.arange(1, nblk + 1)[None], torch.tensor([0, 1]), torch.tensor([ctx])
             q = torch.randn(1, h, d, generator=g)
 
-            def run(caches=caches, tables=tables, lens=lens):
+            def run(caches=caches, tables=tables, cu=cu, lens=lens, q=q):
                 for k, v in caches:
                     torch.ops.localllm.paged_attention(q, k, v, tables, cu, lens, d ** -0.5, 0, 0.0)
 
