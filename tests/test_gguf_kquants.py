@@ -90,6 +90,10 @@ def test_decoding_and_repacks_equal_gguf_dequantize(kind):
     assert bits_equal(cpu_int8.dequantize(w8, sc8, n, b.group, b.zero), ref)
     wf, scf = cpu_int8.pack(b.q, b.d, b.m, b.zero, b.bits, **file_form(b))  # the loader's: the file's form
     assert bits_equal(cpu_int8.dequantize(wf, scf, n, b.group, b.zero), ref)
+    assert cpu_int8.load()
+    for lw, lsc in ((w, sc), (w8, sc8), (wf, scf)):  # the kernel's own fp32 tiles (the dense prefill path)
+        dense = torch.ops.localllm.int8w_dequantize(lw, lsc, b.group, b.zero)
+        assert bits_equal(dense[:n], ref) and torch.equal(dense[n:], torch.zeros_like(dense[n:]))
     if b.bits == 4 and b.group == 32:  # the int4 kernel's layout: an explicit m (Q4_0's d * 8 - 8d is
         # +0 where gguf's d * 0 is -0 for d < 0: equal values, one zero's sign apart) and the file's form
         assert np.array_equal(int4_values(*cpu_int4.pack_dm(b.q, b.d, m), n).numpy(), ref)
@@ -150,6 +154,44 @@ def test_int8_kernel_matches_fp64_on_every_path(kind):
         assert torch.equal(y[:, n:], torch.zeros_like(y[:, n:]))
     for path, ys in outs.items():
         assert all(torch.equal(a, c) for a, c in zip(ys, first)), path
+
+
+# the forms the AVX2 path multiplies in its signed form (8-bit values: Q8_0, the IQ4 codebook)
+SIGNED_KINDS = ["Q8_0", "IQ4_NL", "IQ4_XS"]
+
+
+@pytest.mark.parametrize("kind", SIGNED_KINDS + ["Q6_K", "Q4_K"])
+def test_prefill_rows_of_8bit_weights_run_fp32_on_avx2(kind):
+    """From 96 rows the AVX2 path (no VNNI) multiplies 8-bit weights (Q8_0, the IQ4 codebook) by
+    an fp32 GEMM on their exact fp32 values, tile by tile: within fp32 rounding of fp64 on the
+    dequantized weights, where the kernel's 16-bit activations are ~1e-5 off; 95 rows stay on the
+    kernel (bit for bit the scalar path's), and every other path and form keeps the kernel at any
+    row count (bit for bit the scalar path's)."""
+    n, k = 40, 512
+    raw = random_blocks(kind, n, k, seed=200 + KINDS.index(kind), std=0.05)
+    b = gguf_blocks.decode(kind, torch.from_numpy(raw))
+    ref_w = torch.from_numpy(reference(kind, raw)).double()
+    gen = torch.Generator().manual_seed(11)
+    xs = {m: torch.randn(m, k, generator=gen) * 2 for m in (95, 96, 300)}
+    layouts = {"file": cpu_int8.pack(b.q, b.d, b.m, b.zero, b.bits, **file_form(b)),
+               "bytes": cpu_int8.pack(b.q, b.d, b.m, b.zero)}
+    outs = {}
+    try:
+        for path in isa_paths():
+            torch.ops.localllm.int8w_isa(path)
+            for name, (w, sc) in layouts.items():
+                for m, x in xs.items():
+                    outs[path, name, m] = cpu_int8.int8w_gemm(x, w, sc, b.group, b.zero)
+    finally:
+        torch.ops.localllm.int8w_isa("auto")
+    for (path, name, m), y in outs.items():
+        assert torch.equal(y[:, n:], torch.zeros_like(y[:, n:]))
+        err = rel_err(y[:, :n], xs[m].double() @ ref_w.t())
+        if path == "avx2" and kind in SIGNED_KINDS and m >= 96:
+            assert err < 1e-6, (path, name, m, err)
+        else:
+            assert 1e-6 < err < 2e-4, (path, name, m, err)
+            assert torch.equal(y, outs["generic", name, m]), (path, name, m)
 
 
 @pytest.fixture(params=["auto", "avx2"])

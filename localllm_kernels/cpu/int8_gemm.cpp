@@ -34,6 +34,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -726,6 +727,73 @@ void widen_block(Isa isa, const uint8_t* src, int planes, int64_t K, uint8_t* ds
   widen_block_generic(src, planes, K, dst);
 }
 
+// ---- Prefill on AVX2 without VNNI: fp32 GEMM on exactly dequantized tiles of W ------------------
+// 8-bit weights (Q8_0, the IQ4 codebook) take the signed form on the AVX2 path: a VPSIGNB on every
+// product and no int16 pair sums, ~1.6x the instructions per weight of the other forms. From
+// kDenseRows activation rows, tiles of W dequantized to fp32 and torch's fp32 GEMM (MKL) are faster
+// and exact: fp32 products of the file's own values, where the kernel rounds the activations to 16
+// bits. Zen 3, 2 threads, the 135M and 1B shapes (GMAC/s, kernel at 63 rows: 39-41): 64 rows
+// 34-45, 96 rows 43-52, 128 rows 47-61, 512 rows 55-69. The dequantization (~0.35 ns a weight) is
+// paid once per call whatever M, so below ~96 rows the kernel wins. VNNI keeps the kernel: one
+// VPDPBUSD per 64 products per part outruns fp32 FMAs.
+constexpr int64_t kDenseRows = 96;
+constexpr int64_t kDenseTileFloats = 1 << 20;  // 4 MB of fp32 weights per GEMM call (MKL: ~75 GMAC/s at 256+ rows)
+
+bool dense_wins(Isa isa, const Form& f, int64_t M) {
+  return isa == Isa::kAvx2 && M >= kDenseRows && ((f.planes == -1 && f.z == 128) || f.planes == kLut);
+}
+
+// One 16-row block (b: its bytes in any layout, scb: its scales) -> fp32 rows out [16, K]: d * q + m
+// or d * (q - z), in fp64 and rounded once, as cpu_int8.dequantize (gguf-py's values, signed zeros
+// included). wide: scratch for the byte lanes of the other layouts; rows: scratch [16, K].
+template <class F>
+void dequant_block(Isa isa, const uint8_t* b, const typename F::E* scb, int64_t K, int64_t gs, const Form& f,
+                   uint8_t* wide, uint8_t* rows, float* out) {
+  const uint8_t* bytes = b;
+  if (f.planes != -1) {
+    widen_block(isa, b, f.planes, K, wide);
+    bytes = wide;
+  }
+  for (int64_t c = 0; c < K / 4; ++c)  // chunk c holds q[r, 4c..4c+3] at bytes 4r..: rows in order
+    for (int r = 0; r < kRows; ++r) std::memcpy(rows + r * K + 4 * c, bytes + c * 64 + 4 * r, 4);
+  const double z = f.z;
+  for (int r = 0; r < kRows; ++r) {
+    const uint8_t* q = rows + r * K;
+    float* o = out + r * K;
+    for (int64_t g = 0; g < K / gs; ++g) {
+      const double d = F::d(scb, g, r), m = F::kOff ? F::m(scb, g, r) : 0.0;
+      for (int64_t k = g * gs; k < (g + 1) * gs; ++k)
+        o[k] = static_cast<float>(F::kOff ? d * q[k] + m : d * (q[k] - z));
+    }
+  }
+}
+
+template <class F>
+void dequant_blocks(Isa isa, const uint8_t* w, const typename F::E* sc, int64_t b0, int64_t b1, int64_t K,
+                    int64_t gs, const Form& f, float* out) {
+  const int64_t wstride = (K / 32) * block_bytes(f.planes), sstride = F::stride(K, gs);
+  at::parallel_for(b0, b1, 1, [&](int64_t s, int64_t e) {
+    std::vector<uint8_t> wide(f.planes == -1 ? 0 : (K / 32) * block_bytes(-1)), rows(kRows * K);
+    for (int64_t nb = s; nb < e; ++nb)
+      dequant_block<F>(isa, w + nb * wstride, sc + nb * sstride, K, gs, f, wide.data(), rows.data(),
+                       out + (nb - b0) * kRows * K);
+  });
+}
+
+// x [M, K] @ W^T into y [M, N]: W dequantized tile by tile, each tile one fp32 GEMM.
+template <class F>
+void dense_gemm(Isa isa, const at::Tensor& x, const uint8_t* w, const typename F::E* sc, int64_t nblocks,
+                int64_t gs, const Form& f, at::Tensor& y) {
+  const int64_t K = x.size(1), tb = std::max<int64_t>(1, kDenseTileFloats / (kRows * K));
+  const at::Tensor tile = at::empty({std::min(tb, nblocks) * kRows, K}, x.options());
+  for (int64_t b0 = 0; b0 < nblocks; b0 += tb) {
+    const int64_t b1 = std::min(nblocks, b0 + tb), rows = (b1 - b0) * kRows;
+    dequant_blocks<F>(isa, w, sc, b0, b1, K, gs, f, tile.data_ptr<float>());
+    at::Tensor out = y.narrow(1, b0 * kRows, rows);
+    at::mm_out(out, x, tile.narrow(0, 0, rows).t());
+  }
+}
+
 template <class F>
 void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const typename F::E* sc, int64_t nblocks,
           int64_t gs, const Form& f, float* y) {
@@ -763,43 +831,40 @@ void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const
   });
 }
 
-// x fp32 [M, K] @ W^T -> fp32 [M, N padded to 16]; W in the layout at the top.
-at::Tensor int8w_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group_size,
-                      int64_t zero) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8w_gemm: x must be fp32 [M, K]");
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(),
-              "int8w_gemm: the weight must be contiguous uint8 [N/16, K/4, 64] or [N/16, K/8, 64 + 16P]");
-  const int64_t M = x.size(0), K = x.size(1), nblocks = w.size(0);
-  TORCH_CHECK(K % 32 == 0, "int8w_gemm: K must be a multiple of 32, got ", K);
+// The weights' layout and scales' form, checked: fn(F{}, scales pointer, Form) with the scales'
+// type F (group_scales.h). `op` names the caller in errors.
+template <class Fn>
+void with_form(const char* op, const at::Tensor& w, const at::Tensor& sc, int64_t K, int64_t group_size,
+               int64_t zero, Fn fn) {
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(), op,
+              ": the weight must be contiguous uint8 [N/16, K/4, 64] or [N/16, K/8, 64 + 16P]");
+  const int64_t nblocks = w.size(0);
+  TORCH_CHECK(K % 32 == 0, op, ": K must be a multiple of 32, got ", K);
   int planes = -3;
   if (w.size(1) * 4 == K && w.size(2) == 64) planes = -1;
   else if (w.size(1) * 8 == K && (w.size(2) == 64 || w.size(2) == 80 || w.size(2) == 96))
     planes = static_cast<int>((w.size(2) - 64) / 16);
-  TORCH_CHECK(planes >= -1, "int8w_gemm: weight shape ", w.sizes(), " is no layout for K = ", K);
-  TORCH_CHECK(group_size == 16 || group_size == 32, "int8w_gemm: group size must be 16 or 32, got ", group_size);
-  TORCH_CHECK(zero >= 0 && zero <= 255, "int8w_gemm: zero point must be in [0, 255], got ", zero);
+  TORCH_CHECK(planes >= -1, op, ": weight shape ", w.sizes(), " is no layout for K = ", K);
+  TORCH_CHECK(group_size == 16 || group_size == 32, op, ": group size must be 16 or 32, got ", group_size);
+  TORCH_CHECK(zero >= 0 && zero <= 255, op, ": zero point must be in [0, 255], got ", zero);
   // byte lanes: 8-bit values take z = 128 (the AVX2 path's signed form), others are below 64 (z
   // at most 32: that path adds two VPMADDUBSW pair sums in int16); nibbles with z = 128 are
   // indices into the IQ4 codebook (its values + 128)
-  TORCH_CHECK(planes >= 0 || zero <= 32 || zero == 128, "int8w_gemm: zero point ", zero,
+  TORCH_CHECK(planes >= 0 || zero <= 32 || zero == 128, op, ": zero point ", zero,
               " with byte lanes (values of 8 bits take 128, those of 6 bits or fewer at most 32)");
-  TORCH_CHECK(planes < 0 || zero <= 32 || (planes == 0 && zero == 128), "int8w_gemm: zero point ", zero,
+  TORCH_CHECK(planes < 0 || zero <= 32 || (planes == 0 && zero == 128), op, ": zero point ", zero,
               " for values of ", 4 + planes, " bits (nibbles with 128: IQ4 codebook indices)");
   if (planes == 0 && zero == 128) planes = kLut;
   const Form f{group_size == 16, static_cast<int>(zero), planes};
-  const Isa isa = isa_now();
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({M, nblocks * kRows}, x.options());
   auto run = [&](auto form, const auto* p) {
-    using F = decltype(form);
-    if constexpr (F::kOff) TORCH_CHECK(planes != kLut, "int8w_gemm: codebook indices take scales without offsets");
-    if (M > 0) gemm<F>(isa, xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), p, nblocks, group_size, f, y.data_ptr<float>());
+    if constexpr (decltype(form)::kOff) TORCH_CHECK(planes != kLut, op, ": codebook indices take scales without offsets");
+    fn(form, p, f);
   };
   if (sc.scalar_type() == at::kByte) {  // K-quant records (group_scales.h)
     const int64_t gps = 256 / group_size, sym = 32 + gps * kRows;
     TORCH_CHECK(sc.dim() == 3 && sc.size(0) == nblocks && K % 256 == 0 && sc.size(1) == K / 256 &&
                     (sc.size(2) == sym || sc.size(2) == 2 * sym) && sc.is_contiguous(),
-                "int8w_gemm: K-quant scales must be contiguous uint8 [N/16, K/256, ", sym, " | ", 2 * sym,
+                op, ": K-quant scales must be contiguous uint8 [N/16, K/256, ", sym, " | ", 2 * sym,
                 "] for groups of ", group_size);
     const bool off = sc.size(2) == 2 * sym;
     if (group_size == 32) {
@@ -809,28 +874,62 @@ at::Tensor int8w_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
       if (off) run(Super<16, true>{}, sc.data_ptr<uint8_t>());
       else run(Super<16, false>{}, sc.data_ptr<uint8_t>());
     }
-    return y;
+    return;
   }
   TORCH_CHECK(sc.dim() == 4 && sc.size(0) == nblocks && sc.size(1) == K / group_size &&
               (sc.size(2) == 1 || sc.size(2) == 2) && sc.size(3) == kRows && sc.is_contiguous(),
-              "int8w_gemm: scales must be contiguous [N/16, K/group, 1 | 2, 16]");
+              op, ": scales must be contiguous [N/16, K/group, 1 | 2, 16]");
   const bool off = sc.size(2) == 2;
   if (sc.scalar_type() == at::kHalf) {
     if (off) run(Flat<at::Half, 2>{}, sc.data_ptr<at::Half>());
     else run(Flat<at::Half, 1>{}, sc.data_ptr<at::Half>());
   } else {
-    TORCH_CHECK(sc.scalar_type() == at::kFloat, "int8w_gemm: scales must be fp16, fp32 or uint8 records");
+    TORCH_CHECK(sc.scalar_type() == at::kFloat, op, ": scales must be fp16, fp32 or uint8 records");
     if (off) run(Flat<float, 2>{}, sc.data_ptr<float>());
     else run(Flat<float, 1>{}, sc.data_ptr<float>());
   }
+}
+
+// x fp32 [M, K] @ W^T -> fp32 [M, N padded to 16]; W in the layout at the top.
+at::Tensor int8w_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group_size,
+                      int64_t zero) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8w_gemm: x must be fp32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), nblocks = w.dim() == 3 ? w.size(0) : 0;
+  const Isa isa = isa_now();
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, nblocks * kRows}, x.options());
+  with_form("int8w_gemm", w, sc, K, group_size, zero, [&](auto form, const auto* p, const Form& f) {
+    using F = decltype(form);
+    if (M == 0) return;
+    if (dense_wins(isa, f, M)) return dense_gemm<F>(isa, xc, w.data_ptr<uint8_t>(), p, nblocks, group_size, f, y);
+    gemm<F>(isa, xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), p, nblocks, group_size, f, y.data_ptr<float>());
+  });
   return y;
+}
+
+// W itself: fp32 [N padded to 16, K], the values the kernel multiplies by (dense_gemm's tiles).
+at::Tensor int8w_dequantize(const at::Tensor& w, const at::Tensor& sc, int64_t group_size, int64_t zero) {
+  TORCH_CHECK(w.dim() == 3 && (sc.dim() == 3 || sc.dim() == 4), "int8w_dequantize: weight [N/16, K/4 | K/8, bytes] "
+              "and scales [N/16, K/group, 1 | 2, 16] or K-quant records [N/16, K/256, bytes]");
+  // K as the scales tell it (byte lanes and nibbles share a 64-byte record size)
+  const int64_t nblocks = w.size(0), K = sc.size(1) * (sc.dim() == 4 ? group_size : 256);
+  at::Tensor out = at::empty({nblocks * kRows, K}, w.options().dtype(at::kFloat));
+  with_form("int8w_dequantize", w, sc, K, group_size, zero, [&](auto form, const auto* p, const Form& f) {
+    dequant_blocks<decltype(form)>(isa_now(), w.data_ptr<uint8_t>(), p, 0, nblocks, K, group_size, f,
+                                   out.data_ptr<float>());
+  });
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("int8w_gemm(Tensor x, Tensor w, Tensor scales, int group_size, int zero) -> Tensor");
+  m.def("int8w_dequantize(Tensor w, Tensor scales, int group_size, int zero) -> Tensor");
   m.def("int8w_isa(str? force=None) -> str", &int8w_isa);  // no tensors: one kernel for every key
 }
 
-TORCH_LIBRARY_IMPL(localllm, CPU, m) { m.impl("int8w_gemm", &int8w_gemm); }
+TORCH_LIBRARY_IMPL(localllm, CPU, m) {
+  m.impl("int8w_gemm", &int8w_gemm);
+  m.impl("int8w_dequantize", &int8w_dequantize);
+}
