@@ -21,7 +21,8 @@
 // the accumulators go through y between K-blocks, which is exact (they are fp32 either way).
 // From 256 rows on (long prefills) the weights are widened to fp32 a chunk at a time and torch's
 // fp32 GEMM runs on them (gemm_blas): faster there than our tiles, its summation order torch's,
-// the same whichever of our paths is chosen.
+// the same whichever of our paths is chosen. The AVX2 path (no AVX-512) takes it from 16-64 rows
+// (blas_rows): there its order is torch's while the other paths' is the FMA chain.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -488,8 +489,17 @@ void widen32(Isa isa, const uint16_t* src, bool bf16, float* dst) {
 // From kBlasRows rows on (long prefills) torch's fp32 GEMM on the weights widened to fp32 a chunk
 // of panels at a time (~1 MB of fp32 each, 256 columns and up: beside the GEMM's in L2) is faster than our tiles: 512 rows
 // of 8192 x 2048 on one thread, ~150 ms against ~210-240 (a loaded machine; BENCHMARKS.md). Its
-// summation order is torch's, the same on every path of ours.
+// summation order is torch's, the same on every path of ours (AVX2 alone takes it earlier: blas_rows).
 constexpr int64_t kBlasRows = 256;
+// AVX2 alone: our 8-lane tiles run ~27 GMAC/s (Zen 3, 2 threads) where torch's GEMM reaches 40-60
+// from a few dozen rows. Against the tiles, per matrix (paired runs in one process): 3072 x 576 and
+// 576 x 1536 1.6-1.7x at 64 rows, 1.9-2.1x at 128 (0.9-1.06x below 64), 8192 x 2048 and
+// 2048 x 8192 1.0-1.2x at 16 rows, 1.3-1.4x at 24, 1.45-1.9x at 32-64, 2.2x at 128: the widening
+// is paid once a call, so a large matrix pays it back from fewer rows.
+int64_t blas_rows(Isa isa, int64_t N, int64_t K) {
+  if (isa != Isa::kAvx2) return kBlasRows;
+  return N * K >= (int64_t{1} << 22) ? 24 : 64;
+}
 constexpr int64_t kBlasBytes = 1 << 20;
 
 void gemm_blas(Isa isa, const at::Tensor& xc, const uint16_t* w, bool bf16, int64_t P, const float* bias,
@@ -546,7 +556,7 @@ at::Tensor w16_gemm(const at::Tensor& x, const at::Tensor& w, const std::optiona
 #endif
   // below kAmxMinRows (and fp16 weights) the AMX path takes the AVX-512 one
   const Isa isa = chosen == Isa::kAmx ? Isa::kAvx512 : chosen;
-  if (M >= kBlasRows) {
+  if (M >= blas_rows(isa, P * kPanel, K)) {
     gemm_blas(isa, xc, wp, bf16, P, b, y);
     return y;
   }
