@@ -9,7 +9,9 @@
 // VPDPBUSD (AVX-512 VNNI) or VPMADDUBSW + VPMADDWD (AVX2), giving exact int32 sums per group;
 // a scalar path (any CPU) computes the same integers. The fp32 steps after them are the same
 // operations in the same order on every path (the activations' parts, scales and group sums
-// come from one scalar routine), so the three paths give bit-identical outputs.
+// come from one scalar routine), so the three paths give bit-identical outputs. One exception:
+// on the AVX2 path, 8-bit weights at kDenseRows rows or more take dense_gemm (fp32 GEMM on the
+// exactly dequantized weights; see there).
 //
 // Layouts (`planes`, told by w's shape):
 //   bytes (planes -1): w uint8 [N/16, K/4, 64]: chunk c of a 16-row block holds, at byte 4r + j,
