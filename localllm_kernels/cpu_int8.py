@@ -7,9 +7,9 @@ d * (q - zero) (scales holding d only); the scales flat per group or, for GGUF's
 file's own sub-scales under fp16 super-scales (group_scales); the codebook types (IQ4) as 4-bit
 indices (nibbles with zero 128), their values looked up in registers. AVX-512 VNNI, else AVX2, else a scalar path, chosen at
 run time (``int8w_isa``); all three give the same outputs bit for bit. Activations are rounded
-to 16 bits inside, as in cpu_int4, with one exception: on the AVX2 path, 8-bit weights (Q8_0, the
-IQ4 codebook) at 96 rows or more run torch's fp32 GEMM on exactly dequantized tiles of W (faster
-there, and fp32-exact; int8_gemm.cpp's dense_gemm says why). Compiled once per machine as
+to 16 bits inside, as in cpu_int4, with one exception: on the AVX2 path, calls of 96 rows or more
+on 8-bit weights (Q8_0, the IQ4 codebook), 192 on the other forms, run torch's fp32 GEMM on exactly
+dequantized tiles of W (faster there, and fp32-exact; int8_gemm.cpp's dense_gemm says why). Compiled once per machine as
 cpu_int4 (see cpu_build); a missing compiler leaves ``load()`` False. Imports only torch.
 
 ``torch.ops.localllm.int8w_dequantize(w, scales, group_size, zero)``: W itself, fp32 [N padded to

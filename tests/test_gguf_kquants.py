@@ -160,19 +160,20 @@ def test_int8_kernel_matches_fp64_on_every_path(kind):
 SIGNED_KINDS = ["Q8_0", "IQ4_NL", "IQ4_XS"]
 
 
-@pytest.mark.parametrize("kind", SIGNED_KINDS + ["Q6_K", "Q4_K"])
-def test_prefill_rows_of_8bit_weights_run_fp32_on_avx2(kind):
-    """From 96 rows the AVX2 path (no VNNI) multiplies 8-bit weights (Q8_0, the IQ4 codebook) by
-    an fp32 GEMM on their exact fp32 values, tile by tile: within fp32 rounding of fp64 on the
-    dequantized weights, where the kernel's 16-bit activations are ~1e-5 off; 95 rows stay on the
-    kernel (bit for bit the scalar path's), and every other path and form keeps the kernel at any
-    row count (bit for bit the scalar path's)."""
+@pytest.mark.parametrize("kind", SIGNED_KINDS + ["Q6_K", "Q4_K", "Q3_K"])
+def test_prefill_rows_run_fp32_on_avx2(kind):
+    """Prefill-sized calls on the AVX2 path (no VNNI) multiply by an fp32 GEMM on the weights'
+    exact fp32 values, tile by tile: 8-bit weights (Q8_0, the IQ4 codebook) from 96 rows, the
+    other forms (nibbles, bit planes, narrower bytes) from 192. Within fp32 rounding of fp64 on the
+    dequantized weights there, where the kernel's 16-bit activations are ~1e-5 off; one row fewer
+    stays on the kernel (bit for bit the scalar path's), and every other path keeps the kernel at
+    any row count (bit for bit the scalar path's)."""
     n, k = 40, 512
     raw = random_blocks(kind, n, k, seed=200 + KINDS.index(kind), std=0.05)
     b = gguf_blocks.decode(kind, torch.from_numpy(raw))
     ref_w = torch.from_numpy(reference(kind, raw)).double()
     gen = torch.Generator().manual_seed(11)
-    xs = {m: torch.randn(m, k, generator=gen) * 2 for m in (95, 96, 300)}
+    xs = {m: torch.randn(m, k, generator=gen) * 2 for m in (95, 96, 191, 192, 300)}
     layouts = {"file": cpu_int8.pack(b.q, b.d, b.m, b.zero, b.bits, **file_form(b)),
                "bytes": cpu_int8.pack(b.q, b.d, b.m, b.zero)}
     outs = {}
@@ -184,10 +185,11 @@ def test_prefill_rows_of_8bit_weights_run_fp32_on_avx2(kind):
                     outs[path, name, m] = cpu_int8.int8w_gemm(x, w, sc, b.group, b.zero)
     finally:
         torch.ops.localllm.int8w_isa("auto")
+    dense_from = 96 if kind in SIGNED_KINDS else 192
     for (path, name, m), y in outs.items():
         assert torch.equal(y[:, n:], torch.zeros_like(y[:, n:]))
         err = rel_err(y[:, :n], xs[m].double() @ ref_w.t())
-        if path == "avx2" and kind in SIGNED_KINDS and m >= 96:
+        if path == "avx2" and m >= dense_from:
             assert err < 1e-6, (path, name, m, err)
         else:
             assert 1e-6 < err < 2e-4, (path, name, m, err)

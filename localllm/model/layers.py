@@ -183,8 +183,9 @@ class Int8wLinear(nn.Module):
     """Weights of up to 8 bits per value in int8 lanes, on our CPU kernel (localllm_kernels.cpu_int8):
     GGUF's Q8_0, Q6_K, Q5_K, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q3_K and Q2_K repacked exactly (values
     d * q + m per group of 16 or 32, or d * (q - zero)). fp32 in and out, activations rounded to
-    16 bits inside (as Int4Linear's kernel); on AVX2 CPUs without VNNI, calls of 96 rows or more
-    on 8-bit weights (Q8_0, IQ4) multiply in fp32 on exactly dequantized tiles instead (faster there)."""
+    16 bits inside (as Int4Linear's kernel); on AVX2 CPUs without VNNI, prefill-sized calls (96 rows
+    or more on 8-bit weights: Q8_0, IQ4; 192 on the others) multiply in fp32 on exactly dequantized
+    tiles instead (faster there)."""
 
     kind = "int8w"
 

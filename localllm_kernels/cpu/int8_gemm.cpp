@@ -10,8 +10,8 @@
 // a scalar path (any CPU) computes the same integers. The fp32 steps after them are the same
 // operations in the same order on every path (the activations' parts, scales and group sums
 // come from one scalar routine), so the three paths give bit-identical outputs. One exception:
-// on the AVX2 path, 8-bit weights at kDenseRows rows or more take dense_gemm (fp32 GEMM on the
-// exactly dequantized weights; see there).
+// on the AVX2 path, prefill-sized calls (dense_wins) take dense_gemm (fp32 GEMM on the exactly
+// dequantized weights; see there).
 //
 // Layouts (`planes`, told by w's shape):
 //   bytes (planes -1): w uint8 [N/16, K/4, 64]: chunk c of a 16-row block holds, at byte 4r + j,
@@ -751,13 +751,19 @@ void widen_block(Isa isa, const uint8_t* src, int planes, int64_t K, uint8_t* ds
 // and exact: fp32 products of the file's own values, where the kernel rounds the activations to 16
 // bits. Zen 3, 2 threads, the 135M and 1B shapes (GMAC/s, kernel at 63 rows: 39-41): 64 rows
 // 34-45, 96 rows 43-52, 128 rows 47-61, 512 rows 55-69. The dequantization (~0.35 ns a weight) is
-// paid once per call whatever M, so below ~96 rows the kernel wins. VNNI keeps the kernel: one
-// VPDPBUSD per 64 products per part outruns fp32 FMAs.
+// paid once per call whatever M, so below ~96 rows the kernel wins. The other forms (nibbles and
+// bit planes: Q6_K, Q5_K, Q5_0/1, Q3_K, Q2_K) run the kernel at 35-65 GMAC/s whatever M, and the
+// dense route overtakes them later: 1B-shape matrices of Q3_K / Q5_K / Q6_K files, the op against
+// itself with the route forced, medians of 5: 128 rows 0.77-1.4x, 192 rows 0.92-1.4x, 256 rows
+// 1.08-1.4x, 512 rows 1.05-1.6x (kDenseRowsNarrow). VNNI keeps the kernel: one VPDPBUSD per 64
+// products per part outruns fp32 FMAs.
 constexpr int64_t kDenseRows = 96;
+constexpr int64_t kDenseRowsNarrow = 192;
 constexpr int64_t kDenseTileFloats = 1 << 20;  // 4 MB of fp32 weights per GEMM call (MKL: ~75 GMAC/s at 256+ rows)
 
 bool dense_wins(Isa isa, const Form& f, int64_t M) {
-  return isa == Isa::kAvx2 && M >= kDenseRows && ((f.planes == -1 && f.z == 128) || f.planes == kLut);
+  const bool eight_bit = (f.planes == -1 && f.z == 128) || f.planes == kLut;
+  return isa == Isa::kAvx2 && M >= (eight_bit ? kDenseRows : kDenseRowsNarrow);
 }
 
 // One 16-row block (b: its bytes in any layout, scb: its scales) -> fp32 rows out [16, K]: d * q + m
