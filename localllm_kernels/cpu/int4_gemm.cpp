@@ -248,15 +248,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows(
 // pairs (at most 2 * 15 * 127 = 3810 each, so the 8 of a 32-block add up in int16 without
 // saturating: 30480) and one VPMADDWD per block widens them to int32. The sums are the VNNI
 // kernel's exact integers, and the fp32 steps after them are its steps, lane by lane.
-// NH = 2 at one activation row (decode): both 8-row halves from each chunk as it arrives, sharing
-// the activations' broadcasts; the halves one after the other (NH = 1) read each cache line twice
-// and leave the memory idle during the second pass (135M shapes streaming from DRAM, 2 threads:
-// 3.07 -> 2.77 ms for the 30 layers' 120 matrices; at two rows NH = 2 was 7% slower).
+// NH = 2: both 8-row halves from each chunk as it arrives, sharing the activations' broadcasts.
+// At one activation row (decode) the halves one after the other (NH = 1) read each cache line
+// twice and leave the memory idle during the second pass (135M shapes streaming from DRAM, 2
+// threads: 3.07 -> 2.77 ms for the 30 layers' 120 matrices). At a full tile of 3 rows (prefill)
+// the shared broadcasts outweigh the spills of 12 int16 accumulators: 1B-shape Q4_K matrices, 2
+// threads, the op against itself, 7-11% more GMAC/s at M = 3..512 (bit-identical). At two rows
+// NH = 2 was 7-13% slower.
 template <int MC, bool BPG1, class F>
 __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, const typename F::E* sc, int64_t K, int64_t gs,
                                                                const int8_t* px, const BlockMeta* meta, const float* s,
                                                                float* out, int64_t ldo) {
-  constexpr int NH = MC == 1 ? 2 : 1;
+  constexpr int NH = MC == 2 ? 1 : 2;
   const int64_t ng = K / gs, bpg = BPG1 ? 1 : gs / 32;
   const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256 inv_base = _mm256_set1_ps(1.f / kBase);
