@@ -13,12 +13,14 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from localllm.model import cache_file, compiled
+from localllm.model.convert_cache import ConvertCache
 from localllm_kernels import cpu_attention, cpu_build, cpu_fused, cpu_int4, cpu_q8
 
 EXE = [sys.executable, "-m", "localllm.cli"]
@@ -179,6 +181,7 @@ def tiny_converted(tiny_gguf, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("tiny-home")))
     loaded = load_model(tiny_gguf, "auto")
+    ConvertCache.wait_written()  # the file is written in the background
     (cached,) = (Path(os.environ["LOCALLLM_HOME"]) / "converted").glob("*.safetensors")
     yield cached, cached.read_bytes(), loaded.model.state_dict()
     mp.undo()
@@ -196,6 +199,7 @@ def test_damaged_conversion_cache_is_converted_again(tiny_gguf, tiny_converted, 
             loaded = load_model(tiny_gguf, "auto")
         said = [r.getMessage() for r in caplog.records if "conversion cache" in r.getMessage()]
         assert len(said) == 1 and said[0].endswith("converting again"), said
+        ConvertCache.wait_written(cached)
         assert cached.read_bytes() == good
         state = loaded.model.state_dict()
         assert state.keys() == weights.keys() and all(torch.equal(state[k], weights[k]) for k in weights)
@@ -270,3 +274,48 @@ def test_prebuild_builds_only_the_missing_libraries_concurrently(monkeypatch, tm
     assert len(built) == len(done)
     assert done["cpu_sampler"] == "building sampler.cpp failed:" and done["cpu_int8"] is None
     assert cpu_prebuild.missing() == ["cpu_sampler"]
+
+
+def test_first_load_returns_before_its_cache_is_written(tiny_gguf, tmp_path, monkeypatch):
+    """The conversion cache is written in a thread of the loading process: load_model returns
+    while the write is held up, a second load of the same file waits for that write and takes the
+    cache (converting nothing), and the thread is no daemon (the process exits once it is done)."""
+    from localllm.model import loader
+    from localllm.model.loader import load_model
+
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
+    go, save = threading.Event(), cache_file.save
+
+    def held(*a, **kw):
+        assert go.wait(60)
+        save(*a, **kw)
+    monkeypatch.setattr(cache_file, "save", held)
+    first = load_model(tiny_gguf, "auto")
+    (writer,) = ConvertCache._writing.values()
+    assert writer.is_alive() and not writer.daemon
+    assert not list((tmp_path / "converted").glob("*.safetensors"))
+    go.set()
+
+    def fail(*a, **kw):
+        raise AssertionError("a load after the write converted a layer")
+    monkeypatch.setattr(loader, "_linear", fail)
+    second = load_model(tiny_gguf, "auto")
+    assert not writer.is_alive() and not ConvertCache._writing
+    (cached,) = (tmp_path / "converted").glob("*.safetensors")
+    assert cache_file.verify(cached) is None
+    want, got = first.model.state_dict(), second.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_orphaned_temporaries_of_dead_processes_are_removed(tmp_path):
+    """A write cut short leaves `save`'s temporary: the next write of that model removes those of
+    processes that are gone, and keeps a live process's (it may still be writing)."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    orphan = tmp_path / f"m-0123.tmp{dead}-77"
+    live = tmp_path / f"m-0123.tmp{os.getppid()}-78"
+    other = tmp_path / f"n-0123.tmp{dead}-79"
+    for f in (orphan, live, other):
+        f.write_bytes(b"x")
+    cache_file.remove_orphans(tmp_path, "m-")
+    assert not orphan.exists() and live.exists() and other.exists()

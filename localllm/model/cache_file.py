@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -98,9 +99,28 @@ def save(tensors: dict[str, torch.Tensor], path: Path, threads: int = 1) -> None
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         sums = dict(zip(tensors, pool.map(crc, tensors, tensors.values())))
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")  # two loads in one process too
     try:
         save_file(tensors, str(tmp), metadata={KEY: json.dumps(sums)})
         publish(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def remove_orphans(folder: Path, prefix: str) -> None:
+    """Remove the unfinished files (`save`'s temporaries) named `prefix`* in `folder` of processes
+    that are gone: a write cut short (a second Ctrl-C while `run` waited for it, a kill) leaves one."""
+    for tmp in folder.glob(f"{prefix}*.tmp*"):
+        pid = tmp.suffix[len(".tmp"):].split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's
+        return True
+    return True

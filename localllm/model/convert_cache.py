@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -43,6 +44,9 @@ class ConvertCache:
     # beyond Q4_0/Q4_1 on our kernels (Int8wLinear, ConcatLinear of mixed parts), none re-quantized;
     # 8: K-quant sub-scales and IQ4 indices as the file keeps them, Q4_0 without offsets
     VERSION = 8
+    # this process's writes still under way, by file: a load of the same file waits for its write
+    # rather than converting again (a server reloading a model it just evicted)
+    _writing: dict[Path, threading.Thread] = {}
 
     def __init__(self, file: Path, dense: bool = False, cpu_kernel: bool = True):
         from localllm_kernels import cpu_int4
@@ -57,6 +61,7 @@ class ConvertCache:
         self.tensors: dict[str, torch.Tensor] = {}
         self.hit = False
         self._check: cache_file.Check | None = None
+        ConvertCache.wait_written(self.path)
         if self.path.is_file():
             try:  # the tensors' crc32s are checked in threads while the loader builds from them
                 self.tensors, self._check = cache_file.open_checked(self.path, torch.get_num_threads())
@@ -160,15 +165,38 @@ class ConvertCache:
                                  f"removed: {e}") from None
         return False
 
-    def save(self) -> None:
+    def save(self, background: bool = False) -> None:
+        """Write the converted tensors (nothing on a hit). background: in a thread of this process,
+        so that the first answer does not wait for ~1 GB to reach the disk (1.3-2.3 s of a 1B
+        file's 3.9-5 s first load here); not a daemon, so the process exits once the file is
+        complete (`localllm run` after printing its answer)."""
         if self.hit:
             return
+        if not background:
+            return self._write(torch.get_num_threads())
+        # one crc thread: the model's first steps run beside it
+        writer = threading.Thread(target=self._write, args=(1,), name=f"localllm-cache-{self.stem}")
+        ConvertCache._writing[self.path] = writer
+        writer.start()
+
+    def _write(self, threads: int) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            cache_file.save(self.tensors, self.path, torch.get_num_threads())
+            cache_file.remove_orphans(self.path.parent, f"{self.stem}-")
+            cache_file.save(self.tensors, self.path, threads)
             for old in self.path.parent.glob(f"{self.stem}-*.safetensors"):  # stale versions of this file
                 if old != self.path:
                     old.unlink(missing_ok=True)
         except OSError:  # a read-only home: convert every time
             pass
+        finally:
+            if ConvertCache._writing.get(self.path) is threading.current_thread():
+                del ConvertCache._writing[self.path]
+
+    @staticmethod
+    def wait_written(path: Path | None = None) -> None:
+        """Wait for this process's background write of the cache file `path` (of every one: None)."""
+        for p, writer in list(ConvertCache._writing.items()):
+            if path is None or p == path:
+                writer.join()
 
