@@ -77,3 +77,22 @@ def test_silu_and_mul(f, dtype):
     assert not out.isnan().any()
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                                     {"rope_type": "linear", "factor": 2.0}])
+def test_rope_tables_built_in_chunks_equal_the_whole_table(dtype, scaling):
+    """RotaryEmbedding's cos/sin, built 8192 positions at a time with each angle's value computed
+    once for both halves, equal transformers' whole-table form (cat the angles, cos/sin, scale,
+    cast) bit for bit, across chunk edges and a partial last chunk."""
+    from localllm.model.layers import RotaryEmbedding, rope_inv_freq
+
+    n, d = 20000, 64
+    rope = RotaryEmbedding(d, n, 500000.0, scaling, dtype)
+    inv, factor = rope_inv_freq(d, 500000.0, scaling, n)
+    freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    assert torch.equal(rope.cos, (emb.cos() * factor).to(dtype))
+    assert torch.equal(rope.sin, (emb.sin() * factor).to(dtype))
