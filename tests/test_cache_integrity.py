@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -343,3 +344,55 @@ def test_load_pauses_the_cycle_collector_and_leaves_it_as_it_was(tiny_gguf, tmp_
     finally:
         gc.enable()
         ConvertCache.wait_written()
+
+
+def _mapping_rss_kb(path: Path) -> int:
+    """This process's resident KB of its mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            inside = len(fields) >= 6 and fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+def test_release_pages_drops_a_mapped_views_pages_and_keeps_its_bytes(tmp_path):
+    import numpy as np
+
+    from localllm.model.gguf import release_pages
+
+    path = tmp_path / "blob.bin"
+    data = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8)
+    data.tofile(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    with warnings.catch_warnings():  # read-only, as the loader's views of the GGUF
+        warnings.simplefilter("ignore")
+        view = torch.from_numpy(mm[4096 + 100:])  # an unaligned start: only the whole pages inside go
+    assert int(view.sum()) == int(data[4096 + 100:].sum())
+    before = _mapping_rss_kb(path)
+    release_pages(view)
+    after = _mapping_rss_kb(path)
+    assert before >= 8 * 1024 - 8 and after <= 8
+    assert torch.equal(view, torch.from_numpy(data[4096 + 100:]))  # read back from the page cache
+
+
+def test_first_load_releases_the_mapped_heads_pages_a_cache_hit_never_read(tiny_gguf, tmp_path, monkeypatch):
+    """Building the greedy head's ranking copy reads every row of the Q8_0 head read in place from
+    the file: the first load drops those pages from the process afterwards; a load that takes the
+    copy from the conversion cache never read them, and releases nothing."""
+    from localllm.model import loader
+
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
+    released, release = [], loader.release_pages
+    monkeypatch.setattr(loader, "release_pages", lambda t: released.append(t) or release(t))
+    first = loader.load_model(tiny_gguf, "auto")
+    assert len(released) == 1 and released[0] is first.model.head.exact.blocks
+    assert first.model.head.fast is not None
+    ConvertCache.wait_written()
+    second = loader.load_model(tiny_gguf, "auto")
+    assert len(released) == 1
+    x = torch.randn(2, first.model.head.exact.shape[1])
+    assert torch.equal(first.model.head.greedy(x), second.model.head.greedy(x))
+    assert torch.equal(first.model.head(x), second.model.head(x))

@@ -7,6 +7,7 @@ We still use the `gguf` package for the quantization type table and dequantizers
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import struct
@@ -227,3 +228,21 @@ def dequantize(t: GGUFTensor, raw: np.ndarray | None = None) -> np.ndarray:
     except NotImplementedError:
         raise GGUFError(f"tensor {t.name}: quantization type {t.qtype.name} is not supported") from None
     return out.reshape(t.shape).astype(np.float32, copy=False)
+
+
+def release_pages(view) -> None:
+    """Drop this process's resident pages of `view` (a tensor or array over this module's read-only
+    file mapping, and nothing else: on anonymous memory MADV_DONTNEED would zero it): the whole
+    pages inside it leave the process's RSS and come back from the page cache when read again.
+    Read once in full (a first load builds the head's ranking copy from every row) they would stay
+    resident while later steps read a few rows. Nothing happens where madvise is unavailable."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    addr = view.data_ptr() if hasattr(view, "data_ptr") else view.ctypes.data
+    nbytes = view.numel() * view.element_size() if hasattr(view, "numel") else view.nbytes
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, end = -(-addr // page) * page, (addr + nbytes) // page * page
+    if end > start:
+        madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED

@@ -23,7 +23,7 @@ from ..config import ModelConfig
 from . import gguf_blocks, w16
 from .convert_cache import ConvertCache, weights_fingerprint
 from .errors import ModelLoadError
-from .gguf import GGUFError
+from .gguf import GGUFError, release_pages
 from .gguf_weights import GGUFWeights
 from .handle import ModelHandle
 from .hf_weights import HFWeights
@@ -410,13 +410,17 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
         # they are where rounding flips tokens
         head_dtype = torch.float32 if device == "cpu" else act_dtype
 
+        mapped: list[torch.Tensor] = []  # exact matrices read in place from the file's mapping
+
         def exact(name: str) -> DenseMatrix | Q8Matrix | BlockMatrix | W16Matrix:
             from localllm_kernels import cpu_q8, cpu_table
 
             got = weights.mapped_blocks(name) if device == "cpu" and isinstance(weights, GGUFWeights) else None
             if got is not None and got[0] == "Q8_0" and cpu_q8.load():
+                mapped.append(got[1])
                 return Q8Matrix(got[1])
             if got is not None and got[0] in cpu_table.KINDS and cpu_table.load():
+                mapped.append(got[1])
                 return BlockMatrix(got[1], got[0])
             # stored in 16 bits (GGUF F16/BF16, HF bf16/fp16): kept so, exact, where our kernel runs
             if (device == "cpu" and mode in ("int4", "int8", "w16") and w16.stored_dtype(weights, name) in w16.DTYPES
@@ -438,6 +442,11 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
         fast = cache.linear("head_int4", lambda: LMHead(head_w, True, device=device, cpu_kernel=cpu_kernels).fast)
     head = LMHead(head_w, fast_greedy=fast_greedy, device=device, fast=fast, cpu_kernel=cpu_kernels,
                   softcap=cfg.final_logit_softcap)
+    if fast_greedy and not (cache and cache.hit) and any(head_w.blocks is t for t in mapped):
+        # building the ranking copy read every row of the mapped head; decode reads a few of them
+        # (a 128k x 2048 Q6_K table: 215 MB of RSS the later loads, which take the copy from the
+        # conversion cache, never had)
+        release_pages(head_w.blocks)
     if cache and not cache.intact():  # the layers hold a damaged file's tensors: convert anew
         return _load_model(path, precision, device, max_model_len, fast_head, cpu_kernels, mmproj)
     if cache:
