@@ -534,9 +534,10 @@ class LMHead(nn.Module):
 
     def __init__(self, exact: DenseMatrix | Q8Matrix | BlockMatrix | W16Matrix, fast_greedy: bool = False, rescore_k: int = 32,
                  device: str = "cpu", fast: Int4Linear | None = None, cpu_kernel: bool = True,
-                 softcap: float | None = None):
+                 softcap: float | None = None, read_rows=None):
         """softcap: logits become softcap * tanh(logits / softcap) (Gemma 2); monotonic, so the
-        greedy path skips it."""
+        greedy path skips it. read_rows(r0, r1): told of each range of exact rows the ranking
+        copy's build has read (the loader drops a mapped file's pages behind it)."""
         super().__init__()
         self.exact = exact
         self.softcap = softcap
@@ -545,7 +546,7 @@ class LMHead(nn.Module):
         if fast_greedy and fast is None:
             v, h = exact.shape
             if h % 32 == 0:
-                self.fast = ranking_head(exact, device, cpu_kernel)
+                self.fast = ranking_head(exact, device, cpu_kernel, read_rows)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.exact.matmul(h)
@@ -578,7 +579,8 @@ def _ranking_rows(exact: DenseMatrix | Q8Matrix | BlockMatrix | W16Matrix, r0: i
     return Int4Weight(w.q, d, m + 8 * d, 32)
 
 
-def ranking_head(exact: DenseMatrix | Q8Matrix | BlockMatrix | W16Matrix, device: str = "cpu", cpu_kernel: bool = True) -> Int4Linear:
+def ranking_head(exact: DenseMatrix | Q8Matrix | BlockMatrix | W16Matrix, device: str = "cpu", cpu_kernel: bool = True,
+                 read_rows=None) -> Int4Linear:
     """The int4 copy of the head that ranks greedy rows (LMHead.fast). On our CPU kernel it is
     packed 1024 rows at a time into buffers allocated once: the whole matrix's fp32 rows, its
     RTN temporaries and the unpacked q took ~110 MB of transient peak on the 135M model's first
@@ -596,6 +598,8 @@ def ranking_head(exact: DenseMatrix | Q8Matrix | BlockMatrix | W16Matrix, device
     for r in range(0, v, step):
         # _ranking_rows' numbers, packed in C++ (the torch route took ~1 s of a 49k x 2048 head)
         cq, cs = cpu_int4.rtn_pack(exact.rows(torch.arange(r, min(r + step, v))))
+        if read_rows is not None:
+            read_rows(r, min(r + step, v))
         b = r // cpu_int4.ROWS
         qw[b:b + cq.shape[0]], qsc[b:b + cs.shape[0]] = cq, cs
     half = qsc.half()

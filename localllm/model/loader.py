@@ -437,16 +437,19 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
     except (GGUFError, KeyError) as e:
         raise ModelLoadError(f"{path}: {e}") from None
     fast_greedy = fast_head and mode in ("int4", "int8", "w16") and device == "cpu"
+    # building the ranking copy reads every row of the head; decode reads a few: a head read in
+    # place from the file's mapping gives its pages back as the build passes them (a 128k x 2048
+    # Q6_K table: 215 MB of RSS that later loads, which take the copy from the cache, never have)
+    read_rows = None
+    if any(getattr(head_w, "blocks", None) is t for t in mapped):
+        def read_rows(r0: int, r1: int) -> None:
+            release_pages(head_w.blocks[r0:r1])
     fast = None
     if fast_greedy and cache:
-        fast = cache.linear("head_int4", lambda: LMHead(head_w, True, device=device, cpu_kernel=cpu_kernels).fast)
+        fast = cache.linear("head_int4", lambda: LMHead(head_w, True, device=device, cpu_kernel=cpu_kernels,
+                                                        read_rows=read_rows).fast)
     head = LMHead(head_w, fast_greedy=fast_greedy, device=device, fast=fast, cpu_kernel=cpu_kernels,
-                  softcap=cfg.final_logit_softcap)
-    if fast_greedy and not (cache and cache.hit) and any(head_w.blocks is t for t in mapped):
-        # building the ranking copy read every row of the mapped head; decode reads a few of them
-        # (a 128k x 2048 Q6_K table: 215 MB of RSS the later loads, which take the copy from the
-        # conversion cache, never had)
-        release_pages(head_w.blocks)
+                  softcap=cfg.final_logit_softcap, read_rows=read_rows)
     if cache and not cache.intact():  # the layers hold a damaged file's tensors: convert anew
         return _load_model(path, precision, device, max_model_len, fast_head, cpu_kernels, mmproj)
     if cache:
