@@ -13,9 +13,12 @@ import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 
@@ -230,9 +233,9 @@ def dequantize(t: GGUFTensor, raw: np.ndarray | None = None) -> np.ndarray:
     return out.reshape(t.shape).astype(np.float32, copy=False)
 
 
-def release_pages(view) -> None:
-    """Drop this process's resident pages of `view` (a tensor or array over this module's read-only
-    file mapping, and nothing else: on anonymous memory MADV_DONTNEED would zero it): the whole
+def release_pages(view: torch.Tensor) -> None:
+    """Drop this process's resident pages of `view` (a tensor over this module's read-only file
+    mapping, and nothing else: on anonymous memory MADV_DONTNEED would zero it): the whole
     pages inside it leave the process's RSS and come back from the page cache when read again.
     Read once in full (a first load builds the head's ranking copy from every row) they would stay
     resident while later steps read a few rows. Nothing happens where madvise is unavailable."""
@@ -240,8 +243,7 @@ def release_pages(view) -> None:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
         return
-    addr = view.data_ptr() if hasattr(view, "data_ptr") else view.ctypes.data
-    nbytes = view.numel() * view.element_size() if hasattr(view, "numel") else view.nbytes
+    addr, nbytes = view.data_ptr(), view.numel() * view.element_size()
     page = os.sysconf("SC_PAGE_SIZE")
     start, end = -(-addr // page) * page, (addr + nbytes) // page * page
     if end > start:

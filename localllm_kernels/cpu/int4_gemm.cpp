@@ -572,15 +572,9 @@ at::Tensor moe_int4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   return y;
 }
 
-// fp32 rows -> the layout above by round-to-nearest int4 groups of 32 (min/max), as the greedy
-// head's ranking copy is made (localllm/model/layers.py ranking_head: int4.quantize_rtn, then the
-// scale and offset rounded to fp16): the same fp32 operations in the same order, so the same
-// bytes, in one pass (the torch route took ~1 s of a 49k x 2048 head's first load). x [n, K] ->
-// (w uint8 [ceil(n/16), K/8, 64], sc fp32 [ceil(n/16), K/32, 2, 16]: d = fp16(scale) and
-// m = (fp16(lo + 8 scale - 8 scale) + 8 d) - 8 d); rows past n are zeros.
 // Row r (of its 16-row block) of rtn_pack_int4: its groups of 32 into the block's bytes wb and
 // scales sb. With AVX2 the rounding is one instruction where the plain x86-64 build calls libm's
-// nearbyint per value (0.4 s of a 49k x 2048 head's first load, ~1 s at a 128k vocabulary); no
+// nearbyint per value (0.3 s of a 49k x 2048 head's first load, ~0.8 s at a 128k vocabulary); no
 // FMA in the clones: contracting lo + 8 * scale would change the bytes.
 #if defined(__x86_64__)
 __attribute__((target_clones("avx2", "default")))
@@ -608,6 +602,12 @@ void rtn_row(const float* row, int64_t K, int64_t r, uint8_t* wb, float* sb) {
   }
 }
 
+// fp32 rows -> the layout above by round-to-nearest int4 groups of 32 (min/max), as the greedy
+// head's ranking copy is made (localllm/model/layers.py ranking_head: int4.quantize_rtn, then the
+// scale and offset rounded to fp16): the same fp32 operations in the same order, so the same
+// bytes, in one pass (the torch route took ~1 s of a 49k x 2048 head's first load). x [n, K] ->
+// (w uint8 [ceil(n/16), K/8, 64], sc fp32 [ceil(n/16), K/32, 2, 16]: d = fp16(scale) and
+// m = (fp16(lo + 8 scale - 8 scale) + 8 d) - 8 d); rows past n are zeros.
 std::tuple<at::Tensor, at::Tensor> rtn_pack_int4(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0,
               "rtn_pack_int4: x must be fp32 [n, K], K a multiple of 32");
