@@ -195,6 +195,32 @@ void write_values(const uint8_t* q, int64_t ld, int64_t rows, int planes, uint8_
   }
 }
 
+// Super-block rows [b0, b1) of 16 (repack's work per thread). A function of its own, its scratch
+// on the stack: inside repack's lambda, reaching everything through the captured references, the
+// same loops ran 1.15-1.2x slower (1B Q4_K_M shape, gate and down, 2 threads, the two builds in
+// one process: 0.37-0.39 -> 0.31-0.32 s).
+void repack_blocks(const uint8_t* src, int64_t N, int64_t S, Kind kind, int planes, int64_t chunk_bytes, int64_t b0,
+                   int64_t b1, uint8_t* wp, uint8_t* rp) {
+  const Spec sp = spec(kind);
+  uint8_t q[kRows * 256];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t rows = std::min(kRows, N - b * kRows);
+    for (int64_t s = 0; s < S; ++s) {
+      for (int64_t i = 0; i < rows; ++i) {
+        const uint8_t* blk = src + ((b * kRows + i) * S + s) * sp.block;
+        record_row(kind, blk, i, rp + (b * S + s) * sp.record);
+        uint8_t* qi = q + i * 256;
+        if (kind == kQ6K) q6_k_values(blk, qi);
+        else if (kind == kIQ4XS) iq4_xs_values(blk, qi);
+        else if (kind == kQ3K) q3_k_values(blk, qi);
+        else if (kind == kQ2K) q2_k_values(blk, qi);
+        else q45_k_values(blk, kind == kQ5K, qi);
+      }
+      write_values(q, 256, rows, planes, wp + (b * S + s) * chunk_bytes);
+    }
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& blocks, Kind kind, int planes, const char* what) {
   const Spec sp = spec(kind);
   check_blocks(blocks, sp.block, what);
@@ -206,23 +232,7 @@ std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& blocks, Kind kind, i
   uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* rp = rec.data_ptr<uint8_t>();
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint8_t> q(kRows * 256);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t rows = std::min(kRows, N - b * kRows);
-      for (int64_t s = 0; s < S; ++s) {
-        for (int64_t i = 0; i < rows; ++i) {
-          const uint8_t* blk = src + ((b * kRows + i) * S + s) * sp.block;
-          record_row(kind, blk, i, rp + (b * S + s) * sp.record);
-          uint8_t* qi = q.data() + i * 256;
-          if (kind == kQ6K) q6_k_values(blk, qi);
-          else if (kind == kIQ4XS) iq4_xs_values(blk, qi);
-          else if (kind == kQ3K) q3_k_values(blk, qi);
-          else if (kind == kQ2K) q2_k_values(blk, qi);
-          else q45_k_values(blk, kind == kQ5K, qi);
-        }
-        write_values(q.data(), 256, rows, planes, wp + (b * S + s) * chunk_bytes);
-      }
-    }
+    repack_blocks(src, N, S, kind, planes, chunk_bytes, b0, b1, wp, rp);
   });
   const int64_t record = planes < 0 ? 64 : 64 + 16 * planes;
   return {w.view({nb, K / (planes < 0 ? 4 : 8), record}), rec};
