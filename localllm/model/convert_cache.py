@@ -165,25 +165,22 @@ class ConvertCache:
                                  f"removed: {e}") from None
         return False
 
-    def save(self, background: bool = False) -> None:
-        """Write the converted tensors (nothing on a hit). background: in a thread of this process,
-        so that the first answer does not wait for ~1 GB to reach the disk (1.3-2.3 s of a 1B
-        file's 3.9-5 s first load here); not a daemon, so the process exits once the file is
-        complete (`localllm run` after printing its answer)."""
+    def save(self) -> None:
+        """Write the converted tensors (nothing on a hit) in a thread of this process, so that the
+        first answer does not wait for ~1 GB to reach the disk (1.3-2.3 s of a 1B file's 3.9-5 s
+        first load here); not a daemon, so the process exits once the file is complete
+        (`localllm run` after printing its answer)."""
         if self.hit:
             return
-        if not background:
-            return self._write(torch.get_num_threads())
-        # one crc thread: the model's first steps run beside it
-        writer = threading.Thread(target=self._write, args=(1,), name=f"localllm-cache-{self.stem}")
+        writer = threading.Thread(target=self._write, name=f"localllm-cache-{self.stem}")
         ConvertCache._writing[self.path] = writer
         writer.start()
 
-    def _write(self, threads: int) -> None:
+    def _write(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             cache_file.remove_orphans(self.path.parent, f"{self.stem}-")
-            cache_file.save(self.tensors, self.path, threads)
+            cache_file.save(self.tensors, self.path, 1)  # one crc thread: the model's first steps run beside it
             for old in self.path.parent.glob(f"{self.stem}-*.safetensors"):  # stale versions of this file
                 if old != self.path:
                     old.unlink(missing_ok=True)

@@ -453,7 +453,7 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
     if cache and not cache.intact():  # the layers hold a damaged file's tensors: convert anew
         return _load_model(path, precision, device, max_model_len, fast_head, cpu_kernels, mmproj)
     if cache:
-        cache.save(background=True)
+        cache.save()  # in the background
     # which int4 kernel(s) the layers call (also inside ConcatLinear): a compiled graph bakes it in
     kinds = {m.kind for part in (*layers, head) for m in part.modules()
              if isinstance(m, (Int4Linear, Int8wLinear, W16Linear))}
