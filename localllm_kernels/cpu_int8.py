@@ -60,18 +60,19 @@ def fits(n: int, k: int, group_size: int) -> bool:
 
 
 def planes_for(bits: int) -> int:
-    """The layout for values of `bits` bits: nibbles plus bits - 4 high-bit planes up to 6 bits
+    """The layout for values of `bits` bits: nibbles plus their bits - 4 high bits up to 6 bits
     (0.5-0.75 bytes a weight), byte lanes (-1) for 7 and 8."""
     return max(bits - 4, 0) if bits <= 6 else -1
 
 
 def preferred_bits(bits: int) -> int:
     """The `bits` to pack values of `bits` bits with on this CPU: their own (the fewest bytes),
-    but 6 in byte lanes on the plain-loop path (no AVX2), which rebuilds bytes from bit planes one
-    weight at a time. With AVX2, decode streams the weights from memory and two planes (0.75
-    bytes a weight) beat byte lanes (1.0): the 135M shapes' 120 Q6_K-like matrices at batch 1
-    on a Zen 3 AVX2 CPU, 1 thread, 8.7 ms against 14.0 (with AVX-512 one masked add per plane:
-    0.63 against 0.80 at 8192 x 2048). Any layout runs on every path."""
+    but 6 in byte lanes on the plain-loop path (no AVX2), which rebuilds bytes from the high bits
+    one weight at a time. With AVX2, decode streams the weights from memory and nibbles + high
+    bits (0.75 bytes a weight) beat byte lanes (1.0): the 135M shapes' 120 Q6_K-like matrices at
+    batch 1 on a Zen 3 AVX2 CPU, 1 thread, 8.7 ms against 14.0 with the high bits as two bit
+    planes, the form before the 2-bit pairs (with AVX-512: 0.63 against 0.80 at 8192 x 2048).
+    Any layout runs on every path."""
     return 8 if bits == 6 and isa() == "generic" else bits
 
 
@@ -79,8 +80,8 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, zero: int, bi
          sub: tuple | None = None, lut: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q uint8 [N, K] (values < 2**bits), d and m fp32 [N, G] (G = K / group) with W = d * q + m,
     or m None for W = d * (q - zero) -> the kernel's (w, sc [N/16, G, 1 | 2, 16]): w uint8
-    [N/16, K/4, 64] (byte lanes) or [N/16, K/8, 64 + 16P] (nibbles and P high-bit planes; see
-    int8_gemm.cpp), sc in fp16 where that is exact. Rows past N are zero padding.
+    [N/16, K/4, 64] (byte lanes) or [N/16, K/8, 64 + 16P] (nibbles and the P high bits: a bit
+    plane, or 2-bit pairs; see int8_gemm.cpp), sc in fp16 where that is exact. Rows past N are zero padding.
     sub: (d, sc, -dmin, mn) as group_scales.pack takes them (a K-quant's own sub-scales): sc is
     those records, the file's bytes, in place of d and m. lut: the 16 values q takes (zero 128),
     which must be CODEBOOK: q held as their 4-bit indices."""
@@ -107,13 +108,15 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, zero: int, bi
         # the strided reshapes took ~20 s of a 1B Q6_K file's 31 s first load)
         qb = q.view(nb, ROWS, k // 8, 2, 4).permute(0, 2, 3, 1, 4).contiguous()  # [nb, K/8, half, 16 rows, 4]
         recs = [((qb[:, :, 0] & 15) | ((qb[:, :, 1] & 15) << 4)).view(nb, k // 8, 64)]
-        # per half, bit 4r + j of a 64-bit mask, little-endian bytes: byte i of a record holds
-        # values 8i..8i+7, so the 8 values of each byte side by side first (contiguous slices)
-        by_bit = qb.view(nb, k // 8, 2 * 8, 8).permute(3, 0, 1, 2).contiguous() if planes else None
-        for p in range(planes):
-            mask = (by_bit[0] >> (4 + p)) & 1
+        if planes == 2:  # 2-bit pairs: byte i, low bits up: lo and hi of nibble byte i, then of 32 + i
+            h = (qb >> 4).view(nb, k // 8, 2, 2, 32)  # [.., lo/hi, rows 0-7 / 8-15, nibble byte % 32]
+            recs.append(h[:, :, 0, 0] | (h[:, :, 1, 0] << 2) | (h[:, :, 0, 1] << 4) | (h[:, :, 1, 1] << 6))
+        if planes == 1:  # bit 4r + j of each half's 64-bit mask, little-endian bytes: byte i of a
+            # record holds values 8i..8i+7, so the 8 values of each byte side by side first
+            by_bit = qb.view(nb, k // 8, 2 * 8, 8).permute(3, 0, 1, 2).contiguous()
+            mask = (by_bit[0] >> 4) & 1
             for j in range(1, 8):
-                mask |= ((by_bit[j] >> (4 + p)) & 1) << j
+                mask |= ((by_bit[j] >> 4) & 1) << j
             recs.append(mask)
         w = torch.cat(recs, dim=2)
     if sub is not None:
@@ -149,10 +152,14 @@ def unpack(w: torch.Tensor, sc: torch.Tensor, n: int, group: int,
         planes = (rec - 64) // 16
         b = w[..., :64].reshape(nb, kc, ROWS, 4)
         q = torch.stack([b & 15, b >> 4], dim=2)  # [nb, K/8, half, 16, 4]
-        for p in range(planes):
-            masks = w[..., 64 + 16 * p:80 + 16 * p].reshape(nb, kc, 2, 8, 1)
+        if planes == 2:
+            pairs = w[..., 64:96].reshape(nb, kc, 1, 1, 32)
+            h = (pairs >> torch.tensor([0, 4, 2, 6], dtype=torch.uint8).view(1, 1, 2, 2, 1)) & 3  # [.., lo/hi, rows, 32]
+            q = q | (h.reshape(nb, kc, 2, ROWS, 4) << 4)
+        if planes == 1:
+            masks = w[..., 64:80].reshape(nb, kc, 2, 8, 1)
             bits = ((masks >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(nb, kc, 2, ROWS, 4)
-            q = q | (bits << (4 + p))
+            q = q | (bits << 4)
         q = q.permute(0, 3, 1, 2, 4).reshape(nb * ROWS, k)
         if planes == 0 and zero == 128:
             q = torch.tensor(CODEBOOK, dtype=torch.uint8)[q.long()]

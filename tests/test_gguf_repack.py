@@ -59,6 +59,25 @@ def test_int8_lane_repacks_equal_the_torch_path(kind, bits, n, s):
     assert cpu_repack.ZERO[kind] == b.zero
 
 
+@pytest.mark.parametrize("r,k", [(0, 0), (5, 3), (7, 6), (8, 1), (13, 12), (15, 31)])
+def test_six_bit_values_keep_their_high_bits_as_documented_pairs(r, k):
+    """int8_gemm.cpp's layout for 6-bit values: per 8 columns a 64-byte nibble record (byte
+    4 (row % 16) + k % 4; low nibble for k % 8 < 4), then 32 bytes whose byte i holds the 2-bit
+    high parts of the low and high nibble values at nibble byte i, then at 32 + i."""
+    q = torch.zeros(16, 32, dtype=torch.uint8)
+    q[r, k] = 0b100111  # high pair 2, nibble 7
+    w, _ = cpu_int8.pack(q, torch.ones(16, 1), None, 32, bits=6)
+    assert w.shape == (1, 4, 96)
+    rec = w[0, k // 8]
+    byte, upper = 4 * r + k % 4, (k % 8) >= 4
+    want = torch.zeros(96, dtype=torch.uint8)
+    want[byte] = 7 << (4 if upper else 0)
+    want[64 + byte % 32] = 2 << (4 * (byte // 32) + 2 * upper)
+    assert torch.equal(rec, want) and not w[0, [c for c in range(4) if c != k // 8]].any()
+    unq, _, _ = cpu_int8.unpack(w, torch.ones(1, 1, 1, 16).half(), 16, 32)
+    assert torch.equal(unq, q)
+
+
 @pytest.mark.parametrize("kind,bits", [("Q5_0", 5), ("Q5_0", 8), ("Q5_1", 5), ("IQ4_NL", 4), ("Q8_0", 8)])
 @pytest.mark.parametrize("n,s", SHAPES)
 def test_32_value_block_repacks_equal_the_torch_path(kind, bits, n, s):

@@ -12,8 +12,9 @@
 //   q4_k_repack -> (w uint8 [N/16, K/8, 64]: cpu_int4's nibbles, value k of row r of a 16-row
 //     block in chunk k/8, byte 4r + k%4, the low nibble for k%8 < 4; records)
 //   k_repack(kind, planes) -> (w: cpu_int8's layout: planes >= 0: [N/16, K/8, 64 + 16 planes],
-//     the nibbles as above then a 16-byte mask per bit above 4 (bit j of byte i: the value at 8i + j
-//     of the chunk's (half, row, k%4) order); planes -1: byte lanes [N/16, K/4, 64], value k of
+//     the nibbles as above then the bits above 4 (planes 1: a 16-byte mask, bit j of byte i: the
+//     value at 8i + j of the chunk's (half, row, k%4) order; planes 2: 32 bytes of 2-bit pairs,
+//     int8_gemm.cpp's layout); planes -1: byte lanes [N/16, K/4, 64], value k of
 //     row r at byte 4r + k%4 of chunk k/4; records). Q5_K takes 1 plane, Q6_K 2, Q3_K and Q2_K
 //     0, or byte lanes; IQ4_XS 0 (its 4-bit codebook indices as they are).
 //   block32_repack(kind, planes) -> (w as k_repack's, the blocks' fp16 d (and m) [N/16, K/32, 1 | 2, 16]):
@@ -166,8 +167,8 @@ inline void record_row(Kind kind, const uint8_t* blk, int64_t i, uint8_t* r) {
 }
 
 // the 16 rows x ld values q (row stride ld) of a block column into the weight layout: `planes` >= 0:
-// chunks of 8 values as nibbles then `planes` 16-byte masks (bits 4, 5...); -1: byte lanes in
-// chunks of 4
+// chunks of 8 values as nibbles then their bits above 4 (1: a 16-byte mask of bit 4; 2: 32 bytes
+// of 2-bit pairs); -1: byte lanes in chunks of 4
 void write_values(const uint8_t* q, int64_t ld, int64_t rows, int planes, uint8_t* dst) {
   if (planes < 0) {
     for (int64_t c = 0; c < ld / 4; ++c, dst += 64)
@@ -178,6 +179,20 @@ void write_values(const uint8_t* q, int64_t ld, int64_t rows, int planes, uint8_
   const int64_t stride = 64 + 16 * planes;
   for (int64_t c = 0; c < ld / 8; ++c, dst += stride) {
     nibbles(q, ld, rows, c, dst);
+    if (planes == 2) {  // byte i, from its low bits up: (q >> 4) of the values at nibble byte i
+      // (row i / 4: its low then high nibble's value), then at nibble byte 32 + i (row 8 + i / 4)
+      for (int i = 0; i < 32; ++i) {
+        uint8_t pairs = 0;
+        for (int rh = 0; rh < 2; ++rh) {
+          const int64_t row = 8 * rh + i / 4;
+          if (row >= rows) break;
+          const uint8_t* v = q + row * ld + 8 * c + i % 4;
+          pairs |= ((v[0] >> 4) | ((v[4] >> 4) << 2)) << (4 * rh);
+        }
+        dst[64 + i] = pairs;
+      }
+      continue;
+    }
     // bit j of mask byte 8h + i: value f = 8 (8h + i) + j of the chunk's (half, row, k%4) order,
     // i.e. row 2i + j / 4, k = 8c + 4h + j % 4
     for (int h = 0; h < 2; ++h)

@@ -16,12 +16,16 @@
 // Layouts (`planes`, told by w's shape):
 //   bytes (planes -1): w uint8 [N/16, K/4, 64]: chunk c of a 16-row block holds, at byte 4r + j,
 //      q[r, 4c + j]: 16 dword lanes of 4 consecutive weights each (one row per lane). 8-bit types.
-//   nibbles and high-bit planes (planes P = 0, 1, 2: values of 4 + P bits): w uint8 [N/16, K/8,
+//   nibbles and high bits (planes P = 0, 1, 2: values of 4 + P bits): w uint8 [N/16, K/8,
 //      64 + 16P]: per 8 columns c, 64 bytes as int4_gemm's layout (byte 4r + j: q[r, 8c + j] & 15
-//      in its low nibble, q[r, 8c + 4 + j] & 15 in its high one), then per plane p two 64-bit
-//      masks whose bit 4r + j is bit 4 + p of q[r, 8c + j] and of q[r, 8c + 4 + j]. The kernel
-//      rebuilds the byte lanes in registers (AVX-512: one masked add per plane), so a 5-bit type
-//      streams 0.625 bytes a weight and a 6-bit one 0.75, not 1.
+//      in its low nibble, q[r, 8c + 4 + j] & 15 in its high one), then the values' bits 4.. :
+//      P = 1: two 64-bit masks whose bit 4r + j is bit 4 of q[r, 8c + j] and of q[r, 8c + 4 + j];
+//      P = 2: 32 bytes of 2-bit pairs (q >> 4): byte i holds, from its low bits up, those of the
+//      low and the high nibble value of nibble byte i (rows 0-7), then of nibble byte 32 + i (rows
+//      8-15), so one shift and one AND put them above each half's nibbles. The kernel rebuilds the
+//      byte lanes in registers, so a 5-bit type streams 0.625 bytes a weight and a 6-bit one 0.75,
+//      not 1. (P = 2 was two bit planes: on AVX2, rebuilding bytes from bits cost ~35% of Q6_K's
+//      decode, 7.0 -> 15.1 GB/s on 1 thread with the pairs, 1B shape's 64 Q6_K matrices.)
 //   sc half or float [N/16, G, S, 16], group size 16 or 32: S = 2: per group 16 scales d, then
 //      16 offsets m, W = d * q + m; S = 1: scales only, W = d * (q - z) (symmetric types).
 //   z: the zero point the kernel centers q by in int32 (exact): 2^(bits-1); with S = 1 it is the
@@ -274,6 +278,7 @@ inline int weight_at(const uint8_t* wb, int planes, int r, int k) {
   const uint8_t* rec = wb + (k / 8) * (64 + 16 * planes);
   const int j = k % 8, bit = 4 * r + j % 4;
   int v = j < 4 ? rec[bit] & 15 : rec[bit] >> 4;
+  if (planes == 2) return v | ((rec[64 + bit % 32] >> (4 * (bit / 32) + 2 * (j / 4))) & 3) << 4;
   for (int p = 0; p < planes; ++p) {
     uint64_t mask;
     std::memcpy(&mask, rec + 64 + 16 * p + (j < 4 ? 0 : 8), 8);
@@ -322,6 +327,59 @@ void block_rows_generic(int mc, int planes, const uint8_t* w, const typename F::
 }
 
 #if defined(__x86_64__)
+
+// 32 bits -> 32 bytes, 0xFF where the bit is set (byte i: bit i)
+__attribute__((target("avx2"))) inline __m256i bytes_from_bits(uint32_t bits) {
+  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                        3, 3, 3, 3, 3, 3);
+  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf), sel);
+  return _mm256_cmpeq_epi8(v, sel);
+}
+
+// lo, hi (a record's 64 low- and high-nibble values, rows 0-15) += their bits 4.. from the record
+// (P = 1: a masked add per mask; P = 2: the 2-bit pairs, shifted per half: rows 0-7 take bits 0-1
+// (lo) and 2-3 (hi) of each byte, rows 8-15 bits 4-5 and 6-7)
+template <int PL>
+__attribute__((target("avx512f,avx512bw"))) inline void high_bits_512(const uint8_t* rec, __m512i& lo, __m512i& hi) {
+  if constexpr (PL == 1) {
+    uint64_t ml, mh;
+    std::memcpy(&ml, rec + 64, 8);
+    std::memcpy(&mh, rec + 72, 8);
+    const __m512i add = _mm512_set1_epi8(16);
+    lo = _mm512_mask_add_epi8(lo, ml, lo, add);
+    hi = _mm512_mask_add_epi8(hi, mh, hi, add);
+  } else if constexpr (PL == 2) {
+    const __m512i pairs = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64)));
+    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_setzero_si256(), 1);  // rows 0-7: 4
+    const __m512i m30 = _mm512_set1_epi8(0x30);
+    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_sllv_epi16(pairs, shift), m30));
+    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_sllv_epi16(_mm512_srli_epi16(pairs, 2), shift), m30));
+  }
+}
+
+// the same for one 8-row half of a record (AVX2): half 0 is rows 0-7
+template <int PL>
+__attribute__((target("avx2"))) inline void high_bits_avx2(const uint8_t* rec, int half, __m256i& lo, __m256i& hi) {
+  if constexpr (PL == 1) {
+    uint32_t bl, bh;
+    std::memcpy(&bl, rec + 64 + 4 * half, 4);
+    std::memcpy(&bh, rec + 72 + 4 * half, 4);
+    const __m256i add = _mm256_set1_epi8(16);
+    lo = _mm256_add_epi8(lo, _mm256_and_si256(bytes_from_bits(bl), add));
+    hi = _mm256_add_epi8(hi, _mm256_and_si256(bytes_from_bits(bh), add));
+  } else if constexpr (PL == 2) {
+    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64));
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    if (half == 0) {
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(pairs, 4), m30));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(pairs, 2), m30));
+    } else {
+      lo = _mm256_or_si256(lo, _mm256_and_si256(pairs, m30));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(pairs, 2), m30));
+    }
+  }
+}
 
 // acc += w . (4 int8 at p, broadcast to every lane), the broadcast folded into the instruction
 // (int4_gemm.cpp's dot4)
@@ -372,14 +430,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
           _mm_prefetch(reinterpret_cast<const char*>(rec + kPrefetch), _MM_HINT_T0);
           const __m512i raw = _mm512_loadu_si512(rec);
           __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-          for (int pl = 0; pl < PL; ++pl) {
-            uint64_t ml, mh;
-            std::memcpy(&ml, rec + 64 + 16 * pl, 8);
-            std::memcpy(&mh, rec + 72 + 16 * pl, 8);
-            const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << pl));
-            lo = _mm512_mask_add_epi8(lo, ml, lo, add);
-            hi = _mm512_mask_add_epi8(hi, mh, hi, add);
-          }
+          high_bits_512<PL>(rec, lo, hi);
           if constexpr (PL == kLut) {  // indices -> the codebook's values + 128, in registers
             lo = _mm512_shuffle_epi8(lut, lo);
             hi = _mm512_shuffle_epi8(lut, hi);
@@ -412,19 +463,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
 }
 
 
-// The AVX2 path, one 8-row half of the block at a time (a chunk's first 32 bytes are rows 0-7).
-// SIGNED: 8-bit weights, z = 128 (see the top).
-// 32 bits -> 32 bytes, 0xFF where the bit is set (byte i: bit i)
-__attribute__((target("avx2"))) inline __m256i bytes_from_bits(uint32_t bits) {
-  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
-                                        3, 3, 3, 3, 3, 3);
-  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
-  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf), sel);
-  return _mm256_cmpeq_epi8(v, sel);
-}
-
-// A 16-row block in nibbles and `planes` high-bit planes -> the same weights in byte lanes, with
-// the instructions the kernels rebuild them with in registers.
+// A 16-row block in nibbles and `planes` high bits -> the same weights in byte lanes, with the
+// instructions the kernels rebuild them with in registers.
 __attribute__((target("avx512f,avx512bw"))) void widen_block_512(const uint8_t* src, int planes, int64_t K,
                                                                    uint8_t* dst) {
   const int np = std::max(planes, 0), rec = 64 + 16 * np;
@@ -434,14 +474,8 @@ __attribute__((target("avx512f,avx512bw"))) void widen_block_512(const uint8_t* 
     const uint8_t* r = src + c * rec;
     const __m512i raw = _mm512_loadu_si512(r);
     __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
-    for (int p = 0; p < np; ++p) {
-      uint64_t ml, mh;
-      std::memcpy(&ml, r + 64 + 16 * p, 8);
-      std::memcpy(&mh, r + 72 + 16 * p, 8);
-      const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << p));
-      lo = _mm512_mask_add_epi8(lo, ml, lo, add);
-      hi = _mm512_mask_add_epi8(hi, mh, hi, add);
-    }
+    if (planes == 1) high_bits_512<1>(r, lo, hi);
+    if (planes == 2) high_bits_512<2>(r, lo, hi);
     if (planes == kLut) {
       lo = _mm512_shuffle_epi8(lut, lo);
       hi = _mm512_shuffle_epi8(lut, hi);
@@ -460,14 +494,8 @@ __attribute__((target("avx2"))) void widen_block_avx2(const uint8_t* src, int pl
     for (int half = 0; half < 2; ++half) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32 * half));
       __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-      for (int p = 0; p < np; ++p) {
-        uint32_t bl, bh;
-        std::memcpy(&bl, r + 64 + 16 * p + 4 * half, 4);
-        std::memcpy(&bh, r + 72 + 16 * p + 4 * half, 4);
-        const __m256i add = _mm256_set1_epi8(static_cast<char>(16 << p));
-        lo = _mm256_add_epi8(lo, _mm256_and_si256(bytes_from_bits(bl), add));
-        hi = _mm256_add_epi8(hi, _mm256_and_si256(bytes_from_bits(bh), add));
-      }
+      if (planes == 1) high_bits_avx2<1>(r, half, lo, hi);
+      if (planes == 2) high_bits_avx2<2>(r, half, lo, hi);
       if (planes == kLut) {
         lo = _mm256_shuffle_epi8(lut, lo);
         hi = _mm256_shuffle_epi8(lut, hi);
@@ -485,6 +513,8 @@ __attribute__((target("avx2"))) inline __m256i xs(const int8_t* xp, int c) {
   return _mm256_set1_epi32(x4);
 }
 
+// The AVX2 path, one 8-row half of the block at a time (a chunk's first 32 bytes are rows 0-7).
+// SIGNED: 8-bit weights, z = 128 (see the top).
 // NH = 2 at one activation row (decode): both 8-row halves from each chunk as it arrives, sharing
 // the activations' broadcasts (int4_gemm.cpp's block_rows_avx2 says why: the halves one after the
 // other leave the memory idle during the second pass). Byte lanes: the signed form (8-bit values)
@@ -532,14 +562,7 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
               const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + half * 32));
               lo[h] = _mm256_and_si256(raw, nib);
               hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-              for (int pl = 0; pl < std::max(PL, 0); ++pl) {  // this half's rows: bits 32 * half.. of each mask
-                uint32_t bl, bh;
-                std::memcpy(&bl, rec + 64 + 16 * pl + 4 * half, 4);
-                std::memcpy(&bh, rec + 72 + 16 * pl + 4 * half, 4);
-                const __m256i add = _mm256_set1_epi8(static_cast<char>(16 << pl));
-                lo[h] = _mm256_add_epi8(lo[h], _mm256_and_si256(bytes_from_bits(bl), add));
-                hi[h] = _mm256_add_epi8(hi[h], _mm256_and_si256(bytes_from_bits(bh), add));
-              }
+              high_bits_avx2<PL>(rec, half, lo[h], hi[h]);
             }
             if constexpr (PL == kLut) {  // 2 * 127 * 127 per pair: each product widened on its own
               __m256i sl[NH], sh[NH], al[NH], ah[NH];
