@@ -111,13 +111,11 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, zero: int, bi
         if planes == 2:  # 2-bit pairs: byte i, low bits up: lo and hi of nibble byte i, then of 32 + i
             h = (qb >> 4).view(nb, k // 8, 2, 2, 32)  # [.., lo/hi, rows 0-7 / 8-15, nibble byte % 32]
             recs.append(h[:, :, 0, 0] | (h[:, :, 1, 0] << 2) | (h[:, :, 0, 1] << 4) | (h[:, :, 1, 1] << 6))
-        if planes == 1:  # bit 4r + j of each half's 64-bit mask, little-endian bytes: byte i of a
-            # record holds values 8i..8i+7, so the 8 values of each byte side by side first
-            by_bit = qb.view(nb, k // 8, 2 * 8, 8).permute(3, 0, 1, 2).contiguous()
-            mask = (by_bit[0] >> 4) & 1
-            for j in range(1, 8):
-                mask |= ((by_bit[j] >> 4) & 1) << j
-            recs.append(mask)
+        if planes == 1:  # byte i: bit 4 of the value at nibble byte b = 32hh + 16ll + i (u: low/high
+            # nibble) as its bit 4hh + 2u + ll
+            b = ((qb >> 4) & 1).view(nb, k // 8, 2, 2, 2, 16)  # [.., u, hh, ll, i]
+            shift = torch.tensor([[[0, 1], [4, 5]], [[2, 3], [6, 7]]], dtype=torch.uint8).view(1, 1, 2, 2, 2, 1)
+            recs.append((b << shift).sum((2, 3, 4), dtype=torch.uint8))
         w = torch.cat(recs, dim=2)
     if sub is not None:
         return w, group_scales.pack(*sub, group=k // g)
@@ -157,9 +155,9 @@ def unpack(w: torch.Tensor, sc: torch.Tensor, n: int, group: int,
             h = (pairs >> torch.tensor([0, 4, 2, 6], dtype=torch.uint8).view(1, 1, 2, 2, 1)) & 3  # [.., lo/hi, rows, 32]
             q = q | (h.reshape(nb, kc, 2, ROWS, 4) << 4)
         if planes == 1:
-            masks = w[..., 64:80].reshape(nb, kc, 2, 8, 1)
-            bits = ((masks >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(nb, kc, 2, ROWS, 4)
-            q = q | (bits << 4)
+            bits = w[..., 64:80].reshape(nb, kc, 1, 1, 1, 16)
+            shift = torch.tensor([[[0, 1], [4, 5]], [[2, 3], [6, 7]]], dtype=torch.uint8).view(1, 1, 2, 2, 2, 1)
+            q = q | (((bits >> shift) & 1).reshape(nb, kc, 2, ROWS, 4) << 4)
         q = q.permute(0, 3, 1, 2, 4).reshape(nb * ROWS, k)
         if planes == 0 and zero == 128:
             q = torch.tensor(CODEBOOK, dtype=torch.uint8)[q.long()]

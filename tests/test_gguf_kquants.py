@@ -127,7 +127,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("kind", KINDS)
 def test_int8_kernel_matches_fp64_on_every_path(kind):
     """Every type on the int8-lane kernel (the 4-bit ones too: what a mixed stack of them takes), in
-    its own layout (nibbles and high-bit planes up to 6 bits) and in byte lanes (a stack with an
+    its own layout (nibbles and high bits up to 6 bits) and in byte lanes (a stack with an
     8-bit part), batch 1 and a few rows, N padded to 16, against fp64 on the dequantized weights;
     the AVX-512 VNNI, AVX2 and scalar paths and both layouts give the same outputs bit for bit."""
     n, k = 40, 512

@@ -59,20 +59,25 @@ def test_int8_lane_repacks_equal_the_torch_path(kind, bits, n, s):
     assert cpu_repack.ZERO[kind] == b.zero
 
 
+@pytest.mark.parametrize("bits", [5, 6])
 @pytest.mark.parametrize("r,k", [(0, 0), (5, 3), (7, 6), (8, 1), (13, 12), (15, 31)])
-def test_six_bit_values_keep_their_high_bits_as_documented_pairs(r, k):
-    """int8_gemm.cpp's layout for 6-bit values: per 8 columns a 64-byte nibble record (byte
-    4 (row % 16) + k % 4; low nibble for k % 8 < 4), then 32 bytes whose byte i holds the 2-bit
-    high parts of the low and high nibble values at nibble byte i, then at 32 + i."""
+def test_five_and_six_bit_values_keep_their_high_bits_as_documented(bits, r, k):
+    """int8_gemm.cpp's layouts: per 8 columns a 64-byte nibble record (nibble byte b = 4 (row % 16)
+    + k % 4; low nibble (u = 0) for k % 8 < 4), then 6-bit values: 32 bytes whose byte b % 32 holds
+    the 2-bit high part at bits 4 (b / 32) + 2u; 5-bit values: 16 bytes whose byte b % 16 holds
+    bit 4 at bit 4 (b / 32) + 2u + (b / 16) % 2."""
     q = torch.zeros(16, 32, dtype=torch.uint8)
-    q[r, k] = 0b100111  # high pair 2, nibble 7
-    w, _ = cpu_int8.pack(q, torch.ones(16, 1), None, 32, bits=6)
-    assert w.shape == (1, 4, 96)
+    q[r, k] = 0b100111 if bits == 6 else 0b10111  # high part 2 or 1, nibble 7
+    w, _ = cpu_int8.pack(q, torch.ones(16, 1), None, 32, bits=bits)
+    assert w.shape == (1, 4, 64 + 16 * (bits - 4))
     rec = w[0, k // 8]
-    byte, upper = 4 * r + k % 4, (k % 8) >= 4
-    want = torch.zeros(96, dtype=torch.uint8)
-    want[byte] = 7 << (4 if upper else 0)
-    want[64 + byte % 32] = 2 << (4 * (byte // 32) + 2 * upper)
+    b, u = 4 * r + k % 4, int((k % 8) >= 4)
+    want = torch.zeros(w.shape[2], dtype=torch.uint8)
+    want[b] = 7 << (4 * u)
+    if bits == 6:
+        want[64 + b % 32] = 2 << (4 * (b // 32) + 2 * u)
+    else:
+        want[64 + b % 16] = 1 << (4 * (b // 32) + 2 * u + (b // 16) % 2)
     assert torch.equal(rec, want) and not w[0, [c for c in range(4) if c != k // 8]].any()
     unq, _, _ = cpu_int8.unpack(w, torch.ones(1, 1, 1, 16).half(), 16, 32)
     assert torch.equal(unq, q)

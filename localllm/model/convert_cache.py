@@ -42,8 +42,8 @@ class ConvertCache:
 
     # 5: MoE experts (Int4Experts' stacks or each looped expert) and routers; 6: crc32s; 7: GGUF types
     # beyond Q4_0/Q4_1 on our kernels (Int8wLinear, ConcatLinear of mixed parts), none re-quantized;
-    # 8: K-quant sub-scales and IQ4 indices as the file keeps them, Q4_0 without offsets; 9: 6-bit
-    # values' high bits as 2-bit pairs (were two bit planes)
+    # 8: K-quant sub-scales and IQ4 indices as the file keeps them, Q4_0 without offsets; 9: 5- and 6-bit
+    # values' high bits as shifted bits / 2-bit pairs (were bit planes)
     VERSION = 9
     # this process's writes still under way, by file: a load of the same file waits for its write
     # rather than converting again (a server reloading a model it just evicted)

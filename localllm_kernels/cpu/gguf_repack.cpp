@@ -12,9 +12,8 @@
 //   q4_k_repack -> (w uint8 [N/16, K/8, 64]: cpu_int4's nibbles, value k of row r of a 16-row
 //     block in chunk k/8, byte 4r + k%4, the low nibble for k%8 < 4; records)
 //   k_repack(kind, planes) -> (w: cpu_int8's layout: planes >= 0: [N/16, K/8, 64 + 16 planes],
-//     the nibbles as above then the bits above 4 (planes 1: a 16-byte mask, bit j of byte i: the
-//     value at 8i + j of the chunk's (half, row, k%4) order; planes 2: 32 bytes of 2-bit pairs,
-//     int8_gemm.cpp's layout); planes -1: byte lanes [N/16, K/4, 64], value k of
+//     the nibbles as above then the bits above 4 (planes 1: 16 bytes of shifted bits; planes 2: 32
+//     bytes of 2-bit pairs: int8_gemm.cpp's layouts); planes -1: byte lanes [N/16, K/4, 64], value k of
 //     row r at byte 4r + k%4 of chunk k/4; records). Q5_K takes 1 plane, Q6_K 2, Q3_K and Q2_K
 //     0, or byte lanes; IQ4_XS 0 (its 4-bit codebook indices as they are).
 //   block32_repack(kind, planes) -> (w as k_repack's, the blocks' fp16 d (and m) [N/16, K/32, 1 | 2, 16]):
@@ -167,8 +166,8 @@ inline void record_row(Kind kind, const uint8_t* blk, int64_t i, uint8_t* r) {
 }
 
 // the 16 rows x ld values q (row stride ld) of a block column into the weight layout: `planes` >= 0:
-// chunks of 8 values as nibbles then their bits above 4 (1: a 16-byte mask of bit 4; 2: 32 bytes
-// of 2-bit pairs); -1: byte lanes in chunks of 4
+// chunks of 8 values as nibbles then their bits above 4 (1: 16 bytes of bit 4s; 2: 32 bytes of
+// 2-bit pairs; int8_gemm.cpp's layouts); -1: byte lanes in chunks of 4
 void write_values(const uint8_t* q, int64_t ld, int64_t rows, int planes, uint8_t* dst) {
   if (planes < 0) {
     for (int64_t c = 0; c < ld / 4; ++c, dst += 64)
@@ -193,20 +192,19 @@ void write_values(const uint8_t* q, int64_t ld, int64_t rows, int planes, uint8_
       }
       continue;
     }
-    // bit j of mask byte 8h + i: value f = 8 (8h + i) + j of the chunk's (half, row, k%4) order,
-    // i.e. row 2i + j / 4, k = 8c + 4h + j % 4
-    for (int h = 0; h < 2; ++h)
-      for (int i = 0; i < 8; ++i)
-        for (int p = 0; p < planes; ++p) {
-          uint8_t mask = 0;
-          for (int half_row = 0; half_row < 2; ++half_row) {
-            const int64_t row = 2 * i + half_row;
-            if (row >= rows) break;
-            const uint8_t* v = q + row * ld + 8 * c + 4 * h;
-            for (int t = 0; t < 4; ++t) mask |= ((v[t] >> (4 + p)) & 1) << (4 * half_row + t);
-          }
-          dst[64 + 16 * p + 8 * h + i] = mask;
+    // planes 1: bit 4 of the low / high (u) nibble's value at nibble byte b = 32hh + 16ll + i
+    // (row b / 4, k = 8c + 4u + b % 4) as bit 4hh + 2u + ll of byte i
+    for (int i = 0; i < 16 * planes; ++i) {
+      uint8_t bits = 0;
+      for (int hh = 0; hh < 2; ++hh)
+        for (int ll = 0; ll < 2; ++ll) {
+          const int b = 32 * hh + 16 * ll + i;
+          if (b / 4 >= rows) continue;
+          const uint8_t* v = q + (b / 4) * ld + 8 * c + b % 4;
+          bits |= (((v[0] >> 4) & 1) << (4 * hh + ll)) | (((v[4] >> 4) & 1) << (4 * hh + 2 + ll));
         }
+      dst[64 + i] = bits;
+    }
   }
 }
 

@@ -19,13 +19,17 @@
 //   nibbles and high bits (planes P = 0, 1, 2: values of 4 + P bits): w uint8 [N/16, K/8,
 //      64 + 16P]: per 8 columns c, 64 bytes as int4_gemm's layout (byte 4r + j: q[r, 8c + j] & 15
 //      in its low nibble, q[r, 8c + 4 + j] & 15 in its high one), then the values' bits 4.. :
-//      P = 1: two 64-bit masks whose bit 4r + j is bit 4 of q[r, 8c + j] and of q[r, 8c + 4 + j];
+//      P = 1: 16 bytes; bit 4 of the low (u = 0) or high (u = 1) nibble's value at nibble byte b
+//      is bit 4 (b / 32) + 2u + (b / 16) % 2 of byte b % 16;
 //      P = 2: 32 bytes of 2-bit pairs (q >> 4): byte i holds, from its low bits up, those of the
 //      low and the high nibble value of nibble byte i (rows 0-7), then of nibble byte 32 + i (rows
-//      8-15), so one shift and one AND put them above each half's nibbles. The kernel rebuilds the
-//      byte lanes in registers, so a 5-bit type streams 0.625 bytes a weight and a 6-bit one 0.75,
-//      not 1. (P = 2 was two bit planes: on AVX2, rebuilding bytes from bits cost ~35% of Q6_K's
-//      decode, 7.0 -> 15.1 GB/s on 1 thread with the pairs, 1B shape's 64 Q6_K matrices.)
+//      8-15).
+//      So one shift (per 128-bit lane for P = 1) and one AND put them above each half's nibbles.
+//      The kernel rebuilds the byte lanes in registers, so a 5-bit type streams 0.625 bytes a
+//      weight and a 6-bit one 0.75, not 1. (They were bit planes, one 64-bit mask per bit and
+//      nibble: on AVX2, rebuilding bytes from bits cost ~35% of Q6_K's decode, 1B shape's 64 Q6_K
+//      matrices at batch 1, 11.4 -> 17.1 GB/s on 1 thread with the pairs; Q5_K_M's 72 matrices
+//      13.3 -> 14.7 with the shifted bits.)
 //   sc half or float [N/16, G, S, 16], group size 16 or 32: S = 2: per group 16 scales d, then
 //      16 offsets m, W = d * q + m; S = 1: scales only, W = d * (q - z) (symmetric types).
 //   z: the zero point the kernel centers q by in int32 (exact): 2^(bits-1); with S = 1 it is the
@@ -279,11 +283,7 @@ inline int weight_at(const uint8_t* wb, int planes, int r, int k) {
   const int j = k % 8, bit = 4 * r + j % 4;
   int v = j < 4 ? rec[bit] & 15 : rec[bit] >> 4;
   if (planes == 2) return v | ((rec[64 + bit % 32] >> (4 * (bit / 32) + 2 * (j / 4))) & 3) << 4;
-  for (int p = 0; p < planes; ++p) {
-    uint64_t mask;
-    std::memcpy(&mask, rec + 64 + 16 * p + (j < 4 ? 0 : 8), 8);
-    v |= static_cast<int>((mask >> bit) & 1) << (4 + p);
-  }
+  if (planes == 1) return v | ((rec[64 + bit % 16] >> (4 * (bit / 32) + 2 * (j / 4) + (bit / 16) % 2)) & 1) << 4;
   return v;
 }
 
@@ -328,27 +328,22 @@ void block_rows_generic(int mc, int planes, const uint8_t* w, const typename F::
 
 #if defined(__x86_64__)
 
-// 32 bits -> 32 bytes, 0xFF where the bit is set (byte i: bit i)
-__attribute__((target("avx2"))) inline __m256i bytes_from_bits(uint32_t bits) {
-  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
-                                        3, 3, 3, 3, 3, 3);
-  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
-  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf), sel);
-  return _mm256_cmpeq_epi8(v, sel);
-}
-
 // lo, hi (a record's 64 low- and high-nibble values, rows 0-15) += their bits 4.. from the record
-// (P = 1: a masked add per mask; P = 2: the 2-bit pairs, shifted per half: rows 0-7 take bits 0-1
-// (lo) and 2-3 (hi) of each byte, rows 8-15 bits 4-5 and 6-7)
+// (P = 1: the 16 bytes in each 16-byte lane, a bit per lane and nibble tested into a mask for a
+// masked add; P = 2: the 2-bit pairs, shifted per half: rows 0-7 take bits 0-1 (lo) and 2-3 (hi) of
+// each byte, rows 8-15 bits 4-5 and 6-7)
 template <int PL>
 __attribute__((target("avx512f,avx512bw"))) inline void high_bits_512(const uint8_t* rec, __m512i& lo, __m512i& hi) {
   if constexpr (PL == 1) {
-    uint64_t ml, mh;
-    std::memcpy(&ml, rec + 64, 8);
-    std::memcpy(&mh, rec + 72, 8);
+    const __m512i bits = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 64)));
+    // the bit each 16-byte lane (nibble bytes 16l..16l + 15) takes: lo 0, 1, 4, 5; hi 2, 3, 6, 7
+    const __m512i sel_lo = _mm512_setr_epi32(0x01010101, 0x01010101, 0x01010101, 0x01010101, 0x02020202, 0x02020202,
+                                             0x02020202, 0x02020202, 0x10101010, 0x10101010, 0x10101010, 0x10101010,
+                                             0x20202020, 0x20202020, 0x20202020, 0x20202020);
+    const __m512i sel_hi = _mm512_slli_epi32(sel_lo, 2);
     const __m512i add = _mm512_set1_epi8(16);
-    lo = _mm512_mask_add_epi8(lo, ml, lo, add);
-    hi = _mm512_mask_add_epi8(hi, mh, hi, add);
+    lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(bits, sel_lo), lo, add);
+    hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(bits, sel_hi), hi, add);
   } else if constexpr (PL == 2) {
     const __m512i pairs = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64)));
     const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_setzero_si256(), 1);  // rows 0-7: 4
@@ -361,13 +356,16 @@ __attribute__((target("avx512f,avx512bw"))) inline void high_bits_512(const uint
 // the same for one 8-row half of a record (AVX2): half 0 is rows 0-7
 template <int PL>
 __attribute__((target("avx2"))) inline void high_bits_avx2(const uint8_t* rec, int half, __m256i& lo, __m256i& hi) {
-  if constexpr (PL == 1) {
-    uint32_t bl, bh;
-    std::memcpy(&bl, rec + 64 + 4 * half, 4);
-    std::memcpy(&bh, rec + 72 + 4 * half, 4);
-    const __m256i add = _mm256_set1_epi8(16);
-    lo = _mm256_add_epi8(lo, _mm256_and_si256(bytes_from_bits(bl), add));
-    hi = _mm256_add_epi8(hi, _mm256_and_si256(bytes_from_bits(bh), add));
+  if constexpr (PL == 1) {  // bit 4 (half) + 2u + lane of each byte to bit 4: a shift per 128-bit lane
+    const __m256i bits = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 64)));
+    const __m256i m10 = _mm256_set1_epi8(0x10);
+    if (half == 0) {
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_sllv_epi32(bits, _mm256_setr_epi32(4, 4, 4, 4, 3, 3, 3, 3)), m10));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_sllv_epi32(bits, _mm256_setr_epi32(2, 2, 2, 2, 1, 1, 1, 1)), m10));
+    } else {
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)), m10));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)), m10));
+    }
   } else if constexpr (PL == 2) {
     const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 64));
     const __m256i m30 = _mm256_set1_epi8(0x30);
