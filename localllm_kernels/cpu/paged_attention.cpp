@@ -486,16 +486,11 @@ inline void head_tile(const Problem& P, Scratch& S, int64_t M, int64_t hh, int k
 // lines are in cache when the heads are taken in turn.
 template <typename T>
 inline void touch(const T* const* kp, const T* const* vp, int n, int64_t start, int64_t span) {
-  uint64_t sink = 0;
+  unsigned sink = 0;  // one byte a line (a wider load could pass the span's end: q8_0 rows are 34 bytes a block)
   for (int j = 0; j < n; ++j) {
-    const char* kb = reinterpret_cast<const char*>(kp[j]) + start;
-    const char* vb = reinterpret_cast<const char*>(vp[j]) + start;
-    for (int64_t b = 0; b < span; b += 64) {
-      uint64_t x, y;
-      std::memcpy(&x, kb + b, 8);
-      std::memcpy(&y, vb + b, 8);
-      sink |= x | y;
-    }
+    const unsigned char* kb = reinterpret_cast<const unsigned char*>(kp[j]) + start;
+    const unsigned char* vb = reinterpret_cast<const unsigned char*>(vp[j]) + start;
+    for (int64_t b = 0; b < span; b += 64) sink |= kb[b] | vb[b];
   }
   asm volatile("" : : "r"(sink));  // the loads are kept
 }
