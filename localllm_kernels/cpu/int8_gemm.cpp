@@ -29,7 +29,7 @@
 //      weight and a 6-bit one 0.75, not 1. (They were bit planes, one 64-bit mask per bit and
 //      nibble: on AVX2, rebuilding bytes from bits cost ~35% of Q6_K's decode, 1B shape's 64 Q6_K
 //      matrices at batch 1, 11.4 -> 17.1 GB/s on 1 thread with the pairs; Q5_K_M's 72 matrices
-//      13.3 -> 14.7 with the shifted bits.)
+//      11.7-13.0 -> 14.1-14.2 with the shifted bits.)
 //   sc half or float [N/16, G, S, 16], group size 16 or 32: S = 2: per group 16 scales d, then
 //      16 offsets m, W = d * q + m; S = 1: scales only, W = d * (q - z) (symmetric types).
 //   z: the zero point the kernel centers q by in int32 (exact): 2^(bits-1); with S = 1 it is the
