@@ -2,13 +2,15 @@
 (`localllm_kernels/cpu/gguf_repack.cpp`): build, load, the repacks.
 
 ``q4_0_1(parts, rows, k)``: Q4_0 / Q4_1 parts of a fused layer into cpu_int4's layout.
-``q4_k(blocks)``: the file's Q4_K blocks, uint8 [N, K / 256, 144] -> cpu_int4's (w, scale records),
+``q4_k(blocks, rows)``: the file's Q4_K blocks, uint8 [N, K / 256, 144] -> cpu_int4's (w, scale records),
 what ``cpu_int4.pack_dm`` makes of ``gguf_blocks.decode``'s Q4_K, bit for bit. ``int8(blocks, kind,
 bits)``: Q5_K, Q6_K, Q3_K, Q2_K or IQ4_XS blocks -> cpu_int8's (w, records) for values packed with `bits` (the
 type's own: nibbles and bit planes, IQ4_XS its 4-bit codebook indices; 8: byte lanes), what
 ``cpu_int8.pack`` makes of the decoded blocks; ``block32(blocks, kind, bits)`` the same for
 Q5_0, Q5_1, IQ4_NL and Q8_0. One pass over the file's bytes instead of the
-torch path's several (its expanded values, fp32 products and reorders). Compiled once per machine
+torch path's several (its expanded values, fp32 products and reorders). `rows` (int64, optional):
+the source row of each output row (the parts of a fused layer read into one buffer, q/k reordered
+on the way). Compiled once per machine
 (see cpu_build); without a compiler ``load()`` is False and the loader keeps the torch path.
 Imports only torch.
 """
@@ -59,9 +61,9 @@ def q4_0_1(raws: list[torch.Tensor], rows: torch.Tensor, k: int) -> tuple[torch.
     return torch.ops.localllm.pack_gguf_q4([r.contiguous() for r in raws], rows.to(torch.int64), k)
 
 
-def q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def q4_k(blocks: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K blocks uint8 [N, K / 256, 144] -> (w uint8 [N/16, K/8, 64], records uint8 [N/16, K/256, 320])."""
-    return torch.ops.localllm.q4_k_repack(blocks.contiguous())
+    return torch.ops.localllm.q4_k_repack(blocks.contiguous(), rows)
 
 
 def _planes(kind: str, bits: int) -> int:
@@ -73,19 +75,21 @@ def _planes(kind: str, bits: int) -> int:
     return -1 if bits == 8 else max(bits - 4, 0)  # values of 4 bits or fewer: nibbles alone
 
 
-def int8(blocks: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def int8(blocks: torch.Tensor, kind: str, bits: int, rows: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Q5_K / Q6_K / Q3_K / Q2_K / IQ4_XS blocks uint8 [N, K / 256, block bytes] -> (w, records
     [N/16, K/256, ...]): w [N/16, K/8, 64 + 16 max(bits - 4, 0)] for the type's own `bits` (BITS),
     byte lanes [N/16, K/4, 64] for 8 (not IQ4_XS: its values are codebook indices)."""
     if kind not in INT8_KINDS:
         raise ValueError(f"no int8-lane repack for {kind} (only {', '.join(INT8_KINDS)})")
-    return torch.ops.localllm.k_repack(blocks.contiguous(), kind, _planes(kind, bits))
+    return torch.ops.localllm.k_repack(blocks.contiguous(), kind, _planes(kind, bits), rows)
 
 
-def block32(blocks: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block32(blocks: torch.Tensor, kind: str, bits: int, rows: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Q5_0 / Q5_1 / IQ4_NL / Q8_0 blocks uint8 [N, K / 32, block bytes] -> (w as `int8` lays it out,
     the blocks' fp16 d (and m) [N/16, K/32, 1 | 2, 16]): what cpu_int8.pack makes of the decoded
     blocks where every scale is finite (it keeps fp32 scales otherwise)."""
     if kind not in BLOCK32:
         raise ValueError(f"no 32-value block repack for {kind} (only {', '.join(BLOCK32)})")
-    return torch.ops.localllm.block32_repack(blocks.contiguous(), kind, _planes(kind, bits))
+    return torch.ops.localllm.block32_repack(blocks.contiguous(), kind, _planes(kind, bits), rows)

@@ -308,6 +308,21 @@ def test_first_load_returns_before_its_cache_is_written(tiny_gguf, tmp_path, mon
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
+def test_a_process_that_exits_right_after_its_first_load_still_writes_the_cache(tiny_gguf, tmp_path):
+    """The writer thread outlives load_model: a process that returns at once (a `run` printing a
+    short answer) exits only once the cache file is complete, and the file verifies."""
+    env = {**os.environ, "LOCALLLM_HOME": str(tmp_path)}
+    code = ("import time; from localllm.model import cache_file; from localllm.model.loader import load_model\n"
+            "orphans = cache_file.remove_orphans\n"  # the writer starts late, as a big file's does
+            "cache_file.remove_orphans = lambda *a: (time.sleep(1), orphans(*a))\n"
+            f"load_model({str(tiny_gguf)!r}, 'auto')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    (written,) = (tmp_path / "converted").glob("*.safetensors")
+    assert cache_file.verify(written) is None
+    assert not list((tmp_path / "converted").glob("*.tmp*"))
+
+
 def test_orphaned_temporaries_of_dead_processes_are_removed(tmp_path):
     """A write cut short leaves `save`'s temporary: the next write of that model removes those of
     processes that are gone, and keeps a live process's (it may still be writing)."""

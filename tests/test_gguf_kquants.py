@@ -345,9 +345,9 @@ def test_k_quant_parts_are_repacked_in_one_cpp_pass(mixed_gguf, tmp_path, monkey
 
     calls = []
     q4_k, int8, block32 = cpu_repack.q4_k, cpu_repack.int8, cpu_repack.block32
-    monkeypatch.setattr(cpu_repack, "q4_k", lambda raw: calls.append("Q4_K") or q4_k(raw))
-    monkeypatch.setattr(cpu_repack, "int8", lambda raw, kind, bits: calls.append(kind) or int8(raw, kind, bits))
-    monkeypatch.setattr(cpu_repack, "block32", lambda raw, kind, bits: calls.append(kind) or block32(raw, kind, bits))
+    monkeypatch.setattr(cpu_repack, "q4_k", lambda raw, rows: calls.append("Q4_K") or q4_k(raw, rows))
+    monkeypatch.setattr(cpu_repack, "int8", lambda raw, kind, *a: calls.append(kind) or int8(raw, kind, *a))
+    monkeypatch.setattr(cpu_repack, "block32", lambda raw, kind, *a: calls.append(kind) or block32(raw, kind, *a))
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "fast"))
     fast = load_model(mixed_gguf, "auto")
     assert sorted(set(calls)) == ["IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"]

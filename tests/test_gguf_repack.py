@@ -4,6 +4,8 @@ cpu_int8.pack): the same bytes for every shape class (rows a multiple of 16 or n
 several super-blocks, each layout a type has), on blocks of random bytes with finite fp16 scales.
 tests/test_gguf_kquants.py checks the loader takes it."""
 
+import functools
+
 import pytest
 import torch
 
@@ -93,6 +95,31 @@ def test_32_value_block_repacks_equal_the_torch_path(kind, bits, n, s):
     got = cpu_repack.block32(raw, kind, bits)
     assert want[1].dtype == torch.float16 and all(torch.equal(a, c) for a, c in zip(got, want))
     assert cpu_repack.ZERO[kind] == b.zero
+
+
+@pytest.mark.parametrize("kind,bits", [("Q4_K", 4), ("Q6_K", 6), ("Q5_K", 8), ("IQ4_XS", 4), ("Q5_0", 5), ("Q8_0", 8)])
+@pytest.mark.parametrize("order", ["reversed", "subset of 40", "repeated"])
+def test_repacks_take_rows_in_the_order_given(kind, bits, order):
+    """`rows` (the loader's q/k order over a fused layer's parts read side by side) gives what the
+    repack of the rows gathered first gives, partial last blocks zero-padded; the outputs are
+    fully written (left unzeroed where the rows fill whole blocks: reused memory must not show)."""
+    raw = blocks(kind, 48, 6 if kind in cpu_repack.BLOCK32 else 2, 11)
+    rows = {"reversed": torch.arange(47, -1, -1), "subset of 40": torch.randperm(48)[:40],
+            "repeated": torch.tensor([3, 3, 17, 0] * 8)}[order]
+    if kind == "Q4_K":
+        fn = cpu_repack.q4_k
+    else:
+        fn = functools.partial(cpu_repack.block32 if kind in cpu_repack.BLOCK32 else cpu_repack.int8, kind=kind,
+                               bits=bits)
+    want = fn(raw[rows].contiguous())
+    for _ in range(3):
+        del want
+        torch.full((1 << 16,), 255, dtype=torch.uint8).add_(1)  # leave dirty memory behind
+        want = fn(raw[rows].contiguous())
+        got = fn(raw, rows=rows)
+        assert all(torch.equal(a, c) for a, c in zip(got, want))
+    with pytest.raises(RuntimeError, match="row 48 is outside the 48 rows given"):
+        fn(raw, rows=torch.tensor([0, 48]))
 
 
 def test_repack_refuses_what_it_does_not_take():

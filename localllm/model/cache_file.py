@@ -91,14 +91,15 @@ def verify(path: Path, threads: int = 1) -> str | None:
     return check.wait()
 
 
-def save(tensors: dict[str, torch.Tensor], path: Path, threads: int = 1) -> None:
+def save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Write `tensors` to `path` with their crc32s, durably and atomically (a crash leaves the old
-    file or none, never part of this one)."""
+    file or none, never part of this one). The sums are taken in the calling thread: a pool made by
+    a background writer once the main thread has returned (a `run` that printed its answer) is
+    refused by an interpreter shutting down, and the file was lost."""
     from safetensors.torch import save_file
 
     tensors = {k: v.contiguous() for k, v in tensors.items()}
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        sums = dict(zip(tensors, pool.map(crc, tensors, tensors.values())))
+    sums = {k: crc(k, v) for k, v in tensors.items()}
     tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")  # two loads in one process too
     try:
         save_file(tensors, str(tmp), metadata={KEY: json.dumps(sums)})

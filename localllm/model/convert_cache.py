@@ -181,7 +181,7 @@ class ConvertCache:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             cache_file.remove_orphans(self.path.parent, f"{self.stem}-")
-            cache_file.save(self.tensors, self.path, 1)  # one crc thread: the model's first steps run beside it
+            cache_file.save(self.tensors, self.path)
             for old in self.path.parent.glob(f"{self.stem}-*.safetensors"):  # stale versions of this file
                 if old != self.path:
                     old.unlink(missing_ok=True)

@@ -84,13 +84,16 @@ class GGUFFile:
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
 
-    def read(self, t: GGUFTensor) -> np.ndarray:
+    def read(self, t: GGUFTensor, into: np.ndarray | None = None) -> np.ndarray:
         """A copy of the tensor's bytes (uint8, shaped as `t.data`), read with pread rather than
         through the map: pages touched through the map count in this process's RSS, and each
         fault maps a large neighbourhood (reading the 61 small norms of the 135M model through
-        it left 25 MB of unrelated layers mapped)."""
-        buf = np.empty(t.nbytes, dtype=np.uint8)  # writable, so torch.from_numpy takes it as is
-        view, done = memoryview(buf), 0
+        it left 25 MB of unrelated layers mapped). `into`: a uint8 buffer of `t.nbytes` to read
+        into (the parts of a fused layer side by side)."""
+        buf = np.empty(t.nbytes, dtype=np.uint8) if into is None else into  # writable: torch takes it as is
+        if buf.dtype != np.uint8 or buf.size != t.nbytes or not buf.flags.c_contiguous:
+            raise ValueError(f"reading {t.name}: a contiguous uint8 buffer of {t.nbytes} bytes is needed")
+        view, done = memoryview(buf.reshape(-1)), 0
         with open(self.path, "rb") as f:
             while done < t.nbytes:  # one read returns at most ~2 GiB
                 n = os.preadv(f.fileno(), [view[done:]], t.offset + done)

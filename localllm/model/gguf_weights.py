@@ -160,14 +160,31 @@ class GGUFWeights:
         block bytes] (read, not viewed through the map: they are repacked, and mapped pages would
         stay in our RSS, a whole MoE file's), with the row order `int4` applies (q/k into
         rotate_half order; None: as stored); None for other types."""
-        t = self._tensor(name)
-        kind = t.qtype.name
-        if kind not in kinds or not gguf_blocks.supported(kind) or len(t.shape) != 2:
+        return self.stacked_blocks([name], kinds)
+
+    def stacked_blocks(self, names: list[str], kinds: tuple[str, ...]
+                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """raw_blocks of the parts `names` of a fused layer, read side by side into one buffer
+        (uint8 [N_1 + N_2 + ..., K / block values, block bytes]), and the row order `int4` applies
+        over the stack (None: as stored); None where a part's type is not one of `kinds` or the
+        parts differ in type or width."""
+        ts = [self._tensor(n) for n in names]
+        kind = ts[0].qtype.name
+        if (kind not in kinds or not gguf_blocks.supported(kind) or any(len(t.shape) != 2 for t in ts)
+                or any(t.qtype.name != kind or t.shape[1] != ts[0].shape[1] for t in ts)):
             return None
-        n, k = t.shape
-        blocks = torch.from_numpy(self.file.read(t)).view(n, k // gguf_blocks.BLOCK_VALUES[kind],
-                                                           gguf_blocks.BLOCK_BYTES[kind])
-        return blocks, self._perm(name)
+        k = ts[0].shape[1]
+        buf = np.empty(sum(t.nbytes for t in ts), dtype=np.uint8)
+        off, order, perms = 0, [], False
+        for name, t in zip(names, ts):
+            self.file.read(t, buf[off:off + t.nbytes])
+            perm = self._perm(name)
+            perms |= perm is not None
+            first = sum(len(o) for o in order)
+            order.append((torch.arange(t.shape[0]) if perm is None else perm) + first)
+            off += t.nbytes
+        blocks = torch.from_numpy(buf).view(-1, k // gguf_blocks.BLOCK_VALUES[kind], gguf_blocks.BLOCK_BYTES[kind])
+        return blocks, torch.cat(order) if perms else None
 
     def kind(self, name: str) -> str:
         """The GGUF type `name` is stored in ("Q4_K", "F16", ...)."""

@@ -139,32 +139,30 @@ def _gguf_repacked_linear(weights: GGUFWeights, names: list[str], kernel: str,
                           bias: torch.Tensor | None) -> nn.Module | None:
     """Parts all Q4_K (on the int4 kernel) or all of one of cpu_repack's other types (int8-lane)
     repacked from the file's blocks in one C++ pass (localllm_kernels.cpu_repack: the torch path's bytes;
-    that path took ~6 of a 1B Q4_K_M file's 9.8 s first load); None where the parts, their
-    shapes or the kernel do not allow it."""
+    that path took ~6 of a 1B Q4_K_M file's 9.8 s first load), the parts read side by side and
+    reordered by the repack itself (no concatenated or gathered copy); None where the parts or
+    the kernel do not allow it."""
     from localllm_kernels import cpu_int8, cpu_repack
 
     kinds = {weights.kind(n) for n in names}
     kind = kinds.pop() if len(kinds) == 1 else None
     if not ((kind == "Q4_K" and kernel == "int4") or (kind in cpu_repack.KINDS[1:] and kernel == "int8")):
         return None
-    parts = [weights.raw_blocks(n, cpu_repack.KINDS) for n in names]
-    # a 16-row block of the layout must not straddle two parts
-    if any(p is None or p[0].shape[0] % 16 for p in parts) or not cpu_repack.load():
+    stacked = weights.stacked_blocks(names, cpu_repack.KINDS)
+    if stacked is None or not cpu_repack.load():
         return None
-    raws = [raw if perm is None else raw[perm] for raw, perm in parts]
-    n = sum(r.shape[0] for r in raws)
+    raw, rows = stacked
+    n = raw.shape[0]
     bits = cpu_int8.preferred_bits(cpu_repack.BITS.get(kind, 4))
     if kind == "Q4_K":
-        packed = [cpu_repack.q4_k(r) for r in raws]
-    elif kind in cpu_repack.BLOCK32:
-        packed = [cpu_repack.block32(r, kind, bits) for r in raws]
-        if not all(torch.isfinite(sc).all() for _, sc in packed):  # the torch path keeps fp32 scales then
+        qw, qsc = cpu_repack.q4_k(raw, rows)
+        return Int4Linear.from_kernel_tensors({"qw": qw, "qsc": qsc}, n, 32, bias)
+    if kind in cpu_repack.BLOCK32:
+        qw, qsc = cpu_repack.block32(raw, kind, bits, rows)
+        if not torch.isfinite(qsc).all():  # the torch path keeps fp32 scales then
             return None
     else:
-        packed = [cpu_repack.int8(r, kind, bits) for r in raws]
-    qw, qsc = (torch.cat([p[i] for p in packed]) for i in (0, 1))
-    if kind == "Q4_K":
-        return Int4Linear.from_kernel_tensors({"qw": qw, "qsc": qsc}, n, 32, bias)
+        qw, qsc = cpu_repack.int8(raw, kind, bits, rows)
     return Int8wLinear(qw, qsc, n, gguf_blocks.GROUP[kind], cpu_repack.ZERO[kind], bias)
 
 
@@ -452,8 +450,6 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
                   softcap=cfg.final_logit_softcap, read_rows=read_rows)
     if cache and not cache.intact():  # the layers hold a damaged file's tensors: convert anew
         return _load_model(path, precision, device, max_model_len, fast_head, cpu_kernels, mmproj)
-    if cache:
-        cache.save()  # in the background
     # which int4 kernel(s) the layers call (also inside ConcatLinear): a compiled graph bakes it in
     kinds = {m.kind for part in (*layers, head) for m in part.modules()
              if isinstance(m, (Int4Linear, Int8wLinear, W16Linear))}
@@ -461,6 +457,8 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
     fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device, kernel,
                                       type(head_w).__name__)
     model = LlamaModel(cfg, embed, layers, final_norm, head, act_dtype, max_len, device, fingerprint, origin)
+    if cache:
+        cache.save()  # in the background
     eos = set(tokenizer.eos_ids) | weights.extra_eos_ids()
     desc = mode
     if mode == "int4" and device == "cpu":

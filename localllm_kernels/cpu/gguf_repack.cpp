@@ -7,7 +7,9 @@
 // once, bit-identical to that path (tests/test_gguf_repack.py compares them).
 //
 // In: blocks uint8 [N, K / values a block, block bytes], ggml-quants.c's block_* structs.
-// (Q3_K, Q2_K: their 3- and 2-bit values held as nibbles, as the torch path holds them.)
+// (Q3_K, Q2_K: their 3- and 2-bit values held as nibbles, as the torch path holds them.) With
+// `rows` (int64 [N'], optional): output row r is block row rows[r] (q/k's rotate_half order over
+// the parts of a fused layer, read into one buffer: no gathered or concatenated copy at load).
 // Out (rows past N are zeros, to a multiple of 16):
 //   q4_k_repack -> (w uint8 [N/16, K/8, 64]: cpu_int4's nibbles, value k of row r of a 16-row
 //     block in chunk k/8, byte 4r + k%4, the low nibble for k%8 < 4; records)
@@ -31,6 +33,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -97,6 +100,28 @@ inline void iq4_xs_values(const uint8_t* blk, uint8_t* q) {
 void check_blocks(const at::Tensor& b, int64_t bytes, const char* what) {
   TORCH_CHECK(b.dim() == 3 && b.scalar_type() == at::kByte && b.is_contiguous() && b.size(2) == bytes, what,
               ": blocks must be contiguous uint8 [N, K / 256, ", bytes, "]");
+}
+
+// the source row of each output row: `rows` checked against the blocks' N, or 0..N-1 (empty)
+std::vector<int64_t> row_order(const at::Tensor& blocks, const std::optional<at::Tensor>& rows, const char* what) {
+  const int64_t n = blocks.size(0);
+  if (!rows.has_value()) {
+    std::vector<int64_t> order(n);
+    for (int64_t i = 0; i < n; ++i) order[i] = i;
+    return order;
+  }
+  const at::Tensor r = rows->contiguous();
+  TORCH_CHECK(r.dim() == 1 && r.scalar_type() == at::kLong, what, ": rows must be int64 [N]");
+  const int64_t* p = r.data_ptr<int64_t>();
+  std::vector<int64_t> order(p, p + r.size(0));
+  for (int64_t v : order) TORCH_CHECK(v >= 0 && v < n, what, ": row ", v, " is outside the ", n, " rows given");
+  return order;
+}
+
+// zeros where a last 16-row block is partial (its missing rows must read as zeros); else every
+// byte is written by the repack, and zeroing first was a second pass over ~the file's size
+at::Tensor output(at::IntArrayRef shape, int64_t n, const at::TensorOptions& options) {
+  return n % kRows ? at::zeros(shape, options) : at::empty(shape, options);
 }
 
 // the nibbles of a 16-row block's chunk c (values 8c..8c+7 of each row's q) into dst[64]
@@ -212,15 +237,15 @@ void write_values(const uint8_t* q, int64_t ld, int64_t rows, int planes, uint8_
 // on the stack: inside repack's lambda, reaching everything through the captured references, the
 // same loops ran 1.15-1.2x slower (1B Q4_K_M shape, gate and down, 2 threads, the two builds in
 // one process: 0.37-0.39 -> 0.31-0.32 s).
-void repack_blocks(const uint8_t* src, int64_t N, int64_t S, Kind kind, int planes, int64_t chunk_bytes, int64_t b0,
-                   int64_t b1, uint8_t* wp, uint8_t* rp) {
+void repack_blocks(const uint8_t* src, const int64_t* order, int64_t N, int64_t S, Kind kind, int planes,
+                   int64_t chunk_bytes, int64_t b0, int64_t b1, uint8_t* wp, uint8_t* rp) {
   const Spec sp = spec(kind);
   uint8_t q[kRows * 256];
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t rows = std::min(kRows, N - b * kRows);
     for (int64_t s = 0; s < S; ++s) {
       for (int64_t i = 0; i < rows; ++i) {
-        const uint8_t* blk = src + ((b * kRows + i) * S + s) * sp.block;
+        const uint8_t* blk = src + (order[b * kRows + i] * S + s) * sp.block;
         record_row(kind, blk, i, rp + (b * S + s) * sp.record);
         uint8_t* qi = q + i * 256;
         if (kind == kQ6K) q6_k_values(blk, qi);
@@ -234,28 +259,31 @@ void repack_blocks(const uint8_t* src, int64_t N, int64_t S, Kind kind, int plan
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& blocks, Kind kind, int planes, const char* what) {
+std::tuple<at::Tensor, at::Tensor> repack(const at::Tensor& blocks, const std::optional<at::Tensor>& rows, Kind kind,
+                                          int planes, const char* what) {
   const Spec sp = spec(kind);
   check_blocks(blocks, sp.block, what);
-  const int64_t N = blocks.size(0), S = blocks.size(1), K = S * 256, nb = (N + kRows - 1) / kRows;
+  const std::vector<int64_t> order = row_order(blocks, rows, what);
+  const int64_t N = static_cast<int64_t>(order.size()), S = blocks.size(1), K = S * 256, nb = (N + kRows - 1) / kRows;
   const int64_t chunk_bytes = planes < 0 ? 64 * 64 : 32 * (64 + 16 * planes);  // one super-block's
-  at::Tensor w = at::zeros({nb, S * chunk_bytes}, blocks.options());
-  at::Tensor rec = at::zeros({nb, S, sp.record}, blocks.options());
+  at::Tensor w = output({nb, S * chunk_bytes}, N, blocks.options());
+  at::Tensor rec = output({nb, S, sp.record}, N, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* rp = rec.data_ptr<uint8_t>();
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    repack_blocks(src, N, S, kind, planes, chunk_bytes, b0, b1, wp, rp);
+    repack_blocks(src, order.data(), N, S, kind, planes, chunk_bytes, b0, b1, wp, rp);
   });
   const int64_t record = planes < 0 ? 64 : 64 + 16 * planes;
   return {w.view({nb, K / (planes < 0 ? 4 : 8), record}), rec};
 }
 
-std::tuple<at::Tensor, at::Tensor> q4_k_repack(const at::Tensor& blocks) {
-  return repack(blocks, kQ4K, 0, "q4_k_repack");
+std::tuple<at::Tensor, at::Tensor> q4_k_repack(const at::Tensor& blocks, const std::optional<at::Tensor>& rows) {
+  return repack(blocks, rows, kQ4K, 0, "q4_k_repack");
 }
 
-std::tuple<at::Tensor, at::Tensor> k_repack(const at::Tensor& blocks, const std::string& kind, int64_t planes) {
+std::tuple<at::Tensor, at::Tensor> k_repack(const at::Tensor& blocks, const std::string& kind, int64_t planes,
+                                            const std::optional<at::Tensor>& rows) {
   const Kind k = kind == "Q5_K" ? kQ5K : kind == "Q6_K" ? kQ6K : kind == "Q3_K" ? kQ3K : kind == "Q2_K" ? kQ2K : kIQ4XS;
   TORCH_CHECK(kind == "Q5_K" || kind == "Q6_K" || kind == "Q3_K" || kind == "Q2_K" || kind == "IQ4_XS",
               "k_repack: kind must be Q5_K, Q6_K, Q3_K, Q2_K or IQ4_XS, got ", kind);
@@ -263,7 +291,7 @@ std::tuple<at::Tensor, at::Tensor> k_repack(const at::Tensor& blocks, const std:
   // IQ4_XS's nibbles are codebook indices: no byte-lane form
   TORCH_CHECK(planes == own || (planes == -1 && k != kIQ4XS), "k_repack: ", kind, " packs with ", own, " bit planes",
               k != kIQ4XS ? " or in byte lanes (-1)" : "", ", got ", planes);
-  return repack(blocks, k, static_cast<int>(planes), "k_repack");
+  return repack(blocks, rows, k, static_cast<int>(planes), "k_repack");
 }
 
 // the 32-value block types: d (and m) fp16 first, then Q5_0 / Q5_1: the fifth bits as a 32-bit
@@ -298,16 +326,18 @@ inline void block32_values(const uint8_t* blk, const Block32& t, uint8_t* q) {
 // Q5_0, Q5_1, IQ4_NL or Q8_0 blocks [N, K / 32, bytes] -> cpu_int8's layout (`planes`: the type's
 // own, or -1 for byte lanes where the values are not codebook indices) and the blocks' fp16
 // scales [N/16, K/32, 1 | 2, 16]
-std::tuple<at::Tensor, at::Tensor> block32_repack(const at::Tensor& blocks, const std::string& kind, int64_t planes) {
+std::tuple<at::Tensor, at::Tensor> block32_repack(const at::Tensor& blocks, const std::string& kind, int64_t planes,
+                                                  const std::optional<at::Tensor>& rows) {
   const Block32 t = block32(kind);
   TORCH_CHECK(planes == t.planes || (planes == -1 && kind != "IQ4_NL"), "block32_repack: ", kind, " packs with ",
               t.planes, " bit planes", kind != "IQ4_NL" ? " or in byte lanes (-1)" : "", ", got ", planes);
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
               blocks.size(2) == t.bytes, "block32_repack: blocks must be contiguous uint8 [N, K / 32, ", t.bytes, "]");
-  const int64_t N = blocks.size(0), G = blocks.size(1), K = G * 32, nb = (N + kRows - 1) / kRows;
+  const std::vector<int64_t> order = row_order(blocks, rows, "block32_repack");
+  const int64_t N = static_cast<int64_t>(order.size()), G = blocks.size(1), K = G * 32, nb = (N + kRows - 1) / kRows;
   const int64_t record = planes < 0 ? 64 : 64 + 16 * planes, group_bytes = planes < 0 ? 8 * 64 : 4 * record;
-  at::Tensor w = at::zeros({nb, K / (planes < 0 ? 4 : 8), record}, blocks.options());
-  at::Tensor sc = at::zeros({nb, G, t.scales, kRows}, blocks.options().dtype(at::kHalf));
+  at::Tensor w = output({nb, K / (planes < 0 ? 4 : 8), record}, N, blocks.options());
+  at::Tensor sc = output({nb, G, t.scales, kRows}, N, blocks.options().dtype(at::kHalf));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* sp = reinterpret_cast<uint8_t*>(sc.data_ptr<at::Half>());
@@ -317,7 +347,7 @@ std::tuple<at::Tensor, at::Tensor> block32_repack(const at::Tensor& blocks, cons
       const int64_t rows = std::min(kRows, N - b * kRows);
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t r = 0; r < rows; ++r) {
-          const uint8_t* blk = src + ((b * kRows + r) * G + g) * t.bytes;
+          const uint8_t* blk = src + (order[b * kRows + r] * G + g) * t.bytes;
           for (int j = 0; j < t.scales; ++j) std::memcpy(sp + (((b * G + g) * t.scales + j) * kRows + r) * 2, blk + 2 * j, 2);
           block32_values(blk, t, q + r * 32);
         }
@@ -401,9 +431,9 @@ std::tuple<at::Tensor, at::Tensor> pack_gguf_q4(at::TensorList raws, const at::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
-  m.def("q4_k_repack(Tensor blocks) -> (Tensor, Tensor)");
-  m.def("k_repack(Tensor blocks, str kind, int planes) -> (Tensor, Tensor)");
-  m.def("block32_repack(Tensor blocks, str kind, int planes) -> (Tensor, Tensor)");
+  m.def("q4_k_repack(Tensor blocks, Tensor? rows=None) -> (Tensor, Tensor)");
+  m.def("k_repack(Tensor blocks, str kind, int planes, Tensor? rows=None) -> (Tensor, Tensor)");
+  m.def("block32_repack(Tensor blocks, str kind, int planes, Tensor? rows=None) -> (Tensor, Tensor)");
   m.def("pack_gguf_q4(Tensor[] raws, Tensor rows, int K) -> (Tensor, Tensor)");
 }
 
