@@ -35,6 +35,10 @@ KvTypeOpt = Annotated[str, typer.Option("--kv-type", help="KV cache type: auto|f
                                         "of f16; auto: f16 for quantized or 16-bit weights on CPU, f32 for fp32 "
                                         "weights).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).")]
+ActBitsOpt = Annotated[int, typer.Option("--act-bits", help="Activations inside the CPU int4 / int8 weight kernels: "
+                                         "16 (default, about bf16's error squared) or 8 (llama.cpp's way: ~1.7x "
+                                         "faster prompt processing, slightly different numbers; see BENCHMARKS.md "
+                                         "for its perplexity cost).")]
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 DraftOpt = Annotated[Optional[str], typer.Option("--draft", help="Speculative decoding: a draft MODEL, 'ngram' "
                                                                  "(prompt lookup) or 'auto' (the registry's pairing).")]
@@ -108,10 +112,12 @@ def check_kv_type(kv_type: str) -> None:
 def engine_config(ctx: int | None = None, kv_memory: str | None = None, kv_type: str = "auto",
                   threads: int | None = None,
                   draft: str | None = None, spec_tokens: int = 4, enforce_eager: bool = False, device: str = "auto",
-                  **kw):
+                  act_bits: int = 16, **kw):
     from .config import EngineConfig
 
     check_kv_type(kv_type)
+    if act_bits not in (8, 16):
+        raise fail(f"invalid value for --act-bits: 8 or 16, got {act_bits}", 2)
     if not 1 <= spec_tokens <= 16:
         raise fail(f"invalid value for --spec-tokens: must be in 1..16, got {spec_tokens}", 2)
     if threads is not None and threads < 1:
@@ -121,7 +127,7 @@ def engine_config(ctx: int | None = None, kv_memory: str | None = None, kv_type:
     kv_bytes = parse_memory(kv_memory, "--kv-memory")
     check_memory(device, **{"--kv-memory": kv_bytes})
     return EngineConfig(max_model_len=ctx, kv_memory_bytes=kv_bytes, kv_type=kv_type, num_threads=threads,
-                        speculative=draft,
+                        speculative=draft, act_bits=act_bits,
                         num_speculative_tokens=spec_tokens, compile=not enforce_eager, **kw)
 
 
@@ -241,6 +247,7 @@ def run(
     ctx: CtxOpt = None,
     kv_memory: KvMemOpt = None,
     kv_type: KvTypeOpt = "auto",
+    act_bits: ActBitsOpt = 16,
     threads: ThreadsOpt = None,
     draft: DraftOpt = None,
     spec_tokens: SpecTokensOpt = 4,
@@ -289,8 +296,8 @@ def run(
                              min_p=min_p, repetition_penalty=repeat_penalty, seed=seed, stop=stop or [],
                              constraint=constraint)
     # a one-shot run exits long before a build could pay off: it queues one only when asked
-    config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device, parallel=1,
-                           background_build=build, mmproj=mmproj)
+    config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device, act_bits,
+                           parallel=1, background_build=build, mmproj=mmproj)
     engine = open_engine(model, quant, device, config, max_gib)
     content = _with_images(engine, prompt, list(image or []), raw, allow_image_urls)
     if raw:
@@ -585,6 +592,7 @@ def serve(
     ctx: CtxOpt = None,
     kv_memory: KvMemOpt = None,
     kv_type: KvTypeOpt = "auto",
+    act_bits: ActBitsOpt = 16,
     threads: ThreadsOpt = None,
     draft: DraftOpt = None,
     spec_tokens: SpecTokensOpt = 4,
@@ -658,7 +666,7 @@ def serve(
     if model is None:
         _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx,
                    kv_memory, threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts,
-                   kv_type, image_urls)
+                   kv_type, image_urls, act_bits)
     try:  # name mistakes fail now, not after the server started
         ref = resolve_model(model)
     except ValueError as e:
@@ -673,8 +681,10 @@ def serve(
         aliases += [Path(ref.name).name, Path(ref.name).stem]
     if mmproj and model is None:
         raise fail("--mmproj goes with a MODEL (the GGUF whose vision tower it holds)", 2)
-    config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device,
+    config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device, act_bits,
                            max_num_seqs=max_num_seqs, parallel=parallel, mmproj=mmproj)
+    if engine == "vllm" and act_bits != 16:
+        raise fail("--act-bits sets our CPU kernels; --engine vllm runs vLLM's", 2)
     cfg = ServerConfig(api_key, list(cors_origin or []), max_queue, int(max_body_mb * (1 << 20)),
                        bind_host=host, allowed_hosts=hosts, image_urls=image_urls)
     if engine == "vllm":
@@ -849,7 +859,7 @@ def _has_cuda() -> bool:
 
 def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parallel, quant, device, ctx, kv_memory,
                threads, draft, spec_tokens, enforce_eager, log_level, max_body_mb, mem, keep, hosts,
-               kv_type, image_urls) -> None:
+               kv_type, image_urls, act_bits) -> None:
     """`serve` without MODEL: every local model, loaded on demand (server/pool.py)."""
     from .planner import normalize_quant
     from .server.app import create_app
@@ -863,7 +873,7 @@ def _serve_all(host, port, api_key, cors_origin, max_queue, max_num_seqs, parall
         raise fail(str(e), 2) from None
     if draft is not None:
         raise fail("--draft needs a MODEL: the draft pairing is per model", 2)
-    config = engine_config(ctx, kv_memory, kv_type, threads, None, spec_tokens, enforce_eager, device,
+    config = engine_config(ctx, kv_memory, kv_type, threads, None, spec_tokens, enforce_eager, device, act_bits,
                            max_num_seqs=max_num_seqs, parallel=parallel)
     def log(message: str) -> None:
         typer.echo(message, err=True)
@@ -1085,6 +1095,7 @@ def chat(
     ctx: CtxOpt = None,
     kv_memory: KvMemOpt = None,
     kv_type: KvTypeOpt = "auto",
+    act_bits: ActBitsOpt = 16,
     threads: ThreadsOpt = None,
     draft: DraftOpt = None,
     spec_tokens: SpecTokensOpt = 4,
@@ -1101,8 +1112,8 @@ def chat(
     from .repl import ChatSession, history_path, run_pipe, run_repl
 
     sampling_params(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device, parallel=1,
-                           mmproj=mmproj)
+    config = engine_config(ctx, kv_memory, kv_type, threads, draft, spec_tokens, enforce_eager, device, act_bits,
+                           parallel=1, mmproj=mmproj)
     engine = open_engine(model, quant, device, config)
     name = engine.loaded.name or model or ""
     interactive = sys.stdin.isatty()

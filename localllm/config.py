@@ -510,6 +510,9 @@ class EngineConfig:
     # the KV cache's element type (--kv-type, llama.cpp's -ctk/-ctv names): "auto" is the loader's
     # choice for the weights; "q8_0" the 8-bit cache (blocks of 32 int8 and an fp16 scale)
     kv_type: str = "auto"
+    # the activations' width inside the int4 / int8-lane CPU kernels (--act-bits): 16 by default
+    # (our quality rule), 8 the opt-in speed mode (llama.cpp's way; runs the eager one-call step)
+    act_bits: int = 16
     # llama.cpp's mmproj file (vision tower) for a GGUF text model (--mmproj); None: the
     # mmproj*.gguf beside the model file, when one is there
     mmproj: str | None = None
@@ -522,3 +525,5 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer or None, got {v!r}")
         if self.kv_type != "auto" and self.kv_type not in KV_TYPE_BYTES:
             raise ValueError(f"unknown KV cache type {self.kv_type!r}; choose from auto, {', '.join(KV_TYPE_BYTES)}")
+        if self.act_bits not in (8, 16):
+            raise ValueError(f"EngineConfig.act_bits must be 8 or 16, got {self.act_bits!r}")

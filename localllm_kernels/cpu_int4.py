@@ -72,7 +72,7 @@ def load() -> bool:
         return False
 
     @torch.library.register_fake("localllm::int4_gemm")
-    def _(x, w, scales, group_size):  # shapes for torch.export
+    def _(x, w, scales, group_size, parts=2):  # shapes for torch.export
         return x.new_empty(x.shape[0], w.shape[0] * ROWS)
 
     @torch.library.register_fake("localllm::moe_int4")
@@ -143,6 +143,7 @@ def unpack(w: torch.Tensor, sc: torch.Tensor, n: int) -> tuple[torch.Tensor, tor
     return q, s[..., 0], (s[..., 1] if sc.shape[2] == 2 else -8.0 * s[..., 0])
 
 
-def int4_gemm(x: torch.Tensor, w: torch.Tensor, sc: torch.Tensor, group_size: int) -> torch.Tensor:
-    """fp32 x [M, K] @ W.T -> fp32 [M, N padded to 16]."""
-    return torch.ops.localllm.int4_gemm(x, w, sc, group_size)
+def int4_gemm(x: torch.Tensor, w: torch.Tensor, sc: torch.Tensor, group_size: int, parts: int = 2) -> torch.Tensor:
+    """fp32 x [M, K] @ W.T -> fp32 [M, N padded to 16]; parts: the activations' int8 parts (2: ~16
+    bits, 1: 8 bits)."""
+    return torch.ops.localllm.int4_gemm(x, w, sc, group_size, parts)

@@ -49,7 +49,7 @@ def load() -> bool:
         return False
 
     @torch.library.register_fake("localllm::int8w_gemm")
-    def _(x, w, scales, group_size, zero):  # shapes for torch.export
+    def _(x, w, scales, group_size, zero, parts=2):  # shapes for torch.export
         return x.new_empty(x.shape[0], w.shape[0] * ROWS)
 
     return True
@@ -185,6 +185,7 @@ def isa() -> str:
     return torch.ops.localllm.int8w_isa()
 
 
-def int8w_gemm(x: torch.Tensor, w: torch.Tensor, sc: torch.Tensor, group_size: int, zero: int) -> torch.Tensor:
-    """fp32 x [M, K] @ W.T -> fp32 [M, N padded to 16]."""
-    return torch.ops.localllm.int8w_gemm(x, w, sc, group_size, zero)
+def int8w_gemm(x: torch.Tensor, w: torch.Tensor, sc: torch.Tensor, group_size: int, zero: int,
+               parts: int = 2) -> torch.Tensor:
+    """fp32 x [M, K] @ W.T -> fp32 [M, N padded to 16]; parts as cpu_int4.int4_gemm's."""
+    return torch.ops.localllm.int8w_gemm(x, w, sc, group_size, zero, parts)

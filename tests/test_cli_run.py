@@ -123,6 +123,34 @@ def test_enforce_eager_reaches_the_engine_config(monkeypatch):
     assert seen == [True, False, False]
 
 
+def test_act_bits_8_answers_and_other_widths_are_refused():
+    """--act-bits 8 (the opt-in 8-bit activations in the CPU kernels) runs the default model to its
+    answer; a width the kernels do not have is refused, naming the flag."""
+    r = run(["run", "--act-bits", "8", "--temperature", "0", "-v"], stdin="What is the capital of France?\n")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    r = run(["run", "--act-bits", "4", "hi"])
+    assert r.returncode == 2 and "--act-bits" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_act_bits_reach_the_engine_config(monkeypatch):
+    """run, chat and serve pass --act-bits down in EngineConfig (16 when not given)."""
+    from typer.testing import CliRunner
+
+    import localllm.cli as cli
+
+    seen = []
+
+    def fake_open(model, quant, device, config, max_memory=None):
+        seen.append(config.act_bits)
+        raise SystemExit(3)
+
+    monkeypatch.setattr(cli, "open_engine", fake_open)
+    for args in (["run", "hi"], ["run", "--act-bits", "8", "hi"], ["chat", "--act-bits", "8"]):
+        assert CliRunner().invoke(cli.app, args, input="").exit_code == 3
+    assert seen == [16, 8, 8]
+
+
 def test_gc_is_off_while_loading_and_back_once_the_engine_is_built(monkeypatch):
     """run/chat/serve start with the cyclic GC off (a faster cold start) and turn it back on, with
     the startup objects frozen, when the engine is built, or fails to build."""

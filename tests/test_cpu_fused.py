@@ -146,11 +146,11 @@ def test_bad_inputs_are_refused_with_the_reason():
                                         torch.tensor([1]), 64, 1.0)
 
     with pytest.raises(RuntimeError, match=r"weights must be 2 norms \(4 with q/k norms\) and 3 tensors per linear part"):
-        layer([qkv], [6, 2, 64, 0, 0, 1, 1, 1, 1] + [0, 32, 640, 0] * 4)
+        layer([qkv], [6, 2, 64, 0, 0, 1, 1, 1, 1, 2] + [0, 32, 640, 0] * 4)
     with pytest.raises(RuntimeError, match="each linear at least one"):
-        layer([qkv] * 11, [6, 2, 64, 0, 0, 0, 1, 1, 1] + [0, 32, 640, 0] * 3)
+        layer([qkv] * 11, [6, 2, 64, 0, 0, 0, 1, 1, 1, 2] + [0, 32, 640, 0] * 3)
     with pytest.raises(RuntimeError, match=r"part kind 5 is none of int4 \(0\)"):
-        layer([torch.ones(640)] * 2 + [qkv] * 12, [6, 2, 64, 0, 0, 1, 1, 1, 1] + [5, 32, 640, 0] * 4)
+        layer([torch.ones(640)] * 2 + [qkv] * 12, [6, 2, 64, 0, 0, 1, 1, 1, 1, 2] + [5, 32, 640, 0] * 4)
 
 
 # ---- the model on the fused ops vs the plain torch ops ------------------------------------------

@@ -60,7 +60,24 @@ def test_cpu_int4_kernel_matches_fp64(n, k, group, m, fp16_scales, isa):
 
 
 @needs_kernel
-def test_avx2_path_equals_the_vnni_path_bit_for_bit():
+@pytest.mark.parametrize("m", [1, 6, 13])
+def test_eight_bit_activations_are_one_part(m, isa):
+    """parts=1 (--act-bits 8): x = e * p0 per 32-block, a relative error near 8-bit rounding's
+    (~5e-3: far above the two parts' 2e-4, far below bf16 weights'), the other cases unchanged."""
+    w = rand_weight(48, 256, 32, True, seed=m)
+    qw, qsc = cpu_int4.pack(w.q, w.scales, w.zeros)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)) * 3
+    ref = reference(x, w)
+    one, two = cpu_int4.int4_gemm(x, qw, qsc, 32, 1), cpu_int4.int4_gemm(x, qw, qsc, 32)
+    assert 1e-3 < rel_err(one[:, :48], ref) < 1.5e-2
+    assert rel_err(two[:, :48], ref) < 2e-4
+    with pytest.raises(RuntimeError, match="parts must be 1"):
+        cpu_int4.int4_gemm(x, qw, qsc, 32, 3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("parts", [2, 1])
+def test_avx2_path_equals_the_vnni_path_bit_for_bit(parts):
     """Both paths compute the same exact int32 block sums and the same fp32 steps per output lane
     (the activations' group sums in _mm512_reduce_add_ps's order): equal outputs, for every tile
     edge (VNNI tiles of 6 rows, AVX2 of 3) and both group-size paths. On a CPU without VNNI both
@@ -74,7 +91,7 @@ def test_avx2_path_equals_the_vnni_path_bit_for_bit():
                 w = rand_weight(48, 256, group, True, seed=group + m)
                 qw, qsc = cpu_int4.pack(w.q, w.scales, w.zeros)
                 x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)) * 2
-                res.append(cpu_int4.int4_gemm(x, qw, qsc, group))
+                res.append(cpu_int4.int4_gemm(x, qw, qsc, group, parts))
             outs[torch.ops.localllm.int4_isa()] = res
         finally:
             torch.ops.localllm.int4_isa(False)

@@ -104,6 +104,11 @@ class LLMEngine:
     def __init__(self, loaded: ModelHandle, config: EngineConfig | None = None, draft: ModelHandle | None = None):
         self.loaded = loaded
         config = config or EngineConfig()
+        if config.act_bits != 16:  # before the runner: compiled packages are keyed by the layers
+            loaded.model.use_act_bits(config.act_bits)
+            loaded.precision = loaded.precision.replace("16-bit matmul inputs", "8-bit matmul inputs")
+            if loaded.model.device == "cpu":  # (the background builder would build the 16-bit step)
+                config = replace(config, compile=False)
         if config.max_num_batched_tokens is None:
             config = replace(config, max_num_batched_tokens=512 if loaded.model.device == "cpu" else 2048)
         self.config = config

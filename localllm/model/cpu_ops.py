@@ -126,13 +126,13 @@ def _linear_parts(m, leaves: list) -> list | None:
         rows = m.kernel_rows()
         if rows is None:
             return None
-        part = (m.qw, m.qsc, bias, 0, m.group_size, m.out_features, 0, rows)
+        part = (m.qw, m.qsc, bias, 0, m.group_size, m.out_features, 0, rows, m.act_parts)
         names = ("qw", "qsc")
     elif isinstance(m, Int8wLinear):
-        part = (m.qw, m.qsc, bias, 1, m.group_size, m.out_features, m.zero, 1 << 62)
+        part = (m.qw, m.qsc, bias, 1, m.group_size, m.out_features, m.zero, 1 << 62, m.act_parts)
         names = ("qw", "qsc")
     elif isinstance(m, W16Linear):
-        part = (m.w, NO_TENSOR, NO_TENSOR if m.b is None else m.b, 2, 0, m.out_features, 0, 1 << 62)
+        part = (m.w, NO_TENSOR, NO_TENSOR if m.b is None else m.b, 2, 0, m.out_features, 0, 1 << 62, None)
         names = ("w", "b")
     else:
         return None
@@ -149,7 +149,11 @@ def _layer_args(layer, parts: list[list]) -> tuple | None:
             or any(n.weight.dtype != torch.float32 for n in norms) or (qn is not None and kn.eps != qn.eps)):
         return None
     weights = [n.weight for n in norms]
+    acts = {q[8] for p in parts for q in p if q[8] is not None}  # one activation width a layer
+    if len(acts) > 1:
+        return None
     ints = [layer.H, layer.KVH, layer.D, int(layer.window or 0), int(layer.gelu)] + [len(p) for p in parts]
+    ints.append(acts.pop() if acts else 2)
     for part in (q for p in parts for q in p):
         weights += part[:3]
         ints += part[3:7]

@@ -56,6 +56,8 @@ class Int4Linear(nn.Module):
     exact for "cpu_int4" (the kernel's 16-bit activations are the only difference), rounded as torch's
     kernel rounds for "aten" (the same numbers up to summation order). On CUDA: our Triton kernel."""
 
+    act_parts = 2  # the activations' int8 parts on our CPU kernel: 2 (~16 bits) or 1 (8 bits, opt-in)
+
     def __init__(self, w: Int4Weight, act_dtype: torch.dtype, bias: torch.Tensor | None = None,
                  device: str = "cpu", dense: bool = False, triton: bool | None = None, cpu_kernel: bool = True):
         """triton: use our Triton kernel (default: on CUDA; tests run it on CPU, interpreted).
@@ -151,7 +153,7 @@ class Int4Linear(nn.Module):
             fast = self.decode_args()
             if fast is not None and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] < fast[4]:
                 # the decode step's case, in one call (the general path below costs ~6 more per layer)
-                y = torch.ops.localllm.int4_gemm(x, fast[0], fast[1], fast[2])
+                y = torch.ops.localllm.int4_gemm(x, fast[0], fast[1], fast[2], self.act_parts)
                 return y if y.shape[1] == fast[3] else y[:, :fast[3]]
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -169,7 +171,7 @@ class Int4Linear(nn.Module):
             else:
                 y = F.linear(x2.to(torch.bfloat16).float(), self.dense).to(torch.bfloat16).to(x.dtype)
         elif self.kind == "cpu_int4":
-            y = torch.ops.localllm.int4_gemm(x2.float(), self.qw, self.qsc, self.group_size)
+            y = torch.ops.localllm.int4_gemm(x2.float(), self.qw, self.qsc, self.group_size, self.act_parts)
             y = (y if y.shape[1] == self.out_features else y[:, :self.out_features]).to(x.dtype)
         else:
             y = torch._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group_size,
@@ -188,6 +190,7 @@ class Int8wLinear(nn.Module):
     tiles instead (faster there)."""
 
     kind = "int8w"
+    act_parts = 2  # the activations' int8 parts in the kernel: 2 (~16 bits) or 1 (8 bits, opt-in)
 
     def __init__(self, qw: torch.Tensor, qsc: torch.Tensor, out_features: int, group_size: int, zero: int,
                  bias: torch.Tensor | None = None):
@@ -206,7 +209,7 @@ class Int8wLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         y = torch.ops.localllm.int8w_gemm(x.reshape(-1, shape[-1]).float(), self.qw, self.qsc, self.group_size,
-                                          self.zero)
+                                          self.zero, self.act_parts)
         y = (y if y.shape[1] == self.out_features else y[:, :self.out_features]).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias

@@ -189,6 +189,25 @@ class LlamaModel(nn.Module):
         self.use_attention(default_backend(device))
         self.fingerprint, self.origin = fingerprint, origin
 
+    def use_act_bits(self, bits: int) -> None:
+        """The activations' width inside the layers' int4 / int8-lane CPU kernels: 16 (two int8 parts
+        per value, the default: about bf16's error squared) or 8 (one part, llama.cpp's way: ~1.7x
+        the multiply rate at prefill sizes, a relative error of ~5e-3 per product). The head's
+        exact rows and the ranking copy keep 16. Other layers (dense, 16-bit weights) are unchanged."""
+        from .layers import Int4Linear, Int8wLinear
+
+        if bits not in (8, 16):
+            raise ValueError(f"activation bits must be 8 or 16, got {bits!r}")
+        for layer in self.layers:
+            for m in layer.modules():
+                if isinstance(m, (Int4Linear, Int8wLinear)):
+                    if bits == 16:
+                        m.__dict__.pop("act_parts", None)  # the class's default: 2
+                    else:
+                        m.act_parts = 1
+            layer.__dict__.pop("_fused_decode", None)  # the one-call step's arguments carry it
+        self.__dict__.pop("_structure_key", None)  # compiled packages are keyed by it
+
     def use_attention(self, backend: str, fused_cpu: bool = True) -> None:
         """Pick the backend ("torch" | "triton"); the runner builds the matching metadata.
         fused_cpu: on the torch backend of a CPU model with fp32 activations, our fused C++ ops

@@ -1,7 +1,9 @@
 // The activations as our int4 and int8-lane GEMMs take them (int4_gemm.cpp, int8_gemm.cpp): per
 // 32-block of an fp32 row, x = e * (p0 + p1/254) with int8 parts (round to nearest even, the
 // last part clamped to +-127, e = amax / 127: about 16 bits where bf16 keeps 8), in tiles of
-// rows laid out in the order the kernels read them. The per-block arithmetic is written once
+// rows laid out in the order the kernels read them. With one part (the opt-in 8-bit activations,
+// llama.cpp's way though with a scale per 32 values, not per 256), x = e * p0: half the dot
+// products, ~1.7x the multiply rate at prefill sizes, a relative error of ~5e-3 per product. The per-block arithmetic is written once
 // here, so both kernels (and each kernel's AVX-512 and AVX2 paths) quantize to the same integers;
 // each kernel keeps its own per-block record (Meta) and its own group sums.
 #pragma once
@@ -15,7 +17,7 @@
 
 namespace act_quant {
 
-constexpr int kParts = 2;       // see int4_gemm.cpp's top: 3 is as exact as fp32, and slower
+constexpr int kParts = 2;       // the default (see int4_gemm.cpp's top: 3 is as exact as fp32, and slower)
 constexpr float kBase = 254.f;  // weight of each part against the next
 // AVX2 has 16 vector registers (AVX-512: 32): tiles of 3 rows (thread CPU time on a 2-core EPYC,
 // 1B shapes at M = 16-64: 3 ~ 4 rows, 2 rows 1.1-1.5x slower)
@@ -32,16 +34,18 @@ struct Tiled {
   int8_t* parts;
   Meta* meta;
   float* s;
+  int np = kParts;  // parts per value: 2 (16-bit activations) or 1 (8-bit)
   int mt(int64_t t) const { return static_cast<int>(std::min<int64_t>(tile, M - t * tile)); }
-  int8_t* tparts(int64_t t) const { return parts + t * tile * kParts * K; }
+  int8_t* tparts(int64_t t) const { return parts + t * tile * np * K; }
   Meta* tmeta(int64_t t) const { return meta + t * tile * nb; }
   float* ts(int64_t t) const { return s + t * tile * ng; }
 };
 
 #if defined(__x86_64__)
-// One 32-block v (two halves of 16) -> its parts at dst [kParts][32] and each part's int32 sums
+// One 32-block v (two halves of 16) -> its P parts at dst [P][32] and each part's int32 sums
 // over the two 16-halves; returns the block scale e. |r| <= 127, and each remainder
 // (r - round(r)) * 254 again: every part fits int8 (with 256 a tie at 0.5 would give 128).
+template <int P = kParts>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline float block_512(const __m512 v[2], int8_t* dst,
                                                                            int32_t sums[kParts][2]) {
   const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f), base = _mm512_set1_ps(kBase);
@@ -51,10 +55,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline float block_512(cons
   const bool live = amax > 1e-30f;
   const __m512 inv = _mm512_set1_ps(live ? 127.f / amax : 0.f);
   __m512 r[2] = {_mm512_mul_ps(v[0], inv), _mm512_mul_ps(v[1], inv)};
-  for (int p = 0; p < kParts; ++p) {
+  for (int p = 0; p < P; ++p) {
     for (int h = 0; h < 2; ++h) {
       __m512 qf = _mm512_roundscale_ps(r[h], kRound);
-      if (p == kParts - 1) qf = _mm512_min_ps(lim, _mm512_max_ps(nlim, qf));
+      if (p == P - 1) qf = _mm512_min_ps(lim, _mm512_max_ps(nlim, qf));
       const __m512i qi = _mm512_cvtps_epi32(qf);
       sums[p][h] = _mm512_reduce_add_epi32(qi);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + p * 32 + h * 16), _mm512_cvtsepi32_epi8(qi));
@@ -65,6 +69,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline float block_512(cons
 }
 
 // The same with AVX2, v as four 8-lane quarters: the same parts, sums and scale.
+template <int P = kParts>
 __attribute__((target("avx2,fma"))) inline float block_avx2(const __m256 v[4], int8_t* dst, int32_t sums[kParts][2]) {
   const __m256 lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f), base = _mm256_set1_ps(kBase);
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -79,11 +84,11 @@ __attribute__((target("avx2,fma"))) inline float block_avx2(const __m256 v[4], i
   const __m256 inv = _mm256_set1_ps(live ? 127.f / amax : 0.f);
   __m256 r[4];
   for (int h = 0; h < 4; ++h) r[h] = _mm256_mul_ps(v[h], inv);
-  for (int p = 0; p < kParts; ++p) {
+  for (int p = 0; p < P; ++p) {
     __m256i qi[4];
     for (int h = 0; h < 4; ++h) {
       __m256 qf = _mm256_round_ps(r[h], kRound);
-      if (p == kParts - 1) qf = _mm256_min_ps(lim, _mm256_max_ps(nlim, qf));
+      if (p == P - 1) qf = _mm256_min_ps(lim, _mm256_max_ps(nlim, qf));
       qi[h] = _mm256_cvtps_epi32(qf);
       r[h] = _mm256_mul_ps(_mm256_sub_ps(r[h], qf), base);
     }

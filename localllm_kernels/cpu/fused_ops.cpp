@@ -483,21 +483,23 @@ at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) { return act_mul(gate_up, tr
 // y = x W^T by our GEMMs in the other libraries (int4_gemm.cpp, int8_gemm.cpp, bf16_gemm.cpp),
 // reached through the dispatcher from C++ (~0.2 us, where a call from Python costs ~6 us), their
 // padded columns cut to n
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group, int64_t n) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("localllm::int4_gemm", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
-  at::Tensor y = op.call(x, w, sc, group);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group, int64_t n,
+                       int64_t parts) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("localllm::int4_gemm", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  at::Tensor y = op.call(x, w, sc, group, parts);
   return y.size(1) == n ? y : y.narrow(1, 0, n);
 }
 
 at::Tensor int8w_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group, int64_t zero,
-                        int64_t n) {
+                        int64_t n, int64_t parts) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("localllm::int8w_gemm", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
-  at::Tensor y = op.call(x, w, sc, group, zero);
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t)>();
+  at::Tensor y = op.call(x, w, sc, group, zero, parts);
   return y.size(1) == n ? y : y.narrow(1, 0, n);
 }
 
@@ -529,7 +531,7 @@ constexpr int64_t kPartTensors = 3;  // weights, scales (empty for 16-bit), bias
 // kernel (the file's type: Int4Linear, Int8wLinear, W16Linear), the bias added after the cut (int4,
 // int8-lane) or in the kernel (16-bit), the parts' outputs side by side (ConcatLinear).
 at::Tensor linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef ints, int64_t& wi, int64_t& ii,
-                  int64_t parts) {
+                  int64_t parts, int64_t act_parts) {
   std::vector<at::Tensor> outs;
   outs.reserve(parts);
   for (int64_t p = 0; p < parts; ++p, wi += kPartTensors, ii += kPartInts) {
@@ -542,8 +544,8 @@ at::Tensor linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef i
     } else {
       TORCH_CHECK(kind == kInt4 || kind == kInt8w, "decode_layer: part kind ", kind, " is none of int4 (0), ",
                   "int8-lane (1), 16-bit (2)");
-      y = kind == kInt4 ? int4_linear(x, w, weights[wi + 1], group, n)
-                        : int8w_linear(x, w, weights[wi + 1], group, zero, n);
+      y = kind == kInt4 ? int4_linear(x, w, weights[wi + 1], group, n, act_parts)
+                        : int8w_linear(x, w, weights[wi + 1], group, zero, n, act_parts);
       if (bias.numel()) y = at::add(y, bias);
     }
     outs.push_back(std::move(y));
@@ -560,7 +562,8 @@ at::Tensor linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef i
 //   weights: input norm, post norm[, q norm, k norm], then per part of qkv, o, gate_up and down in
 //            that order (a GGUF's fused linear may have parts of different types): its weights,
 //            scales and bias (empty tensors where a part has none)
-//   ints: H, KVH, D, window, gelu; the parts of qkv, o, gate_up, down; per part its kind (0 int4,
+//   ints: H, KVH, D, window, gelu; the parts of qkv, o, gate_up, down; the activations' int8 parts
+//         in the int4 / int8-lane GEMMs (2: ~16 bits, 1: 8 bits); per part its kind (0 int4,
 //         1 int8-lane, 2 16-bit), group size, out features and zero point
 //   floats: input norm eps, post norm eps, q/k norm eps, softcap
 // (rotary_dim and scale come with the call: they are the model's, not the layer's)
@@ -573,19 +576,20 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
                                                 const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                                                 const at::Tensor& context_lens, int64_t rotary_dim,
                                                 double scale) {
-  TORCH_CHECK(ints.size() >= 9 && floats.size() == 4, "decode_layer: 9 ints and 4 per linear part, and 4 floats; got ",
+  TORCH_CHECK(ints.size() >= 10 && floats.size() == 4, "decode_layer: 10 ints and 4 per linear part, and 4 floats; got ",
               ints.size(), " ints and ", floats.size(), " floats");
   const int64_t H = ints[0], KVH = ints[1], D = ints[2];
   const int64_t parts = ints[5] + ints[6] + ints[7] + ints[8];
   const int64_t norms = static_cast<int64_t>(weights.size()) - kPartTensors * parts;
   TORCH_CHECK(std::min({ints[5], ints[6], ints[7], ints[8]}) >= 1 &&
-                  static_cast<int64_t>(ints.size()) == 9 + kPartInts * parts && (norms == 2 || norms == 4),
-              "decode_layer: weights must be 2 norms (4 with q/k norms) and 3 tensors per linear part, ints 9 and 4 ",
+                  static_cast<int64_t>(ints.size()) == 10 + kPartInts * parts && (norms == 2 || norms == 4),
+              "decode_layer: weights must be 2 norms (4 with q/k norms) and 3 tensors per linear part, ints 10 and 4 ",
               "per part (each linear at least one); got ", weights.size(), " tensors and ", ints.size(),
               " ints for ", parts, " parts");
   std::optional<at::Tensor> qw, kw;
   if (norms == 4) qw = weights[2], kw = weights[3];
-  int64_t wi = norms, ii = 9;
+  int64_t wi = norms, ii = 10;
+  const int64_t act = ints[9];
   at::Tensor h, r;
   if (residual) {
     std::tie(h, r) = add_rms_norm(x, *residual, weights[0], floats[0]);
@@ -593,15 +597,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
     h = rms_norm(x, weights[0], floats[0]);
     r = x;
   }
-  const at::Tensor qkv = linear(h, weights, ints, wi, ii, ints[5]);
+  const at::Tensor qkv = linear(h, weights, ints, wi, ii, ints[5], act);
   const at::Tensor q = rope_store(qkv, positions, cos, sin, k_cache, v_cache, slots, H, KVH, D, rotary_dim, qw, kw,
                                   floats[2]);
   const at::Tensor att = paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
                                          ints[3], floats[3]);
-  const at::Tensor a = linear(att.view({att.size(0), H * D}), weights, ints, wi, ii, ints[6]);
+  const at::Tensor a = linear(att.view({att.size(0), H * D}), weights, ints, wi, ii, ints[6], act);
   auto [h2, r2] = add_rms_norm(a, r, weights[1], floats[1]);
-  const at::Tensor gu = linear(h2, weights, ints, wi, ii, ints[7]);
-  const at::Tensor out = linear(act_mul(gu, ints[4] != 0), weights, ints, wi, ii, ints[8]);
+  const at::Tensor gu = linear(h2, weights, ints, wi, ii, ints[7], act);
+  const at::Tensor out = linear(act_mul(gu, ints[4] != 0), weights, ints, wi, ii, ints[8], act);
   return {out, r2};
 }
 

@@ -98,6 +98,7 @@ std::string int4_isa(std::optional<bool> avx2_only) {
 }
 
 // x [M, K] -> the tiled activations above. Each part is int8; x = e * (p0 + p1/254) per block.
+template <int P>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_rows_512(const float* x, const Tiled& q,
                                                                             int64_t gs, int64_t m0, int64_t m1) {
   const int64_t K = q.K, nb = q.nb, bpg = gs / 32;
@@ -112,9 +113,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_rows_512(cons
       const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
       BlockMeta& bm = tm[blk * mt + i];
       int32_t sums[kParts][2];
-      bm.e = act_quant::block_512(v, tp + (blk * mt + i) * kParts * 32, sums);
+      bm.e = act_quant::block_512<P>(v, tp + (blk * mt + i) * P * 32, sums);
       // times 8: folds into the accumulators' start
-      for (int p = 0; p < kParts; ++p) bm.ps[p] = 8 * (sums[p][0] + sums[p][1]);
+      for (int p = 0; p < P; ++p) bm.ps[p] = 8 * (sums[p][0] + sums[p][1]);
       float& sg = ts[(blk / bpg) * mt + i];
       if (blk % bpg == 0) sg = 0.f;
       sg += _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
@@ -131,6 +132,7 @@ __attribute__((target("avx2,fma"))) inline float hsum_as_512(__m256 a, __m256 b)
   return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, 1));
 }
 
+template <int P>
 __attribute__((target("avx2,fma"))) void quantize_rows_avx2(const float* x, const Tiled& q, int64_t gs, int64_t m0,
                                                            int64_t m1) {
   const int64_t K = q.K, nb = q.nb, bpg = gs / 32;
@@ -146,8 +148,8 @@ __attribute__((target("avx2,fma"))) void quantize_rows_avx2(const float* x, cons
       for (int h = 0; h < 4; ++h) v[h] = _mm256_loadu_ps(xb + 8 * h);
       BlockMeta& bm = tm[blk * mt + i];
       int32_t sums[kParts][2];
-      bm.e = act_quant::block_avx2(v, tp + (blk * mt + i) * kParts * 32, sums);
-      for (int p = 0; p < kParts; ++p) bm.ps[p] = 8 * (sums[p][0] + sums[p][1]);
+      bm.e = act_quant::block_avx2<P>(v, tp + (blk * mt + i) * P * 32, sums);
+      for (int p = 0; p < P; ++p) bm.ps[p] = 8 * (sums[p][0] + sums[p][1]);
       float& sg = ts[(blk / bpg) * mt + i];
       if (blk % bpg == 0) sg = 0.f;
       // the 512-bit version's v[0] + v[1]: lanes 0-7 and 8-15 of x[0:16] + x[16:32]
@@ -158,9 +160,9 @@ __attribute__((target("avx2,fma"))) void quantize_rows_avx2(const float* x, cons
 
 void quantize_rows(const float* x, const Tiled& q, int64_t gs, int64_t m0, int64_t m1) {
   if (has_vnni())
-    quantize_rows_512(x, q, gs, m0, m1);
+    q.np == 1 ? quantize_rows_512<1>(x, q, gs, m0, m1) : quantize_rows_512<2>(x, q, gs, m0, m1);
   else
-    quantize_rows_avx2(x, q, gs, m0, m1);
+    q.np == 1 ? quantize_rows_avx2<1>(x, q, gs, m0, m1) : quantize_rows_avx2<2>(x, q, gs, m0, m1);
 }
 
 using group_scales::Flat;
@@ -177,7 +179,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i dot4(__m51
 // One 16-row block against a tile of MC activation rows. SPLIT independent int32 chains per row
 // and part (summed exactly at the end of each 32-block): few rows give few chains, and VPDPBUSD's
 // 5-cycle latency would bound them.
-template <int MC, int SPLIT, bool BPG1, class F>
+template <int MC, int SPLIT, bool BPG1, class F, int P>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows(
     const uint8_t* w, const typename F::E* sc, int64_t K, int64_t gs, const int8_t* px, const BlockMeta* meta,
     const float* s, float* out, int64_t ldo) {
@@ -191,13 +193,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows(
     for (int m = 0; m < MC; ++m) gacc[m] = _mm512_setzero_ps();
     for (int64_t bb = 0; bb < bpg; ++bb) {
       const int64_t blk = g * bpg + bb;
-      const int8_t* xb = px + blk * MC * kParts * 32;
+      const int8_t* xb = px + blk * MC * P * 32;
       const BlockMeta* bm = meta + blk * MC;
-      __m512i ip[MC][kParts][SPLIT];
+      __m512i ip[MC][P][SPLIT];
       // sum (q - 8) * part = sum q * part - 8 * sum part: centered weights, exact in int32, so
       // the fp32 sums below see small terms (sum q * x alone would cancel against m * sum x)
       for (int m = 0; m < MC; ++m)
-        for (int p = 0; p < kParts; ++p)
+        for (int p = 0; p < P; ++p)
           for (int j = 0; j < SPLIT; ++j)
             ip[m][p][j] = j == 0 ? _mm512_set1_epi32(-bm[m].ps[p]) : _mm512_setzero_si512();
       const uint8_t* wb = w + blk * 4 * 64;
@@ -207,8 +209,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows(
         const __m512i lo = _mm512_and_si512(raw, mask);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
         for (int m = 0; m < MC; ++m) {
-          for (int p = 0; p < kParts; ++p) {
-            const int8_t* xp = xb + (m * kParts + p) * 32 + c * 8;
+          for (int p = 0; p < P; ++p) {
+            const int8_t* xp = xb + (m * P + p) * 32 + c * 8;
             constexpr int kLo = 0, kHi = SPLIT == 1 ? 0 : 1;
             const int jl = SPLIT == 4 ? (2 * c) % 4 + kLo : kLo, jh = SPLIT == 4 ? (2 * c) % 4 + kHi : kHi;
             ip[m][p][jl] = dot4(ip[m][p][jl], lo, xp);
@@ -217,13 +219,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows(
         }
       }
       for (int m = 0; m < MC; ++m) {
-        __m512i c[kParts];
-        for (int p = 0; p < kParts; ++p) {
+        __m512i c[P];
+        for (int p = 0; p < P; ++p) {
           c[p] = ip[m][p][0];
           for (int j = 1; j < SPLIT; ++j) c[p] = _mm512_add_epi32(c[p], ip[m][p][j]);
         }
-        __m512 t = _mm512_cvtepi32_ps(c[kParts - 1]);
-        for (int p = kParts - 2; p >= 0; --p) t = _mm512_fmadd_ps(t, inv_base, _mm512_cvtepi32_ps(c[p]));
+        __m512 t = _mm512_cvtepi32_ps(c[P - 1]);
+        for (int p = P - 2; p >= 0; --p) t = _mm512_fmadd_ps(t, inv_base, _mm512_cvtepi32_ps(c[p]));
         if (BPG1)  // fma(t, e, +0) but for the sign of a zero, which acc below never shows
           gacc[m] = _mm512_mul_ps(t, _mm512_set1_ps(bm[m].e));
         else
@@ -255,7 +257,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows(
 // the shared broadcasts outweigh the spills of 12 int16 accumulators: 1B-shape Q4_K matrices, 2
 // threads, the op against itself, 7-11% more GMAC/s at M = 3..512 (bit-identical). At two rows
 // NH = 2 was 7-13% slower.
-template <int MC, bool BPG1, class F>
+template <int MC, bool BPG1, class F, int P>
 __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, const typename F::E* sc, int64_t K, int64_t gs,
                                                                const int8_t* px, const BlockMeta* meta, const float* s,
                                                                float* out, int64_t ldo) {
@@ -273,12 +275,12 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
         for (int m = 0; m < MC; ++m) gacc[h][m] = _mm256_setzero_ps();
       for (int64_t bb = 0; bb < bpg; ++bb) {
         const int64_t blk = g * bpg + bb;
-        const int8_t* xb = px + blk * MC * kParts * 32;
+        const int8_t* xb = px + blk * MC * P * 32;
         const BlockMeta* bm = meta + blk * MC;
-        __m256i ip[NH][MC][kParts];
+        __m256i ip[NH][MC][P];
         for (int h = 0; h < NH; ++h)
           for (int m = 0; m < MC; ++m)
-            for (int p = 0; p < kParts; ++p) ip[h][m][p] = _mm256_setzero_si256();
+            for (int p = 0; p < P; ++p) ip[h][m][p] = _mm256_setzero_si256();
         const uint8_t* wb = w + blk * 4 * 64 + h0 * 32;
         for (int c = 0; c < 4; ++c) {
           if (h0 == 0) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
@@ -289,8 +291,8 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
             hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
           }
           for (int m = 0; m < MC; ++m) {
-            for (int p = 0; p < kParts; ++p) {
-              const int8_t* xp = xb + (m * kParts + p) * 32 + c * 8;
+            for (int p = 0; p < P; ++p) {
+              const int8_t* xp = xb + (m * P + p) * 32 + c * 8;
               int32_t xl, xh;
               std::memcpy(&xl, xp, 4);
               std::memcpy(&xh, xp + 4, 4);
@@ -304,11 +306,11 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
         }
         for (int h = 0; h < NH; ++h)
           for (int m = 0; m < MC; ++m) {
-            __m256i c[kParts];
-            for (int p = 0; p < kParts; ++p)
+            __m256i c[P];
+            for (int p = 0; p < P; ++p)
               c[p] = _mm256_sub_epi32(_mm256_madd_epi16(ip[h][m][p], ones), _mm256_set1_epi32(bm[m].ps[p]));
-            __m256 t = _mm256_cvtepi32_ps(c[kParts - 1]);
-            for (int p = kParts - 2; p >= 0; --p) t = _mm256_fmadd_ps(t, inv_base, _mm256_cvtepi32_ps(c[p]));
+            __m256 t = _mm256_cvtepi32_ps(c[P - 1]);
+            for (int p = P - 2; p >= 0; --p) t = _mm256_fmadd_ps(t, inv_base, _mm256_cvtepi32_ps(c[p]));
             if (BPG1)
               gacc[h][m] = _mm256_mul_ps(t, _mm256_set1_ps(bm[m].e));
             else
@@ -330,47 +332,47 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
   }
 }
 
-template <int MC, class F>
+template <int MC, class F, int P>
 void run_mc_avx2(int64_t gs, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px, const BlockMeta* meta,
                  const float* s, float* out, int64_t ldo) {
   if (gs == 32)
-    block_rows_avx2<MC, true, F>(w, sc, K, gs, px, meta, s, out, ldo);
+    block_rows_avx2<MC, true, F, P>(w, sc, K, gs, px, meta, s, out, ldo);
   else
-    block_rows_avx2<MC, false, F>(w, sc, K, gs, px, meta, s, out, ldo);
+    block_rows_avx2<MC, false, F, P>(w, sc, K, gs, px, meta, s, out, ldo);
 }
 
-template <int MC, class F>
+template <int MC, class F, int P>
 void run_mc(int64_t gs, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px, const BlockMeta* meta,
             const float* s, float* out, int64_t ldo) {
   constexpr int kSplit = MC == 1 ? 4 : MC == 2 ? 2 : 1;
   if (gs == 32)
-    block_rows<MC, kSplit, true, F>(w, sc, K, gs, px, meta, s, out, ldo);
+    block_rows<MC, kSplit, true, F, P>(w, sc, K, gs, px, meta, s, out, ldo);
   else
-    block_rows<MC, kSplit, false, F>(w, sc, K, gs, px, meta, s, out, ldo);
+    block_rows<MC, kSplit, false, F, P>(w, sc, K, gs, px, meta, s, out, ldo);
 }
 
-template <class F>
+template <class F, int P>
 void run_block(int mc, int64_t gs, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px,
                const BlockMeta* meta, const float* s, float* out, int64_t ldo) {
   static_assert(kMc >= 4 && kMc <= 8, "one case per tile height below");
   static_assert(kMcAvx2 >= 2 && kMcAvx2 <= 4, "one case per AVX2 tile height below");
   if (!has_vnni()) {
     switch (mc) {
-      case 1: return run_mc_avx2<1, F>(gs, w, sc, K, px, meta, s, out, ldo);
-      case 2: return run_mc_avx2<2, F>(gs, w, sc, K, px, meta, s, out, ldo);
-      case 3: return run_mc_avx2<std::min(3, kMcAvx2), F>(gs, w, sc, K, px, meta, s, out, ldo);
-      default: return run_mc_avx2<kMcAvx2, F>(gs, w, sc, K, px, meta, s, out, ldo);
+      case 1: return run_mc_avx2<1, F, P>(gs, w, sc, K, px, meta, s, out, ldo);
+      case 2: return run_mc_avx2<2, F, P>(gs, w, sc, K, px, meta, s, out, ldo);
+      case 3: return run_mc_avx2<std::min(3, kMcAvx2), F, P>(gs, w, sc, K, px, meta, s, out, ldo);
+      default: return run_mc_avx2<kMcAvx2, F, P>(gs, w, sc, K, px, meta, s, out, ldo);
     }
   }
   switch (mc) {
-    case 1: return run_mc<1, F>(gs, w, sc, K, px, meta, s, out, ldo);
-    case 2: return run_mc<2, F>(gs, w, sc, K, px, meta, s, out, ldo);
-    case 3: return run_mc<3, F>(gs, w, sc, K, px, meta, s, out, ldo);
-    case 4: return run_mc<4, F>(gs, w, sc, K, px, meta, s, out, ldo);
-    case 5: return run_mc<std::min(5, kMc), F>(gs, w, sc, K, px, meta, s, out, ldo);
-    case 6: return run_mc<std::min(6, kMc), F>(gs, w, sc, K, px, meta, s, out, ldo);
-    case 7: return run_mc<std::min(7, kMc), F>(gs, w, sc, K, px, meta, s, out, ldo);
-    default: return run_mc<kMc, F>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 1: return run_mc<1, F, P>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 2: return run_mc<2, F, P>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 3: return run_mc<3, F, P>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 4: return run_mc<4, F, P>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 5: return run_mc<std::min(5, kMc), F, P>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 6: return run_mc<std::min(6, kMc), F, P>(gs, w, sc, K, px, meta, s, out, ldo);
+    case 7: return run_mc<std::min(7, kMc), F, P>(gs, w, sc, K, px, meta, s, out, ldo);
+    default: return run_mc<kMc, F, P>(gs, w, sc, K, px, meta, s, out, ldo);
   }
 }
 
@@ -380,8 +382,9 @@ struct TiledBuf {
   std::vector<BlockMeta> meta;
   std::vector<float> s;
   Tiled q;
-  TiledBuf(int64_t M, int64_t K, int64_t gs) : px(M * kParts * K), meta(M * (K / 32)), s(M * (K / gs)) {
-    q = Tiled{M, K, K / 32, K / gs, has_vnni() ? kMc : kMcAvx2, px.data(), meta.data(), s.data()};
+  TiledBuf(int64_t M, int64_t K, int64_t gs, int parts = kParts)
+      : px(M * parts * K), meta(M * (K / 32)), s(M * (K / gs)) {
+    q = Tiled{M, K, K / 32, K / gs, has_vnni() ? kMc : kMcAvx2, px.data(), meta.data(), s.data(), parts};
   }
 };
 
@@ -396,8 +399,9 @@ void gemm_blocks(const Tiled& q, int64_t gs, const uint8_t* w, const typename F:
     const int64_t c1 = std::min(b1, c0 + wchunk);
     for (int64_t t = 0; t < ntiles; ++t) {
       for (int64_t nbk = c0; nbk < c1; ++nbk) {
-        run_block<F>(q.mt(t), gs, w + nbk * wstride, sc + nbk * sstride, K, q.tparts(t), q.tmeta(t), q.ts(t),
-                     y + t * q.tile * N + nbk * kRows, N);
+        (q.np == 1 ? run_block<F, 1> : run_block<F, 2>)(q.mt(t), gs, w + nbk * wstride, sc + nbk * sstride, K,
+                                                         q.tparts(t), q.tmeta(t), q.ts(t),
+                                                         y + t * q.tile * N + nbk * kRows, N);
       }
     }
   }
@@ -405,8 +409,8 @@ void gemm_blocks(const Tiled& q, int64_t gs, const uint8_t* w, const typename F:
 
 template <class F>
 void gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, const typename F::E* sc, int64_t nblocks, int64_t gs,
-          float* y) {
-  TiledBuf a(M, K, gs);
+          float* y, int parts) {
+  TiledBuf a(M, K, gs, parts);
   // rows are independent: split them over the threads once there are enough to pay for a fork
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
     quantize_rows(x, a.q, gs, m0, m1);
@@ -441,8 +445,10 @@ void with_form(const at::Tensor& sc, int64_t lead, int64_t nblocks, int64_t K, i
   return fn(Flat<float, 2>{}, sc.data_ptr<float>());
 }
 
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group_size) {
+// parts: 2 (the activations to ~16 bits, the default) or 1 (8 bits: the opt-in; see act_quant.h)
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group_size, int64_t parts) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_gemm: x must be fp32 [M, K]");
+  TORCH_CHECK(parts == 1 || parts == 2, "int4_gemm: parts must be 1 (8-bit activations) or 2 (16-bit), got ", parts);
   TORCH_CHECK(w.dim() == 3 && w.size(2) == 64 && w.scalar_type() == at::kByte, "int4_gemm: bad packed weight");
   const int64_t M = x.size(0), K = x.size(1), nblocks = w.size(0);
   TORCH_CHECK(w.size(1) * 8 == K, "int4_gemm: K mismatch: x has ", K, ", weight ", w.size(1) * 8);
@@ -451,7 +457,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   at::Tensor y = at::empty({M, nblocks * kRows}, x.options());
   with_form(sc, 0, nblocks, K, group_size, "int4_gemm", [&](auto form, const auto* p) {
     if (M > 0) gemm<decltype(form)>(xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), p, nblocks, group_size,
-                                    y.data_ptr<float>());
+                                    y.data_ptr<float>(), static_cast<int>(parts));
   });
   return y;
 }
@@ -629,7 +635,7 @@ std::tuple<at::Tensor, at::Tensor> rtn_pack_int4(const at::Tensor& x) {
 }  // namespace
 
 TORCH_LIBRARY(localllm, m) {
-  m.def("int4_gemm(Tensor x, Tensor w, Tensor scales, int group_size) -> Tensor");
+  m.def("int4_gemm(Tensor x, Tensor w, Tensor scales, int group_size, int parts=2) -> Tensor");
   m.def("int4_isa(bool? avx2_only=None) -> str", &int4_isa);  // no tensors: one kernel for every key
   m.def("rtn_pack_int4(Tensor x) -> (Tensor, Tensor)");
   m.def("moe_int4(Tensor x, Tensor ids, Tensor weights, Tensor w1, Tensor s1, Tensor w2, Tensor s2, int group1, "

@@ -164,14 +164,14 @@ __attribute__((always_inline)) inline void quantize_impl(const float* x, const T
         for (int j = 0; j < 16; ++j) tr[j] = xb[j] + xb[16 + j];
         ts[blk * mt + i] = tree16(tr);
       }
-      int8_t* dst = tp + (blk * mt + i) * kParts * 32;
+      int8_t* dst = tp + (blk * mt + i) * q.np * 32;
       float r[32];
       for (int j = 0; j < 32; ++j) r[j] = xb[j] * inv;
-      for (int p = 0; p < kParts; ++p) {
+      for (int p = 0; p < q.np; ++p) {
         int32_t qi[32];
         for (int j = 0; j < 32; ++j) {
           float qf = __builtin_roundevenf(r[j]);
-          if (p == kParts - 1) qf = std::min(127.f, std::max(-127.f, qf));
+          if (p == q.np - 1) qf = std::min(127.f, std::max(-127.f, qf));
           qi[j] = static_cast<int32_t>(qf);
           r[j] = (r[j] - qf) * kBase;
         }
@@ -195,6 +195,7 @@ __attribute__((target("avx512f"))) inline float tree16_512(__m512 v) {
 }
 
 // quantize_impl in AVX-512 (6x faster at 512 x 1536: the compiler kept roundeven scalar)
+template <int P>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_512(const float* x, const Tiled& q, int64_t gs,
                                                                        int64_t m0, int64_t m1) {
   const int64_t K = q.K, nb = q.nb;
@@ -208,7 +209,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_512(const flo
       const float* xb = x + m * K + blk * 32;
       const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
       Meta& bm = tm[blk * mt + i];
-      bm.e = act_quant::block_512(v, tp + (blk * mt + i) * kParts * 32, bm.ps);
+      bm.e = act_quant::block_512<P>(v, tp + (blk * mt + i) * P * 32, bm.ps);
       if (gs == 16) {
         ts[(2 * blk) * mt + i] = tree16_512(v[0]);
         ts[(2 * blk + 1) * mt + i] = tree16_512(v[1]);
@@ -227,6 +228,7 @@ __attribute__((target("avx2,fma"))) inline float tree16_avx2(__m256 a, __m256 b)
 }
 
 // quantize_impl in AVX2 intrinsics (int4_gemm.cpp's quantize_rows_avx2 with tree16 sums)
+template <int P>
 __attribute__((target("avx2,fma"))) void quantize_avx2(const float* x, const Tiled& q, int64_t gs, int64_t m0,
                                                        int64_t m1) {
   const int64_t K = q.K, nb = q.nb;
@@ -241,7 +243,7 @@ __attribute__((target("avx2,fma"))) void quantize_avx2(const float* x, const Til
       __m256 v[4];
       for (int h = 0; h < 4; ++h) v[h] = _mm256_loadu_ps(xb + 8 * h);
       Meta& bm = tm[blk * mt + i];
-      bm.e = act_quant::block_avx2(v, tp + (blk * mt + i) * kParts * 32, bm.ps);
+      bm.e = act_quant::block_avx2<P>(v, tp + (blk * mt + i) * P * 32, bm.ps);
       if (gs == 16) {
         ts[(2 * blk) * mt + i] = tree16_avx2(v[0], v[1]);
         ts[(2 * blk + 1) * mt + i] = tree16_avx2(v[2], v[3]);
@@ -259,8 +261,8 @@ void quantize_generic(const float* x, const Tiled& q, int64_t gs, int64_t m0, in
 // the three paths' outputs)
 void quantize_rows(Isa isa, const float* x, const Tiled& q, int64_t gs, int64_t m0, int64_t m1) {
 #if defined(__x86_64__)
-  if (isa == Isa::kVnni) return quantize_512(x, q, gs, m0, m1);
-  if (isa == Isa::kAvx2) return quantize_avx2(x, q, gs, m0, m1);
+  if (isa == Isa::kVnni) return q.np == 1 ? quantize_512<1>(x, q, gs, m0, m1) : quantize_512<2>(x, q, gs, m0, m1);
+  if (isa == Isa::kAvx2) return q.np == 1 ? quantize_avx2<1>(x, q, gs, m0, m1) : quantize_avx2<2>(x, q, gs, m0, m1);
 #endif
   quantize_generic(x, q, gs, m0, m1);
 }
@@ -289,19 +291,19 @@ inline int weight_at(const uint8_t* wb, int planes, int r, int k) {
 
 template <class F>
 void block_rows_generic(int mc, int planes, const uint8_t* w, const typename F::E* sc, int64_t K, int64_t gs, int z,
-                        const int8_t* px, const Meta* meta, const float* s, float* out, int64_t ldo) {
+                        const int8_t* px, const Meta* meta, const float* s, float* out, int64_t ldo, int np) {
   const int64_t nb = K / 32, hpg = gs / 16;  // 16-halves per group
   const float inv_base = 1.f / kBase, zf = static_cast<float>(z);
   for (int r = 0; r < kRows; ++r) {
     for (int m = 0; m < mc; ++m) {
       float acc = 0.f;
       for (int64_t blk = 0; blk < nb; ++blk) {
-        const int8_t* xb = px + (blk * mc + m) * kParts * 32;
+        const int8_t* xb = px + (blk * mc + m) * np * 32;
         const Meta& bm = meta[blk * mc + m];
         const uint8_t* wb = w + blk * block_bytes(planes);
         for (int64_t h0 = 0; h0 < 2; h0 += hpg) {  // the block's groups
-          int32_t c[kParts];
-          for (int p = 0; p < kParts; ++p) {
+          int32_t c[kParts] = {0, 0};
+          for (int p = 0; p < np; ++p) {
             int32_t sum = 0, psum = 0;
             for (int64_t h = h0; h < h0 + hpg; ++h) {
               psum += bm.ps[p][h];
@@ -310,7 +312,7 @@ void block_rows_generic(int mc, int planes, const uint8_t* w, const typename F::
             }
             c[p] = sum - z * psum;
           }
-          const float t = std::fma(static_cast<float>(c[1]), inv_base, static_cast<float>(c[0]));
+          const float t = np == 2 ? std::fma(static_cast<float>(c[1]), inv_base, static_cast<float>(c[0])) : static_cast<float>(c[0]);
           const float ge = t * bm.e;
           const int64_t g = blk * (2 / hpg) + h0 / hpg;
           const float d = F::d(sc, g, r);
@@ -389,7 +391,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline __m512i dot4(__m51
 
 // One 16-row block against a tile of MC rows; SPLIT independent chains per row and part (few rows
 // give few chains, and VPDPBUSD's latency would bound them). G16: groups of 16 (two per block).
-template <int MC, int SPLIT, bool G16, class F, int PL>
+template <int MC, int SPLIT, bool G16, class F, int PL, int P>
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
     const uint8_t* w, const typename F::E* sc, int64_t K, int z, const int8_t* px, const Meta* meta, const float* s, float* out,
     int64_t ldo) {
@@ -402,13 +404,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
   __m512 acc[MC];
   for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
-    const int8_t* xb = px + blk * MC * kParts * 32;
+    const int8_t* xb = px + blk * MC * P * 32;
     const Meta* bm = meta + blk * MC;
     const uint8_t* wb = w + blk * (PL == -1 ? 8 * 64 : 4 * kRec);
     for (int h = 0; h < kGroups; ++h) {
-      __m512i ip[MC][kParts][SPLIT];
+      __m512i ip[MC][P][SPLIT];
       for (int m = 0; m < MC; ++m)
-        for (int p = 0; p < kParts; ++p)
+        for (int p = 0; p < P; ++p)
           for (int j = 0; j < SPLIT; ++j)
             ip[m][p][j] = j ? _mm512_setzero_si512()
                             : _mm512_set1_epi32(-z * (G16 ? bm[m].ps[p][h] : bm[m].ps[p][0] + bm[m].ps[p][1]));
@@ -418,8 +420,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
           _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetch + c * 64), _MM_HINT_T0);
           const __m512i raw = _mm512_loadu_si512(wb + c * 64);
           for (int m = 0; m < MC; ++m)
-            for (int p = 0; p < kParts; ++p)
-              ip[m][p][cc % SPLIT] = dot4(ip[m][p][cc % SPLIT], raw, xb + (m * kParts + p) * 32 + c * 4);
+            for (int p = 0; p < P; ++p)
+              ip[m][p][cc % SPLIT] = dot4(ip[m][p][cc % SPLIT], raw, xb + (m * P + p) * 32 + c * 4);
         }
       } else {
         for (int cc = 0; cc < kChunks; cc += 2) {  // one record: chunks c (low nibbles) and c + 1
@@ -434,8 +436,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
             hi = _mm512_shuffle_epi8(lut, hi);
           }
           for (int m = 0; m < MC; ++m)
-            for (int p = 0; p < kParts; ++p) {
-              const int8_t* xp = xb + (m * kParts + p) * 32 + c * 4;
+            for (int p = 0; p < P; ++p) {
+              const int8_t* xp = xb + (m * P + p) * 32 + c * 4;
               ip[m][p][cc % SPLIT] = dot4(ip[m][p][cc % SPLIT], lo, xp);
               ip[m][p][(cc + 1) % SPLIT] = dot4(ip[m][p][(cc + 1) % SPLIT], hi, xp + 4);
             }
@@ -446,12 +448,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
       __m512 off = _mm512_setzero_ps();
       if constexpr (F::kOff) off = _mm512_fmadd_ps(zf, d, F::m16(sc, g));
       for (int m = 0; m < MC; ++m) {
-        __m512i c[kParts];
-        for (int p = 0; p < kParts; ++p) {
+        __m512i c[P];
+        for (int p = 0; p < P; ++p) {
           c[p] = ip[m][p][0];
           for (int j = 1; j < SPLIT; ++j) c[p] = _mm512_add_epi32(c[p], ip[m][p][j]);
         }
-        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[1]), inv_base, _mm512_cvtepi32_ps(c[0]));
+        __m512 t = _mm512_cvtepi32_ps(c[0]);
+        if constexpr (P == 2) t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[1]), inv_base, t);
         acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(t, _mm512_set1_ps(bm[m].e)), d, acc[m]);
         if constexpr (F::kOff) acc[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(s[g * MC + m]), acc[m]);
       }
@@ -520,7 +523,7 @@ __attribute__((target("avx2"))) inline __m256i xs(const int8_t* xp, int c) {
 // 64, two chunks' pair sums added in int16) keeps one half (with both, GCC spilled). Byte lanes
 // prefetch every chunk's line: with one prefetch per two chunks (as before), 8-bit decode at the 1B
 // shape streamed 16 GB/s at 2 threads; with every line 29 (this machine's read bandwidth: 29.5).
-template <int MC, bool G16, class F, bool SIGNED, int PL>
+template <int MC, bool G16, class F, bool SIGNED, int PL, int P>
 __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, const typename F::E* sc, int64_t K, int z,
                                                                const int8_t* px, const Meta* meta, const float* s,
                                                                float* out, int64_t ldo) {
@@ -539,14 +542,14 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
     for (int h = 0; h < NH; ++h)
       for (int m = 0; m < MC; ++m) acc[h][m] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nb; ++blk) {
-      const int8_t* xb = px + blk * MC * kParts * 32;
+      const int8_t* xb = px + blk * MC * P * 32;
       const Meta* bm = meta + blk * MC;
       const uint8_t* wb = w + blk * (PL == -1 ? 8 * 64 : 4 * kRec);
       for (int gi = 0; gi < kGroups; ++gi) {
-        __m256i ip[NH][MC][kParts];
+        __m256i ip[NH][MC][P];
         for (int h = 0; h < NH; ++h)
           for (int m = 0; m < MC; ++m)
-            for (int p = 0; p < kParts; ++p)
+            for (int p = 0; p < P; ++p)
               ip[h][m][p] = SIGNED ? _mm256_setzero_si256()
                                    : _mm256_set1_epi32(-z * (G16 ? bm[m].ps[p][gi] : bm[m].ps[p][0] + bm[m].ps[p][1]));
         if constexpr (PL >= 0 || PL == kLut) {
@@ -569,8 +572,8 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
                 al[h] = _mm256_abs_epi8(sl[h]), ah[h] = _mm256_abs_epi8(sh[h]);
               }
               for (int m = 0; m < MC; ++m)
-                for (int p = 0; p < kParts; ++p) {
-                  const int8_t* xp = xb + (m * kParts + p) * 32;
+                for (int p = 0; p < P; ++p) {
+                  const int8_t* xp = xb + (m * P + p) * 32;
                   const __m256i xl = xs(xp, c), xh = xs(xp, c + 1);
                   for (int h = 0; h < NH; ++h) {
                     const __m256i pl = _mm256_maddubs_epi16(al[h], _mm256_sign_epi8(xl, sl[h]));
@@ -582,8 +585,8 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
               continue;
             }
             for (int m = 0; m < MC; ++m)
-              for (int p = 0; p < kParts; ++p) {
-                const int8_t* xp = xb + (m * kParts + p) * 32;
+              for (int p = 0; p < P; ++p) {
+                const int8_t* xp = xb + (m * P + p) * 32;
                 const __m256i xl = xs(xp, c), xh = xs(xp, c + 1);
                 for (int h = 0; h < NH; ++h) {
                   const __m256i d = _mm256_madd_epi16(
@@ -605,8 +608,8 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
             wv[h] = _mm256_abs_epi8(ws[h]);
           }
           for (int m = 0; m < MC; ++m)
-            for (int p = 0; p < kParts; ++p) {
-              const __m256i xv = xs(xb + (m * kParts + p) * 32, c);
+            for (int p = 0; p < P; ++p) {
+              const __m256i xv = xs(xb + (m * P + p) * 32, c);
               for (int h = 0; h < NH; ++h)
                 ip[h][m][p] = _mm256_add_epi32(
                     ip[h][m][p], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[h], _mm256_sign_epi8(xv, ws[h])), ones));
@@ -623,8 +626,8 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
             for (int i = 0; i < 2; ++i)
               wv[h][i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (c + i) * 64 + (h0 + h) * 32));
           for (int m = 0; m < MC; ++m) {
-            for (int p = 0; p < kParts; ++p) {
-              const int8_t* xp = xb + (m * kParts + p) * 32;
+            for (int p = 0; p < P; ++p) {
+              const int8_t* xp = xb + (m * P + p) * 32;
               const __m256i xv[2] = {xs(xp, c), xs(xp, c + 1)};
               for (int h = 0; h < NH; ++h) {
                 // values below 64: two chunks' pair sums add up in int16 (2 * 2 * 63 * 127 = 32004)
@@ -641,7 +644,8 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
           __m256 off = _mm256_setzero_ps();
           if constexpr (F::kOff) off = _mm256_fmadd_ps(zf, d, F::m8(sc, g, h0 + h));
           for (int m = 0; m < MC; ++m) {
-            const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip[h][m][1]), inv_base, _mm256_cvtepi32_ps(ip[h][m][0]));
+            __m256 t = _mm256_cvtepi32_ps(ip[h][m][0]);
+            if constexpr (P == 2) t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ip[h][m][P - 1]), inv_base, t);
             acc[h][m] = _mm256_fmadd_ps(_mm256_mul_ps(t, _mm256_set1_ps(bm[m].e)), d, acc[h][m]);
             if constexpr (F::kOff) acc[h][m] = _mm256_fmadd_ps(off, _mm256_set1_ps(s[g * MC + m]), acc[h][m]);
           }
@@ -668,84 +672,84 @@ template <int GPS, bool OFF>
 constexpr bool kSuper<Super<GPS, OFF>> = true;
 
 #if defined(__x86_64__)
-template <int MC, int PL, class F>
+template <int MC, int PL, class F, int P>
 void run_mc_512_pl(const Form& f, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px,
                    const Meta* meta, const float* s, float* out, int64_t ldo) {
   constexpr int kSplit = MC == 1 ? 4 : MC == 2 ? 2 : 1;
   if constexpr (kSuper<F>) {  // the record fixes the group size
-    return block_rows_512<MC, kSplit, F::kGroup == 16, F, PL>(w, sc, K, f.z, px, meta, s, out, ldo);
+    return block_rows_512<MC, kSplit, F::kGroup == 16, F, PL, P>(w, sc, K, f.z, px, meta, s, out, ldo);
   } else {
-    if (f.g16) return block_rows_512<MC, kSplit, true, F, PL>(w, sc, K, f.z, px, meta, s, out, ldo);
-    return block_rows_512<MC, kSplit, false, F, PL>(w, sc, K, f.z, px, meta, s, out, ldo);
+    if (f.g16) return block_rows_512<MC, kSplit, true, F, PL, P>(w, sc, K, f.z, px, meta, s, out, ldo);
+    return block_rows_512<MC, kSplit, false, F, PL, P>(w, sc, K, f.z, px, meta, s, out, ldo);
   }
 }
 
-template <int MC, class F>
+template <int MC, class F, int P>
 void run_mc_512(const Form& f, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px,
                 const Meta* meta, const float* s, float* out, int64_t ldo) {
   switch (f.planes) {
-    case -1: return run_mc_512_pl<MC, -1, F>(f, w, sc, K, px, meta, s, out, ldo);
-    case 0: return run_mc_512_pl<MC, 0, F>(f, w, sc, K, px, meta, s, out, ldo);
-    case 1: return run_mc_512_pl<MC, 1, F>(f, w, sc, K, px, meta, s, out, ldo);
-    case 2: return run_mc_512_pl<MC, 2, F>(f, w, sc, K, px, meta, s, out, ldo);
+    case -1: return run_mc_512_pl<MC, -1, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+    case 0: return run_mc_512_pl<MC, 0, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+    case 1: return run_mc_512_pl<MC, 1, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+    case 2: return run_mc_512_pl<MC, 2, F, P>(f, w, sc, K, px, meta, s, out, ldo);
     default:
-      if constexpr (!F::kOff) return run_mc_512_pl<MC, kLut, F>(f, w, sc, K, px, meta, s, out, ldo);
+      if constexpr (!F::kOff) return run_mc_512_pl<MC, kLut, F, P>(f, w, sc, K, px, meta, s, out, ldo);
   }
 }
 
-template <int MC, bool SIGNED, int PL, class F>
+template <int MC, bool SIGNED, int PL, class F, int P>
 void run_mc_avx2_pl(const Form& f, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px,
                     const Meta* meta, const float* s, float* out, int64_t ldo) {
   if constexpr (kSuper<F>) {
-    return block_rows_avx2<MC, F::kGroup == 16, F, SIGNED, PL>(w, sc, K, f.z, px, meta, s, out, ldo);
+    return block_rows_avx2<MC, F::kGroup == 16, F, SIGNED, PL, P>(w, sc, K, f.z, px, meta, s, out, ldo);
   } else {
-    if (f.g16) return block_rows_avx2<MC, true, F, SIGNED, PL>(w, sc, K, f.z, px, meta, s, out, ldo);
-    return block_rows_avx2<MC, false, F, SIGNED, PL>(w, sc, K, f.z, px, meta, s, out, ldo);
+    if (f.g16) return block_rows_avx2<MC, true, F, SIGNED, PL, P>(w, sc, K, f.z, px, meta, s, out, ldo);
+    return block_rows_avx2<MC, false, F, SIGNED, PL, P>(w, sc, K, f.z, px, meta, s, out, ldo);
   }
 }
 
 // 8-bit weights (byte lanes, z = 128) and codebook values take the signed form; values of at most
 // 6 bits the plain one
-template <int MC, class F>
+template <int MC, class F, int P>
 void run_mc_avx2(const Form& f, const uint8_t* w, const typename F::E* sc, int64_t K, const int8_t* px,
                  const Meta* meta, const float* s, float* out, int64_t ldo) {
   switch (f.planes) {
     case -1:
-      if (f.z == 128) return run_mc_avx2_pl<MC, true, -1, F>(f, w, sc, K, px, meta, s, out, ldo);
-      return run_mc_avx2_pl<MC, false, -1, F>(f, w, sc, K, px, meta, s, out, ldo);
-    case 0: return run_mc_avx2_pl<MC, false, 0, F>(f, w, sc, K, px, meta, s, out, ldo);
-    case 1: return run_mc_avx2_pl<MC, false, 1, F>(f, w, sc, K, px, meta, s, out, ldo);
-    case 2: return run_mc_avx2_pl<MC, false, 2, F>(f, w, sc, K, px, meta, s, out, ldo);
+      if (f.z == 128) return run_mc_avx2_pl<MC, true, -1, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+      return run_mc_avx2_pl<MC, false, -1, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+    case 0: return run_mc_avx2_pl<MC, false, 0, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+    case 1: return run_mc_avx2_pl<MC, false, 1, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+    case 2: return run_mc_avx2_pl<MC, false, 2, F, P>(f, w, sc, K, px, meta, s, out, ldo);
     default:
-      if constexpr (!F::kOff) return run_mc_avx2_pl<MC, true, kLut, F>(f, w, sc, K, px, meta, s, out, ldo);
+      if constexpr (!F::kOff) return run_mc_avx2_pl<MC, true, kLut, F, P>(f, w, sc, K, px, meta, s, out, ldo);
   }
 }
 #endif
 
-template <class F>
+template <class F, int P>
 void run_block(Isa isa, int mc, const Form& f, const uint8_t* w, const typename F::E* sc, int64_t K,
                const int8_t* px, const Meta* meta, const float* s, float* out, int64_t ldo) {
 #if defined(__x86_64__)
   static_assert(kMc == 6 && kMcAvx2 == 3, "one case per tile height below");
   if (isa == Isa::kVnni) {
     switch (mc) {
-      case 1: return run_mc_512<1, F>(f, w, sc, K, px, meta, s, out, ldo);
-      case 2: return run_mc_512<2, F>(f, w, sc, K, px, meta, s, out, ldo);
-      case 3: return run_mc_512<3, F>(f, w, sc, K, px, meta, s, out, ldo);
-      case 4: return run_mc_512<4, F>(f, w, sc, K, px, meta, s, out, ldo);
-      case 5: return run_mc_512<5, F>(f, w, sc, K, px, meta, s, out, ldo);
-      default: return run_mc_512<6, F>(f, w, sc, K, px, meta, s, out, ldo);
+      case 1: return run_mc_512<1, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+      case 2: return run_mc_512<2, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+      case 3: return run_mc_512<3, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+      case 4: return run_mc_512<4, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+      case 5: return run_mc_512<5, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+      default: return run_mc_512<6, F, P>(f, w, sc, K, px, meta, s, out, ldo);
     }
   }
   if (isa == Isa::kAvx2) {
     switch (mc) {
-      case 1: return run_mc_avx2<1, F>(f, w, sc, K, px, meta, s, out, ldo);
-      case 2: return run_mc_avx2<2, F>(f, w, sc, K, px, meta, s, out, ldo);
-      default: return run_mc_avx2<3, F>(f, w, sc, K, px, meta, s, out, ldo);
+      case 1: return run_mc_avx2<1, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+      case 2: return run_mc_avx2<2, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+      default: return run_mc_avx2<3, F, P>(f, w, sc, K, px, meta, s, out, ldo);
     }
   }
 #endif
-  block_rows_generic<F>(mc, f.planes, w, sc, K, f.g16 ? 16 : 32, f.z, px, meta, s, out, ldo);
+  block_rows_generic<F>(mc, f.planes, w, sc, K, f.g16 ? 16 : 32, f.z, px, meta, s, out, ldo, P);
 }
 
 void widen_block_generic(const uint8_t* src, int planes, int64_t K, uint8_t* dst) {
@@ -840,12 +844,12 @@ void dense_gemm(Isa isa, const at::Tensor& x, const uint8_t* w, const typename F
 
 template <class F>
 void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const typename F::E* sc, int64_t nblocks,
-          int64_t gs, const Form& f, float* y) {
+          int64_t gs, const Form& f, float* y, int np) {
   const int64_t tile = isa == Isa::kVnni ? kMc : isa == Isa::kAvx2 ? kMcAvx2 : kMc;
-  std::vector<int8_t> parts(M * kParts * K);
+  std::vector<int8_t> parts(M * np * K);
   std::vector<Meta> meta(M * (K / 32));
   std::vector<float> sums(M * (K / gs));
-  const Tiled q{M, K, K / 32, K / gs, tile, parts.data(), meta.data(), sums.data()};
+  const Tiled q{M, K, K / 32, K / gs, tile, parts.data(), meta.data(), sums.data(), np};
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
     quantize_rows(isa, x, q, gs, m0, m1);
   });
@@ -869,8 +873,9 @@ void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const
       }
       for (int64_t t = 0; t < ntiles; ++t)
         for (int64_t nbk = c0; nbk < c1; ++nbk)
-          run_block<F>(isa, q.mt(t), fw, wc + (nbk - c0) * bstride, sc + nbk * sstride, K, q.tparts(t), q.tmeta(t),
-                       q.ts(t), y + t * tile * N + nbk * kRows, N);
+          (np == 1 ? run_block<F, 1> : run_block<F, 2>)(isa, q.mt(t), fw, wc + (nbk - c0) * bstride,
+                                                        sc + nbk * sstride, K, q.tparts(t), q.tmeta(t), q.ts(t),
+                                                        y + t * tile * N + nbk * kRows, N);
     }
   });
 }
@@ -934,10 +939,12 @@ void with_form(const char* op, const at::Tensor& w, const at::Tensor& sc, int64_
   }
 }
 
-// x fp32 [M, K] @ W^T -> fp32 [M, N padded to 16]; W in the layout at the top.
+// x fp32 [M, K] @ W^T -> fp32 [M, N padded to 16]; W in the layout at the top. parts: the
+// activations' int8 parts, 2 (~16 bits, the default) or 1 (8 bits, the opt-in; act_quant.h)
 at::Tensor int8w_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc, int64_t group_size,
-                      int64_t zero) {
+                      int64_t zero, int64_t parts) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8w_gemm: x must be fp32 [M, K]");
+  TORCH_CHECK(parts == 1 || parts == 2, "int8w_gemm: parts must be 1 (8-bit activations) or 2 (16-bit), got ", parts);
   const int64_t M = x.size(0), K = x.size(1), nblocks = w.dim() == 3 ? w.size(0) : 0;
   const Isa isa = isa_now();
   const at::Tensor xc = x.contiguous();
@@ -946,7 +953,8 @@ at::Tensor int8w_gemm(const at::Tensor& x, const at::Tensor& w, const at::Tensor
     using F = decltype(form);
     if (M == 0) return;
     if (dense_wins(isa, f, M)) return dense_gemm<F>(isa, xc, w.data_ptr<uint8_t>(), p, nblocks, group_size, f, y);
-    gemm<F>(isa, xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), p, nblocks, group_size, f, y.data_ptr<float>());
+    gemm<F>(isa, xc.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), p, nblocks, group_size, f, y.data_ptr<float>(),
+            static_cast<int>(parts));
   });
   return y;
 }
@@ -968,7 +976,7 @@ at::Tensor int8w_dequantize(const at::Tensor& w, const at::Tensor& sc, int64_t g
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
-  m.def("int8w_gemm(Tensor x, Tensor w, Tensor scales, int group_size, int zero) -> Tensor");
+  m.def("int8w_gemm(Tensor x, Tensor w, Tensor scales, int group_size, int zero, int parts=2) -> Tensor");
   m.def("int8w_dequantize(Tensor w, Tensor scales, int group_size, int zero) -> Tensor");
   m.def("int8w_isa(str? force=None) -> str", &int8w_isa);  // no tensors: one kernel for every key
 }
