@@ -4,7 +4,8 @@
 
 An engine named ENGINE:KV runs with that KV cache type (localllm's --kv-type; llama.cpp's
 type_k/type_v, with flash attention, which its quantized V cache needs), e.g.
---engines localllm,localllm:q8_0,llama.cpp,llama.cpp:q8_0 --no-cold-start.
+--engines localllm,localllm:q8_0,llama.cpp,llama.cpp:q8_0 --no-cold-start; localllm:a8 runs
+localllm with --act-bits 8 (8-bit activations in its CPU kernels, llama.cpp's way).
 
 Needs `llama-cpp-python` (pip install -e '.[bench]') and `transformers` + `accelerate`; it
 installs nothing. Never part of CI. Each engine lives in its own worker process (so each
@@ -35,6 +36,8 @@ TEXT = ("The history of computing is a story of people turning ideas about calcu
 # ---- workers: one engine each, JSON lines on stdin/stdout ---------------------------------------------
 class LocalWorker:
     def __init__(self, path: str, threads: int, compile: bool, kv_type: str = "auto"):
+        act_bits = 8 if kv_type == "a8" else 16
+        kv_type = "auto" if kv_type == "a8" else kv_type
         import torch
 
         torch.set_num_threads(threads)
@@ -49,7 +52,7 @@ class LocalWorker:
         self.engine = LLMEngine(self.loaded, EngineConfig(max_model_len=4096, enable_prefix_caching=False,
                                                           parallel=1,
                                                           num_threads=threads, compile=compile,
-                                                          kv_type=kv_type))
+                                                          kv_type=kv_type, act_bits=act_bits))
         self.compile_wait_s = wait_for_compiled(self.engine)
 
     def bytes_per_token(self) -> dict:
