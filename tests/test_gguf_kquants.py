@@ -370,11 +370,13 @@ def test_k_quant_parts_are_repacked_in_one_cpp_pass(mixed_gguf, tmp_path, monkey
 def test_eight_bit_activations_reach_every_kernel_part(mixed_gguf):
     """--act-bits 8 (model.use_act_bits(8)): every int4 and int8-lane part of every layer takes one
     activation part, in the one-call decode step as in the ops one by one (same bits), the outputs
-    within 8-bit rounding of the 16-bit ones and not equal to them; 16 again gives the 16-bit
-    outputs exactly (the one-call step's cached arguments follow)."""
+    within 8-bit rounding of the 16-bit ones and not equal to them; an engine with
+    the default config sets 16 again and the 16-bit outputs come back exactly (the one-call step's
+    cached arguments follow)."""
     from localllm.model.attention import describe_batch
 
-    m = load_model(mixed_gguf, "auto").model
+    loaded = load_model(mixed_gguf, "auto")
+    m = loaded.model
     pos, meta = describe_batch(torch.tensor([[1, 2]]), [1], [21], 16)
     ids = torch.tensor([7])
 
@@ -392,7 +394,7 @@ def test_eight_bit_activations_reach_every_kernel_part(mixed_gguf):
     h8 = hidden()
     assert not torch.equal(h8, h16) and rel_err(h8, h16.double()) < 3e-2
     assert_one_call_equals_one_by_one(m, torch.float16)
-    m.use_act_bits(16)
+    make_engine(loaded)  # a default engine on the same model: back to 16 bits
     assert torch.equal(hidden(), h16)
     with pytest.raises(ValueError, match="8 or 16"):
         m.use_act_bits(4)

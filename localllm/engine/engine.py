@@ -104,8 +104,10 @@ class LLMEngine:
     def __init__(self, loaded: ModelHandle, config: EngineConfig | None = None, draft: ModelHandle | None = None):
         self.loaded = loaded
         config = config or EngineConfig()
-        if config.act_bits != 16:  # before the runner: compiled packages are keyed by the layers
-            loaded.model.use_act_bits(config.act_bits)
+        # before the runner (compiled packages are keyed by the layers), and every time: a model an
+        # earlier engine set to 8 bits comes back to the default with a default config
+        loaded.model.use_act_bits(config.act_bits)
+        if config.act_bits != 16:
             loaded.precision = loaded.precision.replace("16-bit matmul inputs", "8-bit matmul inputs")
             if loaded.model.device == "cpu":  # (the background builder would build the 16-bit step)
                 config = replace(config, compile=False)

@@ -198,15 +198,18 @@ class LlamaModel(nn.Module):
 
         if bits not in (8, 16):
             raise ValueError(f"activation bits must be 8 or 16, got {bits!r}")
+        parts = 1 if bits == 8 else 2
         for layer in self.layers:
-            for m in layer.modules():
-                if isinstance(m, (Int4Linear, Int8wLinear)):
-                    if bits == 16:
-                        m.__dict__.pop("act_parts", None)  # the class's default: 2
-                    else:
-                        m.act_parts = 1
+            linears = [m for m in layer.modules() if isinstance(m, (Int4Linear, Int8wLinear))]
+            if all(m.act_parts == parts for m in linears):
+                continue
+            for m in linears:
+                if parts == 2:
+                    m.__dict__.pop("act_parts", None)  # the class's default
+                else:
+                    m.act_parts = parts
             layer.__dict__.pop("_fused_decode", None)  # the one-call step's arguments carry it
-        self.__dict__.pop("_structure_key", None)  # compiled packages are keyed by it
+            self.__dict__.pop("_structure_key", None)  # compiled packages are keyed by it
 
     def use_attention(self, backend: str, fused_cpu: bool = True) -> None:
         """Pick the backend ("torch" | "triton"); the runner builds the matching metadata.
