@@ -15,7 +15,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from check_int4 import teacher_forced  # noqa: E402  (bench/ is on sys.path when run as a script)
+from check_int4 import agreement_row, teacher_forced  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 from localllm.model.loader import load_model
 from localllm.quant.calib_text import EVAL
@@ -35,24 +35,16 @@ def main() -> None:
     target = torch.tensor(ids[1:])
     ref_logits, ref_greedy = teacher_forced(ref, ids)
     del ref
-    top2 = ref_logits.topk(2, dim=-1).values
-    gap = top2[:, 0] - top2[:, 1]
     loaded = load_model(path, "auto")
     print(f"{len(ids) - 1} teacher-forced decode steps, {args.threads} threads, weights: {loaded.precision}")
-    print(f"{'run':24} {'perplexity':>10} {'vs fp32':>9} {'greedy == fp32':>15} {'max |dlogit|':>13} "
+    print(f"{'run':24} {'perplexity':>10} {'vs fp32':>10} {'greedy == fp32':>18} {'max |dlogit|':>13} "
           f"{'mean |dlogit|':>14}  fp32 top-2 gap at flips")
     base = math.exp(F.cross_entropy(ref_logits, target).item())
     print(f"{'fp32 weights (reference)':24} {base:10.4f}")
     for bits in (16, 8):
         loaded.model.use_act_bits(bits)
         logits, greedy = teacher_forced(loaded, ids)
-        ppl = math.exp(F.cross_entropy(logits, target).item())
-        err = (logits - ref_logits).abs()
-        flips = (greedy != ref_greedy).nonzero().flatten()
-        print(f"{f'--act-bits {bits}':24} {ppl:10.4f} {ppl / base - 1:+9.4%} "
-              f"{len(ids) - 1 - len(flips):9d}/{len(ids) - 1:<5d} {err.max().item():13.2e} {err.mean().item():14.2e}"
-              f"  {[round(gap[i].item(), 3) for i in flips]}")
-
+        print(agreement_row(f"--act-bits {bits}", 24, logits, greedy, ref_logits, ref_greedy, target, base))
 
 if __name__ == "__main__":
     main()

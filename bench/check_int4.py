@@ -43,6 +43,20 @@ def teacher_forced(loaded, ids: list[int], kv_dtype: torch.dtype | None = None) 
     return torch.stack(logits), torch.stack(greedy)
 
 
+def agreement_row(label: str, width: int, logits: torch.Tensor, greedy: torch.Tensor, ref_logits: torch.Tensor,
+                  ref_greedy: torch.Tensor, target: torch.Tensor, base_ppl: float) -> str:
+    """One row of the check scripts' tables: perplexity against the reference's, greedy tokens equal
+    to the reference's, the logit error, and the reference's top-2 gap at each flip."""
+    top2 = ref_logits.topk(2, dim=-1).values
+    gap = top2[:, 0] - top2[:, 1]
+    ppl = math.exp(F.cross_entropy(logits, target).item())
+    err = (logits - ref_logits).abs()
+    flips = (greedy != ref_greedy).nonzero().flatten()
+    n = len(target)
+    return (f"{label:{width}} {ppl:10.4f} {ppl / base_ppl - 1:+10.4%} {n - len(flips):12d}/{n:<5d} "
+            f"{err.max().item():13.2e} {err.mean().item():14.2e}  {[round(gap[i].item(), 3) for i in flips]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=512)

@@ -15,7 +15,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from check_int4 import teacher_forced  # noqa: E402  (bench/ is on sys.path when run as a script)
+from check_int4 import agreement_row, teacher_forced  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 from localllm.model.attention import kv_type_name
 from localllm.model.loader import load_model
@@ -34,21 +34,13 @@ def main() -> None:
     ids = loaded.tokenizer.encode("\n\n".join(EVAL))[:args.tokens]
     target = torch.tensor(ids[1:])
     ref_logits, ref_greedy = teacher_forced(loaded, ids, torch.float32)
-    top2 = ref_logits.topk(2, dim=-1).values
-    gap = top2[:, 0] - top2[:, 1]
     print(f"{len(ids) - 1} teacher-forced decode steps, {args.threads} threads, weights: {loaded.precision}")
     print(f"{'KV':9} {'perplexity':>10} {'vs fp32 KV':>10} {'greedy == fp32 KV':>18} {'max |dlogit|':>13} "
           f"{'mean |dlogit|':>14}  fp32-KV top-2 gap at flips")
     base = math.exp(F.cross_entropy(ref_logits, target).item())
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.uint8):  # uint8: the q8_0 cache
         logits, greedy = (ref_logits, ref_greedy) if dtype == torch.float32 else teacher_forced(loaded, ids, dtype)
-        ppl = math.exp(F.cross_entropy(logits, target).item())
-        err = (logits - ref_logits).abs()
-        flips = (greedy != ref_greedy).nonzero().flatten()
-        print(f"{kv_type_name(dtype):9} {ppl:10.4f} {ppl / base - 1:+10.4%} "
-              f"{len(ids) - 1 - len(flips):12d}/{len(ids) - 1:<5d} {err.max().item():13.2e} {err.mean().item():14.2e}"
-              f"  {[round(gap[i].item(), 3) for i in flips]}")
-
+        print(agreement_row(kv_type_name(dtype), 9, logits, greedy, ref_logits, ref_greedy, target, base))
 
 if __name__ == "__main__":
     main()

@@ -105,8 +105,9 @@ def test_truncated_and_pickle_only_safetensors_dirs(tmp_path, tiny_model):
         load_model(d)
 
 
-def test_enforce_eager_reaches_the_engine_config(monkeypatch):
-    """--enforce-eager (GPU: no CUDA-graph replay) is passed down in EngineConfig, for run and chat."""
+def test_enforce_eager_and_act_bits_reach_the_engine_config(monkeypatch):
+    """--enforce-eager (GPU: no CUDA-graph replay) and --act-bits are passed down in EngineConfig,
+    for run and chat (defaults: compiled, 16 bits)."""
     from typer.testing import CliRunner
 
     import localllm.cli as cli
@@ -114,13 +115,14 @@ def test_enforce_eager_reaches_the_engine_config(monkeypatch):
     seen = []
 
     def fake_open(model, quant, device, config, max_memory=None):
-        seen.append(config.compile)
+        seen.append((config.compile, config.act_bits))
         raise SystemExit(3)
 
     monkeypatch.setattr(cli, "open_engine", fake_open)
-    for args in (["run", "hi"], ["run", "--enforce-eager", "hi"], ["chat", "--enforce-eager"]):
+    for args in (["run", "hi"], ["run", "--enforce-eager", "hi"], ["chat", "--enforce-eager"],
+                 ["run", "--act-bits", "8", "hi"], ["chat", "--act-bits", "8"]):
         assert CliRunner().invoke(cli.app, args, input="").exit_code == 3
-    assert seen == [True, False, False]
+    assert seen == [(True, 16), (False, 16), (False, 16), (True, 8), (True, 8)]
 
 
 def test_act_bits_8_answers_and_other_widths_are_refused():
@@ -131,24 +133,6 @@ def test_act_bits_8_answers_and_other_widths_are_refused():
     assert "Paris" in r.stdout
     r = run(["run", "--act-bits", "4", "hi"])
     assert r.returncode == 2 and "--act-bits" in r.stderr and "Traceback" not in r.stderr
-
-
-def test_act_bits_reach_the_engine_config(monkeypatch):
-    """run, chat and serve pass --act-bits down in EngineConfig (16 when not given)."""
-    from typer.testing import CliRunner
-
-    import localllm.cli as cli
-
-    seen = []
-
-    def fake_open(model, quant, device, config, max_memory=None):
-        seen.append(config.act_bits)
-        raise SystemExit(3)
-
-    monkeypatch.setattr(cli, "open_engine", fake_open)
-    for args in (["run", "hi"], ["run", "--act-bits", "8", "hi"], ["chat", "--act-bits", "8"]):
-        assert CliRunner().invoke(cli.app, args, input="").exit_code == 3
-    assert seen == [16, 8, 8]
 
 
 def test_gc_is_off_while_loading_and_back_once_the_engine_is_built(monkeypatch):
