@@ -8,7 +8,7 @@ bits)``: Q5_K, Q6_K, Q3_K, Q2_K or IQ4_XS blocks -> cpu_int8's (w, records) for 
 type's own: nibbles and bit planes, IQ4_XS its 4-bit codebook indices; 8: byte lanes), what
 ``cpu_int8.pack`` makes of the decoded blocks; ``block32(blocks, kind, bits)`` the same for
 Q5_0, Q5_1, IQ4_NL and Q8_0. One pass over the file's bytes instead of the
-torch path's several (its expanded values, fp32 products and reorders). `rows` (int64, optional):
+torch path's several (its expanded values, fp32 products and reorders), built for this CPU. `rows` (int64, optional):
 the source row of each output row (the parts of a fused layer read into one buffer, q/k reordered
 on the way). Compiled once per machine
 (see cpu_build); without a compiler ``load()`` is False and the loader keeps the torch path.
@@ -18,6 +18,7 @@ Imports only torch.
 from __future__ import annotations
 
 import functools
+import platform
 from pathlib import Path
 
 import torch
@@ -26,6 +27,10 @@ from . import cpu_build
 
 SOURCE = Path(__file__).parent / "cpu" / "gguf_repack.cpp"
 CXXFLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
+if platform.machine() in ("x86_64", "AMD64"):
+    # the compiler vectorizes the byte shuffles for this CPU (integer work only: the same bytes
+    # everywhere); 1B Q5_K / Q6_K matrices, 2 threads: 1.2-1.33x faster than the portable build
+    CXXFLAGS.append("-march=native")
 INT8_KINDS = ("Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")  # K-quants on the int8-lane kernel; Q4_K on the int4 one
 BLOCK32 = ("Q5_0", "Q5_1", "IQ4_NL", "Q8_0")  # blocks of 32 values with fp16 scales, int8-lane too
 KINDS = ("Q4_K", *INT8_KINDS, *BLOCK32)
@@ -37,7 +42,7 @@ ZERO = {"Q4_K": 8, "Q5_K": 16, "Q6_K": 32, "Q3_K": 4, "Q2_K": 2, "IQ4_XS": 128, 
 
 
 def library_path() -> Path:
-    return cpu_build.library_path(SOURCE, CXXFLAGS)
+    return cpu_build.library_path(SOURCE, CXXFLAGS, cpu_build.cpu_flags())
 
 
 def build(out: Path) -> None:
