@@ -193,7 +193,8 @@ class LlamaModel(nn.Module):
         """The activations' width inside the layers' int4 / int8-lane CPU kernels: 16 (two int8 parts
         per value, the default: about bf16's error squared) or 8 (one part, llama.cpp's way: ~1.7x
         the multiply rate at prefill sizes, a relative error of ~5e-3 per product). The head's
-        exact rows and the ranking copy keep 16. Other layers (dense, 16-bit weights) are unchanged."""
+        exact rows and the ranking copy keep 16, as do mixture-of-experts experts (moe_int4) and the
+        layers on other kernels (dense, 16-bit weights)."""
         from .layers import Int4Linear, Int8wLinear
 
         if bits not in (8, 16):
