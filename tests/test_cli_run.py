@@ -125,6 +125,28 @@ def test_enforce_eager_and_act_bits_reach_the_engine_config(monkeypatch):
     assert seen == [(True, 16), (False, 16), (False, 16), (True, 8), (True, 8)]
 
 
+def test_serve_passes_act_bits_to_every_model_it_loads(monkeypatch):
+    """Plain `serve` (every model on demand) and `serve MODEL` hand --act-bits to the model pool's
+    engine config; --engine vllm refuses it (vLLM runs its own kernels)."""
+    from typer.testing import CliRunner
+
+    import localllm.cli as cli
+    import localllm.server.pool as pool
+
+    seen = []
+
+    def fake_pool(config, log=None):
+        seen.append(config.engine_config.act_bits)
+        raise SystemExit(3)
+
+    monkeypatch.setattr(pool, "ModelPool", fake_pool)
+    for args in (["serve", "--act-bits", "8"], ["serve", "smollm2", "--act-bits", "8"], ["serve"]):
+        assert CliRunner().invoke(cli.app, args).exit_code == 3
+    assert seen == [8, 8, 16]
+    r = CliRunner().invoke(cli.app, ["serve", "smollm2", "--engine", "vllm", "--act-bits", "8"])
+    assert r.exit_code == 2 and "--act-bits" in r.output
+
+
 def test_act_bits_8_answers_and_other_widths_are_refused():
     """--act-bits 8 (the opt-in 8-bit activations in the CPU kernels) runs the default model to its
     answer; a width the kernels do not have is refused, naming the flag."""
