@@ -394,8 +394,10 @@ def test_eight_bit_activations_reach_every_kernel_part(mixed_gguf):
     h8 = hidden()
     assert not torch.equal(h8, h16) and rel_err(h8, h16.double()) < 3e-2
     assert_one_call_equals_one_by_one(m, torch.float16)
+    make_engine(loaded, act_bits=8)
+    assert "8-bit matmul inputs" in loaded.precision and torch.equal(hidden(), h8)
     make_engine(loaded)  # a default engine on the same model: back to 16 bits
-    assert torch.equal(hidden(), h16)
+    assert "16-bit matmul inputs" in loaded.precision and torch.equal(hidden(), h16)
     with pytest.raises(ValueError, match="8 or 16"):
         m.use_act_bits(4)
 

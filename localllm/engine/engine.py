@@ -107,10 +107,10 @@ class LLMEngine:
         # before the runner (compiled packages are keyed by the layers), and every time: a model an
         # earlier engine set to 8 bits comes back to the default with a default config
         loaded.model.use_act_bits(config.act_bits)
-        if config.act_bits != 16:
-            loaded.precision = loaded.precision.replace("16-bit matmul inputs", "8-bit matmul inputs")
-            if loaded.model.device == "cpu":  # (the background builder would build the 16-bit step)
-                config = replace(config, compile=False)
+        was, now = ("16", "8") if config.act_bits == 8 else ("8", "16")
+        loaded.precision = loaded.precision.replace(f"{was}-bit matmul inputs", f"{now}-bit matmul inputs")
+        if config.act_bits != 16 and loaded.model.device == "cpu":  # (the background builder builds the 16-bit step)
+            config = replace(config, compile=False)
         if config.max_num_batched_tokens is None:
             config = replace(config, max_num_batched_tokens=512 if loaded.model.device == "cpu" else 2048)
         self.config = config

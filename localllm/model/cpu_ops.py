@@ -114,8 +114,9 @@ NO_TENSOR = torch.empty(0)  # decode_layer's "none" in a tensor list (a part's a
 
 def _linear_parts(m, leaves: list) -> list | None:
     """The parts of linear `m` as decode_layer takes them: (weights, scales, bias, kind, group, out
-    features, zero point, rows below which the part runs its kernel), or None where a part is on
-    no kernel decode_layer calls. Each part's buffers go into `leaves` (the cache's check)."""
+    features, zero point, rows below which the part runs its kernel, the activations' int8 parts
+    (None: not an integer kernel)), or None where a part is on no kernel decode_layer calls. Each
+    part's buffers go into `leaves` (the cache's check)."""
     from .layers import ConcatLinear, Int8wLinear, W16Linear
 
     if isinstance(m, ConcatLinear):
