@@ -155,18 +155,13 @@ class GGUFWeights:
         perm = self._perm(name)
         return w.permute_rows(perm) if perm is not None else w
 
-    def raw_blocks(self, name: str, kinds: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The file's own blocks of `name` if its type is one of `kinds`, uint8 [N, K / block values,
-        block bytes] (read, not viewed through the map: they are repacked, and mapped pages would
-        stay in our RSS, a whole MoE file's), with the row order `int4` applies (q/k into
-        rotate_half order; None: as stored); None for other types."""
-        return self.stacked_blocks([name], kinds)
-
     def stacked_blocks(self, names: list[str], kinds: tuple[str, ...]
                        ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """raw_blocks of the parts `names` of a fused layer, read side by side into one buffer
-        (uint8 [N_1 + N_2 + ..., K / block values, block bytes]), and the row order `int4` applies
-        over the stack (None: as stored); None where a part's type is not one of `kinds` or the
+        """The file's own blocks of the parts `names` of a fused layer if their type is one of
+        `kinds`, read side by side into one buffer (uint8 [N_1 + N_2 + ..., K / block values, block
+        bytes]; read, not viewed through the map: they are repacked, and mapped pages would stay in
+        our RSS, a whole MoE file's), and the row order `int4` applies over the stack (q/k into
+        rotate_half order; None: as stored); None where a part's type is not one of `kinds` or the
         parts differ in type or width."""
         ts = [self._tensor(n) for n in names]
         kind = ts[0].qtype.name

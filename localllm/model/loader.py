@@ -101,20 +101,14 @@ def _gguf_q4_linear(weights: GGUFWeights, names: list[str], bias: torch.Tensor |
     parts or this CPU do not allow it."""
     from localllm_kernels import cpu_int4, cpu_repack
 
-    parts = [weights.raw_blocks(n, ("Q4_0", "Q4_1")) for n in names]
-    if any(p is None for p in parts):
+    stacked = weights.stacked_blocks(names, ("Q4_0", "Q4_1"))  # one type, one width
+    if stacked is None:
         return None
-    raws = [r for r, _ in parts]
-    if len({r.shape[2] for r in raws}) != 1:
-        return None
-    n, k = sum(r.shape[0] for r in raws), raws[0].shape[1] * 32
+    raw, rows = stacked
+    n, k = raw.shape[0], raw.shape[1] * 32
     if not (cpu_int4.fits(n, k, 32) and cpu_int4.load() and cpu_repack.load()):
         return None
-    rows, off = [], 0
-    for r, perm in parts:  # each part's rows in the order `int4` gives them, offset in the stack
-        rows.append((torch.arange(r.shape[0]) if perm is None else perm) + off)
-        off += r.shape[0]
-    packed = cpu_repack.q4_0_1(raws, torch.cat(rows), k)
+    packed = cpu_repack.q4_0_1([raw], torch.arange(n) if rows is None else rows, k)
     return Int4Linear.from_kernel_tensors({"qw": packed[0], "qsc": packed[1]}, n, 32, bias)
 
 
