@@ -96,3 +96,64 @@ def test_rope_tables_built_in_chunks_equal_the_whole_table(dtype, scaling):
     emb = torch.cat([freqs, freqs], dim=-1)
     assert torch.equal(rope.cos, (emb.cos() * factor).to(dtype))
     assert torch.equal(rope.sin, (emb.sin() * factor).to(dtype))
+
+
+def _rss_anon_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
+
+
+def test_lazy_rope_tables_fill_whole_chunks_with_the_whole_tables_values():
+    """A lazy table covered step by step (inside a chunk, across its edge, past the end) holds
+    the values of a table filled at once, bit for bit, in whole chunks only."""
+    from localllm.model import layers
+    from localllm.model.layers import RotaryEmbedding
+
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    n, d, chunk = 20000, 64, layers.ROPE_CHUNK
+    whole = RotaryEmbedding(d, n, 500000.0, scaling, torch.float32)
+    lazy = RotaryEmbedding(d, n, 500000.0, scaling, torch.float32, lazy=True)
+    assert lazy.filled == 0 and whole.filled == n
+    for want, filled in [(1, chunk), (chunk, chunk), (chunk + 1, 2 * chunk), (5, 2 * chunk), (10 ** 6, n)]:
+        lazy.cover(want)
+        assert lazy.filled == filled
+        assert torch.equal(lazy.cos[:filled], whole.cos[:filled]) and torch.equal(lazy.sin[:filled], whole.sin[:filled])
+
+
+def test_lazy_rope_tables_are_not_resident_beyond_their_rows():
+    """Gemma-3-sized tables (131,072 positions x 256 columns: 256 MB of cos and sin) cost the process
+    only the chunk a short context covers."""
+    from localllm.model.layers import RotaryEmbedding
+
+    before = _rss_anon_kb()
+    rope = RotaryEmbedding(256, 131072, 1_000_000.0, None, torch.float32, lazy=True)
+    rope.cover(100)
+    grown_mb = (_rss_anon_kb() - before) / 1024
+    assert rope.cos.numel() * 4 * 2 == 256 * 2 ** 20 and grown_mb < 40, grown_mb
+
+
+def test_a_cpu_model_covers_the_positions_each_step_reaches(tiny_gguf, monkeypatch):
+    """Through the engine (prefill chunks, decode steps, a second request), the lazy tables cover
+    exactly the chunks reached, and greedy tokens and logits equal a model whose tables were
+    filled at load."""
+    from conftest import make_engine
+
+    from localllm.model import layers
+    from localllm.model.loader import load_model
+    from localllm.sampling import SamplingParams
+
+    monkeypatch.setattr(layers, "ROPE_CHUNK", 16)  # many chunk edges in a short run
+    lazy, full = load_model(tiny_gguf, "auto"), load_model(tiny_gguf, "auto")
+    assert lazy.model.rope.lazy and lazy.model.rope.filled == 0
+    full.model.cover(full.model.rope.cos.shape[0])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    prompt = list(range(100, 130))
+    outs = []
+    for loaded in (lazy, full):
+        engine = make_engine(loaded, max_num_batched_tokens=8)
+        *_, a = engine.generate(prompt, params)
+        *_, b = engine.generate(prompt[:5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        outs.append((a.token_ids, [lp for lp in a.logprobs], b.token_ids))
+    assert outs[0] == outs[1]
+    assert lazy.model.rope.filled == 80  # positions 0..68: five chunks of 16

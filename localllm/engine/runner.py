@@ -76,6 +76,7 @@ class ModelRunner:
         bt = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int64)
         dev = self.device
         positions, meta = describe_batch(bt, list(counts), ctx_lens, self.block_size, self.model.attention_backend, dev)
+        self.model.cover(max(ctx_lens))  # (M-RoPE positions stay below the token's index)
         if getattr(self.vision, "mrope", False) and any(s.images for s in seqs):
             positions = self._mrope_positions(seqs, counts).to(dev)
         return torch.tensor(ids, dtype=torch.int64, device=dev), positions, meta

@@ -180,6 +180,7 @@ def build_package(model, kind: str, kv_dtype: torch.dtype, out: Path) -> None:
     try:
         scalars = _compile_without_weights(ep, model, tmp, kind, kv_dtype)
         if scalars is None:  # fall back to a package that carries its own copy of the weights
+            model.cover(model.rope.cos.shape[0])  # (the RoPE tables among them, every row)
             torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
             if not _same_as_eager(model, _load(model, tmp, None), kind, kv_dtype):
                 raise RuntimeError("the compiled step does not match the eager step")

@@ -315,19 +315,21 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None,
     raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope)")
 
 
-def rope_table(fn, inv: torch.Tensor, n: int, factor: float, dtype: torch.dtype, chunk: int = 8192) -> torch.Tensor:
-    """[n, 2 * len(inv)]: transformers' table, fn(cat([t * inv, t * inv])) * factor in fp32 cast to
-    `dtype` for positions t < n, built `chunk` positions at a time with each value computed once
-    for both halves: the whole-table temporaries (the angles twice over, fn of them, the scaled
-    copy) peaked ~80 MB above the table's own 64 MB at 131,072 positions, during the load."""
+ROPE_CHUNK = 8192  # positions a table fills at a time
+
+
+def rope_rows(fn, inv: torch.Tensor, out: torch.Tensor, start: int, stop: int, factor: float,
+              chunk: int = ROPE_CHUNK) -> None:
+    """Rows [start, stop) of `out` [n, 2 * len(inv)]: transformers' table, fn(cat([t * inv, t * inv]))
+    * factor in fp32 cast to out's dtype for positions t, built `chunk` positions at a time with
+    each value computed once for both halves (whole-table temporaries peaked ~80 MB above the
+    table's own 64 MB at 131,072 positions). Each row's value depends on t alone."""
     half = inv.numel()
-    out = torch.empty(n, 2 * half, dtype=dtype)
-    for p in range(0, n, chunk):
-        t = torch.arange(p, min(p + chunk, n), dtype=torch.float32)
-        v = (fn(torch.outer(t, inv)) * factor).to(dtype)
+    for p in range(start, stop, chunk):
+        t = torch.arange(p, min(p + chunk, stop), dtype=torch.float32)
+        v = (fn(torch.outer(t, inv)) * factor).to(out.dtype)
         out[p:p + len(t), :half] = v
         out[p:p + len(t), half:] = v
-    return out
 
 
 class RotaryEmbedding(nn.Module):
@@ -340,20 +342,29 @@ class RotaryEmbedding(nn.Module):
     set is picked once by the context this table serves, as llama.cpp does by its n_ctx: short
     factors when max_positions <= original (then identical to transformers), long ones otherwise
     (then sequences shorter than the original length differ from transformers, which would use the
-    short factors for them)."""
+    short factors for them).
+
+    lazy: the rows are filled as positions come into use (`cover`), ROPE_CHUNK at a time, into
+    memory allocated for all of them: on CPU, pages never written are never resident. A
+    131,072-position table of 64 columns is 64 MB of cos and sin, Gemma 3's two tables of 256
+    columns 512 MB, for a context most runs never reach."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  dtype: torch.dtype, rotary_dim: int | None = None, mrope_section: tuple[int, ...] | None = None,
-                 mrope_interleaved: bool = False):
+                 mrope_interleaved: bool = False, lazy: bool = False):
         """mrope_section (Qwen2-VL / 2.5-VL's M-RoPE): the rotary frequencies split in sections, section i
         rotated by row i % 3 (temporal, height, width) of [3, T] positions (see `at`). Interleaved
         (Qwen3-VL): frequency j by height where j % 3 == 1 and j < 3 * sections[1], by width where
         j % 3 == 2 and j < 3 * sections[2], else by time."""
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
-        inv, attn_factor = rope_inv_freq(self.rotary_dim, theta, scaling, max_positions)
-        self.register_buffer("cos", rope_table(torch.cos, inv, max_positions, attn_factor, dtype), persistent=False)
-        self.register_buffer("sin", rope_table(torch.sin, inv, max_positions, attn_factor, dtype), persistent=False)
+        self.inv, self.attn_factor = rope_inv_freq(self.rotary_dim, theta, scaling, max_positions)
+        self.register_buffer("cos", torch.empty(max_positions, self.rotary_dim, dtype=dtype), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, self.rotary_dim, dtype=dtype), persistent=False)
+        self._filled = 0  # rows [0, filled) hold their values (private: no part of a package's key)
+        self.lazy = lazy
+        if not lazy:
+            self.cover(max_positions)
         self.half = self.rotary_dim // 2
         self.partial = self.rotary_dim < head_dim
         self.register_buffer("mrope_rows", None, persistent=False)
@@ -369,6 +380,22 @@ class RotaryEmbedding(nn.Module):
             else:
                 rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(mrope_section)])
             self.register_buffer("mrope_rows", torch.cat([rows, rows]), persistent=False)
+
+    def cover(self, n: int) -> None:
+        """Fill the rows of positions < n (whole chunks: the values are those of a table filled at
+        once)."""
+        n = min(n, self.cos.shape[0])
+        if n <= self._filled:
+            return
+        stop = min(-(-n // ROPE_CHUNK) * ROPE_CHUNK, self.cos.shape[0])
+        for table, fn in ((self.cos, torch.cos), (self.sin, torch.sin)):
+            rope_rows(fn, self.inv, table, self._filled, stop, self.attn_factor)  # (computed on CPU)
+        self._filled = stop
+
+    @property
+    def filled(self) -> int:
+        """Rows [0, filled) hold their values."""
+        return self._filled
 
     def at(self, positions: torch.Tensor) -> tuple[RotaryEmbedding | RopeRows, torch.Tensor]:
         """(the table, the positions into it) a step rotates with. Positions [T]: this table. M-RoPE

@@ -177,11 +177,14 @@ class LlamaModel(nn.Module):
         self.embed = embed  # [V, H]; a tied head shares it
         self.layers = nn.ModuleList(layers)
         self.norm, self.head = norm, head
+        # on CPU the tables' rows are filled as positions come into use (cover): untouched pages
+        # cost nothing there; a GPU allocation is all resident, so it is filled at once
+        lazy = device == "cpu"
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, act_dtype,
-                                    cfg.rotary_dim, cfg.mrope_section, cfg.mrope_interleaved).to(device)
+                                    cfg.rotary_dim, cfg.mrope_section, cfg.mrope_interleaved, lazy).to(device)
         # Gemma 3: sliding-window layers rotate with their own base (and no scaling)
         self.rope_local = None if cfg.rope_local_theta is None else RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_local_theta, None, act_dtype, cfg.rotary_dim).to(device)
+            cfg.head_dim, max_positions, cfg.rope_local_theta, None, act_dtype, cfg.rotary_dim, lazy=lazy).to(device)
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         # Gemma: embeddings times sqrt(hidden), rounded to the activation dtype as transformers does
         self.embed_scale = (torch.tensor(cfg.hidden_size ** 0.5, dtype=act_dtype).item()
@@ -212,6 +215,13 @@ class LlamaModel(nn.Module):
             layer.__dict__.pop("_fused_decode", None)  # the one-call step's arguments carry it
             self.__dict__.pop("_structure_key", None)  # compiled packages are keyed by it
 
+    def cover(self, n: int) -> None:
+        """Make the RoPE tables hold positions < n (a step's positions must be covered before it runs;
+        `forward` covers its own, a captured or compiled step's caller does)."""
+        for rope in (self.rope, self.rope_local):
+            if rope is not None:
+                rope.cover(n)
+
     def use_attention(self, backend: str, fused_cpu: bool = True) -> None:
         """Pick the backend ("torch" | "triton"); the runner builds the matching metadata.
         fused_cpu: on the torch backend of a CPU model with fp32 activations, our fused C++ ops
@@ -241,6 +251,8 @@ class LlamaModel(nn.Module):
         Embeddings [n, 1 + k, hidden] (Qwen3-VL's deepstack): the first in place of the tokens', the
         others added to their rows' residual stream after each of the first k layers."""
         ops = ops or self.ops
+        if self.rope.lazy and not torch.compiler.is_compiling():  # (a traced step is covered by its caller)
+            self.cover(int(positions.max()) + 1 if positions.numel() else 0)
         x, residual = self.embed_tokens(input_ids, embeds), None
         deep = embeds[1][:, 1:] if embeds is not None and embeds[1].dim() == 3 else None
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):

@@ -242,6 +242,7 @@ class Calibration:
         self.model, self.ids = model, ids
         tables = 1 + torch.arange(B * nb).view(B, nb)  # block 0 is the null block
         self.positions, self.meta = describe_batch(tables, [T] * B, [T] * B, block_size)
+        model.cover(T)  # run_layer's RoPE rows (forward covers its own)
         c = model.cfg
         shape = (1 + B * nb, block_size, c.num_kv_heads, c.head_dim)
         self.kv = (torch.zeros(shape), torch.zeros(shape))
