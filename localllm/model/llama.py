@@ -169,10 +169,12 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: DenseMatrix | Q8Matrix | BlockMatrix | W16Matrix, layers: list[DecoderLayer], norm: RMSNorm,
                  head: LMHead, act_dtype: torch.dtype, max_positions: int, device: str = "cpu",
-                 fingerprint: str | None = None, origin: dict | None = None):
+                 fingerprint: str | None = None, origin: dict | None = None, mapped: tuple[torch.Tensor, ...] = ()):
         """fingerprint: identity of the weights (keys what is cached per model, e.g. compiled
-        packages); origin: the load_model arguments that load the same model again."""
+        packages); origin: the load_model arguments that load the same model again. mapped: the
+        tables (embedding, head) read in place from the file's read-only mapping."""
         super().__init__()
+        self.mapped = mapped
         self.cfg, self.act_dtype, self.device = cfg, act_dtype, device
         self.embed = embed  # [V, H]; a tied head shares it
         self.layers = nn.ModuleList(layers)
@@ -214,6 +216,17 @@ class LlamaModel(nn.Module):
                     m.act_parts = parts
             layer.__dict__.pop("_fused_decode", None)  # the one-call step's arguments carry it
             self.__dict__.pop("_structure_key", None)  # compiled packages are keyed by it
+
+    def release_mapped_pages(self) -> None:
+        """Give back this process's pages of the tables read in place from the file (they stay in
+        the page cache). A greedy step reads a few dozen rows of the head and a prompt its tokens'
+        embedding rows, but the kernel maps 16 pages around each page it faults in: over a few
+        hundred steps the whole table became resident (215 MB for a 128k x 2048 Q6_K head) beside
+        the int4 ranking copy greedy steps read instead."""
+        from .gguf import release_pages
+
+        for t in self.mapped:
+            release_pages(t)
 
     def cover(self, n: int) -> None:
         """Make the RoPE tables hold positions < n (a step's positions must be covered before it runs;

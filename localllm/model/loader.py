@@ -450,7 +450,8 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
     kernel = "+".join(sorted(kinds)) or None
     fingerprint = weights_fingerprint(path, mode, act_dtype, max_len, dense, fast_greedy, device, kernel,
                                       type(head_w).__name__)
-    model = LlamaModel(cfg, embed, layers, final_norm, head, act_dtype, max_len, device, fingerprint, origin)
+    model = LlamaModel(cfg, embed, layers, final_norm, head, act_dtype, max_len, device, fingerprint, origin,
+                       tuple(mapped))
     if cache:
         cache.save()  # in the background
     eos = set(tokenizer.eos_ids) | weights.extra_eos_ids()
