@@ -23,6 +23,8 @@ from .cuda_graphs import DecodeGraphs
 from .sequence import Sequence
 from .speculative import accept_greedy, accept_sampling
 
+RELEASE_MIN_BYTES = 64 << 20  # file-mapped tables whose pages greedy steps give back (see _release_pages)
+
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, block_size: int, num_blocks: int, kv_dtype: torch.dtype,
@@ -50,6 +52,7 @@ class ModelRunner:
             v[0].zero_()
         self.default_generator = torch.Generator().manual_seed(0)
         self._row_steps = 0  # steps since one read the whole head (see _release_pages)
+        self._release = sum(t.numel() * t.element_size() for t in model.mapped) >= RELEASE_MIN_BYTES
         self.captured: DecodeGraphs | CompiledStep | None = None
         if not compilable(model):  # MoE experts looped in Python (not int4 on our CPU kernel): eager
             pass
@@ -214,10 +217,13 @@ class ModelRunner:
 
     def _release_pages(self, seqs: list[Sequence]) -> None:
         """Every 8th step that read only rows of the file-mapped tables (prompt chunks, greedy
-        tokens), their pages go back (LlamaModel.release_mapped_pages: ~30 us for a 128k-row table):
-        resident rows stay bounded by a few steps' worth. A step computing exact logits reads the
-        whole head, so while sampled requests run the pages stay."""
-        if not self.model.mapped:
+        tokens), their pages go back (LlamaModel.release_mapped_pages, ~20 us): resident rows stay
+        bounded by a few steps' worth. Not free: each row read after it faults its page in again
+        (~10 us a row with the 16 pages the kernel maps around it; a 1B shape's greedy head call
+        1.41 -> 1.74 ms right after a release), so tables under RELEASE_MIN_BYTES stay (the
+        embedded model's 29 MB one: greedy decode 5% slower with it). A step computing exact
+        logits reads the whole head, so while sampled requests run the pages stay."""
+        if not self._release:
             return
         if any(s.params.needs_logits for s in seqs):
             self._row_steps = 0
