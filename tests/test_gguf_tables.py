@@ -43,6 +43,17 @@ def test_rows_equal_gguf_dequantize_and_products_match_fp64(kind):
     assert torch.equal(torch.ops.localllm.gguf_table_gemm(x[2:3], torch.from_numpy(raw), kind), y[2:3])
 
 
+def test_one_row_q6_k_products_are_the_many_row_products_bit_for_bit():
+    """A decode step's head (one activation row) takes Q6_K rows on their own AVX-512 path, the
+    values made in registers: the same bits as the rows decoded once for many activation rows, at
+    a real head's width and across the threads' 1024-row tasks."""
+    raw = torch.from_numpy(random_blocks("Q6_K", 1030, 2048, seed=7, std=0.05))
+    x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(3))
+    both = torch.ops.localllm.gguf_table_gemm(x, raw, "Q6_K")
+    for r in range(2):
+        assert torch.equal(torch.ops.localllm.gguf_table_gemm(x[r:r + 1], raw, "Q6_K"), both[r:r + 1])
+
+
 def test_kernel_errors():
     assert cpu_table.load()
     b = torch.from_numpy(random_blocks("Q6_K", 10, 256, seed=0))
