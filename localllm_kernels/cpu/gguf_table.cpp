@@ -19,7 +19,7 @@
 // dot product in a fixed order (32 lanes, k mod 32, then a fixed tree), so it does not depend on
 // M, the threads, or the instruction set the compiler vectorized for (fmaf is exact rounding).
 // One activation row times a Q6_K table (a sampled decode step's head) takes dot_q6k_row on
-// AVX-512: the same operations in the same order, with the row's values kept in registers.
+// AVX-512 or AVX2: the same operations in the same order, the row's values kept in registers.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -333,6 +333,49 @@ float dot_q6k_row(const uint8_t* row, int64_t nb, const float* x) {
     for (int l = 0; l < s; ++l) a[l] += a[l + s];
   return a[0];
 }
+#define LOCALLLM_Q6K_ROW 1
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same on AVX2: 32 integers at a time, values 8 at a time into dot's four 8-lane accumulators
+// (lane k % 32), so the same bits again.
+float dot_q6k_row(const uint8_t* row, int64_t nb, const float* x) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3), zero = _mm256_set1_epi8(32);
+  alignas(32) int8_t qb[256];
+  alignas(32) float ds[16];
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = row + 210 * i;
+    for (int h = 0; h < 2; ++h) {  // values 128h + 32j + l: nibble j / 2 of ql[64h + 32 (j % 2) + l]
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+      const __m256i hq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      const __m256i nib[4] = {_mm256_and_si256(l0, low4), _mm256_and_si256(l1, low4),
+                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4)};
+      for (int j = 0; j < 4; ++j) {
+        const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(hq, _mm_cvtsi32_si128(2 * j)), low2);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(qb + 128 * h + 32 * j),
+                           _mm256_sub_epi8(_mm256_or_si256(nib[j], _mm256_slli_epi16(hb, 4)), zero));
+      }
+    }
+    const float d = f16(b + 208);
+    for (int g = 0; g < 16; ++g) ds[g] = d * static_cast<float>(reinterpret_cast<const int8_t*>(b + 192)[g]);
+    const float* xb = x + 256 * i;
+    for (int g = 0; g < 16; ++g) {
+      const __m256 d = _mm256_set1_ps(ds[g]);
+      for (int e = 0; e < 2; ++e) {
+        const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 16 * g + 8 * e)));
+        const __m256 w = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+        acc[2 * (g % 2) + e] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xb + 16 * g + 8 * e), acc[2 * (g % 2) + e]);
+      }
+    }
+  }
+  alignas(32) float a[32];
+  for (int j = 0; j < 4; ++j) _mm256_store_ps(a + 8 * j, acc[j]);
+  for (int s = 16; s >= 1; s /= 2)
+    for (int l = 0; l < s; ++l) a[l] += a[l + s];
+  return a[0];
+}
+#define LOCALLLM_Q6K_ROW 1
 #endif
 
 // A row of blocks -> its fp32 values; q, d, m: scratch of K, K / 16, K / 16
@@ -402,7 +445,7 @@ at::Tensor gguf_table_gemm(const at::Tensor& x, const at::Tensor& blocks, const 
       for (int64_t off = 0; off < row_bytes; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(row + 4 * row_bytes + off), _MM_HINT_T0);
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(LOCALLLM_Q6K_ROW)
       if (M == 1 && t.kind == Kind::Q6_K) {  // the K-quant mixes' head, at a decode step
         yp[n] = dot_q6k_row(row, nb, xp);
         continue;
