@@ -227,6 +227,34 @@ def assert_one_call_equals_one_by_one(m, kv_dtype) -> None:
             assert all(torch.equal(a, b) for p1, p2 in zip(kv1, kv2) for a, b in zip(p1, p2)), (lens, avx2)
 
 
+def test_prompt_chunks_mlp_in_row_blocks_equals_the_whole_chunk(tiny_int4, isa):
+    """A prompt chunk of 512 rows or more runs its MLP 256 rows at a time (the last block taking the
+    rest), in the one-call layer (an extend: paged attention) and in the ops one by one (a fresh
+    prompt: SDPA): hidden states and cache writes bit for bit those of the whole chunk at once."""
+    import dataclasses
+
+    from localllm.model.attention import describe_batch
+    from localllm.model.cpu_ops import fused_cpu_ops
+    from localllm.model.llama import Ops
+
+    m = tiny_int4.model
+    assert m.ops.mlp_rows == 256
+    whole = dataclasses.replace(fused_cpu_ops(Ops.for_backend("torch"), one_call_layers=False), mlp_rows=0)
+    g = torch.Generator().manual_seed(4)
+    for n, ctx in ((600, 620), (600, 600), (511, 530)):  # extend, fresh prompt, one block
+        W = -(-ctx // 16)
+        pos, meta = describe_batch(torch.arange(1, W + 1).view(1, W), [n], [ctx], 16)
+        ids = torch.randint(3, 1000, (n,), generator=g)
+        kv0 = m.new_kv_cache(1 + W, 16, torch.float32)
+        for k, v in kv0:
+            k.copy_(torch.randn(k.shape, generator=g))
+            v.copy_(torch.randn(v.shape, generator=g))
+        kv1, kv2 = ([(k.clone(), v.clone()) for k, v in kv0] for _ in range(2))
+        h0, h1 = m(ids, pos, meta, kv1, whole), m(ids, pos, meta, kv2)
+        assert torch.equal(h0, h1), (n, ctx)
+        assert all(torch.equal(a, b) for p1, p2 in zip(kv1, kv2) for a, b in zip(p1, p2)), (n, ctx)
+
+
 def plain_and_fused(loaded, fn):
     """fn() on the plain torch ops, then on the fused ops (the load-time choice, restored)."""
     m = loaded.model

@@ -103,6 +103,7 @@ class Ops:
     attend: Callable = split_rope_attend  # (layer, qkv, positions, meta, kv, ops, rope, scale) -> [T, H*D]
     # (layer, x, residual, positions, meta, kv, ops, rope, scale) -> DecoderLayer.forward's result
     layer: Callable = run_decoder_layer
+    mlp_rows: int = 0  # a step's MLP takes its rows this many at a time, or more (0: all at once)
 
     @classmethod
     def for_backend(cls, backend: str, fused_cpu: bool = False) -> Ops:
@@ -159,7 +160,13 @@ class DecoderLayer(nn.Module):
         quantizer, which judges candidate gate/up weights on it."""
         if self.moe is not None:
             return self.moe(h, ops)
-        return self.down(self.act(self.gate_up(h), ops))
+        blocks = h.shape[0] // ops.mlp_rows if ops.mlp_rows else 1
+        if blocks < 2:
+            return self.down(self.act(self.gate_up(h), ops))
+        # a prompt chunk's rows in blocks, the last taking the rest: the gate/up output and its
+        # activation were the chunk's largest tensors (cpu_ops.fused_cpu_ops sets the size)
+        cuts = [b * ops.mlp_rows for b in range(blocks)] + [h.shape[0]]
+        return torch.cat([self.down(self.act(self.gate_up(h[a:b]), ops)) for a, b in zip(cuts, cuts[1:])])
 
     def act(self, gate_up: torch.Tensor, ops: Ops) -> torch.Tensor:
         """This layer's activation of the fused gate/up output: GeGLU (Gemma) or SiLU*up."""
