@@ -325,6 +325,22 @@ def test_calibration_is_the_models_forward_on_gemma(name, fp32_model, tmp_path):
             x, residual = calib.run(layer, x, residual)
 
 
+def test_calibration_captures_every_row_of_a_long_batch(fp32_model):
+    """The model's CPU ops run a chunk's MLP in row blocks of 256; the quantizer's hooks take a
+    module's input from its first call, so its calibration runs the MLP on all rows at once: the
+    gate/up and down inputs it judges on hold every token of a 600-row batch."""
+    from localllm.quant.quantize import Calibration
+
+    model = fp32_model.model
+    assert model.ops.mlp_rows == 256
+    ids = torch.randint(3, 1000, (2, 300), generator=torch.Generator().manual_seed(0))
+    calib = Calibration(model, ids)
+    layer = model.layers[0]
+    with torch.no_grad():
+        for module in (layer.gate_up, layer.down):
+            assert calib.run_to(layer, calib.embed(), None, module).shape[0] == 600
+
+
 # ---- int8 weight-only ---------------------------------------------------------------------------
 def test_int8_follows_fp32(gguf_path, fp32_model):
     """--quant int8 (per-channel symmetric): teacher-forced on fp32's greedy continuation, the

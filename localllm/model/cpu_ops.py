@@ -84,7 +84,8 @@ def fused_cpu_ops(plain, one_call_layers: bool = True):
 
     # a 512-token chunk's MLP in blocks of 256 rows (as decode_layer does): a 1B shape's gate/up output
     # and activation, 32 + 16 MB of the chunk's 107 MB live peak, halve; rows are independent in our
-    # GEMMs, and 256 rows take the same kernel routes as 512
+    # GEMMs, and 256 rows take the same kernel routes as 512 (torch's fp32 GEMM of a dense linear
+    # may round a row's sums otherwise at another row count, as any chunking of a prompt does)
     ops = dataclasses.replace(plain, add_norm=add_norm, act=act, gelu_act=gelu_act, attend=attend, mlp_rows=256)
     return dataclasses.replace(ops, layer=layer_step) if one_call_layers else ops
 

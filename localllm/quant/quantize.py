@@ -31,7 +31,7 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -243,6 +243,8 @@ class Calibration:
         tables = 1 + torch.arange(B * nb).view(B, nb)  # block 0 is the null block
         self.positions, self.meta = describe_batch(tables, [T] * B, [T] * B, block_size)
         model.cover(T)  # run_layer's RoPE rows (forward covers its own)
+        # the MLP on all rows at once: run_to's hooks take a module's whole input from its first call
+        self.ops = replace(model.ops, mlp_rows=0)
         c = model.cfg
         shape = (1 + B * nb, block_size, c.num_kv_heads, c.head_dim)
         self.kv = (torch.zeros(shape), torch.zeros(shape))
@@ -253,7 +255,7 @@ class Calibration:
 
     def run(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None):
         """-> (x, residual) for the next layer, as LlamaModel.forward passes them on."""
-        return self.model.run_layer(layer, x, residual, self.positions, self.meta, self.kv)
+        return self.model.run_layer(layer, x, residual, self.positions, self.meta, self.kv, self.ops)
 
     def run_to(self, layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, module: nn.Module,
                output: bool = False) -> torch.Tensor:
@@ -354,7 +356,7 @@ def _awq_layer(calib: Calibration, layer: DecoderLayer, x: torch.Tensor, residua
     all calibration tokens (as AutoAWQ: on SmolLM2 the first 512 of 2816 tokens gave +12.9%
     perplexity, all +9.0%). Each block's input is what the layer computes with the weights as
     scaled so far; v is clipped last, so the MLP's searches see the attention before that clip."""
-    c, ops = calib.model.cfg, calib.model.ops
+    c, ops = calib.model.cfg, calib.ops
     qkv, o, gate_up, down = layer.qkv, layer.o, layer.gate_up, layer.down
     # 1) input_layernorm -> q, k, v (one fused matrix: the search is per input channel, the
     # rounding per row); judged on the attention output
