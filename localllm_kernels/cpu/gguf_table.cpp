@@ -265,6 +265,13 @@ void values(const Dec& r, int64_t K, float* y) {
     }
 }
 
+// the 32 lanes' sums folded by a fixed tree (every dot product's last step, on every path)
+inline float fold32(float* acc) {
+  for (int s = 16; s >= 1; s /= 2)
+    for (int l = 0; l < s; ++l) acc[l] += acc[l + s];
+  return acc[0];
+}
+
 // sum_k w[k] x[k] in a fixed order: lane k % 32 accumulates by fmaf, then a fixed tree
 inline float dot(const float* w, const float* x, int64_t K) {
   alignas(64) float acc[32];
@@ -287,9 +294,7 @@ inline float dot(const float* w, const float* x, int64_t K) {
   for (; k < K; k += 32)
     for (int l = 0; l < 32; ++l) acc[l] = std::fmaf(w[k + l], x[k + l], acc[l]);
 #endif
-  for (int s = 16; s >= 1; s /= 2)
-    for (int l = 0; l < s; ++l) acc[l] += acc[l + s];
-  return acc[0];
+  return fold32(acc);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -329,9 +334,7 @@ float dot_q6k_row(const uint8_t* row, int64_t nb, const float* x) {
   alignas(64) float a[32];
   _mm512_store_ps(a, acc[0]);
   _mm512_store_ps(a + 16, acc[1]);
-  for (int s = 16; s >= 1; s /= 2)
-    for (int l = 0; l < s; ++l) a[l] += a[l + s];
-  return a[0];
+  return fold32(a);
 }
 #define LOCALLLM_Q6K_ROW 1
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -371,9 +374,7 @@ float dot_q6k_row(const uint8_t* row, int64_t nb, const float* x) {
   }
   alignas(32) float a[32];
   for (int j = 0; j < 4; ++j) _mm256_store_ps(a + 8 * j, acc[j]);
-  for (int s = 16; s >= 1; s /= 2)
-    for (int l = 0; l < s; ++l) a[l] += a[l + s];
-  return a[0];
+  return fold32(a);
 }
 #define LOCALLLM_Q6K_ROW 1
 #endif
