@@ -605,15 +605,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
                                          ints[3], floats[3]);
   const at::Tensor a = linear(att.view({att.size(0), H * D}), weights, ints, wi, ii, ints[6], act);
   auto [h2, r2] = add_rms_norm(a, r, weights[1], floats[1]);
-  const int64_t T = h2.size(0), blocks = std::max<int64_t>(1, T / kMlpRows);
-  if (blocks == 1) {
-    const at::Tensor gu = linear(h2, weights, ints, wi, ii, ints[7], act);
-    return {linear(act_mul(gu, ints[4] != 0), weights, ints, wi, ii, ints[8], act), r2};
-  }
   // a prompt chunk's MLP in blocks of kMlpRows rows or more (the last takes the rest): its gate/up
   // output and activation were the chunk's largest tensors (a 1B shape's 512-token chunk: 32 + 16
   // MB of a 107 MB live peak). Rows are independent in every GEMM, and no block is small enough
-  // to take another route than the whole chunk would.
+  // to take another route than the whole chunk would. One block (decode): its output as is.
+  const int64_t T = h2.size(0), blocks = std::max<int64_t>(1, T / kMlpRows);
   at::Tensor out;
   const int64_t wi0 = wi, ii0 = ii;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -621,6 +617,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
     wi = wi0, ii = ii0;
     const at::Tensor gu = linear(h2.narrow(0, r0, n), weights, ints, wi, ii, ints[7], act);
     const at::Tensor y = linear(act_mul(gu, ints[4] != 0), weights, ints, wi, ii, ints[8], act);
+    if (blocks == 1) return {y, r2};
     if (!out.defined()) out = at::empty({T, y.size(1)}, y.options());
     out.narrow(0, r0, n).copy_(y);
   }
