@@ -76,7 +76,7 @@ def gguf_chat_template(meta: dict) -> TemplateChoice:
 
 def _family(meta: dict, arch: str) -> tuple[str, str] | None:
     """(template name, the evidence) for a file without a template."""
-    tokens = set(meta.get("tokenizer.ggml.tokens") or ())
+    tokens = meta.get("tokenizer.ggml.tokens") or ()  # searched in place: no vocabulary-sized set
     kind = meta.get("tokenizer.ggml.model")
     on_arch = f"architecture {arch}"
     if arch in ("gemma3", "gemma3n"):
@@ -94,7 +94,7 @@ def _family(meta: dict, arch: str) -> tuple[str, str] | None:
             return "phi4", f"{on_arch}, vocabulary has <|im_sep|>"
         return "phi4-mini", f"{on_arch}, byte-level vocabulary without <|im_sep|>"
     if arch in ("llama", "mistral"):
-        if {"<|start_header_id|>", "<|eot_id|>"} <= tokens:
+        if "<|start_header_id|>" in tokens and "<|eot_id|>" in tokens:
             if "<|eom_id|>" not in tokens:  # Llama 3.1 named a reserved token <|eom_id|> (tool calls)
                 return "llama3", f"{on_arch}, vocabulary has <|start_header_id|> and no <|eom_id|> (Llama 3.0)"
             if re.search(r"\b3\.2\b", _names(meta)):
@@ -106,7 +106,7 @@ def _family(meta: dict, arch: str) -> tuple[str, str] | None:
             return "mistral-v0.1", f"{on_arch}, named Mistral, vocabulary without [INST]"
         if re.search(r"\bllama[- ]?2\b", _names(meta)):
             return "llama2", f"{on_arch}, named Llama 2"
-    if {"<|im_start|>", "<|im_end|>"} <= tokens:  # SmolLM, Hermes, ...: trained on ChatML
+    if "<|im_start|>" in tokens and "<|im_end|>" in tokens:  # SmolLM, Hermes, ...: trained on ChatML
         return "chatml", f"{on_arch}, vocabulary has <|im_start|> and <|im_end|>"
     return None
 

@@ -199,7 +199,7 @@ def _gguf_add_special_tokens(tok: Tokenizer, tokens: list[str], types: list[int]
 
 
 def _gguf_byte_level(meta: dict) -> TokenizerInfo:
-    tokens = meta["tokenizer.ggml.tokens"]
+    tokens = list(meta["tokenizer.ggml.tokens"])  # decoded once (the header keeps it undecoded)
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
@@ -245,7 +245,7 @@ def _spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> lis
 
 def _gguf_sentencepiece(meta: dict) -> TokenizerInfo:
     """llama.cpp's "llama" vocabulary: SentencePiece BPE with byte fallback, as a `tokenizers` BPE."""
-    tokens = meta["tokenizer.ggml.tokens"]
+    tokens = list(meta["tokenizer.ggml.tokens"])  # decoded once (the header keeps it undecoded)
     types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     # no scores: assume the file lists pieces best-first, as SentencePiece BPE models do
     scores = meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
@@ -289,7 +289,7 @@ def wordpiece_from_gguf(meta: dict) -> Tokenizer:
     [CLS] ... [SEP] added around each text (pairs: [CLS] a [SEP] b [SEP], token types 0 then 1)."""
     from tokenizers import processors
 
-    tokens = meta["tokenizer.ggml.tokens"]
+    tokens = list(meta["tokenizer.ggml.tokens"])  # decoded once (the header keeps it undecoded)
     types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     vocab: dict[str, int] = {}
     for i, (t, ty) in enumerate(zip(tokens, types)):

@@ -283,3 +283,75 @@ def _tiny_llama_tensors(vocab_size: int, hidden: int = 32, inter: int = 64, kv: 
             "blk.0.attn_v.weight": r(kv, hidden), "blk.0.attn_output.weight": r(hidden, hidden),
             "blk.0.ffn_gate.weight": r(inter, hidden), "blk.0.ffn_up.weight": r(inter, hidden),
             "blk.0.ffn_down.weight": r(hidden, inter)}
+
+
+# ---- the header's string arrays: read from the mapping when used ------------------------------------------
+def _string_array_gguf(path: Path) -> tuple[Path, list[str]]:
+    """A vocabulary-sized string array with what could trip a search in the raw bytes: empty
+    strings, duplicates, multi-byte UTF-8, U+FFFD itself, NULs and strings that are the bytes of
+    a length field, and pairs whose joined bytes spell another entry."""
+    rng = random.Random(3)
+    odd = ["", "", "a", "ab", "b", "é", "\ufffd", "x\ufffd", "\x00", "\x01" + "\x00" * 7, "\x02\x00\x00\x00\x00\x00\x00\x00ab",
+           "你好", "<|im_start|>", "<|im_start|>", "im_start"]
+    strings = odd + [f"{rng.choice(WORDS)}{i}" for i in range(6000)] + odd
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.tokens", strings)
+    w.add_array("general.tags", ["a", "b"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path, strings
+
+
+def test_string_arrays_read_in_place_equal_the_file(tmp_path):
+    import gguf as gguf_py
+    import numpy as np
+
+    path, strings = _string_array_gguf(tmp_path / "s.gguf")
+    meta = read_gguf(path).metadata
+    arr = meta["tokenizer.ggml.tokens"]
+    assert type(arr) is not list and meta["general.tags"] == ["a", "b"]  # short arrays stay plain lists
+    field = gguf_py.GGUFReader(path).fields["tokenizer.ggml.tokens"]
+    assert list(arr) == field.contents() == strings and arr == strings and len(arr) == len(strings)
+    assert [arr[i] for i in (0, 1, 6, -1, -len(strings))] == [strings[i] for i in (0, 1, 6, -1, -len(strings))]
+    assert arr[3:40:7] == strings[3:40:7] and arr[::-1][:20] == strings[::-1][:20]
+    with pytest.raises(IndexError):
+        arr[len(strings)]
+    probes = set(strings[:15]) | {strings[100], strings[-1], "", "ba", "b\x00", "\x00\x00", "abé", "im_", "zzz",
+                                  "\x01", "<|im_start|>im_start", "\ufffd\ufffd"}
+    for s in probes:  # found at a string's start only, first occurrence, as a list finds it
+        assert (s in arr) == (s in strings), s
+        if s in strings:
+            assert arr.index(s) == strings.index(s), s
+            later = strings.index(s) + 1
+            if s in strings[later:]:
+                assert arr.index(s, later) == strings.index(s, later), s
+        else:
+            with pytest.raises(ValueError):
+                arr.index(s)
+    assert np.array_equal(np.array(list(arr)), np.array(strings))
+
+
+def test_the_cached_header_does_not_hold_the_vocabulary_as_python_strings(tmp_path):
+    """The parsed header stays cached for the process's life: its vocabulary must not be held
+    as decoded strings (8 MB for a 49k one) but as offsets into the mapping."""
+    import gc
+    import os
+    import tracemalloc
+
+    from localllm.model import gguf as reader
+
+    path, strings = _string_array_gguf(tmp_path / "s.gguf")
+    st = os.stat(path)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        header = reader._read_gguf.__wrapped__(path, st.st_size, st.st_mtime_ns)
+        held = tracemalloc.get_traced_memory()[0] - base
+        decoded = list(header.metadata["tokenizer.ggml.tokens"])
+        as_strings = tracemalloc.get_traced_memory()[0] - base - held
+    finally:
+        tracemalloc.stop()
+    assert decoded == strings
+    assert held < as_strings / 4, (held, as_strings)

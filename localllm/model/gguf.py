@@ -7,10 +7,13 @@ We still use the `gguf` package for the quantization type table and dequantizers
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
+import operator
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -140,19 +143,93 @@ class _Cursor:
             return [self.value(etype) for _ in range(count)]
         raise GGUFError(f"{self.path}: corrupt GGUF header (unknown value type {vtype})")
 
-    def _strings(self, count: int) -> list[str]:
-        buf, pos, out = self.buf, self.pos, []
+    def _strings(self, count: int) -> list[str] | StringArray:
+        buf, pos = self.buf, self.pos
         unpack = struct.Struct("<Q").unpack_from
         total = len(buf)
+        starts = array.array("q")
         for _ in range(count):
             (n,) = unpack(buf, pos)
             pos += 8
             if pos + n > total:
                 raise GGUFError(f"{self.path}: truncated GGUF header inside a string array")
-            out.append(bytes(buf[pos:pos + n]).decode("utf-8", errors="replace"))
+            starts.append(pos)
             pos += n
         self.pos = pos
-        return out
+        out = StringArray(buf, np.frombuffer(starts, dtype=np.int64) if count else np.empty(0, np.int64), pos)
+        return out if count >= LAZY_STRINGS else list(out)
+
+
+# String arrays this long (a vocabulary, its merges) stay in the file's mapping until read.
+LAZY_STRINGS = 1024
+
+
+class StringArray(Sequence):
+    """A GGUF string array read from the file's mapping when used. The tokenizer reads a
+    vocabulary and its merges once, when it is built; decoded at parse time and held by the
+    cached header, their 10^5 Python strings would stay for the process's life (8 MB for a 49k
+    vocabulary, ~25 MB for a 128k one with its merges). Kept: each string's start (8 bytes)."""
+
+    def __init__(self, buf: memoryview, starts: np.ndarray, end: int):
+        self._buf, self._starts, self._end = buf, starts, end
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def _ends(self) -> np.ndarray:
+        return np.append(self._starts[1:] - 8, self._end)  # each string ends where the next one's length begins
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = operator.index(i)
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("string array index out of range")
+        i %= n
+        start = int(self._starts[i])
+        end = int(self._starts[i + 1]) - 8 if i + 1 < n else self._end
+        return str(self._buf[start:end], "utf-8", "replace")
+
+    def __iter__(self):
+        if not len(self):
+            return iter(())
+        base = int(self._starts[0])
+        region = bytes(self._buf[base:self._end])  # one copy: slicing bytes is 2x faster than the map
+        return (str(region[a:b], "utf-8", "replace")
+                for a, b in zip((self._starts - base).tolist(), (self._ends() - base).tolist()))
+
+    def index(self, value, start: int = 0, stop: int | None = None) -> int:
+        """Found in the raw bytes (its length, then its UTF-8), not by decoding every string."""
+        if not isinstance(value, str) or "\ufffd" in value or not len(self):  # (a replaced byte: decode and compare)
+            return super().index(value, start, len(self) if stop is None else stop)
+        raw = value.encode("utf-8")
+        base = int(self._starts[0]) - 8
+        region = bytes(self._buf[base:self._end])
+        pattern = struct.pack("<Q", len(raw)) + raw
+        pos = region.find(pattern)
+        while pos >= 0:
+            j = int(np.searchsorted(self._starts, base + pos + 8))
+            at_start = j < len(self) and int(self._starts[j]) == base + pos + 8
+            if at_start and j >= start and (stop is None or j < stop):
+                return j
+            pos = region.find(pattern, pos + 1)
+        raise ValueError(f"{value!r} is not in the string array")
+
+    def __contains__(self, value) -> bool:
+        try:
+            self.index(value)
+        except ValueError:
+            return False
+        return True
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, tuple, StringArray)) and len(self) == len(other) and list(self) == list(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"StringArray({len(self)} strings)"
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
