@@ -7,7 +7,7 @@ what ``cpu_int4.pack_dm`` makes of ``gguf_blocks.decode``'s Q4_K, bit for bit. `
 bits)``: Q5_K, Q6_K, Q3_K, Q2_K or IQ4_XS blocks -> cpu_int8's (w, records) for values packed with `bits` (the
 type's own: nibbles and bit planes, IQ4_XS its 4-bit codebook indices; 8: byte lanes), what
 ``cpu_int8.pack`` makes of the decoded blocks; ``block32(blocks, kind, bits)`` the same for
-Q5_0, Q5_1, IQ4_NL and Q8_0. One pass over the file's bytes instead of the
+Q5_0, Q5_1, IQ4_NL, Q8_0 and MXFP4. One pass over the file's bytes instead of the
 torch path's several (its expanded values, fp32 products and reorders), built for this CPU. `rows` (int64, optional):
 the source row of each output row (the parts of a fused layer read into one buffer, q/k reordered
 on the way). Compiled once per machine
@@ -32,13 +32,14 @@ if platform.machine() in ("x86_64", "AMD64"):
     # everywhere); 1B Q5_K / Q6_K matrices, 2 threads: 1.2-1.33x faster than the portable build
     CXXFLAGS.append("-march=native")
 INT8_KINDS = ("Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS")  # K-quants on the int8-lane kernel; Q4_K on the int4 one
-BLOCK32 = ("Q5_0", "Q5_1", "IQ4_NL", "Q8_0")  # blocks of 32 values with fp16 scales, int8-lane too
+BLOCK32 = ("Q5_0", "Q5_1", "IQ4_NL", "Q8_0", "MXFP4")  # blocks of 32 values, int8-lane too
 KINDS = ("Q4_K", *INT8_KINDS, *BLOCK32)
 # the bits of each type's values (IQ4: its codebook indices)
-BITS = {"Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2, "IQ4_XS": 4, "Q5_0": 5, "Q5_1": 5, "IQ4_NL": 4, "Q8_0": 8}
+BITS = {"Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2, "IQ4_XS": 4, "Q5_0": 5, "Q5_1": 5, "IQ4_NL": 4, "Q8_0": 8,
+        "MXFP4": 5}  # (MXFP4's doubled E2M1 values + 16)
 # the zero point gguf_blocks.decode gives each type (what the layer is built with on the torch path)
 ZERO = {"Q4_K": 8, "Q5_K": 16, "Q6_K": 32, "Q3_K": 4, "Q2_K": 2, "IQ4_XS": 128, "Q5_0": 16, "Q5_1": 16, "IQ4_NL": 128,
-        "Q8_0": 128}
+        "Q8_0": 128, "MXFP4": 16}
 
 
 def library_path() -> Path:
@@ -92,9 +93,10 @@ def int8(blocks: torch.Tensor, kind: str, bits: int, rows: torch.Tensor | None =
 
 def block32(blocks: torch.Tensor, kind: str, bits: int, rows: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q5_0 / Q5_1 / IQ4_NL / Q8_0 blocks uint8 [N, K / 32, block bytes] -> (w as `int8` lays it out,
-    the blocks' fp16 d (and m) [N/16, K/32, 1 | 2, 16]): what cpu_int8.pack makes of the decoded
-    blocks where every scale is finite (it keeps fp32 scales otherwise)."""
+    """Q5_0 / Q5_1 / IQ4_NL / Q8_0 / MXFP4 blocks uint8 [N, K / 32, block bytes] -> (w as `int8` lays it
+    out, the blocks' fp16 d (and m) [N/16, K/32, 1 | 2, 16]): what cpu_int8.pack makes of the decoded
+    blocks where every scale is finite in fp16 (it keeps fp32 scales otherwise; an MXFP4 scale
+    fp16 cannot hold comes out NaN here)."""
     if kind not in BLOCK32:
         raise ValueError(f"no 32-value block repack for {kind} (only {', '.join(BLOCK32)})")
     return torch.ops.localllm.block32_repack(blocks.contiguous(), kind, _planes(kind, bits), rows)

@@ -107,12 +107,13 @@ def tokenizer_fields(path: Path) -> list[tuple]:
 
 
 def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool = False, tensors=None,
-               extra_kv: dict | None = None) -> Path:
+               extra_kv: dict | None = None, qtype_of: Callable | None = None) -> Path:
     """The model's tensors under llama.cpp's names (`tensors`: (name, array) pairs instead of
     gguf_tensors(model)), with the embedded model's tokenizer metadata and `extra_kv` (key ->
     int, float or bool). F32, or with `quantized` the way the default model is stored: Q4_1
     matrices (MoE experts too; routers stay F32 as llama.cpp keeps them), a Q8_0 embedding (read
-    in place), F32 norms."""
+    in place), F32 norms. qtype_of(name, array) -> a GGMLQuantizationType or None (F32): each
+    tensor's type instead."""
     import gguf
 
     cfg = model.config
@@ -160,8 +161,12 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
         else:
             w.add_key_value(key, val, kv_types[type(val)])
     for gname, data in (gguf_tensors(model, arch=arch) if tensors is None else tensors):
-        if quantized and data.ndim >= 2 and "ffn_gate_inp" not in gname:
+        qtype = None
+        if qtype_of is not None:
+            qtype = qtype_of(gname, data)
+        elif quantized and data.ndim >= 2 and "ffn_gate_inp" not in gname:
             qtype = gguf.GGMLQuantizationType.Q8_0 if gname == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_1
+        if qtype is not None:
             q = gguf.quants.quantize(data, qtype)
             w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=qtype)
         else:

@@ -23,7 +23,9 @@ from localllm_kernels import cpu_int4, cpu_int8
 KINDS = list(gguf_blocks.BLOCK_BYTES)
 # the fp16 fields of each block (scales d, and mins / dmin): the byte offsets
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0], "IQ4_XS": [0],
-              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82]}
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "MXFP4": []}
+# MXFP4's scale: one E8M0 byte (2^(e - 128)); every byte is a valid one
+E8M0_FIELD = {"MXFP4": 0}
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int, std: float | None = None) -> np.ndarray:
@@ -38,6 +40,12 @@ def random_blocks(kind: str, n: int, k: int, seed: int, std: float | None = None
         for off in F16_FIELDS[kind]:
             raw[..., off:off + 2] = vals.astype(np.uint16).view(np.uint8).reshape(*raw.shape[:2], 2)
 
+    if kind in E8M0_FIELD:  # random bytes span the whole range (2^-128 .. 2^127) already
+        if std is not None:
+            raw[..., E8M0_FIELD[kind]] = 128
+            rms = float(np.sqrt(np.mean(reference(kind, raw).astype(np.float64) ** 2)))
+            raw[..., E8M0_FIELD[kind]] = 128 + round(np.log2(std / rms)) + rng.integers(-1, 2, raw.shape[:2])
+        return raw
     if std is None:
         bits = rng.integers(0, 1 << 16, raw.shape[:2], dtype=np.uint16)
         put(np.where((bits >> 10) & 31 == 31, bits & ~np.uint16(1 << 14), bits))  # no inf / nan exponent
@@ -100,13 +108,15 @@ def test_decoding_and_repacks_equal_gguf_dequantize(kind):
         assert np.array_equal(int4_values(*cpu_int4.pack_dm(b.q, b.d, b.m, file_form(b)["sub"]), n).numpy(), ref)
     # the file's form: its fp16 scales, or (K-quants) records of its fp16 super-scales and integer
     # sub-scales (the fp32 products d * sc take fp32); codebook types as 4-bit indices
-    assert sc.dtype == (torch.float16 if gguf_blocks.BLOCK_VALUES[kind] == 32 else torch.float32)
-    assert scf.dtype == (torch.uint8 if kind in gguf_blocks.SUB_SCALES else torch.float16)
+    # (MXFP4's scales over their whole range, 2^-128 .. 2^127, take fp32: fp16 holds 2^-24 .. 2^15)
+    assert sc.dtype == (torch.float16 if gguf_blocks.BLOCK_VALUES[kind] == 32 and kind != "MXFP4" else torch.float32)
+    assert scf.dtype == (torch.uint8 if kind in gguf_blocks.SUB_SCALES else
+                         torch.float32 if kind == "MXFP4" else torch.float16)
     if kind in gguf_blocks.CODEBOOK:
         assert wf.shape == (2, k // 8, 64) and torch.equal(b.lut, torch.tensor(cpu_int8.CODEBOOK, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4"])
 def test_blocks_from_a_real_quantizer(kind):
     """gguf-py's own quantizer (ggml's reference rounding) on a Gaussian matrix."""
     data = np.random.default_rng(1).standard_normal((16, 256)).astype(np.float32) * 0.05
@@ -476,5 +486,7 @@ def test_planner_bytes_are_the_layouts_bytes(kind):
         expected += 0.25  # byte lanes without AVX2 (see cpu_bytes_per_value)
     assert got == expected
     file = gguf_blocks.BLOCK_BYTES[kind] / gguf_blocks.BLOCK_VALUES[kind]
-    # the file's bytes within 5%, but for the 2- and 3-bit K-quants (held as nibbles)
-    assert file <= gguf_blocks.cpu_bytes_per_value(kind) <= file * (1.05 if kind not in ("Q2_K", "Q3_K") else 2)
+    # the file's bytes within 5%, but for the 2- and 3-bit K-quants (held as nibbles) and MXFP4 (as
+    # 5-bit integers: 0.69 bytes a weight for the file's 0.53)
+    wider = {"Q2_K": 2, "Q3_K": 2, "MXFP4": 1.3}
+    assert file <= gguf_blocks.cpu_bytes_per_value(kind) <= file * wider.get(kind, 1.05)

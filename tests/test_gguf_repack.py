@@ -1,4 +1,5 @@
-"""The C++ repack of GGUF K-quant blocks (localllm_kernels.cpu_repack: Q2_K to Q6_K, IQ4_XS; Q5_0, Q5_1, IQ4_NL, Q8_0)
+"""The C++ repack of GGUF K-quant blocks (localllm_kernels.cpu_repack: Q2_K to Q6_K, IQ4_XS; Q5_0, Q5_1, IQ4_NL, Q8_0,
+MXFP4)
 against the torch path it replaces at load (gguf_blocks.decode, then cpu_int4.pack_dm /
 cpu_int8.pack): the same bytes for every shape class (rows a multiple of 16 or not, one or
 several super-blocks, each layout a type has), on blocks of random bytes with finite fp16 scales.
@@ -30,6 +31,8 @@ def blocks(kind: str, n: int, s: int, seed: int) -> torch.Tensor:
         raw[..., 80:84] = f16  # d, dmin
     elif kind == "Q5_1":
         raw[..., 0:4] = f16  # d, m
+    elif kind == "MXFP4":  # E8M0 scales 2^-18 .. 2^11: fp16 holds them
+        raw[..., 0] = torch.randint(110, 140, (n, s), dtype=torch.uint8, generator=g)
     elif kind in ("Q5_0", "IQ4_NL", "Q8_0"):
         raw[..., 0:2] = f16[..., 0:2]
     else:  # IQ4_XS
@@ -85,7 +88,8 @@ def test_five_and_six_bit_values_keep_their_high_bits_as_documented(bits, r, k):
     assert torch.equal(unq, q)
 
 
-@pytest.mark.parametrize("kind,bits", [("Q5_0", 5), ("Q5_0", 8), ("Q5_1", 5), ("IQ4_NL", 4), ("Q8_0", 8)])
+@pytest.mark.parametrize("kind,bits", [("Q5_0", 5), ("Q5_0", 8), ("Q5_1", 5), ("IQ4_NL", 4), ("Q8_0", 8), ("MXFP4", 5),
+                                       ("MXFP4", 8)])
 @pytest.mark.parametrize("n,s", SHAPES)
 def test_32_value_block_repacks_equal_the_torch_path(kind, bits, n, s):
     assert cpu_repack.load()
@@ -97,7 +101,26 @@ def test_32_value_block_repacks_equal_the_torch_path(kind, bits, n, s):
     assert cpu_repack.ZERO[kind] == b.zero
 
 
-@pytest.mark.parametrize("kind,bits", [("Q4_K", 4), ("Q6_K", 6), ("Q5_K", 8), ("IQ4_XS", 4), ("Q5_0", 5), ("Q8_0", 8)])
+def test_mxfp4_scales_fp16_cannot_hold_come_out_nan():
+    """MXFP4's E8M0 scales span 2^-128 .. 2^127: the repack writes fp16 where that is exact (2^-24
+    .. 2^15, subnormals included) and NaN elsewhere, which sends the loader to the torch path and
+    its fp32 scales."""
+    assert cpu_repack.load()
+    raw = torch.zeros(16, 256, 17, dtype=torch.uint8)
+    raw[:, :, 0] = torch.arange(256, dtype=torch.uint8)
+    raw[:, :, 1:] = 0x77  # value 12 in both nibbles
+    _, sc = cpu_repack.block32(raw, "MXFP4", 5)
+    e = torch.arange(256) - 128
+    want = torch.where((e >= -24) & (e <= 15), torch.ldexp(torch.ones(256), e), torch.nan).half()
+    assert sc.shape == (1, 256, 1, 16) and torch.equal(sc[0, :, 0, 0].isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(sc[0, :, 0, 0][ok], want[ok])
+    b = gguf_blocks.decode("MXFP4", raw)
+    assert cpu_int8.pack(b.q, b.d, b.m, b.zero, 5)[1].dtype == torch.float32  # the torch path: fp32
+
+
+@pytest.mark.parametrize("kind,bits", [("Q4_K", 4), ("Q6_K", 6), ("Q5_K", 8), ("IQ4_XS", 4), ("Q5_0", 5), ("Q8_0", 8),
+                                       ("MXFP4", 5)])
 @pytest.mark.parametrize("order", ["reversed", "subset of 40", "repeated"])
 def test_repacks_take_rows_in_the_order_given(kind, bits, order):
     """`rows` (the loader's q/k order over a fused layer's parts read side by side) gives what the

@@ -17,6 +17,7 @@ from test_families import (  # noqa: F401  (the imported tests run on this modul
     build_family,
     gguf_reader,
     gguf_tensors,
+    hf_greedy,
     peaked,
     test_batched_with_prefix_hits_and_chunked_prefill,
     test_greedy_decode_equals_transformers,
@@ -50,7 +51,7 @@ def llama_qk_perm(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def moe_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool = False,
-             split: bool = False) -> Path:
+             split: bool = False, qtype_of=None) -> Path:
     """The model as llama.cpp's converter writes it: routers as ffn_gate_inp, the experts (held
     fused by transformers: gate_up [E, 2I, H], down [E, H, I]) as ffn_{gate,up,down}_exps, or
     with `split` one ffn_{gate,up,down}.{e} tensor each (the first Mixtral GGUFs)."""
@@ -87,7 +88,7 @@ def moe_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool 
     if arch == "qwen3moe":
         kv |= {f"{arch}.expert_feed_forward_length": cfg.moe_intermediate_size,
                f"{arch}.expert_weights_norm": bool(cfg.norm_topk_prob)}
-    return write_gguf(model, arch, out, tokenizer_gguf, quantized, split_experts(tensors()), kv)
+    return write_gguf(model, arch, out, tokenizer_gguf, quantized, split_experts(tensors()), kv, qtype_of)
 
 
 def moe_peaked(model: torch.nn.Module, seed: int) -> None:
@@ -177,6 +178,49 @@ def test_gguf_exports_to_an_hf_checkpoint_transformers_runs(family, tmp_path):
     with torch.no_grad():
         got, ref = hf(torch.tensor([PROMPT])).logits[0], ref_model(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+
+
+def mxfp4_moe(name: str, a: np.ndarray):
+    """llama.cpp's MXFP4_MOE file type (gpt-oss's layout): experts MXFP4, the other matrices Q8_0,
+    routers and norms F32."""
+    import gguf
+
+    if "_exps." in name:
+        return gguf.GGMLQuantizationType.MXFP4
+    return gguf.GGMLQuantizationType.Q8_0 if a.ndim >= 2 and "ffn_gate_inp" not in name else None
+
+
+def test_mxfp4_experts_run_on_the_files_values(family, tmp_path, gguf_path, monkeypatch):
+    """MXFP4 experts (gpt-oss's type; any MoE quantized to MXFP4_MOE) held as the 5-bit integers
+    their doubled E2M1 values are, with their power-of-two scales, on the int8-lane kernel,
+    repacked by the C++ pass: the file's values exactly (against gguf-py's dequantization), and
+    greedy tokens equal to transformers' fp32 on the file's dequantized weights."""
+    import gguf
+
+    from localllm.model.export import export_hf
+    from localllm.model.layers import Int8wLinear
+    from localllm.model.weights import open_weights
+    from localllm_kernels import cpu_int8, cpu_repack
+
+    ref_model, _, _, _, fam = family
+    path = moe_gguf(ref_model, fam.arch, tmp_path / "mxfp4.gguf", gguf_path, qtype_of=mxfp4_moe)
+    calls, block32 = [], cpu_repack.block32
+    monkeypatch.setattr(cpu_repack, "block32", lambda raw, kind, *a, **kw: calls.append(kind) or block32(raw, kind, *a, **kw))
+    loaded = load_model(path, "auto")
+    assert calls.count("MXFP4") == 2 * loaded.config.num_experts * sum(map(loaded.config.is_moe_layer, range(loaded.config.num_layers)))
+    assert "MXFP4/Q8_0 weights as stored" in loaded.precision  # our CPU kernels, not the fp32 fallback
+    layer = len(loaded.model.layers) - 1  # an MoE layer in both families
+    experts = loaded.model.layers[layer].moe.experts
+    tensor = open_weights(path).file.tensors[f"blk.{layer}.ffn_down_exps.weight"]
+    assert tensor.qtype.name == "MXFP4"
+    file_values = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType.MXFP4).reshape(tensor.shape)
+    for e, down in enumerate(experts.down):
+        assert isinstance(down, Int8wLinear)
+        held = cpu_int8.dequantize(down.qw, down.qsc, down.out_features, down.group_size, down.zero)
+        assert np.array_equal(held.numpy(), file_values[e])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(path, tmp_path / "hf"), dtype=torch.float32)
+    *_, last = make_engine(loaded).generate(list(PROMPT), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert last.token_ids == hf_greedy(hf.eval(), PROMPT, 24)
 
 
 def test_quantizer_refuses_moe_in_one_line(family, tmp_path):

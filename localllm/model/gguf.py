@@ -42,7 +42,7 @@ _QTYPES = {q.id: q for q in (
     QType(6, "Q5_0", 32, 22), QType(7, "Q5_1", 32, 24), QType(8, "Q8_0", 32, 34), QType(9, "Q8_1", 32, 40),
     QType(10, "Q2_K", 256, 84), QType(11, "Q3_K", 256, 110), QType(12, "Q4_K", 256, 144),
     QType(13, "Q5_K", 256, 176), QType(14, "Q6_K", 256, 210), QType(15, "Q8_K", 256, 292),
-    QType(30, "BF16", 1, 2),
+    QType(30, "BF16", 1, 2), QType(39, "MXFP4", 32, 17),
 )}
 
 

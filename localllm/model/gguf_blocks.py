@@ -9,6 +9,7 @@ the kernels keep the indices). The K-quants also give their scales as the file k
 (`SubScales`: integer sub-scales under fp16 super-scales), which the kernels hold instead of the
 fp32 products. The CPU kernels take these as they are (cpu_int4 for 4-bit affine groups of 32,
 cpu_int8 for the rest).
+MXFP4 (OCP microscaling: E2M1 values, a power-of-two scale per 32) decodes to 5-bit integers.
 Layouts as ggml-quants.c / gguf-py's quants.py define them. Imports only torch.
 """
 
@@ -22,12 +23,15 @@ from localllm_kernels.cpu_int8 import take_bytes
 
 # bytes per block and values per block of each type decoded here
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q2_K": 84, "Q3_K": 110,
-               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136}
-BLOCK_VALUES = {t: 32 if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL") else 256 for t in BLOCK_BYTES}
+               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136, "MXFP4": 17}
+BLOCK_VALUES = {t: 32 if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4") else 256
+                for t in BLOCK_BYTES}
 # values per scale: the K-quants with 16 sub-blocks of 16 have groups of 16
 GROUP = {t: 16 if t in ("Q6_K", "Q3_K", "Q2_K") else 32 for t in BLOCK_BYTES}
 # ggml's kvalues_iq4nl: the 16 values of the IQ4 codebook
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# ggml's kvalues_mxfp4: MXFP4's 16 E2M1 values, doubled (its scale is halved to match)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 @dataclass
@@ -86,7 +90,7 @@ class Blocks:
 
 
 # the zero point of the types whose values are d * (q - zero); the others carry offsets m
-ZERO = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "IQ4_NL": 128, "IQ4_XS": 128, "Q6_K": 32, "Q3_K": 4}
+ZERO = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "IQ4_NL": 128, "IQ4_XS": 128, "Q6_K": 32, "Q3_K": 4, "MXFP4": 16}
 
 
 # types whose scales the kernels hold in the file's own form (SubScales) and the codebook types
@@ -140,6 +144,14 @@ def decode(kind: str, raw: torch.Tensor) -> Blocks:
         raise ValueError(f"{kind} blocks have {BLOCK_BYTES[kind]} bytes, got {size}")
     k = nb * BLOCK_VALUES[kind]
     b = raw
+    if kind == "MXFP4":
+        # doubled E2M1 values (-12..12) + 16: plain 5-bit integers, so Q5_0's layout and kernel
+        # take them (no codebook in the kernel). d: the E8M0 byte e as 2^(e - 128) (ggml's
+        # e8m0_to_fp32_half, subnormal for e < 2), exact in fp32 whatever e is.
+        e = b[..., 0].to(torch.int32)
+        d = torch.where(e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e), (e - 1) << 23)
+        q = take_bytes(_codebook(mxfp4_lut()), _nibbles(b[..., 1:]))
+        return Blocks(q.reshape(n, k), d.view(torch.float32), None, 32, 5, 16)
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"):
         d = _f16(b[..., 0:2])  # [N, nb]
         if kind == "Q8_0":
@@ -228,6 +240,11 @@ def iq4_lut() -> torch.Tensor:
     return (torch.tensor(IQ4_VALUES, dtype=torch.int16) + 128).to(torch.uint8)
 
 
+def mxfp4_lut() -> torch.Tensor:
+    """MXFP4's doubled values + 16, uint8 [16] (the 5-bit q its 4-bit indices stand for)."""
+    return (torch.tensor(MXFP4_VALUES, dtype=torch.int16) + 16).to(torch.uint8)
+
+
 def cpu_bytes_per_value(kind: str) -> float:
     """Bytes per weight of a matrix of this type as the CPU loader holds it: the int4 layout
     (Q4_0 / Q4_1 / Q4_K) or the int8-lane kernel's (nibbles plus a plane per bit above 4, 4-bit
@@ -240,7 +257,7 @@ def cpu_bytes_per_value(kind: str) -> float:
         return 2.0
     if kind not in BLOCK_BYTES:
         return 4.0
-    bits = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2, "Q8_0": 8}.get(kind, 4)
+    bits = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2, "Q8_0": 8, "MXFP4": 5}.get(kind, 4)
     values = 1.0 if bits > 6 else 0.5 + max(bits - 4, 0) / 8
     offsets = kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")
     if kind in SUB_SCALES:

@@ -289,18 +289,30 @@ std::tuple<at::Tensor, at::Tensor> k_repack(const at::Tensor& blocks, const std:
 }
 
 // the 32-value block types: d (and m) fp16 first, then Q5_0 / Q5_1: the fifth bits as a 32-bit
-// little-endian word and 16 bytes of nibbles; IQ4_NL: the nibbles (codebook indices); Q8_0: 32 int8
+// little-endian word and 16 bytes of nibbles; IQ4_NL: the nibbles (codebook indices); Q8_0: 32 int8;
+// MXFP4: an E8M0 byte (d = 2^(e - 128)), then nibbles indexing its doubled E2M1 values
 struct Block32 {
   int64_t bytes;
   int scales, planes;  // fp16 scales a block (d; d and m), the layout's own bit planes (-1: bytes)
+  bool mx = false;     // MXFP4: values + 16 are 5-bit integers (gguf_blocks.decode), the scale a power of two
 };
 
 Block32 block32(const std::string& kind) {
   if (kind == "Q5_0") return {22, 1, 1};
   if (kind == "Q5_1") return {24, 2, 1};
   if (kind == "IQ4_NL") return {18, 1, 0};
-  TORCH_CHECK(kind == "Q8_0", "block32_repack: kind must be Q5_0, Q5_1, IQ4_NL or Q8_0, got ", kind);
+  if (kind == "MXFP4") return {17, 1, 1, true};
+  TORCH_CHECK(kind == "Q8_0", "block32_repack: kind must be Q5_0, Q5_1, IQ4_NL, Q8_0 or MXFP4, got ", kind);
   return {34, 1, -1};
+}
+
+// 2^(e - 128) as fp16 bits where fp16 holds it exactly (2^-24 .. 2^15), else a NaN: the caller
+// then takes the torch path, which keeps fp32 scales
+inline uint16_t e8m0_half(uint8_t e) {
+  const int p = e - 128;
+  if (p >= -14 && p <= 15) return static_cast<uint16_t>((p + 15) << 10);
+  if (p >= -24 && p < -14) return static_cast<uint16_t>(1u << (p + 24));  // subnormal
+  return 0x7E00;
 }
 
 inline void block32_values(const uint8_t* blk, const Block32& t, uint8_t* q) {
@@ -309,6 +321,14 @@ inline void block32_values(const uint8_t* blk, const Block32& t, uint8_t* q) {
     return;
   }
   const uint8_t* qs = blk + t.bytes - 16;
+  if (t.mx) {  // ggml's kvalues_mxfp4 + 16
+    static constexpr uint8_t kMx[16] = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
+    for (int i = 0; i < 16; ++i) {
+      q[i] = kMx[qs[i] & 15];
+      q[16 + i] = kMx[qs[i] >> 4];
+    }
+    return;
+  }
   uint32_t high = 0;
   if (t.planes == 1) std::memcpy(&high, blk + 2 * t.scales, 4);
   for (int i = 0; i < 16; ++i) {
@@ -317,7 +337,7 @@ inline void block32_values(const uint8_t* blk, const Block32& t, uint8_t* q) {
   }
 }
 
-// Q5_0, Q5_1, IQ4_NL or Q8_0 blocks [N, K / 32, bytes] -> cpu_int8's layout (`planes`: the type's
+// Q5_0, Q5_1, IQ4_NL, Q8_0 or MXFP4 blocks [N, K / 32, bytes] -> cpu_int8's layout (`planes`: the type's
 // own, or -1 for byte lanes where the values are not codebook indices) and the blocks' fp16
 // scales [N/16, K/32, 1 | 2, 16]
 std::tuple<at::Tensor, at::Tensor> block32_repack(const at::Tensor& blocks, const std::string& kind, int64_t planes,
@@ -342,7 +362,13 @@ std::tuple<at::Tensor, at::Tensor> block32_repack(const at::Tensor& blocks, cons
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t r = 0; r < rows; ++r) {
           const uint8_t* blk = src + (order[b * kRows + r] * G + g) * t.bytes;
-          for (int j = 0; j < t.scales; ++j) std::memcpy(sp + (((b * G + g) * t.scales + j) * kRows + r) * 2, blk + 2 * j, 2);
+          if (t.mx) {
+            const uint16_t d = e8m0_half(blk[0]);
+            std::memcpy(sp + ((b * G + g) * kRows + r) * 2, &d, 2);
+          } else {
+            for (int j = 0; j < t.scales; ++j)
+              std::memcpy(sp + (((b * G + g) * t.scales + j) * kRows + r) * 2, blk + 2 * j, 2);
+          }
           block32_values(blk, t, q + r * 32);
         }
         write_values(q, 32, rows, static_cast<int>(planes), wp + (b * G + g) * group_bytes);
