@@ -30,6 +30,9 @@ ROWS = 16  # output rows per block: N is padded to a multiple
 GROUPS = (16, 32)
 # the codebook 4-bit indices with zero point 128 stand for (int8_gemm.cpp's kIq4): ggml's IQ4 values + 128
 CODEBOOK = (1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241)
+# with zero point 16 (kMx): MXFP4's doubled E2M1 values + 16
+MX_CODEBOOK = (16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4)
+CODEBOOKS = {128: CODEBOOK, 16: MX_CODEBOOK}  # zero point -> what nibbles with it index
 CXXFLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w"]
 
 
@@ -83,15 +86,17 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, zero: int, bi
     [N/16, K/4, 64] (byte lanes) or [N/16, K/8, 64 + 16P] (nibbles and the P high bits: a bit
     plane, or 2-bit pairs; see int8_gemm.cpp), sc in fp16 where that is exact. Rows past N are zero padding.
     sub: (d, sc, -dmin, mn) as group_scales.pack takes them (a K-quant's own sub-scales): sc is
-    those records, the file's bytes, in place of d and m. lut: the 16 values q takes (zero 128),
-    which must be CODEBOOK: q held as their 4-bit indices."""
+    those records, the file's bytes, in place of d and m. lut: the 16 values q takes, which must
+    be CODEBOOKS[zero] (IQ4's with zero 128, MXFP4's with 16): q held as their 4-bit indices."""
     n, k = q.shape
     g = d.shape[1]
     if lut is not None:
-        if zero != 128 or tuple(lut.tolist()) != CODEBOOK:
-            raise ValueError("4-bit codebook indices are for the IQ4 codebook (+128, zero point 128) only")
+        if CODEBOOKS.get(zero) != tuple(lut.tolist()):
+            raise ValueError("4-bit codebook indices are for the IQ4 codebook (+128, zero point 128) and "
+                             "MXFP4's (+16, zero point 16) only")
         inverse = torch.zeros(256, dtype=torch.uint8)
-        inverse[lut.long()] = torch.arange(16, dtype=torch.uint8)
+        for i, v in reversed(list(enumerate(lut.tolist()))):  # a value twice (MXFP4's +-0): its first index
+            inverse[v] = i
         q, bits = take_bytes(inverse, q), 4
     pad = -n % ROWS
     parts = [d.float()] if m is None else [d.float(), m.float()]
@@ -140,7 +145,7 @@ def take_bytes(table: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def unpack(w: torch.Tensor, sc: torch.Tensor, n: int, group: int,
            zero: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The inverse of `pack`: (q uint8 [n, K], d fp32 [n, G], m fp32 [n, G] or None); nibbles with
-    zero 128 are codebook indices (q their values)."""
+    zero 128 or 16 are codebook indices (q their values)."""
     nb, kc, rec = w.shape
     records = sc.dtype == torch.uint8  # K-quant sub-scales (group_scales)
     k = sc.shape[1] * (256 if records else group)
@@ -159,8 +164,8 @@ def unpack(w: torch.Tensor, sc: torch.Tensor, n: int, group: int,
             shift = torch.tensor([[[0, 1], [4, 5]], [[2, 3], [6, 7]]], dtype=torch.uint8).view(1, 1, 2, 2, 2, 1)
             q = q | (((bits >> shift) & 1).reshape(nb, kc, 2, ROWS, 4) << 4)
         q = q.permute(0, 3, 1, 2, 4).reshape(nb * ROWS, k)
-        if planes == 0 and zero == 128:
-            q = torch.tensor(CODEBOOK, dtype=torch.uint8)[q.long()]
+        if planes == 0 and zero in CODEBOOKS:
+            q = torch.tensor(CODEBOOKS[zero], dtype=torch.uint8)[q.long()]
     if records:
         d, m = group_scales.unpack(sc, n, group)
         return q[:n], d, m

@@ -36,7 +36,7 @@ BLOCK32 = ("Q5_0", "Q5_1", "IQ4_NL", "Q8_0", "MXFP4")  # blocks of 32 values, in
 KINDS = ("Q4_K", *INT8_KINDS, *BLOCK32)
 # the bits of each type's values (IQ4: its codebook indices)
 BITS = {"Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2, "IQ4_XS": 4, "Q5_0": 5, "Q5_1": 5, "IQ4_NL": 4, "Q8_0": 8,
-        "MXFP4": 5}  # (MXFP4's doubled E2M1 values + 16)
+        "MXFP4": 4}  # (MXFP4: its codebook indices, as IQ4's)
 # the zero point gguf_blocks.decode gives each type (what the layer is built with on the torch path)
 ZERO = {"Q4_K": 8, "Q5_K": 16, "Q6_K": 32, "Q3_K": 4, "Q2_K": 2, "IQ4_XS": 128, "Q5_0": 16, "Q5_1": 16, "IQ4_NL": 128,
         "Q8_0": 128, "MXFP4": 16}
@@ -75,7 +75,7 @@ def q4_k(blocks: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.
 def _planes(kind: str, bits: int) -> int:
     """The layout's bit planes for `kind` packed with `bits` (-1: byte lanes); ValueError for a
     width the type cannot take."""
-    allowed = (4,) if kind.startswith("IQ4") else tuple(dict.fromkeys((BITS[kind], 8)))  # indices: no bytes
+    allowed = (4,) if kind.startswith("IQ4") or kind == "MXFP4" else tuple(dict.fromkeys((BITS[kind], 8)))  # indices: no bytes
     if bits not in allowed:
         raise ValueError(f"{kind} values pack with {' or '.join(map(str, allowed))} bits, got {bits}")
     return -1 if bits == 8 else max(bits - 4, 0)  # values of 4 bits or fewer: nibbles alone

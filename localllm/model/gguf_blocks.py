@@ -4,12 +4,13 @@ Every type here has values W = d * q + m per group of 16 or 32 (or d * (q - zero
 unsigned integer of at most 8 bits and d, m fp32 numbers that hold the file's products exactly
 (an fp16 scale times a 6-bit sub-scale fits fp32's mantissa): rounding d * q + m once gives
 gguf-py's `gguf.quants.dequantize` bit for bit (tests/test_gguf_kquants.py). Codebook types
-(IQ4_NL, IQ4_XS) map their 4-bit indices to the codebook's int8 value plus 128 (`lut` says so:
+(IQ4_NL, IQ4_XS; MXFP4 below) map their 4-bit indices to the codebook's int8 value plus 128 (`lut` says so:
 the kernels keep the indices). The K-quants also give their scales as the file keeps them
 (`SubScales`: integer sub-scales under fp16 super-scales), which the kernels hold instead of the
 fp32 products. The CPU kernels take these as they are (cpu_int4 for 4-bit affine groups of 32,
 cpu_int8 for the rest).
-MXFP4 (OCP microscaling: E2M1 values, a power-of-two scale per 32) decodes to 5-bit integers.
+MXFP4 (OCP microscaling: E2M1 values, a power-of-two scale per 32) is a codebook type too (its
+doubled values + 16, zero point 16).
 Layouts as ggml-quants.c / gguf-py's quants.py define them. Imports only torch.
 """
 
@@ -95,7 +96,7 @@ ZERO = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "IQ4_NL": 128, "IQ4_XS": 128, "Q6_K"
 
 # types whose scales the kernels hold in the file's own form (SubScales) and the codebook types
 SUB_SCALES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
-CODEBOOK = ("IQ4_NL", "IQ4_XS")
+CODEBOOK = ("IQ4_NL", "IQ4_XS", "MXFP4")
 
 
 def stack_key(kind: str) -> tuple[int | str, ...]:
@@ -145,13 +146,14 @@ def decode(kind: str, raw: torch.Tensor) -> Blocks:
     k = nb * BLOCK_VALUES[kind]
     b = raw
     if kind == "MXFP4":
-        # doubled E2M1 values (-12..12) + 16: plain 5-bit integers, so Q5_0's layout and kernel
-        # take them (no codebook in the kernel). d: the E8M0 byte e as 2^(e - 128) (ggml's
-        # e8m0_to_fp32_half, subnormal for e < 2), exact in fp32 whatever e is.
+        # doubled E2M1 values (-12..12) + 16, the kernels keeping the 4-bit indices (`lut`). d: the
+        # E8M0 byte e as 2^(e - 128) (ggml's e8m0_to_fp32_half, subnormal for e < 2), exact in fp32
+        # whatever e is.
         e = b[..., 0].to(torch.int32)
         d = torch.where(e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e), (e - 1) << 23)
-        q = take_bytes(_codebook(mxfp4_lut()), _nibbles(b[..., 1:]))
-        return Blocks(q.reshape(n, k), d.view(torch.float32), None, 32, 5, 16)
+        lut = mxfp4_lut()
+        q = take_bytes(_codebook(lut), _nibbles(b[..., 1:]))
+        return Blocks(q.reshape(n, k), d.view(torch.float32), None, 32, 5, 16, lut=lut)
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"):
         d = _f16(b[..., 0:2])  # [N, nb]
         if kind == "Q8_0":
@@ -257,7 +259,7 @@ def cpu_bytes_per_value(kind: str) -> float:
         return 2.0
     if kind not in BLOCK_BYTES:
         return 4.0
-    bits = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2, "Q8_0": 8, "MXFP4": 5}.get(kind, 4)
+    bits = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2, "Q8_0": 8}.get(kind, 4)
     values = 1.0 if bits > 6 else 0.5 + max(bits - 4, 0) / 8
     offsets = kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")
     if kind in SUB_SCALES:

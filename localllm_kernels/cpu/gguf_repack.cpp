@@ -290,18 +290,19 @@ std::tuple<at::Tensor, at::Tensor> k_repack(const at::Tensor& blocks, const std:
 
 // the 32-value block types: d (and m) fp16 first, then Q5_0 / Q5_1: the fifth bits as a 32-bit
 // little-endian word and 16 bytes of nibbles; IQ4_NL: the nibbles (codebook indices); Q8_0: 32 int8;
-// MXFP4: an E8M0 byte (d = 2^(e - 128)), then nibbles indexing its doubled E2M1 values
+// MXFP4: an E8M0 byte (d = 2^(e - 128)), then nibbles indexing its doubled E2M1 values (kept as
+// indices, as IQ4_NL's: int8_gemm.cpp's kMx with zero point 16)
 struct Block32 {
   int64_t bytes;
   int scales, planes;  // fp16 scales a block (d; d and m), the layout's own bit planes (-1: bytes)
-  bool mx = false;     // MXFP4: values + 16 are 5-bit integers (gguf_blocks.decode), the scale a power of two
+  bool mx = false;     // MXFP4: the scale a power of two
 };
 
 Block32 block32(const std::string& kind) {
   if (kind == "Q5_0") return {22, 1, 1};
   if (kind == "Q5_1") return {24, 2, 1};
   if (kind == "IQ4_NL") return {18, 1, 0};
-  if (kind == "MXFP4") return {17, 1, 1, true};
+  if (kind == "MXFP4") return {17, 1, 0, true};
   TORCH_CHECK(kind == "Q8_0", "block32_repack: kind must be Q5_0, Q5_1, IQ4_NL, Q8_0 or MXFP4, got ", kind);
   return {34, 1, -1};
 }
@@ -321,11 +322,11 @@ inline void block32_values(const uint8_t* blk, const Block32& t, uint8_t* q) {
     return;
   }
   const uint8_t* qs = blk + t.bytes - 16;
-  if (t.mx) {  // ggml's kvalues_mxfp4 + 16
-    static constexpr uint8_t kMx[16] = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
+  if (t.mx) {  // MXFP4's -0 (index 8) as +0 (index 0): one index a value, as cpu_int8.pack gives them
     for (int i = 0; i < 16; ++i) {
-      q[i] = kMx[qs[i] & 15];
-      q[16 + i] = kMx[qs[i] >> 4];
+      const int lo = qs[i] & 15, hi = qs[i] >> 4;
+      q[i] = lo == 8 ? 0 : lo;
+      q[16 + i] = hi == 8 ? 0 : hi;
     }
     return;
   }
@@ -343,8 +344,9 @@ inline void block32_values(const uint8_t* blk, const Block32& t, uint8_t* q) {
 std::tuple<at::Tensor, at::Tensor> block32_repack(const at::Tensor& blocks, const std::string& kind, int64_t planes,
                                                   const std::optional<at::Tensor>& rows) {
   const Block32 t = block32(kind);
-  TORCH_CHECK(planes == t.planes || (planes == -1 && kind != "IQ4_NL"), "block32_repack: ", kind, " packs with ",
-              t.planes, " bit planes", kind != "IQ4_NL" ? " or in byte lanes (-1)" : "", ", got ", planes);
+  const bool indices = kind == "IQ4_NL" || t.mx;  // codebook indices: no byte lanes
+  TORCH_CHECK(planes == t.planes || (planes == -1 && !indices), "block32_repack: ", kind, " packs with ",
+              t.planes, " bit planes", !indices ? " or in byte lanes (-1)" : "", ", got ", planes);
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
               blocks.size(2) == t.bytes, "block32_repack: blocks must be contiguous uint8 [N, K / 32, ", t.bytes, "]");
   const std::vector<int64_t> order = row_order(blocks, rows, "block32_repack");

@@ -272,14 +272,19 @@ using group_scales::Super;
 
 // the IQ4 codebook (ggml's kvalues_iq4nl) + 128, what 4-bit indices with zero point 128 stand for
 constexpr uint8_t kIq4[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
-constexpr int kLut = -2;  // `planes` of 4-bit codebook indices (the nibble layout, values from kIq4)
+// MXFP4's E2M1 values doubled (ggml's kvalues_mxfp4) + 16, what 4-bit indices with zero point 16 stand for
+constexpr uint8_t kMx[16] = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
+constexpr int kLut = -2;    // `planes` of 4-bit codebook indices (the nibble layout, values from kIq4)
+constexpr int kLutMx = -3;  // the same with kMx's values (below 64: the AVX2 path's unsigned form)
+constexpr bool is_lut(int planes) { return planes == kLut || planes == kLutMx; }
+constexpr const uint8_t* codebook(int planes) { return planes == kLutMx ? kMx : kIq4; }
 
 // The scalar path: the same int32 sums and the same fp32 operations (std::fma where the vector
 // paths fuse) as the vector paths, one output lane at a time.
 // Bytes of one 32-column block of a 16-row block, and q[r, k] (k < 32) within it.
 inline int64_t block_bytes(int planes) { return planes == -1 ? 8 * 64 : 4 * (64 + 16 * std::max(planes, 0)); }
 inline int weight_at(const uint8_t* wb, int planes, int r, int k) {
-  if (planes == kLut) return kIq4[weight_at(wb, 0, r, k)];
+  if (is_lut(planes)) return codebook(planes)[weight_at(wb, 0, r, k)];
   if (planes < 0) return wb[(k / 4) * 64 + 4 * r + k % 4];
   const uint8_t* rec = wb + (k / 8) * (64 + 16 * planes);
   const int j = k % 8, bit = 4 * r + j % 4;
@@ -397,10 +402,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
     int64_t ldo) {
   const int64_t nb = K / 32;
   constexpr int kGroups = G16 ? 2 : 1, kChunks = 8 / kGroups;
-  constexpr int kRec = 64 + 16 * std::max(PL, 0);  // bytes per 8 columns (PL >= 0 or kLut)
+  constexpr int kRec = 64 + 16 * std::max(PL, 0);  // bytes per 8 columns (PL >= 0 or a codebook)
   const __m512 inv_base = _mm512_set1_ps(1.f / kBase), zf = _mm512_set1_ps(static_cast<float>(z));
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4)));
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codebook(PL))));
   __m512 acc[MC];
   for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < nb; ++blk) {
@@ -431,7 +436,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void block_rows_512(
           const __m512i raw = _mm512_loadu_si512(rec);
           __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
           high_bits_512<PL>(rec, lo, hi);
-          if constexpr (PL == kLut) {  // indices -> the codebook's values + 128, in registers
+          if constexpr (is_lut(PL)) {  // indices -> the codebook's values (+ z), in registers
             lo = _mm512_shuffle_epi8(lut, lo);
             hi = _mm512_shuffle_epi8(lut, hi);
           }
@@ -470,14 +475,14 @@ __attribute__((target("avx512f,avx512bw"))) void widen_block_512(const uint8_t* 
                                                                    uint8_t* dst) {
   const int np = std::max(planes, 0), rec = 64 + 16 * np;
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4)));
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codebook(planes))));
   for (int64_t c = 0; c < K / 8; ++c) {
     const uint8_t* r = src + c * rec;
     const __m512i raw = _mm512_loadu_si512(r);
     __m512i lo = _mm512_and_si512(raw, nib), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nib);
     if (planes == 1) high_bits_512<1>(r, lo, hi);
     if (planes == 2) high_bits_512<2>(r, lo, hi);
-    if (planes == kLut) {
+    if (is_lut(planes)) {
       lo = _mm512_shuffle_epi8(lut, lo);
       hi = _mm512_shuffle_epi8(lut, hi);
     }
@@ -489,7 +494,7 @@ __attribute__((target("avx512f,avx512bw"))) void widen_block_512(const uint8_t* 
 __attribute__((target("avx2"))) void widen_block_avx2(const uint8_t* src, int planes, int64_t K, uint8_t* dst) {
   const int np = std::max(planes, 0), rec = 64 + 16 * np;
   const __m256i nib = _mm256_set1_epi8(0x0F);
-  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4)));
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codebook(planes))));
   for (int64_t c = 0; c < K / 8; ++c) {
     const uint8_t* r = src + c * rec;
     for (int half = 0; half < 2; ++half) {
@@ -497,7 +502,7 @@ __attribute__((target("avx2"))) void widen_block_avx2(const uint8_t* src, int pl
       __m256i lo = _mm256_and_si256(raw, nib), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
       if (planes == 1) high_bits_avx2<1>(r, half, lo, hi);
       if (planes == 2) high_bits_avx2<2>(r, half, lo, hi);
-      if (planes == kLut) {
+      if (is_lut(planes)) {
         lo = _mm256_shuffle_epi8(lut, lo);
         hi = _mm256_shuffle_epi8(lut, hi);
       }
@@ -536,6 +541,8 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
   // the codebook as int8 (q - 128): with SIGNED, |q - 128| meets x with q - 128's sign
   const __m256i lut_s = _mm256_xor_si256(
       _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4))), flip);
+  // MXFP4's values + 16 (below 64: the unsigned form, as the other nibble layouts)
+  const __m256i lut_mx = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMx)));
   const __m256 inv_base = _mm256_set1_ps(1.f / kBase), zf = _mm256_set1_ps(static_cast<float>(z));
   for (int h0 = 0; h0 < 2; h0 += NH) {
     __m256 acc[NH][MC];
@@ -552,7 +559,7 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
             for (int p = 0; p < P; ++p)
               ip[h][m][p] = SIGNED ? _mm256_setzero_si256()
                                    : _mm256_set1_epi32(-z * (G16 ? bm[m].ps[p][gi] : bm[m].ps[p][0] + bm[m].ps[p][1]));
-        if constexpr (PL >= 0 || PL == kLut) {
+        if constexpr (PL >= 0 || is_lut(PL)) {
           for (int cc = 0; cc < kChunks; cc += 2) {  // one record: chunks c (low nibbles) and c + 1
             const int c = gi * kChunks + cc;
             const uint8_t* rec = wb + (c / 2) * kRec;
@@ -564,6 +571,7 @@ __attribute__((target("avx2,fma,f16c"))) void block_rows_avx2(const uint8_t* w, 
               lo[h] = _mm256_and_si256(raw, nib);
               hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
               high_bits_avx2<PL>(rec, half, lo[h], hi[h]);
+              if constexpr (PL == kLutMx) lo[h] = _mm256_shuffle_epi8(lut_mx, lo[h]), hi[h] = _mm256_shuffle_epi8(lut_mx, hi[h]);
             }
             if constexpr (PL == kLut) {  // 2 * 127 * 127 per pair: each product widened on its own
               __m256i sl[NH], sh[NH], al[NH], ah[NH];
@@ -692,8 +700,11 @@ void run_mc_512(const Form& f, const uint8_t* w, const typename F::E* sc, int64_
     case 0: return run_mc_512_pl<MC, 0, F, P>(f, w, sc, K, px, meta, s, out, ldo);
     case 1: return run_mc_512_pl<MC, 1, F, P>(f, w, sc, K, px, meta, s, out, ldo);
     case 2: return run_mc_512_pl<MC, 2, F, P>(f, w, sc, K, px, meta, s, out, ldo);
-    default:
+    case kLut:
       if constexpr (!F::kOff) return run_mc_512_pl<MC, kLut, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+      return;
+    default:
+      if constexpr (!F::kOff) return run_mc_512_pl<MC, kLutMx, F, P>(f, w, sc, K, px, meta, s, out, ldo);
   }
 }
 
@@ -720,8 +731,11 @@ void run_mc_avx2(const Form& f, const uint8_t* w, const typename F::E* sc, int64
     case 0: return run_mc_avx2_pl<MC, false, 0, F, P>(f, w, sc, K, px, meta, s, out, ldo);
     case 1: return run_mc_avx2_pl<MC, false, 1, F, P>(f, w, sc, K, px, meta, s, out, ldo);
     case 2: return run_mc_avx2_pl<MC, false, 2, F, P>(f, w, sc, K, px, meta, s, out, ldo);
-    default:
+    case kLut:
       if constexpr (!F::kOff) return run_mc_avx2_pl<MC, true, kLut, F, P>(f, w, sc, K, px, meta, s, out, ldo);
+      return;
+    default:
+      if constexpr (!F::kOff) return run_mc_avx2_pl<MC, false, kLutMx, F, P>(f, w, sc, K, px, meta, s, out, ldo);
   }
 }
 #endif
@@ -898,15 +912,17 @@ void with_form(const char* op, const at::Tensor& w, const at::Tensor& sc, int64_
   TORCH_CHECK(zero >= 0 && zero <= 255, op, ": zero point must be in [0, 255], got ", zero);
   // byte lanes: 8-bit values take z = 128 (the AVX2 path's signed form), others are below 64 (z
   // at most 32: that path adds two VPMADDUBSW pair sums in int16); nibbles with z = 128 are
-  // indices into the IQ4 codebook (its values + 128)
+  // indices into the IQ4 codebook (its values + 128), with z = 16 into MXFP4's (its values + 16:
+  // plain 4-bit values take z 8, no pack gives them 16)
   TORCH_CHECK(planes >= 0 || zero <= 32 || zero == 128, op, ": zero point ", zero,
               " with byte lanes (values of 8 bits take 128, those of 6 bits or fewer at most 32)");
   TORCH_CHECK(planes < 0 || zero <= 32 || (planes == 0 && zero == 128), op, ": zero point ", zero,
               " for values of ", 4 + planes, " bits (nibbles with 128: IQ4 codebook indices)");
   if (planes == 0 && zero == 128) planes = kLut;
+  if (planes == 0 && zero == 16) planes = kLutMx;
   const Form f{group_size == 16, static_cast<int>(zero), planes};
   auto run = [&](auto form, const auto* p) {
-    if constexpr (decltype(form)::kOff) TORCH_CHECK(planes != kLut, op, ": codebook indices take scales without offsets");
+    if constexpr (decltype(form)::kOff) TORCH_CHECK(!is_lut(planes), op, ": codebook indices take scales without offsets");
     fn(form, p, f);
   };
   if (sc.scalar_type() == at::kByte) {  // K-quant records (group_scales.h)
