@@ -191,14 +191,14 @@ def mxfp4_moe(name: str, a: np.ndarray):
 
 
 def test_mxfp4_experts_run_on_the_files_values(family, tmp_path, gguf_path, monkeypatch):
-    """MXFP4 experts (gpt-oss's type; any MoE quantized to MXFP4_MOE) held as the 5-bit integers
-    their doubled E2M1 values are, with their power-of-two scales, on the int8-lane kernel,
-    repacked by the C++ pass: the file's values exactly (against gguf-py's dequantization), and
-    greedy tokens equal to transformers' fp32 on the file's dequantized weights."""
+    """MXFP4 experts (gpt-oss's type; any MoE quantized to MXFP4_MOE) held as their 4-bit codebook
+    indices with power-of-two scales on the int8-lane kernel, repacked by the C++ pass and stacked
+    for moe_int8w: the file's values exactly (against gguf-py's dequantization), and greedy tokens
+    equal to transformers' fp32 on the file's dequantized weights."""
     import gguf
 
     from localllm.model.export import export_hf
-    from localllm.model.layers import Int8wLinear
+    from localllm.model.moe import Int8wExperts
     from localllm.model.weights import open_weights
     from localllm_kernels import cpu_int8, cpu_repack
 
@@ -214,9 +214,9 @@ def test_mxfp4_experts_run_on_the_files_values(family, tmp_path, gguf_path, monk
     tensor = open_weights(path).file.tensors[f"blk.{layer}.ffn_down_exps.weight"]
     assert tensor.qtype.name == "MXFP4"
     file_values = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType.MXFP4).reshape(tensor.shape)
-    for e, down in enumerate(experts.down):
-        assert isinstance(down, Int8wLinear)
-        held = cpu_int8.dequantize(down.qw, down.qsc, down.out_features, down.group_size, down.zero)
+    assert isinstance(experts, Int8wExperts) and experts.zero2 == 16  # MXFP4's codebook indices
+    for e in range(loaded.config.num_experts):
+        held = cpu_int8.dequantize(experts.w2[e], experts.s2[e], file_values.shape[1], experts.group2, experts.zero2)
         assert np.array_equal(held.numpy(), file_values[e])
     hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(path, tmp_path / "hf"), dtype=torch.float32)
     *_, last = make_engine(loaded).generate(list(PROMPT), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
@@ -273,6 +273,69 @@ def test_moe_int4_op_matches_the_torch_loop():
                 h = silu_mul(x[t] @ dense[e][0].t())
                 ref[t] += w[t, j] * (h @ dense[e][1].t())
         assert ((got - ref).norm() / ref.norm()) < 1e-2  # 16-bit activations inside the kernel
+
+
+def _int8w_experts(kind: str, E: int, H: int, inter: int, seed: int):
+    """E experts of a GGUF type on the int8-lane kernel: (gate_up, down) Int8wLinears as the loader
+    packs them (the file's form), and their dequantized fp32 matrices."""
+    from test_gguf_kquants import random_blocks
+
+    from localllm.model import gguf_blocks
+    from localllm.model.layers import Int8wLinear
+    from localllm_kernels import cpu_int8
+
+    layers, dense = [], []
+    for e in range(E):
+        pair, ref = [], []
+        for n, k in ((2 * inter, H), (H, inter)):
+            raw = random_blocks(kind, n, k, seed=seed * 100 + 2 * e + (n == H), std=k ** -0.5)
+            b = gguf_blocks.decode(kind, torch.from_numpy(raw))
+            qw, qsc = cpu_int8.pack(b.q, b.d, b.m, b.zero, 4 if b.lut is not None else b.bits,
+                                    None if b.sub is None else b.sub.packed(), b.lut)
+            pair.append(Int8wLinear(qw, qsc, n, b.group, b.zero))
+            ref.append(b.values())
+        layers.append(tuple(pair))
+        dense.append(ref)
+    return layers, dense
+
+
+@pytest.mark.parametrize("kind", ["MXFP4", "Q6_K", "Q8_0"])
+def test_moe_int8w_op_matches_the_torch_loop(kind):
+    """localllm::moe_int8w (int8-lane experts stacked, rows grouped per expert in C++) bit for bit
+    the torch loop over the same experts (one int8w_gemm each) on every instruction-set path: tokens
+    sharing experts, an expert used twice, every expert, and a prefill's many rows per expert
+    (several tiles; AVX2's dense route); and against the dequantized fp32 math."""
+    from localllm.model.llama import silu_mul
+    from localllm.model.moe import Int8wExperts, LoopExperts, make_experts
+    from localllm_kernels import cpu_int8
+
+    assert cpu_int8.load()
+    E, H, inter = 8, 256, 256 if kind == "Q6_K" else 96  # (K-quants: blocks of 256)
+    pairs, dense = _int8w_experts(kind, E, H, inter, seed=3)
+    fused = make_experts(lambda e: pairs[e], E, inter)
+    loop = LoopExperts([g for g, _ in pairs], [d for _, d in pairs])
+    assert isinstance(fused, Int8wExperts)
+    g = torch.Generator().manual_seed(0)
+    sets = [[[3, 5]], [[2, 2]], [[1, 4], [4, 1], [6, 0], [4, 6], [1, 4]],
+            [[e % 8, (e + 1) % 8] for e in range(400)]]
+    best = cpu_int8.isa()
+    paths = {"avx512_vnni": ["avx512_vnni", "avx2", "generic"], "avx2": ["avx2", "generic"]}.get(best, ["generic"])
+    try:
+        for path in paths:
+            torch.ops.localllm.int8w_isa(path)
+            for ids in sets:
+                ids = torch.tensor(ids)
+                x = torch.randn(len(ids), H, generator=g)
+                w = torch.softmax(torch.randn(ids.shape, generator=g), -1)
+                got, want = fused(x, ids, w, silu_mul), loop(x, ids, w, silu_mul)
+                assert torch.equal(got, want), path  # the same kernels, silu and order of sums
+                ref = torch.zeros_like(x)
+                for t in range(len(ids)):
+                    for j, e in enumerate(ids[t].tolist()):
+                        ref[t] += w[t, j] * (silu_mul(x[t] @ dense[e][0].t()) @ dense[e][1].t())
+                assert ((got - ref).norm() / ref.norm()) < 1e-3, path  # 16-bit activations inside the kernel
+    finally:
+        torch.ops.localllm.int8w_isa("auto")
 
 
 @pytest.mark.slow  # ~11 s of compiling: `make test-slow`, outside CI's 20-minute budget
@@ -333,14 +396,16 @@ def test_experts_stack_one_at_a_time():
 
 
 @pytest.mark.parametrize("family", ["qwen3moe"], indirect=True)  # a dense layer and an MoE layer
-def test_moe_layers_load_from_the_conversion_cache(family, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["Q4_1", "MXFP4"])
+def test_moe_layers_load_from_the_conversion_cache(family, kind, tmp_path, monkeypatch, gguf_path):
     """A Q4_1 MoE GGUF's second load takes its experts (Int4Experts' stacks, or each looped
-    expert on CPUs without VNNI) and routers from the conversion cache: nothing is repacked or read
-    from the GGUF's expert tensors, the buffers are the first load's, and so are the logits and
-    greedy tokens."""
+    expert on CPUs without VNNI) and routers from the conversion cache, an MXFP4_MOE one its
+    Int8wExperts' stacks: nothing is repacked or read from the GGUF's expert tensors, the buffers
+    are the first load's, and so are the logits and greedy tokens."""
     from localllm.model import convert_cache, loader
 
-    q4_file = family[3]
+    q4_file = family[3] if kind == "Q4_1" else moe_gguf(family[0], family[4].arch, tmp_path / "mx.gguf", gguf_path,
+                                                        qtype_of=mxfp4_moe)
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))  # a cache of this test's own
     caches = []
     open_cache = convert_cache.ConvertCache.open
@@ -359,6 +424,7 @@ def test_moe_layers_load_from_the_conversion_cache(family, tmp_path, monkeypatch
     assert caches[1].hit
     moe_cold, moe_warm = cold.model.layers[1].moe, warm.model.layers[1].moe
     assert type(moe_warm.experts) is type(moe_cold.experts)
+    assert kind == "Q4_1" or type(moe_warm.experts).__name__ == "Int8wExperts"
     want, got = cold.model.state_dict(), warm.model.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert torch.equal(make_engine(warm).score(PROMPT), make_engine(cold).score(PROMPT))

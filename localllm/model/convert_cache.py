@@ -15,7 +15,7 @@ from . import cache_file
 from .errors import ModelLoadError
 from .gguf_weights import GGUFWeights
 from .layers import ConcatLinear, Int4Linear, Int8wLinear
-from .moe import Int4Experts, LoopExperts
+from .moe import Int4Experts, Int8wExperts, LoopExperts
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,9 @@ class ConvertCache:
     # 5: MoE experts (Int4Experts' stacks or each looped expert) and routers; 6: crc32s; 7: GGUF types
     # beyond Q4_0/Q4_1 on our kernels (Int8wLinear, ConcatLinear of mixed parts), none re-quantized;
     # 8: K-quant sub-scales and IQ4 indices as the file keeps them, Q4_0 without offsets; 9: 5- and 6-bit
-    # values' high bits as shifted bits / 2-bit pairs (were bit planes)
-    VERSION = 9
+    # values' high bits as shifted bits / 2-bit pairs (were bit planes); 10: int8-lane experts stacked
+    # (Int8wExperts, were looped), MXFP4 as codebook indices (was fp32)
+    VERSION = 10
     # this process's writes still under way, by file: a load of the same file waits for its write
     # rather than converting again (a server reloading a model it just evicted)
     _writing: dict[Path, threading.Thread] = {}
@@ -86,20 +87,24 @@ class ConvertCache:
         return m
 
     def experts(self, key: str, n: int, inter: int, build) -> nn.Module:
-        """The cached experts `key` of an MoE layer (Int4Experts from its stacks, or LoopExperts from
-        each expert's Int4Linears), or build() (remembered when all of it is int4)."""
+        """The cached experts `key` of an MoE layer (Int4Experts or Int8wExperts from their stacks, or
+        LoopExperts from each expert's linears), or build() (remembered when the cache can hold it)."""
         t = self.tensors
         if self.hit and f"{key}.w1" in t:
-            return Int4Experts(*(t[f"{key}.{b}"] for b in ("w1", "s1", "w2", "s2")), int(t[f"{key}.group1"]),
-                               int(t[f"{key}.group2"]), inter)
+            stacks = [t[f"{key}.{b}"] for b in ("w1", "s1", "w2", "s2")]
+            if f"{key}.zero1" in t:
+                forms = tuple(int(t[f"{key}.{f}"]) for f in ("group1", "zero1", "group2", "zero2"))
+                return Int8wExperts(*stacks, forms, inter)
+            return Int4Experts(*stacks, int(t[f"{key}.group1"]), int(t[f"{key}.group2"]), inter)
         keys = [f"{key}.{e}.{part}" for e in range(n) for part in ("gate_up", "down")]
         linears = [self._cached_linear(k) for k in keys] if self.hit else [None]
         if all(x is not None for x in linears):
             return LoopExperts(linears[0::2], linears[1::2])
         m = build()
-        if isinstance(m, Int4Experts):
+        if isinstance(m, (Int4Experts, Int8wExperts)):
+            forms = ("group1", "group2") + (("zero1", "zero2") if isinstance(m, Int8wExperts) else ())
             t.update({f"{key}.{b}": getattr(m, b) for b in ("w1", "s1", "w2", "s2")})
-            t.update({f"{key}.group1": torch.tensor(m.group1), f"{key}.group2": torch.tensor(m.group2)})
+            t.update({f"{key}.{f}": torch.tensor(getattr(m, f)) for f in forms})
         elif isinstance(m, LoopExperts):
             linears = [x for pair in zip(m.gate_up, m.down) for x in pair]
             if all(self._keepable(x) for x in linears):

@@ -113,7 +113,7 @@ class GGUFWeights:
         """Expert e's matrix of a 3-D ffn_{gate,up,down}_exps tensor [E, rows, cols], as a tensor
         of its own (a slice of the mapped file); files from before llama.cpp fused the experts
         (the first Mixtral GGUFs) hold one ffn_{part}.{e} tensor each."""
-        g = f"blk.{layer}.ffn_{part}_exps.weight"
+        g = _expert_stack(layer, part)
         t = self.file.tensors.get(g)
         if t is None:
             t = self.file.tensors.get(f"blk.{layer}.ffn_{part}.{e}.weight")
@@ -183,7 +183,9 @@ class GGUFWeights:
 
     def kind(self, name: str) -> str:
         """The GGUF type `name` is stored in ("Q4_K", "F16", ...)."""
-        return self._tensor(name).qtype.name
+        ex = EXPERT_NAME.fullmatch(name)
+        stack = ex and self.file.tensors.get(_expert_stack(int(ex[1]), EXPERT_PART[ex[3]]))
+        return (stack or self._tensor(name)).qtype.name  # (an expert's type is its stack's: no slice taken)
 
     def blocks(self, name: str) -> gguf_blocks.Blocks:
         """`name`'s values as integers and per-group scales (exactly the file's; see gguf_blocks), in
@@ -216,3 +218,7 @@ class GGUFWeights:
     def extra_eos_ids(self) -> set[int]:
         return set()
 
+
+def _expert_stack(layer: int, part: str) -> str:
+    """llama.cpp's name of a layer's experts' matrices stacked [E, rows, cols]."""
+    return f"blk.{layer}.ffn_{part}_exps.weight"

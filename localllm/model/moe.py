@@ -8,8 +8,11 @@ Speed: a decode step must read only the chosen experts' weights (k of E). Both i
 group the (token, expert) pairs by expert and run one GEMM per used expert on its gathered rows:
   Int4Experts: int4 experts stacked [E, ...] in our int4 kernel's layout, the whole MLP in one C++
     op (localllm::moe_int4): no data-dependent Python, so the compiled CPU step exports it;
-  LoopExperts: any other linears (fp32/bf16, int8, torch's int4, CUDA), a Python loop over the
-    used experts: eager only (`compilable` says so to the compiled step and the CUDA graphs).
+  Int8wExperts: the same for experts on the int8-lane kernel (GGUF MXFP4, Q5_K, Q6_K, Q8_0, ...
+    experts, one type a matrix): localllm::moe_int8w; eager (no package is built for it);
+  LoopExperts: any other linears (fp32/bf16, torch's int4, CUDA, experts whose matrices take
+    different kernels), a Python loop over the used experts: eager only (`compilable` says so to
+    the compiled step and the CUDA graphs).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import Int4Linear
+from .layers import Int4Linear, Int8wLinear
 
 # one expert's matrix of an MoE layer (HF names: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down_proj)
 EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
@@ -135,22 +138,74 @@ class Int4Experts(nn.Module):
         return y.to(x.dtype)
 
 
+class Int8wExperts(nn.Module):
+    """Int8-lane experts stacked for localllm::moe_int8w (localllm_kernels/cpu/int8_gemm.cpp): w1/s1
+    each expert's gate_up, w2/s2 its down, [E, ...] in Int8wLinear's layout; one group size, zero
+    point and scale form per matrix (what the conversion cache stores). The activations keep 16
+    bits (--act-bits 8 leaves the experts as it leaves moe_int4's)."""
+
+    def __init__(self, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, forms: tuple[int, ...],
+                 inter: int):
+        from localllm_kernels import cpu_int8
+
+        super().__init__()
+        cpu_int8.load()  # registers the op (stacks from the conversion cache come without an Int8wLinear)
+        (self.group1, self.zero1, self.group2, self.zero2), self.inter = forms, inter
+        for name, t in (("w1", w1), ("s1", s1), ("w2", w2), ("s2", s2)):
+            self.register_buffer(name, t)
+
+    @classmethod
+    def stacked(cls, experts: Iterable[tuple[Int8wLinear, Int8wLinear]], n: int, inter: int) -> Int8wExperts | None:
+        """Int4Experts.stacked for int8-lane experts: None when one does not fit the first's form."""
+        bufs, forms, count = None, None, 0
+        for e, (gate_up, down) in enumerate(experts):
+            if not cls.fits([gate_up], [down]):
+                return None
+            parts = (gate_up.qw, gate_up.qsc, down.qw, down.qsc)
+            form = (gate_up.group_size, gate_up.zero, down.group_size, down.zero)
+            if bufs is None:
+                bufs, forms = [p.new_empty(n, *p.shape) for p in parts], form
+            if form != forms or any(p.shape != b.shape[1:] or (p.dtype == torch.uint8) != (b.dtype == torch.uint8)
+                                    for p, b in zip(parts, bufs)):
+                return None
+            for i, p in enumerate(parts):
+                if p.dtype != bufs[i].dtype and bufs[i].dtype == torch.float16:
+                    bufs[i] = bufs[i].float()  # fp16 where exact per expert: one dtype (fp32) for the stack
+                bufs[i][e].copy_(p)
+            del gate_up, down, parts  # before the next expert is built
+            count += 1
+        return cls(*bufs, forms, inter) if count == n else None
+
+    @staticmethod
+    def fits(gate_up: list[nn.Module], down: list[nn.Module]) -> bool:
+        """Every expert's matrices on the int8-lane kernel, without bias."""
+        return all(isinstance(m, Int8wLinear) and m.bias is None for m in (*gate_up, *down))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act: Callable) -> torch.Tensor:
+        y = torch.ops.localllm.moe_int8w(x.float(), ids, w.float(), self.w1, self.s1, self.w2, self.s2, self.group1,
+                                         self.zero1, self.group2, self.zero2, self.inter)
+        return y.to(x.dtype)
+
+
 def make_experts(expert: Callable[[int], tuple[nn.Module, nn.Module]], n: int, inter: int) -> nn.Module:
     """The fastest implementation the experts' linears allow (see the module docstring), from
     expert(e) -> (gate_up, down), called once per expert in order (twice in the rare layer whose
     experts start on the kernel and then leave it: mixed group sizes)."""
     first = expert(0)
-    if Int4Experts.fits([first[0]], [first[1]]):
-        pairs = itertools.chain([first], (expert(e) for e in range(1, n)))
-        del first  # the chain holds it only until it is copied
-        stacked = Int4Experts.stacked(pairs, n, inter)
-        if stacked is not None:
-            return stacked
-        first = expert(0)
+    for cls in (Int4Experts, Int8wExperts):
+        if cls.fits([first[0]], [first[1]]):
+            pairs = itertools.chain([first], (expert(e) for e in range(1, n)))
+            del first  # the chain holds it only until it is copied
+            stacked = cls.stacked(pairs, n, inter)
+            if stacked is not None:
+                return stacked
+            first = expert(0)
+            break
     pairs = [first, *(expert(e) for e in range(1, n))]
     return LoopExperts([g for g, _ in pairs], [d for _, d in pairs])
 
 
 def compilable(model: nn.Module) -> bool:
-    """No block of the model needs eager Python (the compiled CPU step and CUDA graphs can hold it)."""
-    return not any(isinstance(m, LoopExperts) for m in model.modules())
+    """No block of the model needs eager Python (the compiled CPU step and CUDA graphs can hold it);
+    Int8wExperts' op has no export support (no package is built for it)."""
+    return not any(isinstance(m, (LoopExperts, Int8wExperts)) for m in model.modules())

@@ -44,7 +44,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/floor_divide.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -56,6 +62,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -856,41 +863,55 @@ void dense_gemm(Isa isa, const at::Tensor& x, const uint8_t* w, const typename F
   }
 }
 
+// The activations of M rows quantized in tiles (Tiled), with their buffers (uninitialized: every
+// byte is written before it is read).
+struct Quantized {
+  std::unique_ptr<int8_t[]> parts;
+  std::unique_ptr<Meta[]> meta;
+  std::unique_ptr<float[]> sums;
+  Tiled q;
+  Quantized(Isa isa, int64_t M, int64_t K, int64_t gs, int np)
+      : parts(new int8_t[M * np * K]), meta(new Meta[M * (K / 32)]), sums(new float[M * (K / gs)]),
+        q{M, K, K / 32, K / gs, isa == Isa::kAvx2 ? kMcAvx2 : kMc, parts.get(), meta.get(), sums.get(), np} {}
+};
+
+// Blocks [b0, b1) of W against every tile of q into y [M, N] (one thread's share of a GEMM). More
+// than one tile: a block in nibbles and planes (or codebook indices) is widened to byte lanes once,
+// not once per tile (the AVX2 path's bit expansion, redone per 3-row tile, ran prefill 2-4x slower).
 template <class F>
-void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const typename F::E* sc, int64_t nblocks,
-          int64_t gs, const Form& f, float* y, int np) {
-  const int64_t tile = isa == Isa::kVnni ? kMc : isa == Isa::kAvx2 ? kMcAvx2 : kMc;
-  std::vector<int8_t> parts(M * np * K);
-  std::vector<Meta> meta(M * (K / 32));
-  std::vector<float> sums(M * (K / gs));
-  const Tiled q{M, K, K / 32, K / gs, tile, parts.data(), meta.data(), sums.data(), np};
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
-    quantize_rows(isa, x, q, gs, m0, m1);
-  });
-  const int64_t N = nblocks * kRows, wstride = (K / 32) * block_bytes(f.planes), sstride = F::stride(K, gs);
-  const int64_t ntiles = (M + tile - 1) / tile;
-  // more than one tile: a block in nibbles and planes (or codebook indices) is widened to byte
-  // lanes once, not once per tile (the AVX2 path's bit expansion, redone per 3-row tile, ran
-  // prefill 2-4x slower)
+void gemm_blocks(Isa isa, const Tiled& q, const uint8_t* w, const typename F::E* sc, int64_t b0, int64_t b1,
+                 int64_t gs, const Form& f, float* y, int64_t N) {
+  const int64_t K = q.K, wstride = (K / 32) * block_bytes(f.planes), sstride = F::stride(K, gs);
+  const int64_t ntiles = (q.M + q.tile - 1) / q.tile;
   const bool widen = f.planes != -1 && ntiles > 1;
   const Form fw{f.g16, f.z, widen ? -1 : f.planes};
   const int64_t bstride = widen ? (K / 32) * block_bytes(-1) : wstride;
   const int64_t wchunk = std::max<int64_t>(1, kWeightChunk / bstride);
-  at::parallel_for(0, nblocks, 8, [&](int64_t b0, int64_t b1) {
-    std::vector<uint8_t> wide(widen ? (std::min(b1 - b0, wchunk)) * bstride : 0);
-    for (int64_t c0 = b0; c0 < b1; c0 += wchunk) {
-      const int64_t c1 = std::min(b1, c0 + wchunk);
-      const uint8_t* wc = w + c0 * wstride;
-      if (widen) {
-        for (int64_t nbk = c0; nbk < c1; ++nbk) widen_block(isa, w + nbk * wstride, f.planes, K, &wide[(nbk - c0) * bstride]);
-        wc = wide.data();
-      }
-      for (int64_t t = 0; t < ntiles; ++t)
-        for (int64_t nbk = c0; nbk < c1; ++nbk)
-          (np == 1 ? run_block<F, 1> : run_block<F, 2>)(isa, q.mt(t), fw, wc + (nbk - c0) * bstride,
-                                                        sc + nbk * sstride, K, q.tparts(t), q.tmeta(t), q.ts(t),
-                                                        y + t * tile * N + nbk * kRows, N);
+  std::vector<uint8_t> wide(widen ? (std::min(b1 - b0, wchunk)) * bstride : 0);
+  for (int64_t c0 = b0; c0 < b1; c0 += wchunk) {
+    const int64_t c1 = std::min(b1, c0 + wchunk);
+    const uint8_t* wc = w + c0 * wstride;
+    if (widen) {
+      for (int64_t nbk = c0; nbk < c1; ++nbk) widen_block(isa, w + nbk * wstride, f.planes, K, &wide[(nbk - c0) * bstride]);
+      wc = wide.data();
     }
+    for (int64_t t = 0; t < ntiles; ++t)
+      for (int64_t nbk = c0; nbk < c1; ++nbk)
+        (q.np == 1 ? run_block<F, 1> : run_block<F, 2>)(isa, q.mt(t), fw, wc + (nbk - c0) * bstride,
+                                                        sc + nbk * sstride, K, q.tparts(t), q.tmeta(t), q.ts(t),
+                                                        y + t * q.tile * N + nbk * kRows, N);
+  }
+}
+
+template <class F>
+void gemm(Isa isa, const float* x, int64_t M, int64_t K, const uint8_t* w, const typename F::E* sc, int64_t nblocks,
+          int64_t gs, const Form& f, float* y, int np) {
+  const Quantized a(isa, M, K, gs, np);
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    quantize_rows(isa, x, a.q, gs, m0, m1);
+  });
+  at::parallel_for(0, nblocks, 8, [&](int64_t b0, int64_t b1) {
+    gemm_blocks<F>(isa, a.q, w, sc, b0, b1, gs, f, y, nblocks * kRows);
   });
 }
 
@@ -989,9 +1010,159 @@ at::Tensor int8w_dequantize(const at::Tensor& w, const at::Tensor& sc, int64_t g
   return out;
 }
 
+// One stacked matrix of the experts ([E, N/16, ...] and its scales [E, ...]), its form checked once.
+struct ExpertStack {
+  const at::Tensor &w, &sc;
+  int64_t K, gs, zero;
+};
+
+// fn(F{}, expert e's scales pointer at e = 0, Form, expert's weight stride, scales stride)
+template <class Fn>
+void with_stack(const char* op, const ExpertStack& m, Fn fn) {
+  TORCH_CHECK(m.w.dim() == 4 && m.sc.size(0) == m.w.size(0) && m.w.is_contiguous() && m.sc.is_contiguous(), op,
+              ": experts must be contiguous [E, N/16, ...] with scales [E, ...]");
+  with_form(op, m.w.select(0, 0), m.sc.select(0, 0), m.K, m.gs, m.zero, [&](auto form, const auto* p, const Form& f) {
+    fn(form, p, f);
+  });
+}
+
+// One expert's share of a call: its (token, slot) pairs, their activations and outputs (its rows of
+// the call's tensors).
+struct ExpertRows8 {
+  int64_t e, n;
+  const int64_t* pairs;
+  float *x, *h1, *act, *h2;
+};
+
+// Every used expert's blocks of one stacked matrix: one parallel pass over the experts' rows to
+// quantize them, one over the blocks for every expert (a fork per matrix, not per expert, as
+// int4_gemm.cpp's moe_int4). An expert with enough rows for the dense route (AVX2 prefill: dense_wins) takes it,
+// as int8w_gemm would for the same rows.
+void experts_pass8(Isa isa, std::vector<ExpertRows8>& rows, const std::vector<std::pair<int64_t, int64_t>>& where,
+                   const ExpertStack& m, bool first, int np) {
+  with_stack("moe_int8w", m, [&](auto form, const auto* p, const Form& f) {
+    using F = decltype(form);
+    const int64_t nb = m.w.size(1), N = nb * kRows, K = m.K;
+    const int64_t ws = m.w.stride(0), ss = m.sc.stride(0);
+    const uint8_t* w = m.w.data_ptr<uint8_t>();
+    std::vector<Quantized> q;
+    q.reserve(rows.size());
+    std::vector<int64_t> kernel;  // the experts the kernel runs (the others go dense)
+    for (int64_t i = 0; i < static_cast<int64_t>(rows.size()); ++i) {
+      const bool dense = dense_wins(isa, f, rows[i].n);
+      q.emplace_back(isa, dense ? 0 : rows[i].n, K, m.gs, np);
+      if (!dense) kernel.push_back(i);
+    }
+    at::parallel_for(0, static_cast<int64_t>(where.size()), std::max<int64_t>(1, 16384 / K), [&](int64_t p0, int64_t p1) {
+      for (int64_t j = p0; j < p1; ++j) {
+        const auto [i, row] = where[j];
+        if (q[i].q.M) quantize_rows(isa, first ? rows[i].x : rows[i].act, q[i].q, m.gs, row, row + 1);
+      }
+    });
+    for (int64_t i = 0; i < static_cast<int64_t>(rows.size()); ++i) {
+      ExpertRows8& r = rows[i];
+      if (q[i].q.M) continue;
+      at::Tensor xt = at::from_blob(first ? r.x : r.act, {r.n, K}, at::kFloat);
+      at::Tensor yt = at::from_blob(first ? r.h1 : r.h2, {r.n, N}, at::kFloat);
+      dense_gemm<F>(isa, xt, w + r.e * ws, p + r.e * ss, nb, m.gs, f, yt);
+    }
+    // each thread the same share of every expert's blocks: the experts' rows differ (a prefill's
+    // router sends more to some), so splitting the (expert, block) pairs in halves left one
+    // thread most of the work (prefill 15% slower than one int8w_gemm an expert)
+    at::parallel_for(0, nb, 8, [&](int64_t b0, int64_t b1) {
+      for (const int64_t i : kernel) {
+        ExpertRows8& r = rows[i];
+        gemm_blocks<F>(isa, q[i].q, w + r.e * ws, p + r.e * ss, b0, b1, m.gs, f, first ? r.h1 : r.h2, N);
+      }
+    });
+  });
+}
+
+// A mixture-of-experts MLP on int8-lane experts (MXFP4, Q5_K, Q6_K, Q8_0, ... stacked): y[t] = sum_j
+// weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j]; int4_gemm.cpp's moe_int4
+// with this kernel's layouts. w1/s1: the experts' gate and up rows stacked (gate 0..I-1, up
+// I..2I-1) in int8w_gemm's layout and scale form, group1 / zero1 theirs; w2/s2 down (K = inter).
+// Each expert's rows get the same arithmetic as int8w_gemm on them (the activations quantized per
+// row, the same kernels and route), then silu in fp32.
+at::Tensor moe_int8w(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w1,
+                     const at::Tensor& s1, const at::Tensor& w2, const at::Tensor& s2, int64_t group1, int64_t zero1,
+                     int64_t group2, int64_t zero2, int64_t inter, int64_t parts) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_int8w: x must be fp32 [T, H]");
+  TORCH_CHECK(parts == 1 || parts == 2, "moe_int8w: parts must be 1 or 2, got ", parts);
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == at::kLong, "moe_int8w: ids must be int64 [T, k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat,
+              "moe_int8w: weights must be fp32 [T, k]");
+  TORCH_CHECK(w1.dim() == 4 && w2.dim() == 4 && w1.size(0) == w2.size(0) && w1.size(1) * kRows >= 2 * inter &&
+              w2.size(1) * kRows >= H, "moe_int8w: expert shapes do not match H = ", H, ", I = ", inter);
+  const ExpertStack m1{w1, s1, H, group1, zero1}, m2{w2, s2, inter, group2, zero2};
+  with_stack("moe_int8w", m1, [](auto, const auto*, const Form&) {});  // (both forms checked before any work)
+  with_stack("moe_int8w", m2, [](auto, const auto*, const Form&) {});
+  const Isa isa = isa_now();
+  const int64_t k = ids.size(1), E = w1.size(0), N1 = w1.size(1) * kRows, N2 = w2.size(1) * kRows;
+  at::Tensor y = at::zeros({T, H}, x.options());
+  const at::Tensor xc = x.contiguous(), ic = ids.contiguous(), wc = weights.contiguous();
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  // counting sort of the pairs t * k + j by expert (stable: rows of an expert in token order)
+  std::vector<int64_t> start(E + 1, 0), order(T * k);
+  for (int64_t p = 0; p < T * k; ++p) {
+    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "moe_int8w: expert id ", ip[p], " out of range");
+    ++start[ip[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t p = 0; p < T * k; ++p) order[fill[ip[p]]++] = p;
+  // every pair's rows in expert order, as one tensor each: the gathered activations, the gate_up
+  // outputs, the gated activations, the down outputs (uninitialized: zeroed vectors cost a
+  // prefill ~20% of the op)
+  const int64_t P = T * k;
+  const at::Tensor sorted = at::from_blob(order.data(), {P}, at::kLong);
+  const at::Tensor tokens = at::floor_divide(sorted, k);
+  const at::Tensor X = at::index_select(xc, 0, tokens), H1 = at::empty({P, N1}, x.options());
+  at::Tensor A = at::empty({P, inter}, x.options());
+  const at::Tensor H2 = at::empty({P, N2}, x.options());
+  std::vector<ExpertRows8> rows;
+  std::vector<std::pair<int64_t, int64_t>> where;  // pair (in expert order) -> (expert's rows, row)
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = start[e + 1] - start[e], s0 = start[e];
+    if (n == 0) continue;
+    rows.push_back(ExpertRows8{e, n, order.data() + s0, X.data_ptr<float>() + s0 * H, H1.data_ptr<float>() + s0 * N1,
+                               A.data_ptr<float>() + s0 * inter, H2.data_ptr<float>() + s0 * N2});
+    for (int64_t i = 0; i < n; ++i) where.emplace_back(rows.size() - 1, i);
+  }
+  const int np = static_cast<int>(parts);
+  experts_pass8(isa, rows, where, m1, true, np);
+  // the gate as LoopExperts' silu_mul computes it (torch's silu): the same values
+  at::mul_out(A, at::silu(H1.narrow(1, 0, inter)), H1.narrow(1, inter, inter));
+  experts_pass8(isa, rows, where, m2, false, np);
+  // weighted into each token's row, its pairs in expert order (as LoopExperts adds them: each product
+  // rounded, then added; this generic code has no FMA to contract them into)
+  std::vector<int64_t> pos(P);
+  for (int64_t i = 0; i < P; ++i) pos[order[i]] = i;
+  const float* wp = wc.data_ptr<float>();
+  const float* h2 = H2.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / (k * H)), [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> mine(k);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < k; ++j) mine[j] = pos[t * k + j];
+      std::sort(mine.begin(), mine.end());
+      float* yr = yp + t * H;
+      for (const int64_t i : mine) {
+        const float wt = wp[order[i]];
+        const float* hr = h2 + i * N2;
+        for (int64_t c = 0; c < H; ++c) yr[c] += wt * hr[c];
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
+  m.def("moe_int8w(Tensor x, Tensor ids, Tensor weights, Tensor w1, Tensor s1, Tensor w2, Tensor s2, int group1, "
+        "int zero1, int group2, int zero2, int inter, int parts=2) -> Tensor");
   m.def("int8w_gemm(Tensor x, Tensor w, Tensor scales, int group_size, int zero, int parts=2) -> Tensor");
   m.def("int8w_dequantize(Tensor w, Tensor scales, int group_size, int zero) -> Tensor");
   m.def("int8w_isa(str? force=None) -> str", &int8w_isa);  // no tensors: one kernel for every key
@@ -1000,4 +1171,5 @@ TORCH_LIBRARY_FRAGMENT(localllm, m) {
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("int8w_gemm", &int8w_gemm);
   m.impl("int8w_dequantize", &int8w_dequantize);
+  m.impl("moe_int8w", &moe_int8w);
 }
