@@ -276,41 +276,50 @@ def test_moe_int4_op_matches_the_torch_loop():
 
 
 def _int8w_experts(kind: str, E: int, H: int, inter: int, seed: int):
-    """E experts of a GGUF type on the int8-lane kernel: (gate_up, down) Int8wLinears as the loader
-    packs them (the file's form), and their dequantized fp32 matrices."""
+    """E experts of a GGUF type ("Q4_K+Q6_K": gate_up of one, down of the other, as a K-quant mix
+    has them) as the loader builds them (the file's form; Q4_K on the int4 kernel, the others on the
+    int8-lane one), and their dequantized fp32 matrices."""
     from test_gguf_kquants import random_blocks
 
     from localllm.model import gguf_blocks
-    from localllm.model.layers import Int8wLinear
-    from localllm_kernels import cpu_int8
+    from localllm.model.layers import Int4Linear, Int8wLinear
+    from localllm_kernels import cpu_int4, cpu_int8
 
+    kinds = kind.split("+") * (2 if "+" not in kind else 1)
     layers, dense = [], []
     for e in range(E):
         pair, ref = [], []
-        for n, k in ((2 * inter, H), (H, inter)):
+        for kind, (n, k) in zip(kinds, ((2 * inter, H), (H, inter))):
             raw = random_blocks(kind, n, k, seed=seed * 100 + 2 * e + (n == H), std=k ** -0.5)
             b = gguf_blocks.decode(kind, torch.from_numpy(raw))
-            qw, qsc = cpu_int8.pack(b.q, b.d, b.m, b.zero, 4 if b.lut is not None else b.bits,
-                                    None if b.sub is None else b.sub.packed(), b.lut)
-            pair.append(Int8wLinear(qw, qsc, n, b.group, b.zero))
+            sub = None if b.sub is None else b.sub.packed()
+            if kind == "Q4_K":
+                qw, qsc = cpu_int4.pack_dm(b.q, b.d, b.m, sub)
+                pair.append(Int4Linear.from_kernel_tensors({"qw": qw, "qsc": qsc}, n, 32))
+            else:
+                qw, qsc = cpu_int8.pack(b.q, b.d, b.m, b.zero, 4 if b.lut is not None else b.bits, sub, b.lut)
+                pair.append(Int8wLinear(qw, qsc, n, b.group, b.zero))
             ref.append(b.values())
         layers.append(tuple(pair))
         dense.append(ref)
     return layers, dense
 
 
-@pytest.mark.parametrize("kind", ["MXFP4", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["MXFP4", "Q6_K", "Q8_0", "Q4_K+Q6_K"])
 def test_moe_int8w_op_matches_the_torch_loop(kind):
     """localllm::moe_int8w (int8-lane experts stacked, rows grouped per expert in C++) bit for bit
     the torch loop over the same experts (one int8w_gemm each) on every instruction-set path: tokens
     sharing experts, an expert used twice, every expert, and a prefill's many rows per expert
-    (several tiles; AVX2's dense route); and against the dequantized fp32 math."""
+    (several tiles; AVX2's dense route); and against the dequantized fp32 math. A K-quant mix's
+    experts (Q4_K gate/up on the int4 kernel, Q6_K down) stack too: the int4 layout is the
+    int8-lane one, and the two kernels give the same bits (below AVX2's dense route, 192 rows an
+    expert, which the int4 kernel does not take: the sets here stay below it)."""
     from localllm.model.llama import silu_mul
     from localllm.model.moe import Int8wExperts, LoopExperts, make_experts
     from localllm_kernels import cpu_int8
 
     assert cpu_int8.load()
-    E, H, inter = 8, 256, 256 if kind == "Q6_K" else 96  # (K-quants: blocks of 256)
+    E, H, inter = 8, 256, 256 if "_K" in kind else 96  # (K-quants: blocks of 256)
     pairs, dense = _int8w_experts(kind, E, H, inter, seed=3)
     fused = make_experts(lambda e: pairs[e], E, inter)
     loop = LoopExperts([g for g, _ in pairs], [d for _, d in pairs])

@@ -9,7 +9,9 @@ group the (token, expert) pairs by expert and run one GEMM per used expert on it
   Int4Experts: int4 experts stacked [E, ...] in our int4 kernel's layout, the whole MLP in one C++
     op (localllm::moe_int4): no data-dependent Python, so the compiled CPU step exports it;
   Int8wExperts: the same for experts on the int8-lane kernel (GGUF MXFP4, Q5_K, Q6_K, Q8_0, ...
-    experts, one type a matrix): localllm::moe_int8w; eager (no package is built for it);
+    experts, one type a matrix, and the mixes of a K-quant file: Q4_K gate/up beside a Q6_K down,
+    the int4 layout being the int8-lane one for 4-bit values): localllm::moe_int8w; eager (no
+    package is built for it);
   LoopExperts: any other linears (fp32/bf16, torch's int4, CUDA, experts whose matrices take
     different kernels), a Python loop over the used experts: eager only (`compilable` says so to
     the compiled step and the CUDA graphs).
@@ -155,14 +157,14 @@ class Int8wExperts(nn.Module):
             self.register_buffer(name, t)
 
     @classmethod
-    def stacked(cls, experts: Iterable[tuple[Int8wLinear, Int8wLinear]], n: int, inter: int) -> Int8wExperts | None:
+    def stacked(cls, experts: Iterable[tuple[nn.Module, nn.Module]], n: int, inter: int) -> Int8wExperts | None:
         """Int4Experts.stacked for int8-lane experts: None when one does not fit the first's form."""
         bufs, forms, count = None, None, 0
         for e, (gate_up, down) in enumerate(experts):
             if not cls.fits([gate_up], [down]):
                 return None
-            parts = (gate_up.qw, gate_up.qsc, down.qw, down.qsc)
-            form = (gate_up.group_size, gate_up.zero, down.group_size, down.zero)
+            (w1, s1, g1, z1), (w2, s2, g2, z2) = _int8w_form(gate_up), _int8w_form(down)
+            parts, form = (w1, s1, w2, s2), (g1, z1, g2, z2)
             if bufs is None:
                 bufs, forms = [p.new_empty(n, *p.shape) for p in parts], form
             if form != forms or any(p.shape != b.shape[1:] or (p.dtype == torch.uint8) != (b.dtype == torch.uint8)
@@ -178,13 +180,25 @@ class Int8wExperts(nn.Module):
 
     @staticmethod
     def fits(gate_up: list[nn.Module], down: list[nn.Module]) -> bool:
-        """Every expert's matrices on the int8-lane kernel, without bias."""
-        return all(isinstance(m, Int8wLinear) and m.bias is None for m in (*gate_up, *down))
+        """Every expert's matrices on the int8-lane kernel as they are, without bias."""
+        return all(_int8w_form(m) is not None for m in (*gate_up, *down))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act: Callable) -> torch.Tensor:
         y = torch.ops.localllm.moe_int8w(x.float(), ids, w.float(), self.w1, self.s1, self.w2, self.s2, self.group1,
                                          self.zero1, self.group2, self.zero2, self.inter)
         return y.to(x.dtype)
+
+
+def _int8w_form(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+    """(w, scales, group size, zero point) of a linear the int8-lane kernel runs as it is stored: an
+    Int8wLinear, or an Int4Linear on our int4 kernel with groups of 32 (its layout and scale forms
+    are the int8-lane ones for 4-bit values with zero point 8: the same outputs bit for bit)."""
+    if isinstance(m, Int8wLinear) and m.bias is None:
+        return m.qw, m.qsc, m.group_size, m.zero
+    if (isinstance(m, Int4Linear) and m.kind == "cpu_int4" and m.bias is None and m.in_perm is None
+            and m.dense is None and m.group_size == 32):
+        return m.qw, m.qsc, 32, 8
+    return None
 
 
 def make_experts(expert: Callable[[int], tuple[nn.Module, nn.Module]], n: int, inter: int) -> nn.Module:
