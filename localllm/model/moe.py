@@ -104,26 +104,13 @@ class Int4Experts(nn.Module):
 
     @classmethod
     def stacked(cls, experts: Iterable[tuple[Int4Linear, Int4Linear]], n: int, inter: int) -> Int4Experts | None:
-        """The n (gate_up, down) pairs copied into buffers allocated once, as each comes: the caller
-        builds one expert at a time and drops it, so a layer is never held twice (per expert, then
-        stacked). None when an expert does not fit the kernel or the first one's shapes, or n do not come."""
-        bufs, groups, count = None, None, 0
-        for e, (gate_up, down) in enumerate(experts):
+        """The n (gate_up, down) pairs stacked (_stack); None when one does not fit the kernel."""
+        def parts(gate_up: nn.Module, down: nn.Module) -> tuple | None:
             if not cls.fits([gate_up], [down]):
                 return None
-            parts = (gate_up.qw, gate_up.qsc, down.qw, down.qsc)
-            if bufs is None:
-                bufs, groups = [p.new_empty(n, *p.shape) for p in parts], (gate_up.group_size, down.group_size)
-            if (gate_up.group_size, down.group_size) != groups or any(p.shape != b.shape[1:]
-                                                                       for p, b in zip(parts, bufs)):
-                return None
-            for i, p in enumerate(parts):
-                if p.dtype != bufs[i].dtype and bufs[i].dtype == torch.float16:
-                    bufs[i] = bufs[i].float()  # fp16 where exact per expert: one dtype (fp32) for the stack
-                bufs[i][e].copy_(p)
-            del gate_up, down, parts  # before the next expert is built
-            count += 1
-        return cls(*bufs, *groups, inter) if count == n else None
+            return (gate_up.qw, gate_up.qsc, down.qw, down.qsc), (gate_up.group_size, down.group_size)
+        stack = _stack(experts, n, parts)
+        return None if stack is None else cls(*stack[0], *stack[1], inter)
 
     @staticmethod
     def fits(gate_up: list[nn.Module], down: list[nn.Module]) -> bool:
@@ -158,25 +145,14 @@ class Int8wExperts(nn.Module):
 
     @classmethod
     def stacked(cls, experts: Iterable[tuple[nn.Module, nn.Module]], n: int, inter: int) -> Int8wExperts | None:
-        """Int4Experts.stacked for int8-lane experts: None when one does not fit the first's form."""
-        bufs, forms, count = None, None, 0
-        for e, (gate_up, down) in enumerate(experts):
+        """The n (gate_up, down) pairs stacked (_stack); None when one does not fit the kernel."""
+        def parts(gate_up: nn.Module, down: nn.Module) -> tuple | None:
             if not cls.fits([gate_up], [down]):
                 return None
             (w1, s1, g1, z1), (w2, s2, g2, z2) = _int8w_form(gate_up), _int8w_form(down)
-            parts, form = (w1, s1, w2, s2), (g1, z1, g2, z2)
-            if bufs is None:
-                bufs, forms = [p.new_empty(n, *p.shape) for p in parts], form
-            if form != forms or any(p.shape != b.shape[1:] or (p.dtype == torch.uint8) != (b.dtype == torch.uint8)
-                                    for p, b in zip(parts, bufs)):
-                return None
-            for i, p in enumerate(parts):
-                if p.dtype != bufs[i].dtype and bufs[i].dtype == torch.float16:
-                    bufs[i] = bufs[i].float()  # fp16 where exact per expert: one dtype (fp32) for the stack
-                bufs[i][e].copy_(p)
-            del gate_up, down, parts  # before the next expert is built
-            count += 1
-        return cls(*bufs, forms, inter) if count == n else None
+            return (w1, s1, w2, s2), (g1, z1, g2, z2)
+        stack = _stack(experts, n, parts)
+        return None if stack is None else cls(*stack[0], stack[1], inter)
 
     @staticmethod
     def fits(gate_up: list[nn.Module], down: list[nn.Module]) -> bool:
@@ -187,6 +163,32 @@ class Int8wExperts(nn.Module):
         y = torch.ops.localllm.moe_int8w(x.float(), ids, w.float(), self.w1, self.s1, self.w2, self.s2, self.group1,
                                          self.zero1, self.group2, self.zero2, self.inter)
         return y.to(x.dtype)
+
+
+def _stack(experts: Iterable[tuple[nn.Module, nn.Module]], n: int, parts: Callable) -> tuple[list, tuple] | None:
+    """The n (gate_up, down) pairs' kernel tensors (parts(gate_up, down) -> ((w1, s1, w2, s2), form)
+    or None) copied into [n, ...] buffers allocated once, as each pair comes: the caller builds one
+    expert at a time and drops it, so a layer is never held twice (per expert, then stacked).
+    -> (buffers, form); None when a pair does not fit, differs from the first in shapes or form, or
+    n do not come."""
+    bufs, form, count = None, None, 0
+    for e, pair in enumerate(experts):
+        got = parts(*pair)
+        if got is None:
+            return None
+        tensors, f = got
+        if bufs is None:
+            bufs, form = [t.new_empty(n, *t.shape) for t in tensors], f
+        if f != form or any(t.shape != b.shape[1:] or (t.dtype == torch.uint8) != (b.dtype == torch.uint8)
+                            for t, b in zip(tensors, bufs)):
+            return None
+        for i, t in enumerate(tensors):
+            if t.dtype != bufs[i].dtype and bufs[i].dtype == torch.float16:
+                bufs[i] = bufs[i].float()  # fp16 where exact per expert: one dtype (fp32) for the stack
+            bufs[i][e].copy_(t)
+        del pair, got, tensors  # before the next expert is built
+        count += 1
+    return (bufs, form) if count == n else None
 
 
 def _int8w_form(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:

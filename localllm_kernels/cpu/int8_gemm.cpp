@@ -1,8 +1,9 @@
 // Weights of up to 8 bits in int8 lanes x fp32 activations: the GEMM for the GGUF types wider
 // than 4 bits (Q8_0, Q6_K, Q5_K, Q5_0, Q5_1) and those whose values are not an affine 4-bit grid
-// (IQ4_NL, IQ4_XS: codebook entries; Q3_K, Q2_K: 16-value groups), each repacked exactly at load
-// (localllm_kernels.cpu_int8.pack). Without it those tensors were dequantized to fp32: 4 bytes a
-// weight instead of 0.56-1.25 here (values and scales), and decode is bound by the bytes read.
+// (IQ4_NL, IQ4_XS, MXFP4: codebook entries; Q3_K, Q2_K: 16-value groups), each repacked exactly at
+// load (localllm_kernels.cpu_int8.pack). Without it those tensors were dequantized to fp32: 4 bytes
+// a weight instead of 0.56-1.25 here (values and scales), and decode is bound by the bytes read.
+// moe_int8w (at the end) runs a mixture-of-experts MLP on experts stacked in these layouts.
 //
 // Arithmetic as int4_gemm.cpp's (same 16-bit activation rule): per 32-block the activations are
 // split into two int8 parts, x = e * (p0 + p1/254), and each part meets the u8 weights in
