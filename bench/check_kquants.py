@@ -44,7 +44,8 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "List three prime numbers and explain why they are prime."]
 # llama.cpp's llama_ftype values (llama.h)
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_S": 14,
-          "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30}
+          "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30,
+          "MXFP4_MOE": 38}  # (MXFP4_MOE: an MoE's experts MXFP4, the other matrices Q8_0)
 
 
 def write_f32(src: Path, out: Path) -> Path:
