@@ -143,12 +143,12 @@ def test_kernel_libraries_are_named_by_the_headers_they_include_too(tmp_path):
     change to it must rebuild both, so the header is part of each library's name; a header of
     ours that a source does not include is not."""
     cpu = Path(cpu_int4.SOURCE).parent
-    for name in ("int4_gemm.cpp", "int8_gemm.cpp", "act_quant.h", "group_scales.h"):
+    headers = ("act_quant.h", "group_scales.h", "moe_route.h")
+    for name in ("int4_gemm.cpp", "int8_gemm.cpp", *headers):
         shutil.copy2(cpu / name, tmp_path / name)
     (tmp_path / "unused.h").write_text("// included by no one\n")
     sources = [tmp_path / "int4_gemm.cpp", tmp_path / "int8_gemm.cpp"]
-    assert all(sorted(cpu_build.build_inputs(s)) == sorted([s, tmp_path / "act_quant.h", tmp_path / "group_scales.h"])
-               for s in sources)
+    assert all(sorted(cpu_build.build_inputs(s)) == sorted([s, *(tmp_path / h for h in headers)]) for s in sources)
     before = [cpu_build.library_path(s, ["-O3"]) for s in sources]
     (tmp_path / "unused.h").write_text("// still included by no one\n")
     assert [cpu_build.library_path(s, ["-O3"]) for s in sources] == before

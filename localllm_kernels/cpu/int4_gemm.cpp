@@ -38,6 +38,7 @@
 
 #include "act_quant.h"
 #include "group_scales.h"
+#include "moe_route.h"
 
 #include <immintrin.h>
 #include <cmath>
@@ -528,15 +529,8 @@ at::Tensor moe_int4(const at::Tensor& x, const at::Tensor& ids, const at::Tensor
   const int64_t* ip = ic.data_ptr<int64_t>();
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // counting sort of the pairs t * k + j by expert (stable: rows of an expert in token order)
-  std::vector<int64_t> start(E + 1, 0), order(T * k);
-  for (int64_t p = 0; p < T * k; ++p) {
-    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "moe_int4: expert id ", ip[p], " out of range");
-    ++start[ip[p] + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t p = 0; p < T * k; ++p) order[fill[ip[p]]++] = p;
+  std::vector<int64_t> start, order;  // the pairs t * k + j grouped by expert
+  moe_route::by_expert(ip, T * k, E, "moe_int4", start, order);
   std::vector<ExpertRows> rows;
   rows.reserve(E);
   std::vector<std::pair<int64_t, int64_t>> where;  // pair (in expert order) -> (expert's rows, row)

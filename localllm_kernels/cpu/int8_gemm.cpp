@@ -57,6 +57,7 @@
 
 #include "act_quant.h"
 #include "group_scales.h"
+#include "moe_route.h"
 
 #include <algorithm>
 #include <atomic>
@@ -1104,15 +1105,8 @@ at::Tensor moe_int8w(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   at::Tensor y = at::zeros({T, H}, x.options());
   const at::Tensor xc = x.contiguous(), ic = ids.contiguous(), wc = weights.contiguous();
   const int64_t* ip = ic.data_ptr<int64_t>();
-  // counting sort of the pairs t * k + j by expert (stable: rows of an expert in token order)
-  std::vector<int64_t> start(E + 1, 0), order(T * k);
-  for (int64_t p = 0; p < T * k; ++p) {
-    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "moe_int8w: expert id ", ip[p], " out of range");
-    ++start[ip[p] + 1];
-  }
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t p = 0; p < T * k; ++p) order[fill[ip[p]]++] = p;
+  std::vector<int64_t> start, order;  // the pairs t * k + j grouped by expert
+  moe_route::by_expert(ip, T * k, E, "moe_int8w", start, order);
   // every pair's rows in expert order, as one tensor each: the gathered activations, the gate_up
   // outputs, the gated activations, the down outputs (uninitialized: zeroed vectors cost a
   // prefill ~20% of the op)
