@@ -465,8 +465,8 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
         if kinds - {"cpu_int4", "aten"}:  # a GGUF of wider or mixed types, each tensor on its type's kernel
             from localllm_kernels import cpu_int8
 
-            experts = [n for i in range(cfg.num_layers) if cfg.is_moe_layer(i)
-                       for names in expert_tensor_names(cfg, i)[1] for n in names]
+            # (an MoE layer's experts share their stacks' types: its first expert's names them)
+            experts = [n for i in range(cfg.num_layers) if cfg.is_moe_layer(i) for n in expert_tensor_names(cfg, i)[1][0]]
             types = "/".join(sorted({weights.kind(n) for n in _linear_names(cfg) + experts}))
             int4 = any(isinstance(m, Int4Linear) and m.kind == "cpu_int4" for layer in layers for m in layer.modules())
             ours = "/".join(n for n, k in (("int4", int4), ("int8-lane", "int8w" in kinds), ("16-bit", "w16" in kinds))
