@@ -16,6 +16,7 @@ import logging
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -153,7 +154,9 @@ def _gguf_repacked_linear(weights: GGUFWeights, names: list[str], kernel: str,
         return Int4Linear.from_kernel_tensors({"qw": qw, "qsc": qsc}, n, 32, bias)
     if kind in cpu_repack.BLOCK32:
         qw, qsc = cpu_repack.block32(raw, kind, bits, rows)
-        if not torch.isfinite(qsc).all():  # the torch path keeps fp32 scales then
+        # the torch path keeps fp32 scales then (numpy's check: torch's forks its threads for each of
+        # an MoE's thousands of small matrices, 0.6 s of an OLMoE-shaped first load)
+        if not np.isfinite(qsc.numpy()).all():
             return None
     else:
         qw, qsc = cpu_repack.int8(raw, kind, bits, rows)

@@ -288,6 +288,26 @@ std::tuple<at::Tensor, at::Tensor> k_repack(const at::Tensor& blocks, const std:
   return repack(blocks, rows, k, static_cast<int>(planes), "k_repack");
 }
 
+// A 32-value block's 16 nibble bytes (value i in the low nibble of qs[i], value 16 + i in the high
+// one) -> the four 4-byte words of its row in the nibble layout's four 8-column records (chunk c
+// pairs values 8c + j and 8c + 4 + j, j < 4): with a_i the bytes qs[4i..4i+3], chunks 0 and 1 are
+// the low nibbles of (a0, a1) and (a2, a3), chunks 2 and 3 their high nibbles.
+// mx: MXFP4's index 8 (-0) made 0 (+0) first, as cpu_int8.pack gives them: one index a value.
+inline void nibble_chunks(const uint8_t* qs, uint32_t c[4], bool mx = false) {
+  constexpr uint32_t kLo = 0x0F0F0F0Fu, kHi = 0xF0F0F0F0u;
+  uint32_t a[4];
+  std::memcpy(a, qs, 16);
+  for (int i = 0; mx && i < 4; ++i) {
+    const uint32_t y = a[i] ^ 0x88888888u;  // a nibble of 8 -> 0
+    const uint32_t nonzero = (y | (y >> 1) | (y >> 2) | (y >> 3)) & 0x11111111u;  // per nibble, at its bit 0
+    a[i] &= ~((~nonzero & 0x11111111u) * 15u);
+  }
+  c[0] = (a[0] & kLo) | ((a[1] & kLo) << 4);
+  c[1] = (a[2] & kLo) | ((a[3] & kLo) << 4);
+  c[2] = ((a[0] >> 4) & kLo) | (a[1] & kHi);
+  c[3] = ((a[2] >> 4) & kLo) | (a[3] & kHi);
+}
+
 // the 32-value block types: d (and m) fp16 first, then Q5_0 / Q5_1: the fifth bits as a 32-bit
 // little-endian word and 16 bytes of nibbles; IQ4_NL: the nibbles (codebook indices); Q8_0: 32 int8;
 // MXFP4: an E8M0 byte (d = 2^(e - 128)), then nibbles indexing its doubled E2M1 values (kept as
@@ -322,14 +342,6 @@ inline void block32_values(const uint8_t* blk, const Block32& t, uint8_t* q) {
     return;
   }
   const uint8_t* qs = blk + t.bytes - 16;
-  if (t.mx) {  // MXFP4's -0 (index 8) as +0 (index 0): one index a value, as cpu_int8.pack gives them
-    for (int i = 0; i < 16; ++i) {
-      const int lo = qs[i] & 15, hi = qs[i] >> 4;
-      q[i] = lo == 8 ? 0 : lo;
-      q[16 + i] = hi == 8 ? 0 : hi;
-    }
-    return;
-  }
   uint32_t high = 0;
   if (t.planes == 1) std::memcpy(&high, blk + 2 * t.scales, 4);
   for (int i = 0; i < 16; ++i) {
@@ -371,9 +383,15 @@ std::tuple<at::Tensor, at::Tensor> block32_repack(const at::Tensor& blocks, cons
             for (int j = 0; j < t.scales; ++j)
               std::memcpy(sp + (((b * G + g) * t.scales + j) * kRows + r) * 2, blk + 2 * j, 2);
           }
-          block32_values(blk, t, q + r * 32);
+          if (planes == 0) {  // 4-bit indices (IQ4_NL, MXFP4): the file's nibbles straight into the records
+            uint32_t c[4];
+            nibble_chunks(blk + t.bytes - 16, c, t.mx);
+            for (int k = 0; k < 4; ++k) std::memcpy(wp + (b * G + g) * group_bytes + k * 64 + 4 * r, &c[k], 4);
+          } else {
+            block32_values(blk, t, q + r * 32);
+          }
         }
-        write_values(q, 32, rows, static_cast<int>(planes), wp + (b * G + g) * group_bytes);
+        if (planes != 0) write_values(q, 32, rows, static_cast<int>(planes), wp + (b * G + g) * group_bytes);
       }
     }
   });
@@ -409,10 +427,6 @@ std::tuple<at::Tensor, at::Tensor> pack_gguf_q4(at::TensorList raws, const at::T
   at::Tensor sc = at::empty({N / kRows, nbk, ns, kRows}, rows.options().dtype(at::kHalf));
   uint8_t* wo = w.data_ptr<uint8_t>();
   at::Half* so = sc.data_ptr<at::Half>();
-  // value i of a block sits in the low nibble of qs[i], value i + 16 in the high nibble; chunk c
-  // of the layout pairs values (8c + j, 8c + 4 + j), j < 4: with a_i the 4 bytes qs[4i..4i+3],
-  // chunks 0 and 1 are the low nibbles of (a0, a1) and (a2, a3), chunks 2 and 3 their high nibbles
-  constexpr uint32_t kLo = 0x0F0F0F0Fu, kHi = 0xF0F0F0F0u;
   at::parallel_for(0, N / kRows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
       for (int r = 0; r < kRows; ++r) {
@@ -424,7 +438,7 @@ std::tuple<at::Tensor, at::Tensor> pack_gguf_q4(at::TensorList raws, const at::T
         }
         for (int64_t b = 0; b < nbk; ++b) {
           at::Half d(0.f), m(0.f);
-          uint32_t a[4] = {0, 0, 0, 0};
+          uint32_t c[4] = {0, 0, 0, 0};
           if (row) {
             const uint8_t* blk = row + b * bsz;
             uint16_t bits;
@@ -434,11 +448,9 @@ std::tuple<at::Tensor, at::Tensor> pack_gguf_q4(at::TensorList raws, const at::T
               std::memcpy(&bits, blk + 2, 2);
               m = at::Half(bits, at::Half::from_bits());
             }
-            std::memcpy(a, blk + bsz - 16, 16);
+            nibble_chunks(blk + bsz - 16, c);
           }
           uint8_t* o = wo + (nb * (K / 8) + b * 4) * 64 + 4 * r;
-          const uint32_t c[4] = {(a[0] & kLo) | ((a[1] & kLo) << 4), (a[2] & kLo) | ((a[3] & kLo) << 4),
-                                 ((a[0] >> 4) & kLo) | (a[1] & kHi), ((a[2] >> 4) & kLo) | (a[3] & kHi)};
           for (int k = 0; k < 4; ++k) std::memcpy(o + k * 64, &c[k], 4);
           at::Half* s = so + (nb * nbk + b) * ns * kRows;
           s[r] = d;
