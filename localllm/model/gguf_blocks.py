@@ -3,14 +3,13 @@
 Every type here has values W = d * q + m per group of 16 or 32 (or d * (q - zero)), with q an
 unsigned integer of at most 8 bits and d, m fp32 numbers that hold the file's products exactly
 (an fp16 scale times a 6-bit sub-scale fits fp32's mantissa): rounding d * q + m once gives
-gguf-py's `gguf.quants.dequantize` bit for bit (tests/test_gguf_kquants.py). Codebook types
-(IQ4_NL, IQ4_XS; MXFP4 below) map their 4-bit indices to the codebook's int8 value plus 128 (`lut` says so:
-the kernels keep the indices). The K-quants also give their scales as the file keeps them
+gguf-py's `gguf.quants.dequantize` bit for bit (tests/test_gguf_kquants.py). Codebook types map
+their 4-bit indices to the codebook's value plus the zero point (`lut` says so: the kernels keep
+the indices): IQ4_NL and IQ4_XS their int8 values + 128, MXFP4 (OCP microscaling: E2M1 values,
+a power-of-two scale per 32) its doubled values + 16. The K-quants also give their scales as the file keeps them
 (`SubScales`: integer sub-scales under fp16 super-scales), which the kernels hold instead of the
 fp32 products. The CPU kernels take these as they are (cpu_int4 for 4-bit affine groups of 32,
 cpu_int8 for the rest).
-MXFP4 (OCP microscaling: E2M1 values, a power-of-two scale per 32) is a codebook type too (its
-doubled values + 16, zero point 16).
 Layouts as ggml-quants.c / gguf-py's quants.py define them. Imports only torch.
 """
 

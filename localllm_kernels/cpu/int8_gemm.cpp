@@ -1028,11 +1028,9 @@ void with_stack(const char* op, const ExpertStack& m, Fn fn) {
   });
 }
 
-// One expert's share of a call: its (token, slot) pairs, their activations and outputs (its rows of
-// the call's tensors).
+// One expert's share of a call: its n pairs' activations and outputs (its rows of the call's tensors).
 struct ExpertRows8 {
   int64_t e, n;
-  const int64_t* pairs;
   float *x, *h1, *act, *h2;
 };
 
@@ -1108,8 +1106,8 @@ at::Tensor moe_int8w(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   std::vector<int64_t> start, order;  // the pairs t * k + j grouped by expert
   moe_route::by_expert(ip, T * k, E, "moe_int8w", start, order);
   // every pair's rows in expert order, as one tensor each: the gathered activations, the gate_up
-  // outputs, the gated activations, the down outputs (uninitialized: zeroed vectors cost a
-  // prefill ~20% of the op)
+  // outputs, the gated activations, the down outputs (uninitialized: zeroed buffers cost a prefill
+  // ~20% of the op)
   const int64_t P = T * k;
   const at::Tensor sorted = at::from_blob(order.data(), {P}, at::kLong);
   const at::Tensor tokens = at::floor_divide(sorted, k);
@@ -1121,7 +1119,7 @@ at::Tensor moe_int8w(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = start[e + 1] - start[e], s0 = start[e];
     if (n == 0) continue;
-    rows.push_back(ExpertRows8{e, n, order.data() + s0, X.data_ptr<float>() + s0 * H, H1.data_ptr<float>() + s0 * N1,
+    rows.push_back(ExpertRows8{e, n, X.data_ptr<float>() + s0 * H, H1.data_ptr<float>() + s0 * N1,
                                A.data_ptr<float>() + s0 * inter, H2.data_ptr<float>() + s0 * N2});
     for (int64_t i = 0; i < n; ++i) where.emplace_back(rows.size() - 1, i);
   }
