@@ -43,13 +43,16 @@ def main() -> None:
 
 def measure(args) -> None:
     import torch
+    import xxhash
 
     from localllm.model import cache_file
+    from localllm.model.convert_cache import ConvertCache
     from localllm.model.loader import load_model
     from localllm.registry import resolve_model
 
     path = Path(args.model) if args.model else resolve_model(None).local_path
-    load_model(path)  # converts and writes the cache
+    load_model(path)  # converts and writes the cache (in a background thread)
+    ConvertCache.wait_written()
     (cached,) = (Path(os.environ["LOCALLLM_HOME"]) / "converted").glob("*.safetensors")
     size = cached.stat().st_size
     print(f"{path.name}: conversion cache {size / 1e6:.0f} MB; torch threads {torch.get_num_threads()}, "
@@ -58,7 +61,7 @@ def measure(args) -> None:
     tensors, check = cache_file.open_checked(cached, 1)
     assert check.wait() is None
     views = [t.reshape(-1).view(torch.uint8).numpy() for t in tensors.values()]
-    hashes = {"crc32 (zlib)": lambda v: zlib.crc32(v), "adler32 (zlib)": lambda v: zlib.adler32(v),
+    hashes = {"xxh3-64 (xxhash)": lambda v: xxhash.xxh3_64_intdigest(v), "crc32 (zlib)": lambda v: zlib.crc32(v), "adler32 (zlib)": lambda v: zlib.adler32(v),
               "sha256": lambda v: hashlib.sha256(v).digest(), "blake2b": lambda v: hashlib.blake2b(v).digest()}
     for name, h in hashes.items():  # wall and CPU time: the CPU figure holds on a busy machine too
         best, cpu = min(_timed(lambda h=h: [h(v) for v in views], time.process_time) for _ in range(3))
@@ -78,7 +81,7 @@ def measure(args) -> None:
         finally:
             waits.append(time.perf_counter() - t)
 
-    def unchecked(p, n):  # the same mapping, no crc
+    def unchecked(p, n):  # the same mapping, no checksums
         from safetensors.torch import load_file
 
         return load_file(str(p)), cache_file.Check()

@@ -218,7 +218,7 @@ def test_conversion_cache_check_names_what_is_wrong(tmp_path):
     data = bytearray(path.read_bytes())
     data[-1] ^= 1  # the last byte of the data
     path.write_bytes(bytes(data))
-    assert cache_file.verify(path).startswith("1 of 3 tensors do not match their crc32")
+    assert cache_file.verify(path).startswith("1 of 3 tensors do not match their checksums")
     from safetensors.torch import save_file
 
     save_file(tensors, str(path))  # written before checksums (or by something else)

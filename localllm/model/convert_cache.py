@@ -37,15 +37,15 @@ class ConvertCache:
     """What loading a GGUF on CPU computes (int4pack repacks, MoE layers' stacked experts, the fp32
     embedding, the int4 copy of the head) saved once per file as safetensors under ~/.cache/localllm/converted, keyed by the
     file's path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md).
-    Written durably with a crc32 of every tensor (cache_file); a file that does not match is
+    Written durably with a checksum of every tensor (cache_file); a file that does not match is
     converted again, never used."""
 
     # 5: MoE experts (Int4Experts' stacks or each looped expert) and routers; 6: crc32s; 7: GGUF types
     # beyond Q4_0/Q4_1 on our kernels (Int8wLinear, ConcatLinear of mixed parts), none re-quantized;
     # 8: K-quant sub-scales and IQ4 indices as the file keeps them, Q4_0 without offsets; 9: 5- and 6-bit
     # values' high bits as shifted bits / 2-bit pairs (were bit planes); 10: int8-lane experts stacked
-    # (Int8wExperts, were looped), MXFP4 as codebook indices (was fp32)
-    VERSION = 10
+    # (Int8wExperts, were looped), MXFP4 as codebook indices (was fp32); 11: XXH3-64 checksums (were crc32)
+    VERSION = 11
     # this process's writes still under way, by file: a load of the same file waits for its write
     # rather than converting again (a server reloading a model it just evicted)
     _writing: dict[Path, threading.Thread] = {}
@@ -65,7 +65,7 @@ class ConvertCache:
         self._check: cache_file.Check | None = None
         ConvertCache.wait_written(self.path)
         if self.path.is_file():
-            try:  # the tensors' crc32s are checked in threads while the loader builds from them
+            try:  # the tensors' checksums are checked in threads while the loader builds from them
                 self.tensors, self._check = cache_file.open_checked(self.path, torch.get_num_threads())
                 self.hit = True
             except cache_file.DamagedFile as e:  # truncated, or from before checksums: convert, overwrite
