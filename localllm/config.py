@@ -52,6 +52,14 @@ class ModelConfig:
     # width positions of image tokens (layers.RotaryEmbedding); None: plain RoPE
     mrope_section: tuple[int, ...] | None = None
     mrope_interleaved: bool = False  # Qwen3-VL: the sections' frequencies interleaved (t, h, w, t, h, w, ...)
+    # gpt-oss: a learned logit per query head in each attention softmax's denominator; the router's
+    # top k of its logits softmaxed among themselves ("topk_softmax"; else "softmax": over all
+    # experts, then the top k); its experts' clamped SwiGLU, (up + 1) * g * sigmoid(alpha * g)
+    attn_sinks: bool = False
+    router_gating: str = "softmax"
+    expert_act: str = "silu"  # "silu" | "swiglu_oai"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
@@ -147,7 +155,8 @@ class ModelConfig:
             architecture=GGUF_ARCHS[arch],
             model_type=arch,
         ) | (_gguf_gemma_fields(m, arch, heads, hidden, head_dim) if arch.startswith("gemma") else {}) \
-            | (_gguf_mrope_fields(m, arch) if arch in ("qwen2vl", "qwen3vl") else {})
+            | (_gguf_mrope_fields(m, arch) if arch in ("qwen2vl", "qwen3vl") else {}) \
+            | (_gguf_gpt_oss_fields(m) if arch == "gpt-oss" else {})
         if "rope_freqs.weight" in tensors:
             raise ValueError("GGUF rope_freqs (Llama-3.1 rope scaling) is not supported yet; "
                              "use the HF checkpoint of this model")
@@ -382,7 +391,7 @@ def _phi3_longrope(cfg: dict, rope: dict) -> dict:
 # GGUF general.architecture -> the HF architecture it holds
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-              "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+              "gemma3": "Gemma3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "gpt-oss": "GptOssForCausalLM",
               # Qwen2-VL / 2.5-VL's and Qwen3-VL's text models (their towers: an mmproj file beside them)
               "qwen2vl": "Qwen2_5_VLForConditionalGeneration", "qwen3vl": "Qwen3VLForConditionalGeneration"}
 # llama.cpp sizes Gemma's attention scale by the model: 1/sqrt(hidden / heads) for the 27B models
@@ -418,7 +427,7 @@ def _gguf_moe_fields(m: Callable, arch: str, num_layers: int, tensors: Collectio
               "moe_layers": tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(num_layers)),
               "intermediate_size": int(m("feed_forward_length") or inter)}
     # HF's names for the model type (to_hf writes it)
-    fields["model_type"] = "mixtral" if arch == "llama" else "qwen3_moe"
+    fields["model_type"] = {"llama": "mixtral", "gpt-oss": "gpt_oss"}.get(arch, "qwen3_moe")
     if arch == "llama":
         fields["architecture"] = "MixtralForCausalLM"
     return fields
@@ -447,6 +456,23 @@ def _gguf_gemma_fields(m: Callable, arch: str, heads: int, hidden: int, head_dim
         final_logit_softcap=float(m("final_logit_softcapping", 30.0 if gemma2 else 0.0)) or None,
         hidden_act="gelu_tanh", scale_embeddings=True, sandwich_norms=True,
     )
+
+
+def _gguf_gpt_oss_fields(m: Callable) -> dict:
+    """gpt-oss as llama.cpp's converter writes it: a sliding window (128) on every even layer (HF's
+    layer_types, llama.cpp's swa pattern 2), YaRN RoPE (the factor and the original context; HF's
+    config leaves the ramp's ends untruncated, so do we), attention sinks, biases everywhere (found
+    by name), the router's softmax over its top k and the experts' clamped SwiGLU (alpha 1.702,
+    limit 7: no key holds them)."""
+    n, window = m("block_count"), int(m("attention.sliding_window") or 128)
+    rope = {"rope_type": "yarn", "factor": float(m("rope.scaling.factor", 32.0)),
+            "original_max_position_embeddings": int(m("rope.scaling.original_context_length", 4096)),
+            "beta_fast": float(m("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(m("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+    if m("rope.scaling.type", "yarn") != "yarn":
+        raise ValueError(f"gpt-oss with rope scaling {m('rope.scaling.type')!r} is not supported (yarn only)")
+    return dict(layer_windows=tuple(window if i % 2 == 0 else None for i in range(n)), rope_scaling=rope,
+                attn_sinks=True, router_gating="topk_softmax", expert_act="swiglu_oai")
 
 
 def _gguf_longrope(m: Callable, tensors: Collection[str], read_floats: Callable[[str], list[float]]) -> dict | None:

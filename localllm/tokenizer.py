@@ -15,6 +15,14 @@ _LLAMA3_REGEX = (
 _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (gpt-oss; llama.cpp's "gpt-4o"): words split at case changes, contractions kept on, digits in threes
+_GPT4O_REGEX = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
+# gpt-oss (harmony): a reply ends at <|return|>, or at <|call|> (a tool call); its <|end|> closes one
+# message (the reasoning) and the reply goes on, so it is no end of turn there (llama.cpp's rule too)
+_HARMONY_EOG = ("<|return|>", "<|call|>")
 # byte-level vocabularies llama.cpp adds BOS to when the file does not say (its Llama 3 group;
 # Llama 3.x GGUFs carry no tokenizer.ggml.add_bos_token)
 _BOS_BY_DEFAULT = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
@@ -210,8 +218,8 @@ def _gguf_byte_level(meta: dict) -> TokenizerInfo:
         split = pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated")
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    elif pre == "qwen2":
-        split = pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated")
+    elif pre in ("qwen2", "gpt-4o"):
+        split = pre_tokenizers.Split(Regex(_QWEN2_REGEX if pre == "qwen2" else _GPT4O_REGEX), behavior="isolated")
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     elif pre in ("smollm", "starcoder", "refact"):  # these split every digit
@@ -221,11 +229,15 @@ def _gguf_byte_level(meta: dict) -> TokenizerInfo:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     _gguf_add_special_tokens(tok, tokens, types)
+    eot = {int(meta["tokenizer.ggml.eot_token_id"])} if "tokenizer.ggml.eot_token_id" in meta else set()
+    if _HARMONY_EOG[0] in tokens:
+        eot = (eot | {i for i, t in enumerate(tokens) if t in _HARMONY_EOG}) - {
+            i for i, t in enumerate(tokens) if t == "<|end|>"}
     return TokenizerInfo(
         tok, _gguf_token_name(meta, tokens, "tokenizer.ggml.bos_token_id"),
         _gguf_token_name(meta, tokens, "tokenizer.ggml.eos_token_id"),
         bool(meta.get("tokenizer.ggml.add_bos_token", pre in _BOS_BY_DEFAULT)), meta.get("tokenizer.chat_template"),
-        {int(meta["tokenizer.ggml.eot_token_id"])} if "tokenizer.ggml.eot_token_id" in meta else set(),
+        eot,
     )
 
 

@@ -1,7 +1,7 @@
 """Paged attention on CPU (`localllm_kernels/cpu/paged_attention.cpp`): build, load, and a torch reference.
 
 ``paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window,
-softcap)``: the queries of a flattened batch (q [T, H, D] fp32; rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+softcap, sinks)``: the queries of a flattened batch (q [T, H, D] fp32; rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
 belong to sequence b) against the paged KV cache ([num_blocks, block_size, KVH, D], fp32/fp16/bf16, or
 q8_0 blocks: uint8 [num_blocks, block_size, KVH, D / 32 * 34], see kv_quant; the new tokens already written), read in place through block_tables [B, max_blocks]. Row i of a sequence
 with n rows and context_lens ctx (new tokens included) sits at position ctx - n + i and attends to
@@ -9,7 +9,8 @@ positions 0 ..= ctx - n + i; query head h uses KV head h // (H // KVH). Returns 
 accumulated in fp32. D must be a multiple of 16. A window w > 0 (sliding-window layers: Gemma 2/3,
 Mistral) limits a query at position p to positions > p - w (the kernel skips the tiles below it);
 a softcap c > 0 (Gemma 2) turns each score s = scale * q.k into c * tanh(s / c) before the softmax.
-0 (or None) means off for both.
+0 (or None) means off for both. sinks (gpt-oss): fp32 [H], a logit per query head that joins each
+softmax's denominator as a key with no value would (None: none).
 
 The C++ source is compiled with -march=native once per machine (see cpu_build: the cached library
 is keyed by the source, torch, the flags and this CPU's feature flags) and registers
@@ -59,7 +60,7 @@ def load() -> bool:
 
         @torch.library.register_fake("localllm::paged_attention")
         def _(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window=0,
-              softcap=0.0):  # for torch.export
+              softcap=0.0, sinks=None):  # for torch.export
             return q.new_empty(q.shape, dtype=torch.float32)
 
     return True
@@ -72,12 +73,12 @@ def isa() -> str | None:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. Our kernel on CPU tensors when it loads, else `reference`."""
     if q.device.type == "cpu" and load():
         return torch.ops.localllm.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                                  float(scale), int(window or 0), float(softcap or 0.0))
-    return reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window, softcap)
+                                                  float(scale), int(window or 0), float(softcap or 0.0), sinks)
+    return reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window, softcap, sinks)
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -87,10 +88,10 @@ def _check(ok: bool, msg: str) -> None:
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
               cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float, window: int | None = None,
-              softcap: float | None = None) -> torch.Tensor:
+              softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The same attention in plain torch: each sequence's K/V gathered through its block table,
     converted to fp32 (a q8_0 cache dequantized), and SDPA with the causal (and window) mask of its new rows; with a softcap
-    an explicit masked softmax (SDPA cannot cap the scores)."""
+    or sinks an explicit masked softmax (SDPA can neither cap the scores nor take a sink)."""
     _check(q.dim() == 3 and q.dtype == torch.float32, f"q must be float32 [T, H, D], got {q.dtype} {list(q.shape)}")
     _check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
            "k_cache and v_cache must both be [num_blocks, block_size, KVH, D]")
@@ -126,15 +127,25 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
         vv = vc[slots].float().transpose(0, 1)[None]
         mask = visible_mask(n, L, window, q.device)
         qq = q[start:end].transpose(0, 1)[None]  # [1, H, n, D]
-        if softcap:
+        if softcap or sinks is not None:
             g = H // kvh
             s = torch.einsum("bhgnd,bhld->bhgnl", qq.unflatten(1, (kvh, g)), kk).flatten(1, 2) * scale
-            s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask, float("-inf"))
-            o = torch.einsum("bhgnl,bhld->bhgnd", s.softmax(-1).unflatten(1, (kvh, g)), vv).flatten(1, 2)
+            if softcap:
+                s = torch.tanh(s / softcap) * softcap
+            s = s.masked_fill(~mask, float("-inf"))
+            p = softmax_with_sinks(s, sinks) if sinks is not None else s.softmax(-1)
+            o = torch.einsum("bhgnl,bhld->bhgnd", p.unflatten(1, (kvh, g)), vv).flatten(1, 2)
         else:
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=kvh != H)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def softmax_with_sinks(s: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax of scores s [..., H, n, L] over L with head h's sink (sinks [H]) as one more logit in
+    the denominator, dropped from the result (transformers' gpt-oss eager attention)."""
+    sink = sinks.float().view(-1, 1, 1).expand(*s.shape[:-1], 1)
+    return torch.cat([s, sink], dim=-1).softmax(-1)[..., :-1]
 
 
 def visible_mask(n: int, L: int, window: int | None, device: torch.device | str = "cpu") -> torch.Tensor:

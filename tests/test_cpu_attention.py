@@ -53,8 +53,9 @@ def make_batch(specs, H, kvh, D, bs, dtype, seed=0):
     return q, k.to(dtype), v.to(dtype), tables, cu, ctx
 
 
-def fp64_attention(q, k_cache, v_cache, block_tables, cu, ctx, scale, window=None, softcap=None):
-    """Dense attention in float64: explicit scores, cap, causal + window mask, softmax."""
+def fp64_attention(q, k_cache, v_cache, block_tables, cu, ctx, scale, window=None, softcap=None, sinks=None):
+    """Dense attention in float64: explicit scores, cap, causal + window mask, softmax (with sinks:
+    each head's sink logit one more column of the softmax, dropped after it)."""
     T, H, D = q.shape
     _, bs, kvh, _ = k_cache.shape
     kc, vc = k_cache.double().reshape(-1, kvh, D), v_cache.double().reshape(-1, kvh, D)
@@ -70,7 +71,12 @@ def fp64_attention(q, k_cache, v_cache, block_tables, cu, ctx, scale, window=Non
             scores = softcap * torch.tanh(scores / softcap)
         qpos = torch.arange(L - (e - s), L)[:, None]  # row i sits at position L - n + i
         visible = (pos[None, :] <= qpos) & (pos[None, :] > qpos - (window or L + 1))
-        p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = sinks.double().view(H, 1, 1).expand(H, e - s, 1)
+            p = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            p = scores.softmax(-1)
         out[s:e] = torch.einsum("hnl,lhd->nhd", p, vv)
     return out
 
@@ -315,6 +321,44 @@ def test_bad_window_and_softcap_raise(name, request):
         fn(*args, 0.125, -1, 0.0)
     with pytest.raises(RuntimeError, match="softcap must be >= 0"):
         fn(*args, 0.125, 0, -1.0)
+
+
+@pytest.mark.parametrize("name", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 5, 37])
+def test_sinks(name, window, dtype, request):
+    """Attention sinks (gpt-oss): each query head's logit joins its softmax's denominator. Against
+    dense fp64 attention, with sinks above and below the scores (one head's sink dominates: its
+    rows shrink toward 0), decode and multi-row steps, windows; the sinks change the output."""
+    fn = impl(name, request)
+    args = make_batch(WINDOW_SPECS, 8, 2, 64, 16, dtype, seed=11)
+    sinks = torch.tensor([-3.0, 0.0, 1.5, 4.0, -1.0, 20.0, 0.5, 2.5])
+    out = fn(*args, 0.125, window or 0, 0.0, sinks)
+    ref = fp64_attention(*args, 0.125, window, sinks=sinks)
+    assert (out.double() - ref).abs().max().item() <= ATOL
+    assert (ref - fp64_attention(*args, 0.125, window)).abs().max() > 0.1
+    assert ref[:, 5].abs().max() < 1e-3  # head 5's sink of 20 takes nearly all the weight
+
+
+@pytest.mark.parametrize("ctx,n,window", [(3000, 1, None), (3000, 4, 37)])
+def test_sinks_long_context_split(op, ctx, n, window):
+    """Sinks where a long context is split into chunks (2 threads) and merged: one normalization."""
+    args = make_batch([(n, ctx)], 8, 2, 64, 16, torch.float16, seed=ctx + n + 1)
+    sinks = torch.linspace(-2.0, 6.0, 8)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = op(*args, 0.125, window or 0, 0.0, sinks)
+            assert (out.double() - fp64_attention(*args, 0.125, window, sinks=sinks)).abs().max() <= 2e-5
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bad_sinks_raise(op):
+    args = make_batch([(1, 20)], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(RuntimeError, match=r"sinks must be float32 \[H\]"):
+        op(*args, 0.125, 0, 0.0, torch.zeros(3))
 
 
 @pytest.mark.parametrize("window,softcap", [(37, None), (None, 50.0), (37, 50.0), (None, None)])

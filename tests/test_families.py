@@ -154,7 +154,8 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
             w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
             w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
         assert head_dim % 2 == 0
-    kv_types = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32}
+    kv_types = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32,
+                str: gguf.GGUFValueType.STRING}
     for key, val in (extra_kv or {}).items():
         if isinstance(val, list):  # of ints (Qwen-VL's rope.dimension_sections)
             w.add_array(key, val)

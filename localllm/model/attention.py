@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from localllm_kernels import kv_quant
+from localllm_kernels.cpu_attention import softmax_with_sinks
 
 # a fresh prompt (no cached prefix) of this many tokens or more attends with torch's SDPA (its
 # flash kernel) over its own K/V instead of reading them back through the cache
@@ -114,11 +115,12 @@ def as_cached(x: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> 
 
 def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttnMeta, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D]; caches [num_blocks, block_size, KVH, D] (q8_0: uint8 rows of
     D / 32 * 34 bytes). Returns [T, H*D].
     window: a query at position p sees positions > p - window only; softcap: scores become
-    softcap * tanh(scores / softcap) before the softmax (Gemma 2)."""
+    softcap * tanh(scores / softcap) before the softmax (Gemma 2); sinks [H] fp32: a logit per query
+    head in each softmax's denominator (gpt-oss)."""
     from localllm_kernels.cpu_attention import paged_attention
 
     T, H, D = q.shape
@@ -130,12 +132,12 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     # heads), D 64/128/256, fp16 cache: the kernel skips the tiles below the window, where SDPA takes
     # a dense band mask: window 128, 1.5-2.3x the kernel's CPU time at 1 thread (3.5-7x its wall
     # time at 2 threads); window >= the prompt, 1.0-1.6x. SDPA cannot cap: an explicit masked
-    # softmax costs 1.5-3x the kernel's time at 1 thread (4-17x at 2).
-    fresh = [] if meta.q_lens is None or window or softcap else [
+    # softmax costs 1.5-3x the kernel's time at 1 thread (4-17x at 2). SDPA takes no sinks either.
+    fresh = [] if meta.q_lens is None or window or softcap or sinks is not None else [
         i for i, (n, c) in enumerate(zip(meta.q_lens, meta.ctx_lens)) if n == c and n >= SDPA_MIN_TOKENS]
     if not fresh:  # the kernel takes fp32 queries (and fp32/fp16/bf16 caches) and returns fp32
         out = paged_attention(q.float(), k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                              scale, window, softcap)
+                              scale, window, softcap, sinks)
         return out.reshape(T, H * D).to(q.dtype)
     out = q.new_empty(T, H, D)
     start = 0
@@ -159,10 +161,14 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, meta: AttnMeta, scale: float, window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """As torch_attention, with our Triton kernels (a q8_0 cache: quantized by store_kv, read as
-    d * q; the prefill kernel takes the new tokens rounded as the cache holds them)."""
+    d * q; the prefill kernel takes the new tokens rounded as the cache holds them). No sinks yet
+    (the loader refuses such a model on CUDA)."""
     from localllm_kernels import flash_attn_varlen_paged, paged_decode_attention, store_kv
+
+    if sinks is not None:
+        raise ValueError("attention sinks (gpt-oss) are not in the Triton kernels yet: run this model on CPU")
 
     T, H, D = q.shape
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -196,8 +202,8 @@ def with_spans(attention):
     (causal, or both in one span; the window still applies), from the cache. Only prefill chunks
     holding images take this path, so the kernels stay causal-only."""
     def attend(q, k, v, k_cache, v_cache, meta: AttnMeta, scale: float, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
-        out = attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        out = attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap, sinks)
         if not meta.spans:
             return out
         T, H, D = q.shape
@@ -206,14 +212,14 @@ def with_spans(attention):
         for b, spans in meta.spans.items():
             rows = slice(cu[b], cu[b + 1])
             out[rows] = span_attention(q[rows], k_cache, v_cache, meta.block_tables[b], meta.ctx_lens[b], spans,
-                                       scale, window, softcap).to(out.dtype)
+                                       scale, window, softcap, sinks).to(out.dtype)
         return out.view(T, H * D)
     return attend
 
 
 def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int,
-                   spans: list[tuple[int, int]], scale: float, window: int | None, softcap: float | None
-                   ) -> torch.Tensor:
+                   spans: list[tuple[int, int]], scale: float, window: int | None, softcap: float | None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's last q.shape[0] of ctx positions attending over its cached K/V, where a
     query sees a key when the key is not after it or both lie in one span; with a window, only
     keys less than `window` positions before it. -> [n, H, D] float32."""
@@ -235,4 +241,5 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~allowed[None], float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    p = softmax_with_sinks(s, sinks) if sinks is not None else s.softmax(-1)
+    return torch.einsum("hqk,khd->qhd", p, v)

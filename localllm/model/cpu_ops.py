@@ -64,7 +64,7 @@ def fused_cpu_ops(plain, one_call_layers: bool = True):
             1e-6 if qn is None else qn.eps)
         out = torch.ops.localllm.paged_attention(q, kv[0], kv[1], meta.block_tables, meta.cu_seqlens_q,
                                                  meta.context_lens, float(scale), int(layer.window or 0),
-                                                 float(layer.softcap or 0.0))
+                                                 float(layer.softcap or 0.0), layer.sinks)
         return out.view(qkv.shape[0], layer.H * layer.D)
 
     decode_layer = torch.ops.localllm.decode_layer.default  # (the packet's overload lookup: ~1 us a call)
@@ -94,7 +94,7 @@ def decode_layer_args(layer) -> tuple | None:
     """(weights, ints, floats, rows below which it applies) of `layer` for the one-call decode step
     (torch.ops.localllm.decode_layer: the fused ops' sequence for one layer in C++), or None where
     that does not apply: a linear not on our int4 / int8-lane / 16-bit kernels (or one of their
-    parts, for a GGUF's mixed qkv), experts, Gemma's output norms, norms in another dtype. Kept in
+    parts, for a GGUF's mixed qkv), experts, Gemma's output norms, attention sinks, norms in another dtype. Kept in
     the layer's __dict__ (nn.Module's attribute lookups cost ~1 us each, ~20 of them a layer) and
     checked against the buffers it was made from, which `.to()` and the like replace."""
     d = layer.__dict__
@@ -151,7 +151,7 @@ def _layer_args(layer, parts: list[list]) -> tuple | None:
     qn, kn = layer.q_norm, layer.k_norm
     norms = [layer.input_norm, layer.post_norm] + ([qn, kn] if qn is not None else [])
     if (layer.moe is not None or layer.attn_out_norm is not None or layer.mlp_out_norm is not None
-            or any(n.weight.dtype != torch.float32 for n in norms) or (qn is not None and kn.eps != qn.eps)):
+            or layer.sinks is not None or any(n.weight.dtype != torch.float32 for n in norms) or (qn is not None and kn.eps != qn.eps)):
         return None
     weights = [n.weight for n in norms]
     acts = {q[8] for p in parts for q in p if q[8] is not None}  # one activation width a layer
@@ -169,6 +169,6 @@ def _layer_args(layer, parts: list[list]) -> tuple | None:
 def uses_sdpa(meta: AttnMeta, layer) -> bool:
     """A sequence of this step is a fresh prompt that torch_attention runs through SDPA (not the
     paged kernel): the fused attend leaves such steps to it."""
-    if meta.decode_only or meta.q_lens is None or layer.window or layer.softcap:
+    if meta.decode_only or meta.q_lens is None or layer.window or layer.softcap or layer.sinks is not None:
         return False
     return any(n == c and n >= SDPA_MIN_TOKENS for n, c in zip(meta.q_lens, meta.ctx_lens))

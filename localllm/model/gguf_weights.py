@@ -32,6 +32,8 @@ _GGUF_NAMES = {
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",  # MoE routers
 }
+# gpt-oss: the norm before the MLP is llama.cpp's post_attention_norm; the sinks a tensor per layer
+_GGUF_GPT_OSS_NAMES = {"post_attention_layernorm": "post_attention_norm", "self_attn.sinks": "attn_sinks"}
 # Gemma's four norms per layer: HF's post_attention_layernorm is the norm on the attention output
 # there (llama.cpp's post_attention_norm), pre_feedforward_layernorm the one before the MLP (ffn_norm)
 _GGUF_SANDWICH_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
@@ -97,33 +99,36 @@ class GGUFWeights:
         _, _, i, rest = name.split(".", 3)  # model.layers.{i}.{module}.{weight|bias}
         module, kind = rest.rsplit(".", 1)
         names = _GGUF_NAMES | _GGUF_SANDWICH_NAMES if self.config.sandwich_norms else _GGUF_NAMES
+        if self.arch == "gpt-oss":
+            names = names | _GGUF_GPT_OSS_NAMES
         return f"blk.{i}.{names[module]}.{kind}"
 
     def _tensor(self, name: str):
         ex = EXPERT_NAME.fullmatch(name)
         if ex:
-            return self._expert_tensor(int(ex[1]), int(ex[2]), EXPERT_PART[ex[3]])
+            return self._expert_tensor(int(ex[1]), int(ex[2]), EXPERT_PART[ex[3]], ex[4])
         g = self._gguf_name(name)
         t = self.file.tensors.get(g)
         if t is None:
             raise ModelLoadError(f"{self.path}: tensor {g} is missing")
         return t
 
-    def _expert_tensor(self, layer: int, e: int, part: str):
-        """Expert e's matrix of a 3-D ffn_{gate,up,down}_exps tensor [E, rows, cols], as a tensor
-        of its own (a slice of the mapped file); files from before llama.cpp fused the experts
-        (the first Mixtral GGUFs) hold one ffn_{part}.{e} tensor each."""
-        g = _expert_stack(layer, part)
+    def _expert_tensor(self, layer: int, e: int, part: str, kind: str = "weight"):
+        """Expert e's matrix of a 3-D ffn_{gate,up,down}_exps tensor [E, rows, cols] (its bias: a row
+        of the 2-D [E, rows] one, gpt-oss), as a tensor of its own (a slice of the mapped file); files
+        from before llama.cpp fused the experts (the first Mixtral GGUFs) hold one ffn_{part}.{e}
+        tensor each."""
+        g = _expert_stack(layer, part, kind)
         t = self.file.tensors.get(g)
         if t is None:
-            t = self.file.tensors.get(f"blk.{layer}.ffn_{part}.{e}.weight")
+            t = self.file.tensors.get(f"blk.{layer}.ffn_{part}.{e}.{kind}")
             if t is not None:
                 return t
             raise ModelLoadError(f"{self.path}: tensor {g} is missing")
-        n_exp, n = t.shape[0], t.shape[1]
-        size = t.nbytes // n_exp
+        n_exp = t.shape[0]
+        size, rows = t.nbytes // n_exp, t.data.shape[0] // n_exp
         return dataclasses.replace(t, name=f"{g}[{e}]", shape=t.shape[1:], offset=t.offset + e * size, nbytes=size,
-                                   data=t.data[e * n:(e + 1) * n])
+                                   data=t.data[e * rows:(e + 1) * rows])
 
     def _perm(self, name: str) -> torch.Tensor | None:
         return next((p for k, p in self.perms.items() if f".{k}." in name), None)
@@ -211,14 +216,18 @@ class GGUFWeights:
 
     def has(self, name: str) -> bool:
         try:
+            if EXPERT_NAME.fullmatch(name):
+                self._tensor(name)
+                return True
             return self._gguf_name(name) in self.file.tensors
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, ModelLoadError):
             return False
 
     def extra_eos_ids(self) -> set[int]:
         return set()
 
 
-def _expert_stack(layer: int, part: str) -> str:
-    """llama.cpp's name of a layer's experts' matrices stacked [E, rows, cols]."""
-    return f"blk.{layer}.ffn_{part}_exps.weight"
+def _expert_stack(layer: int, part: str, kind: str = "weight") -> str:
+    """llama.cpp's name of a layer's experts' matrices stacked [E, rows, cols] (kind "bias": their
+    biases [E, rows])."""
+    return f"blk.{layer}.ffn_{part}_exps.{kind}"

@@ -103,7 +103,7 @@ class HFWeights:
         router = re.fullmatch(r"(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight", name)
         if router:
             return self.dense(f"{router[1]}.mlp.gate.weight") if self.has(f"{router[1]}.mlp.gate.weight") else None
-        if not ex:
+        if not ex or ex[4] != "weight":
             return None
         part = EXPERT_PART[ex[3]]
         fused = f"model.layers.{ex[1]}.mlp.experts.{'down_proj' if part == 'down' else 'gate_up_proj'}"

@@ -312,7 +312,34 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None,
         if ext.numel() != rotary_dim // 2:
             raise ValueError(f"longrope factors have {ext.numel()} entries, expected rotary_dim / 2 = {rotary_dim // 2}")
         return 1.0 / (ext * theta ** exponent), float(scaling.get("attention_factor", 1.0))
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope)")
+    if kind == "yarn":
+        return _yarn(theta ** exponent, rotary_dim, theta, scaling)
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope, yarn)")
+
+
+def _yarn(pos_freqs: torch.Tensor, dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN as transformers computes it (_compute_yarn_parameters): the frequencies blend from
+    extrapolated (kept) to interpolated (/ factor) over a linear ramp between the dims where
+    beta_fast and beta_slow rotations fit the original context; cos/sin scaled by 0.1 ln(factor) + 1
+    (unless the config gives attention_factor)."""
+    factor, orig = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        attn = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    def corr_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = corr_dim(scaling.get("beta_fast") or 32), corr_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv.float(), float(attn)
 
 
 ROPE_CHUNK = 8192  # positions a table fills at a time

@@ -72,7 +72,7 @@ def split_rope_attend(layer: DecoderLayer, qkv: torch.Tensor, positions: torch.T
         q, k = layer.q_norm(q), layer.k_norm(k)
     q, k = ops.rope(positions, q, k, rope)
     return ops.attention(q, k, v.view(T, layer.KVH, layer.D), kv[0], kv[1], meta, scale, layer.window,
-                         layer.softcap)
+                         layer.softcap, layer.sinks)
 
 
 def run_decoder_layer(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
@@ -126,11 +126,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, qkv: nn.Module, o: nn.Module, gate_up: nn.Module | None,
                  down: nn.Module | None, input_norm: RMSNorm, post_norm: RMSNorm, q_norm: RMSNorm | None = None,
                  k_norm: RMSNorm | None = None, attn_out_norm: RMSNorm | None = None,
-                 mlp_out_norm: RMSNorm | None = None, moe: nn.Module | None = None, window: int | None = None):
+                 mlp_out_norm: RMSNorm | None = None, moe: nn.Module | None = None, window: int | None = None,
+                 sinks: torch.Tensor | None = None):
         """post_norm: the norm before the MLP. attn_out_norm / mlp_out_norm: Gemma's norms on the
         attention and MLP outputs before they join the residual. moe: a mixture-of-experts block
         in place of gate_up/down, called as moe(h, ops). window: this layer attends to the last
-        `window` positions only (sliding-window layers)."""
+        `window` positions only (sliding-window layers). sinks: fp32 [H], gpt-oss's attention sinks."""
         super().__init__()
         self.qkv, self.o, self.gate_up, self.down, self.moe = qkv, o, gate_up, down, moe
         self.input_norm, self.post_norm = input_norm, post_norm
@@ -140,6 +141,7 @@ class DecoderLayer(nn.Module):
         self.split = [self.H * self.D, self.KVH * self.D, self.KVH * self.D]
         self.window = window
         self.softcap = cfg.attn_logit_softcap
+        self.register_buffer("sinks", sinks)
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttnMeta,

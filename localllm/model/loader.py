@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import logging
 import os
@@ -44,7 +45,7 @@ from .layers import (
     W16Matrix,
 )
 from .llama import DecoderLayer, LlamaModel
-from .moe import MoE, expert_tensor_names, make_experts
+from .moe import MoE, expert_tensor_names, make_experts, swiglu_oai
 from .weights import Weights, open_weights
 
 log = logging.getLogger(__name__)
@@ -311,19 +312,22 @@ def _moe_block(weights: Weights, cfg: ModelConfig, layer: int, mode: str, act_dt
                 _linear(weights, [d], mode, act_dtype, device, cpu_kernel=cpu_kernel))
 
     def build_experts():
-        experts = make_experts(expert, cfg.num_experts, cfg.moe_intermediate_size)
+        experts = make_experts(expert, cfg.num_experts, cfg.moe_intermediate_size, silu=cfg.expert_act == "silu")
         _trim_heap()
         return experts
 
-    def build_router():
-        return weights.dense(router).float().to(device)
+    def exact(name: str) -> torch.Tensor:
+        def build():
+            return weights.dense(name).float().to(device)
+        return cache.tensor(name, build) if cache else build()
 
-    if cache:
-        experts = cache.experts(f"{layer}.experts", cfg.num_experts, cfg.moe_intermediate_size, build_experts)
-        router_w = cache.tensor(router, build_router)
-    else:
-        experts, router_w = build_experts(), build_router()
-    return MoE(router_w, experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    experts = (cache.experts(f"{layer}.experts", cfg.num_experts, cfg.moe_intermediate_size, build_experts) if cache
+               else build_experts())
+    bias = router.replace(".weight", ".bias")
+    act = (functools.partial(swiglu_oai, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+           if cfg.expert_act == "swiglu_oai" else None)
+    return MoE(exact(router), experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+               exact(bias) if weights.has(bias) else None, cfg.router_gating, act)
 
 
 def _linear_names(cfg: ModelConfig) -> list[str]:
@@ -368,6 +372,9 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
               "max_model_len": max_model_len, "fast_head": fast_head, "cpu_kernels": cpu_kernels}
     weights = open_weights(path)
     cfg = weights.config
+    if cfg.attn_sinks and device != "cpu":
+        raise ModelLoadError(f"{path}: attention sinks ({cfg.architecture}) run on CPU only for now "
+                             "(not yet in the Triton kernels): use --device cpu")
     if device == "cpu" and cpu_kernels:  # a first contact compiles them at once, not one by one
         from localllm_kernels import cpu_prebuild
 
@@ -399,7 +406,8 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
             qkv, o, gate_up, down = (None if moe and f in ("gate_up", "down") else
                                      linear(f"{i}.{f}", [p + m + ".weight" for m in modules[f]])
                                      for f in ("qkv", "o", "gate_up", "down"))
-            layers.append(DecoderLayer(cfg, qkv, o, gate_up, down, moe=moe, window=cfg.window(i),
+            sinks = weights.dense(p + "self_attn.sinks.weight").float().to(device) if cfg.attn_sinks else None
+            layers.append(DecoderLayer(cfg, qkv, o, gate_up, down, moe=moe, window=cfg.window(i), sinks=sinks,
                                        **{n: norm(p + m) for n, m in cfg.checkpoint_norms().items()}))
         # the embedding and head stay exact (fp32 on CPU, or the file's blocks read in place):
         # they are where rounding flips tokens

@@ -1,8 +1,10 @@
-"""Mixture-of-experts MLP blocks (Mixtral, Qwen3-MoE), in place of a layer's gate_up/down.
+"""Mixture-of-experts MLP blocks (Mixtral, Qwen3-MoE, gpt-oss), in place of a layer's gate_up/down.
 
 A router (kept exact in fp32: it is E x hidden, tiny) scores the experts per token; softmax in
 fp32, the top k, optionally renormalised to sum to 1 (Mixtral always, Qwen3-MoE per
-norm_topk_prob); the output is the weighted sum of those k experts' SiLU-gated MLPs.
+norm_topk_prob); the output is the weighted sum of those k experts' SiLU-gated MLPs. gpt-oss:
+a router bias, the top k logits softmaxed among themselves, experts with biases and a clamped
+SwiGLU (`swiglu_oai`).
 
 Speed: a decode step must read only the chosen experts' weights (k of E). Both implementations
 group the (token, expert) pairs by expert and run one GEMM per used expert on its gathered rows:
@@ -31,7 +33,7 @@ from ..config import ModelConfig
 from .layers import Int4Linear, Int8wLinear
 
 # one expert's matrix of an MoE layer (HF names: Mixtral's w1/w3/w2, Qwen3-MoE's gate/up/down_proj)
-EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(weight|bias)")
 EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
@@ -48,18 +50,38 @@ def expert_tensor_names(cfg: ModelConfig, layer: int) -> tuple[str, list[tuple[s
     return p + "gate.weight", [tuple(f"{p}experts.{e}.{m}.weight" for m in parts) for e in range(cfg.num_experts)]
 
 
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation on [gate | up]: gate clamped above at `limit`, up to +-limit,
+    (up + 1) * gate * sigmoid(alpha * gate) (transformers' GptOssExperts, in its order)."""
+    g, u = gate_up.chunk(2, dim=-1)
+    g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    return (u + 1) * (g * torch.sigmoid(g * alpha))
+
+
 class MoE(nn.Module):
-    def __init__(self, router: torch.Tensor, experts: nn.Module, top_k: int, renormalize: bool):
+    def __init__(self, router: torch.Tensor, experts: nn.Module, top_k: int, renormalize: bool,
+                 router_bias: torch.Tensor | None = None, gating: str = "softmax", act: Callable | None = None):
+        """gating "softmax": softmax over all experts, then the top k (renormalized if asked);
+        "topk_softmax" (gpt-oss): the top k logits, softmaxed among themselves. act: the experts'
+        activation of their gate_up output (None: the layer ops' SiLU*up)."""
         super().__init__()
+        if gating not in ("softmax", "topk_softmax"):
+            raise ValueError(f"unknown router gating {gating!r}")
         self.router = nn.Parameter(router.float(), requires_grad=False)  # [E, hidden]
+        self.register_buffer("router_bias", None if router_bias is None else router_bias.float())
         self.experts, self.top_k, self.renormalize = experts, top_k, renormalize
+        self.gating, self.act = gating, act
 
     def forward(self, h: torch.Tensor, ops) -> torch.Tensor:
-        probs = torch.softmax(F.linear(h.float(), self.router), dim=-1)
-        w, ids = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            w = w / w.sum(dim=-1, keepdim=True)
-        return self.experts(h, ids, w, ops.act)
+        logits = F.linear(h.float(), self.router, self.router_bias)
+        if self.gating == "topk_softmax":
+            top, ids = logits.topk(self.top_k, dim=-1)
+            w = torch.softmax(top, dim=-1)
+        else:
+            w, ids = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+            if self.renormalize:
+                w = w / w.sum(dim=-1, keepdim=True)
+        return self.experts(h, ids, w, self.act or ops.act)
 
 
 class LoopExperts(nn.Module):
@@ -203,12 +225,14 @@ def _int8w_form(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int] | N
     return None
 
 
-def make_experts(expert: Callable[[int], tuple[nn.Module, nn.Module]], n: int, inter: int) -> nn.Module:
+def make_experts(expert: Callable[[int], tuple[nn.Module, nn.Module]], n: int, inter: int,
+                 silu: bool = True) -> nn.Module:
     """The fastest implementation the experts' linears allow (see the module docstring), from
     expert(e) -> (gate_up, down), called once per expert in order (twice in the rare layer whose
-    experts start on the kernel and then leave it: mixed group sizes)."""
+    experts start on the kernel and then leave it: mixed group sizes). silu=False: the experts take
+    another activation, which the C++ ops (SiLU*up inside) do not: looped."""
     first = expert(0)
-    for cls in (Int4Experts, Int8wExperts):
+    for cls in (Int4Experts, Int8wExperts) if silu else ():
         if cls.fits([first[0]], [first[1]]):
             pairs = itertools.chain([first], (expert(e) for e in range(1, n)))
             del first  # the chain holds it only until it is copied

@@ -519,8 +519,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("localllm::paged_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, double, int64_t, double)>();
-  return op.call(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window, softcap);
+                            const at::Tensor&, const at::Tensor&, double, int64_t, double,
+                            const std::optional<at::Tensor>&)>();
+  // (no sinks: a layer with them never takes this one-call step)
+  return op.call(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window, softcap,
+                 std::nullopt);
 }
 
 enum PartKind : int64_t { kInt4 = 0, kInt8w = 1, kW16 = 2 };

@@ -26,6 +26,8 @@
 // window > 0 (sliding-window layers): a row at position p sees positions > p - window only; a work
 // item starts at the first position any of its rows sees, so the cost follows the window, not the
 // context. softcap > 0 (Gemma 2): scores s become softcap * tanh(s / softcap) before the softmax.
+// sinks [H] (gpt-oss): a learned logit per query head joins each softmax's denominator (no value):
+// applied once, where a row's output is normalized.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -313,8 +315,22 @@ struct Problem {
   float scale;
   int64_t window;  // > 0: a query at position p sees positions > p - window only
   float softcap;   // > 0: scores s become softcap * tanh(s / softcap)
+  const float* sinks;  // [H] or null: a logit per query head in every softmax's denominator (gpt-oss)
   float* out;      // [T, H, D]
 };
+
+// 1 / the softmax's denominator of query head h, whose running max and sum over the scores are mx and
+// l, and the factor that brings its acc to that max: with a sink s, out = acc e^(mx - M) / (l e^(mx - M)
+// + e^(s - M)), M = max(mx, s) (no score seen: acc = 0, out = 0, as the sink takes all the weight)
+inline void finish(const Problem& P, int64_t h, float mx, float l, float& inv, float& rescale) {
+  if (!P.sinks) {
+    inv = 1.f / l, rescale = 1.f;
+    return;
+  }
+  const float s = P.sinks[h], M = std::max(mx, s);
+  rescale = mx == kNegInf ? 0.f : std::exp(mx - M);
+  inv = 1.f / (l * rescale + std::exp(s - M));
+}
 
 // A sequence's query rows [r0, r1) with KV heads [h0, h1) over key positions [c0, c1).
 struct Item {
@@ -652,9 +668,11 @@ void run(const Problem& P, int64_t B) {
         const float* acc = S.acc.data() + hh * M * D;
         if (it.part < 0) {
           for (int64_t m = 0; m < M; ++m) {
-            const Vec16 inv = set1(1.f / S.sum[hh * M + m]);
+            float inv, rescale;
+            finish(P, (it.h0 + hh) * G + m % G, S.mx[hh * M + m], S.sum[hh * M + m], inv, rescale);
+            const Vec16 f = set1(inv * rescale);
             float* o = out_row(P, it, it.h0 + hh, m);
-            for (int64_t d = 0; d < D; d += 16) store(o + d, mul(load(acc + m * D + d), inv));
+            for (int64_t d = 0; d < D; d += 16) store(o + d, mul(load(acc + m * D + d), f));
           }
         } else {
           float* pp = partials.data() + it.part + hh * M * (D + 2);
@@ -688,7 +706,9 @@ void run(const Problem& P, int64_t B) {
           w[c] = pc[c][M * D + m] == kNegInf ? 0.f : std::exp(pc[c][M * D + m] - mx);
           l += w[c] * pc[c][M * D + M + m];
         }
-        const Vec16 inv = set1(1.f / l);
+        float inv_l, rescale;
+        finish(P, h * G + m % G, mx, l, inv_l, rescale);
+        const Vec16 inv = set1(inv_l * rescale);
         float* o = out_row(P, it0, h, m);
         for (int64_t d = 0; d < D; d += 16) {
           Vec16 a = zero();
@@ -702,7 +722,8 @@ void run(const Problem& P, int64_t B) {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                           const at::Tensor& context_lens, double scale, int64_t window, double softcap) {
+                           const at::Tensor& context_lens, double scale, int64_t window, double softcap,
+                           const std::optional<at::Tensor>& sinks) {
   const char* me = "paged_attention: ";
   for (const at::Tensor* t : {&q, &k_cache, &v_cache, &block_tables, &cu_seqlens_q, &context_lens})
     TORCH_CHECK(t->device().is_cpu(), me, "all tensors must be on the CPU");
@@ -756,11 +777,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       TORCH_CHECK(bt[b * MB + i] >= 0 && bt[b * MB + i] < NB, me, "sequence ", b, ": block id ", bt[b * MB + i],
                   " out of range [0, ", NB, ")");
   }
+  at::Tensor sk;
+  if (sinks.has_value()) {
+    sk = sinks->contiguous();
+    TORCH_CHECK(sk.device().is_cpu() && sk.scalar_type() == at::kFloat && sk.dim() == 1 && sk.size(0) == H, me,
+                "sinks must be float32 [H] = [", H, "], got ", sk.scalar_type(), " ", sk.sizes());
+  }
   at::Tensor out = at::empty({T, H, D}, q.options());
   if (T == 0) return out;
   const Problem P{qc.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), bt, cu, ctx, H, KVH, H / KVH,
                   D, BS, MB, static_cast<float>(scale), window, static_cast<float>(softcap),
-                  out.data_ptr<float>()};
+                  sk.defined() ? sk.data_ptr<float>() : nullptr, out.data_ptr<float>()};
   if (dt == at::kFloat) run<float>(P, B);
   else if (dt == at::kHalf) run<c10::Half>(P, B);
   else if (dt == at::kByte) run<Q8Block>(P, B);
@@ -774,7 +801,7 @@ std::string isa() { return PA_ISA; }
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor cu_seqlens_q, "
-        "Tensor context_lens, float scale, int window=0, float softcap=0.0) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def("paged_attention_isa() -> str", &isa);
 }
 

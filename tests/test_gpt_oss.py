@@ -1,0 +1,225 @@
+"""gpt-oss GGUFs (llama.cpp's arch "gpt-oss") against transformers' GptOssForCausalLM (fp32, eager
+attention) on a tiny random checkpoint written under llama.cpp's names and layout: attention
+sinks, biases on every linear and the router, a sliding window on the even layers, YaRN RoPE,
+the router's softmax over its top k, the experts' clamped SwiGLU; MXFP4 experts (the type the
+published files hold) against transformers on the file's own dequantized values; the o200k
+pre-tokenizer and harmony's end-of-generation tokens."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_engine
+from test_families import PROMPT, gguf_tensors, hf_greedy, write_gguf
+
+from localllm.model.loader import load_model
+from localllm.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 8  # the 16-token prompt and the generated tokens cross it
+CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+              max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+
+
+def peaked_gpt_oss(model: torch.nn.Module, seed: int) -> None:
+    """Random weights with peaked logits (as test_families.peaked): norms near 1, sinks on both sides of
+    the scores, small biases, the experts' [E, in, out] stacks scaled by their input width."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=g) * 2)
+            elif "bias" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            elif p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif p.dim() == 3:  # experts: x @ W[e], W[e] [in, out]
+                p.copy_(torch.randn(p.shape, generator=g) * 2 / p.shape[1] ** 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 2 / p.shape[1] ** 0.5)
+
+
+def gpt_oss_gguf(model, out: Path, tokenizer_gguf: Path, qtype_of=None) -> Path:
+    """The model as llama.cpp's converter writes gpt-oss: experts split from transformers' interleaved
+    gate_up [E, H, 2I] (gate the even columns) into ffn_gate_exps / ffn_up_exps [E, I, H] and their
+    biases, ffn_down_exps [E, H, I], the router as ffn_gate_inp (+ bias), sinks as attn_sinks, the
+    norm before the MLP as post_attention_norm; yarn and the window as metadata."""
+    import gguf
+
+    cfg = model.config
+    state = model.state_dict()
+    special = {n: state.pop(n) for n in list(state) if ".mlp." in n or n.endswith(".sinks")
+               or n.endswith("post_attention_layernorm.weight")}
+
+    def tensors():
+        yield from gguf_tensors(model, state)
+        for name, t in special.items():
+            i, a = name.split(".")[2], t.float().numpy()
+            blk = f"blk.{i}."
+            if name.endswith(".sinks"):
+                yield blk + "attn_sinks.weight", a
+            elif name.endswith("post_attention_layernorm.weight"):
+                yield blk + "post_attention_norm.weight", a
+            elif ".router." in name:
+                yield blk + "ffn_gate_inp." + name.rsplit(".", 1)[1], a
+            elif name.endswith("gate_up_proj"):
+                yield blk + "ffn_gate_exps.weight", np.ascontiguousarray(a[:, :, 0::2].transpose(0, 2, 1))
+                yield blk + "ffn_up_exps.weight", np.ascontiguousarray(a[:, :, 1::2].transpose(0, 2, 1))
+            elif name.endswith("gate_up_proj_bias"):
+                yield blk + "ffn_gate_exps.bias", np.ascontiguousarray(a[:, 0::2])
+                yield blk + "ffn_up_exps.bias", np.ascontiguousarray(a[:, 1::2])
+            elif name.endswith("down_proj"):
+                yield blk + "ffn_down_exps.weight", np.ascontiguousarray(a.transpose(0, 2, 1))
+            elif name.endswith("down_proj_bias"):
+                yield blk + "ffn_down_exps.bias", a
+            else:
+                raise AssertionError(name)
+
+    rope = cfg.rope_parameters
+    kv = {"gpt-oss.expert_count": cfg.num_local_experts, "gpt-oss.expert_used_count": cfg.num_experts_per_tok,
+          "gpt-oss.expert_feed_forward_length": cfg.intermediate_size, "gpt-oss.attention.sliding_window": WINDOW,
+          "gpt-oss.rope.scaling.type": "yarn", "gpt-oss.rope.scaling.factor": float(rope["factor"]),
+          "gpt-oss.rope.scaling.original_context_length": rope["original_max_position_embeddings"]}
+    return write_gguf(model, "gpt-oss", out, tokenizer_gguf, tensors=tensors(), extra_kv=kv,
+                      qtype_of=qtype_of or (lambda name, a: None))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory, gguf_path):
+    """(transformers model, its F32 GGUF)."""
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG, attn_implementation="eager")).eval()
+    peaked_gpt_oss(model, seed=1)
+    out = tmp_path_factory.mktemp("gpt-oss")
+    return model, gpt_oss_gguf(model, out / "gpt-oss.gguf", gguf_path)
+
+
+def test_config_from_the_file(gpt_oss):
+    from localllm.model.weights import open_weights
+
+    cfg = open_weights(gpt_oss[1]).config
+    assert cfg.architecture == "GptOssForCausalLM" and cfg.attn_sinks and cfg.expert_act == "swiglu_oai"
+    assert cfg.layer_windows == (WINDOW, None, WINDOW, None)  # transformers' layer_types
+    assert gpt_oss[0].config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_scaling["truncate"] is False
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.router_gating) == (4, 2, "topk_softmax")
+
+
+def test_logits_match_transformers(gpt_oss):
+    """Every position's logits of a 16-token prompt (prefill through our paged kernel with sinks and
+    the window) against transformers' eager attention, which adds the sinks to its softmax."""
+    ref_model, path = gpt_oss
+    loaded = load_model(path, "float32")
+    ours = make_engine(loaded).score(PROMPT)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_sinks_and_router_change_the_answer(gpt_oss):
+    """The test sees the features: zeroing the sinks (or the router biases) moves the logits."""
+    ref_model, path = gpt_oss
+    loaded = load_model(path, "float32")
+    base = make_engine(loaded).score(PROMPT)
+    for layer in loaded.model.layers:
+        layer.sinks.fill_(-1e4)  # no weight left to the sinks: plain attention
+    assert (make_engine(loaded).score(PROMPT) - base).abs().max() > 0.1
+
+
+def test_greedy_decode_and_batches_equal_transformers(gpt_oss):
+    """Decode token by token over the paged cache (the window crossed), and a batch of three where two
+    share a prefix from the cache, prompts prefilled in 8-token chunks: transformers' greedy tokens."""
+    ref_model, path = gpt_oss
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    *_, last = make_engine(load_model(path, "float32")).generate(list(PROMPT), params)
+    assert last.token_ids == hf_greedy(ref_model, PROMPT, 24)
+    eng = make_engine(load_model(path, "float32"), max_num_batched_tokens=8, block_size=16)
+    shared = PROMPT * 2
+    prompts = [shared + [7, 8, 9], shared + [400, 500], list(reversed(PROMPT))]
+    eng.generate(prompts[0], params)
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert eng.cache_stats()["cached_tokens"] >= 32
+    for rid, p in zip(ids, prompts):
+        assert done[rid].token_ids == hf_greedy(ref_model, p, 24)
+
+
+def test_mxfp4_experts_run_on_the_files_values(gpt_oss, tmp_path, gguf_path):
+    """The published files' layout: MXFP4 experts, Q8_0 matrices, F32 biases, norms, sinks and router.
+    Loaded by default (our int8-lane kernel for MXFP4 and Q8_0, the biases added, the experts looped
+    for their activation): greedy tokens equal transformers' fp32 on the file's dequantized values."""
+    import gguf
+
+    from localllm.model.moe import LoopExperts
+    from localllm.model.weights import open_weights
+
+    ref_model, _ = gpt_oss
+
+    def qtype_of(name, a):
+        if "_exps.weight" in name:
+            return gguf.GGMLQuantizationType.MXFP4
+        if a.ndim == 2 and "ffn_gate_inp" not in name and not name.endswith(".bias"):
+            return gguf.GGMLQuantizationType.Q8_0
+        return None
+
+    path = gpt_oss_gguf(ref_model, tmp_path / "mxfp4.gguf", gguf_path, qtype_of)
+    loaded = load_model(path, "auto")
+    assert "MXFP4/Q8_0 weights as stored" in loaded.precision
+    assert isinstance(loaded.model.layers[0].moe.experts, LoopExperts)
+    # transformers on the file's values: every tensor dequantized back into its place
+    weights = open_weights(path)
+    ref = transformers.GptOssForCausalLM(ref_model.config).eval()
+    ref.load_state_dict(ref_model.state_dict())
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            ex = layer.mlp.experts
+            for part in ("gate", "up", "down"):
+                t = weights.file.tensors[f"blk.{i}.ffn_{part}_exps.weight"]
+                w = torch.from_numpy(gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType.MXFP4).reshape(t.shape))
+                if part == "down":
+                    ex.down_proj.copy_(w.transpose(1, 2))
+                else:
+                    start = 0 if part == "gate" else 1
+                    ex.gate_up_proj[:, :, start::2].copy_(w.transpose(1, 2))
+            att = layer.self_attn
+            for name, lin in (("attn_q", att.q_proj), ("attn_k", att.k_proj), ("attn_v", att.v_proj),
+                              ("attn_output", att.o_proj)):
+                lin.weight.copy_(weights.dense(_hf_name(i, name)))
+        ref.model.embed_tokens.weight.copy_(weights.dense("model.embed_tokens.weight"))
+        ref.lm_head.weight.copy_(weights.dense("lm_head.weight"))
+    # our kernels take 16-bit activations (two int8 parts a value): teacher-forced on transformers'
+    # greedy continuation, the argmax may differ only where transformers' top two nearly tie
+    want = hf_greedy(ref, PROMPT, 32)
+    ours = make_engine(loaded).score(PROMPT + want)[len(PROMPT) - 1:-1]
+    with torch.no_grad():
+        theirs = ref(torch.tensor([PROMPT + want])).logits[0, len(PROMPT) - 1:-1].float()
+    flips = (ours.argmax(-1) != torch.tensor(want)).nonzero().flatten().tolist()
+    top2 = theirs.topk(2, dim=-1).values
+    gaps = [(top2[i, 0] - top2[i, 1]).item() for i in flips]
+    assert len(flips) <= 2 and all(gap < 0.05 for gap in gaps), (flips, gaps)
+    assert (ours - theirs).abs().max() < 0.02 * theirs.abs().max()
+    *_, last = make_engine(loaded).generate(list(PROMPT), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert last.token_ids == want[:8]
+
+
+def _hf_name(i: int, gguf_name: str) -> str:
+    proj = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj"}[gguf_name]
+    return f"model.layers.{i}.self_attn.{proj}.weight"
+
+
+def test_cuda_refused_in_one_line(gpt_oss):
+    from localllm.model.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="attention sinks .* run on CPU only"):
+        load_model(gpt_oss[1], "auto", device="cuda")
