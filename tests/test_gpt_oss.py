@@ -51,7 +51,6 @@ def gpt_oss_gguf(model, out: Path, tokenizer_gguf: Path, qtype_of=None) -> Path:
     gate_up [E, H, 2I] (gate the even columns) into ffn_gate_exps / ffn_up_exps [E, I, H] and their
     biases, ffn_down_exps [E, H, I], the router as ffn_gate_inp (+ bias), sinks as attn_sinks, the
     norm before the MLP as post_attention_norm; yarn and the window as metadata."""
-    import gguf
 
     cfg = model.config
     state = model.state_dict()
