@@ -385,7 +385,7 @@ def test_unknown_architecture_is_one_clear_line(tmp_path, family):
     raw[at:at + len(arch)] = bad_arch
     (tmp_path / "bad.gguf").write_bytes(raw)
     with pytest.raises(ModelLoadError, match=rf"architecture '{bad_arch.decode()}' is not supported "
-                                             r"\(supported: llama, qwen2, qwen3, mistral, phi3, .*gemma3, qwen3moe, qwen2vl, qwen3vl\)"):
+                                             r"\(supported: llama, qwen2, qwen3, mistral, phi3, .*gemma3, qwen3moe, gpt-oss, qwen2vl, qwen3vl\)"):
         load_model(tmp_path / "bad.gguf")
 
 
