@@ -438,9 +438,10 @@ def _stream_answer(engine, request, params, verbose: bool, think: bool | None = 
     first = last = None
     reply, shown = ReplyStream(), False  # a plain model: the text is the answer as written
     try:
-        if isinstance(request, list) and reasons(engine.tokenizer.chat_template):
+        kind = reasons(engine.tokenizer.chat_template)
+        if isinstance(request, list) and kind:
             request, inside = chat_prompt(engine, request, think)
-            reply = ReplyStream(reasoning=True, inside=inside)
+            reply = ReplyStream(reasoning=kind, inside=inside)
         elif think:
             typer.echo("note: this model does not reason (its chat template has no <think> tags); --think "
                        "changes nothing", err=True)

@@ -1,19 +1,32 @@
-"""A reasoning model's <think>...</think> kept apart from its answer, in a stream of text deltas.
+"""A reasoning model's reasoning kept apart from its answer, in a stream of text deltas.
 
-Qwen3, QwQ and the DeepSeek-R1 distills write their reasoning between these tags before the
-answer (or their template opens the tag in the prompt and the model only closes it). Front ends
-show the reasoning dimmed, hide it or return it as `reasoning_content`; the answer alone goes to
-stdout, into the conversation and into `content`. Tokens are untouched: this only splits text.
+Qwen3, QwQ and the DeepSeek-R1 distills write their reasoning between <think> tags before the
+answer (or their template opens the tag in the prompt and the model only closes it): ThinkSplitter.
+gpt-oss writes OpenAI's harmony format, messages on channels, the reasoning on `analysis` and the
+answer on `final` (<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final
+<|message|>...): HarmonySplitter (the tokenizer renders those markup tokens for it, see
+tokenizer.HARMONY_MARKUP). Front ends show the reasoning dimmed, hide it or return it as
+`reasoning_content`; the answer alone goes to stdout, into the conversation and into `content`.
+Tokens are untouched: this only splits text.
 """
 
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
+CHANNEL, MESSAGE, END_MESSAGE, START_MESSAGE = "<|channel|>", "<|message|>", "<|end|>", "<|start|>"
+HARMONY_ENDS = ("<|return|>", "<|call|>")
+_HARMONY_MARKERS = (CHANNEL, MESSAGE, END_MESSAGE, START_MESSAGE, "<|constrain|>", *HARMONY_ENDS)
+_LONGEST_MARKER = max(map(len, _HARMONY_MARKERS))
 
 
-def reasons(template: str | None) -> bool:
-    """Whether the model's chat template knows the reasoning tags (and so may think)."""
-    return bool(template) and END in template
+def reasons(template: str | None) -> str | None:
+    """How the model's chat template lets it reason: "harmony" (channels), "think" (the <think>
+    tags), or None (it does not). ReplyStream takes this as its `reasoning`."""
+    if not template:
+        return None
+    if CHANNEL in template:
+        return "harmony"
+    return "think" if END in template else None
 
 
 def opened(prompt_text: str) -> bool:
@@ -67,6 +80,76 @@ class ThinkSplitter:
         """What is held back, once the stream has ended (an unfinished tag is plain text)."""
         held, self._held = self._held, ""
         return (held, "") if self.thinking else ("", held)
+
+
+class HarmonySplitter:
+    """feed(delta) -> (reasoning, answer) of a harmony reply (see the module doc): text on the
+    `analysis` channel is reasoning, on any other (final, commentary) or before any header the
+    answer; headers, the role after <|start|> and the markers themselves are dropped, as is what
+    follows <|return|> / <|call|>. A marker may arrive split over deltas: from a "<|" on, text is
+    held until it is a marker or cannot be one."""
+
+    def __init__(self):
+        self._held = ""
+        self._mode = "body"  # body | header (after <|channel|>) | role (after <|start|>) | ended
+        self._channel = ""
+        self._header = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        buf, self._held = self._held + text, ""
+        reasoning, answer = [], []
+        while buf:
+            i = buf.find("<|")
+            if i < 0:
+                keep = 1 if buf.endswith("<") else 0
+                self._text(buf[:len(buf) - keep], reasoning, answer)
+                self._held = buf[len(buf) - keep:]
+                break
+            self._text(buf[:i], reasoning, answer)
+            j = buf.find("|>", i + 2)
+            if j < 0 and len(buf) - i < _LONGEST_MARKER:
+                self._held = buf[i:]
+                break
+            marker = buf[i:j + 2] if j >= 0 else ""
+            if marker not in _HARMONY_MARKERS:  # "<|" that starts no marker: text
+                self._text("<|", reasoning, answer)
+                buf = buf[i + 2:]
+                continue
+            self._marker(marker)
+            buf = buf[j + 2:]
+        return "".join(reasoning), "".join(answer)
+
+    def flush(self) -> tuple[str, str]:
+        """What is held back, once the stream has ended (an unfinished marker is text)."""
+        reasoning, answer = [], []
+        held, self._held = self._held, ""
+        self._text(held, reasoning, answer)
+        return "".join(reasoning), "".join(answer)
+
+    def _marker(self, marker: str) -> None:
+        if self._mode == "ended":
+            return
+        if marker == CHANNEL:
+            self._mode, self._header = "header", ""
+        elif marker == MESSAGE:
+            if self._mode == "header":  # "analysis", "final", "commentary to=functions.f <|constrain|>json"
+                self._channel = self._header.split(" ")[0].strip()
+            self._mode = "body"
+        elif marker == START_MESSAGE:
+            self._mode, self._channel = "role", ""
+        elif marker == END_MESSAGE:
+            self._mode = "role"  # until the next message's header: nothing shown
+        elif marker in HARMONY_ENDS:
+            self._mode = "ended"
+        # (<|constrain|> inside a header is part of the header: dropped with it)
+
+    def _text(self, text: str, reasoning: list[str], answer: list[str]) -> None:
+        if not text:
+            return
+        if self._mode == "header":
+            self._header += text
+        elif self._mode == "body":
+            (reasoning if self._channel == "analysis" else answer).append(text)
 
 
 def partial_tag(text: str, tag: str) -> int:

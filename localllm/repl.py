@@ -216,9 +216,10 @@ class ChatSession:
 
         gen = None
         try:
-            if reasons(getattr(self.engine.tokenizer, "chat_template", None)):
+            kind = reasons(getattr(self.engine.tokenizer, "chat_template", None))
+            if kind:
                 prompt, inside = chat_prompt(self.engine, prompt, False if self.think == "off" else None)
-                reply = ReplyStream(reasoning=True, inside=inside)
+                reply = ReplyStream(reasoning=kind, inside=inside)
             gen = self.engine.generate(prompt, self.params())
             for o in gen:
                 if first is None:

@@ -8,7 +8,8 @@ the parts in their own format (stdout, OpenAI deltas, Ollama's message fields, .
         d = s.feed(text)             # ReplyDelta(reasoning, content, tool_calls): emit it now
     d = s.finish()                   # the end of the reply: what was held back, and the calls
 
-- `reasoning`: the model may think (its chat template knows <think>, see reasoning.reasons);
+- `reasoning`: the model may think, and how (reasoning.reasons: "think", its chat template
+  knows <think>; "harmony", gpt-oss's channels; True reads as "think");
   `inside`: the prompt left <think> open, so the reply starts in the reasoning
   (reasoning.opened). Without `reasoning` the text is content as written, tags and all.
 - `tools`: the names of the tools offered (None: no calls are looked for). Calls of them
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from .reasoning import ThinkSplitter
+from .reasoning import HarmonySplitter, ThinkSplitter
 from .tool_calls import ToolCall, ToolCallStream
 
 
@@ -51,8 +52,9 @@ class ReplyDelta:
 class ReplyStream:
     """feed(text delta) -> ReplyDelta, then finish() once the reply has ended (see the module doc)."""
 
-    def __init__(self, reasoning: bool = False, inside: bool = False, tools: Collection[str] | None = None):
-        self._think = ThinkSplitter(inside) if reasoning else None
+    def __init__(self, reasoning: bool | str | None = False, inside: bool = False,
+                 tools: Collection[str] | None = None):
+        self._think = (HarmonySplitter() if reasoning == "harmony" else ThinkSplitter(inside)) if reasoning else None
         self._calls = ToolCallStream(tools) if tools is not None else None
 
     def feed(self, text: str, final: bool = False) -> ReplyDelta:

@@ -23,6 +23,9 @@ _GPT4O_REGEX = "|".join([
 # gpt-oss (harmony): a reply ends at <|return|>, or at <|call|> (a tool call); its <|end|> closes one
 # message (the reasoning) and the reply goes on, so it is no end of turn there (llama.cpp's rule too)
 _HARMONY_EOG = ("<|return|>", "<|call|>")
+# harmony's message markup, written out in replies (reasoning.HarmonySplitter reads the channels from
+# it, as llama.cpp renders these for its parser)
+HARMONY_MARKUP = ("<|start|>", "<|end|>", "<|channel|>", "<|message|>", "<|constrain|>")
 # byte-level vocabularies llama.cpp adds BOS to when the file does not say (its Llama 3 group;
 # Llama 3.x GGUFs carry no tokenizer.ggml.add_bos_token)
 _BOS_BY_DEFAULT = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
@@ -50,6 +53,8 @@ class TokenizerInfo:
     template_name: str = "chatml"
     template_source: str = "built-in default: the model ships no chat template"
     fim_ids: dict[str, int] = field(default_factory=dict)  # a GGUF's declared FIM tokens (fim.GGUF_KEYS)
+    # special tokens decode() writes out even when it skips the others (harmony's markup)
+    rendered: frozenset[str] = frozenset()
 
 
 class LLMTokenizer:
@@ -68,6 +73,8 @@ class LLMTokenizer:
             self.eos_ids.add(self.eos_id)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        rendered = {self.tok.token_to_id(n) for n in info.rendered} - {None}
+        self._skipped = frozenset(self.special_ids - rendered) if rendered else None
         self.fim_ids = dict(info.fim_ids)
         self._special_names = [self.tok.id_to_token(i) for i in self.special_ids]
         self._plain: Tokenizer | None = None  # a copy that reads special-token names as text (encode_plain)
@@ -106,6 +113,8 @@ class LLMTokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens and self._skipped is not None:  # the rendered ones kept
+            return self.tok.decode([i for i in ids if i not in self._skipped], skip_special_tokens=False)
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, i: int) -> str | None:
@@ -230,14 +239,15 @@ def _gguf_byte_level(meta: dict) -> TokenizerInfo:
     tok.decoder = decoders.ByteLevel()
     _gguf_add_special_tokens(tok, tokens, types)
     eot = {int(meta["tokenizer.ggml.eot_token_id"])} if "tokenizer.ggml.eot_token_id" in meta else set()
-    if _HARMONY_EOG[0] in tokens:
+    harmony = _HARMONY_EOG[0] in tokens
+    if harmony:
         eot = (eot | {i for i, t in enumerate(tokens) if t in _HARMONY_EOG}) - {
             i for i, t in enumerate(tokens) if t == "<|end|>"}
     return TokenizerInfo(
         tok, _gguf_token_name(meta, tokens, "tokenizer.ggml.bos_token_id"),
         _gguf_token_name(meta, tokens, "tokenizer.ggml.eos_token_id"),
         bool(meta.get("tokenizer.ggml.add_bos_token", pre in _BOS_BY_DEFAULT)), meta.get("tokenizer.chat_template"),
-        eot,
+        eot, rendered=frozenset(HARMONY_MARKUP) if harmony else frozenset(),
     )
 
 

@@ -48,8 +48,67 @@ def test_every_cut_gives_the_same_split(text, thinking, reasoning, answer):
     assert feed_in_pieces(text, list(range(1, len(text))), thinking) == (reasoning, answer)
 
 
+# gpt-oss's harmony replies: (model output as rendered, reasoning, answer)
+HARMONY_CASES = [
+    ("<|channel|>analysis<|message|>User says hi.<|end|><|start|>assistant<|channel|>final<|message|>Hello!",
+     "User says hi.", "Hello!"),
+    ("<|channel|>analysis<|message|>a <| b |> c<|end|><|start|>assistant<|channel|>final<|message|>x<|y|>z",
+     "a <| b |> c", "x<|y|>z"),  # "<|" that starts no marker is text
+    ("<|channel|>final<|message|>Only an answer.<|return|>ignored", "", "Only an answer."),
+    ("No header at all <b>", "", "No header at all <b>"),
+    ("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>",
+     "", '{"city": "Paris"}'),
+    ("<|channel|>analysis<|message|>cut off mid-reasoning <|cha", "cut off mid-reasoning <|cha", ""),
+]
+
+
+def feed_harmony(text: str, cuts: list[int]) -> tuple[str, str]:
+    s = ReplyStream(reasoning="harmony")
+    r, a = "", ""
+    for lo, hi in zip([0] + cuts, cuts + [len(text)]):
+        d = s.feed(text[lo:hi])
+        r, a = r + d.reasoning, a + d.content
+    d = s.finish()
+    return r + d.reasoning, a + d.content
+
+
+@pytest.mark.parametrize("text,reasoning,answer", HARMONY_CASES)
+def test_harmony_every_cut_gives_the_same_split(text, reasoning, answer):
+    """The analysis channel is reasoning, the final (or any other) channel the answer; headers,
+    roles and markers dropped; the same split whatever the deltas."""
+    assert feed_harmony(text, []) == (reasoning, answer)
+    for i in range(len(text) + 1):
+        assert feed_harmony(text, [i]) == (reasoning, answer), i
+    assert feed_harmony(text, list(range(1, len(text)))) == (reasoning, answer)
+
+
+def test_harmony_markup_is_rendered_and_ends_the_reply(tmp_path, gguf_path):
+    """A gpt-oss vocabulary: the markup tokens decode as text (the splitter needs them), the other
+    special tokens stay hidden; <|return|> and <|call|> end a reply, <|end|> does not."""
+    from test_families import tokenizer_fields
+
+    from localllm.tokenizer import LLMTokenizer
+
+    extra = ["<|start|>", "<|end|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|return|>", "<|call|>"]
+    meta = {k: v for k, v, _, _ in tokenizer_fields(gguf_path)}
+    tokens = list(meta["tokenizer.ggml.tokens"]) + extra
+    meta |= {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.pre": "gpt-4o",
+             "tokenizer.ggml.token_type": list(meta["tokenizer.ggml.token_type"]) + [3] * len(extra)}
+    tok = LLMTokenizer.from_gguf(meta, str(tmp_path / "x.gguf"))
+    ids = {t: tok.tok.token_to_id(t) for t in extra}
+    text = "<|channel|>final<|message|>Hi<|return|>"
+    enc = tok.encode(text)
+    assert ids["<|channel|>"] in enc and ids["<|return|>"] in enc
+    assert tok.decode(enc) == "<|channel|>final<|message|>Hi"  # <|return|> is hidden
+    assert tok.decode(tok.encode("<|im_start|>x")) == "x"  # another special token: hidden as before
+    assert {ids["<|return|>"], ids["<|call|>"]} <= tok.eos_ids and ids["<|end|>"] not in tok.eos_ids
+    whole = ReplyStream(reasoning=reasons("{{ '<|channel|>' }}")).whole(tok.decode(enc))
+    assert (whole.reasoning, whole.content) == ("", "Hi")
+
+
 def test_templates_and_prompts():
     assert reasons("... {{- '<think>\\n\\n</think>\\n\\n' }} ...") and not reasons("{{ messages }}") and not reasons(None)
+    assert reasons("{{- '<|start|>assistant<|channel|>final<|message|>' }}") == "harmony"
     assert opened("<|im_start|>assistant\n<think>\n")
     assert not opened("<|im_start|>assistant\n<think>\n\n</think>\n\n") and not opened("hello")
 
@@ -64,13 +123,14 @@ class ScriptedReasoner:
     """The real engine's tokenizer and prompt encoding under Qwen3's chat template; generate()
     streams REPLY in small deltas (a random model does not write <think> tags)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, template: str = QWEN3_TEMPLATE, reply: str = REPLY):
         from localllm.chat import render_chat
 
         self._engine, self.tokenizer, self.max_model_len = engine, copy.copy(engine.tokenizer), engine.max_model_len
-        self.tokenizer.chat_template = QWEN3_TEMPLATE
-        self.render = lambda messages, **kw: render_chat(QWEN3_TEMPLATE, messages, **kw)
+        self.tokenizer.chat_template = template
+        self.render = lambda messages, **kw: render_chat(template, messages, **kw)
         self.prompts: list[str] = []
+        self.reply = reply
 
     def encode_prompt(self, messages, **template_kwargs):
         text = self.render(messages, **template_kwargs)
@@ -79,7 +139,7 @@ class ScriptedReasoner:
 
     def generate(self, prompt, params):
         assert isinstance(prompt, list) and isinstance(prompt[0], int)  # encoded through encode_prompt
-        pieces = [REPLY[i:i + 3] for i in range(0, len(REPLY), 3)]
+        pieces = [self.reply[i:i + 3] for i in range(0, len(self.reply), 3)]
         for i, p in enumerate(pieces):
             yield SimpleNamespace(delta=p, token_ids=list(range(i + 1)), finished=i == len(pieces) - 1,
                                   finish_reason="stop", num_prompt_tokens=len(prompt), num_cached_tokens=0)
@@ -139,6 +199,34 @@ def test_run_prints_the_answer_and_the_reasoning_only_when_asked(reasoner, think
     else:
         assert out == "Hello! How can I help?\n"
     assert reasoner.prompts[-1].endswith("</think>\n\n") == (think is False)
+
+
+# harmony's shape in a few lines (gpt-oss's own template adds a system message, tools, efforts)
+HARMONY_TEMPLATE = ("{%- for m in messages %}<|start|>{{ m.role }}"
+                    "{%- if m.role == 'assistant' %}<|channel|>final{%- endif %}<|message|>{{ m.content }}<|end|>"
+                    "{%- endfor %}{%- if add_generation_prompt %}<|start|>assistant{%- endif %}")
+HARMONY_REPLY = ("<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant<|channel|>final"
+                 "<|message|>Hello! How can I help?")
+
+
+@pytest.mark.parametrize("think", [None, True])
+def test_run_and_chat_split_a_harmony_reply(int4_model, think, capsys):
+    """gpt-oss: `run` prints the final channel (the analysis one too, as Ollama's "Thinking...", when
+    asked); the chat keeps the answer alone in the conversation."""
+    from localllm.cli import _stream_answer
+    from localllm.sampling import SamplingParams
+
+    harmony = ScriptedReasoner(make_engine(int4_model), HARMONY_TEMPLATE, HARMONY_REPLY)
+    _stream_answer(harmony, [{"role": "user", "content": "hi"}], SamplingParams(), False, think)
+    out = capsys.readouterr().out
+    want = "Hello! How can I help?\n"
+    assert out == ("Thinking...\nThe user greets me.\n...done thinking.\n\n" + want if think else want)
+    s = session_of(harmony, think="hide")
+    s.handle("hi")
+    assert "".join(s.outputs) == want and s.messages[-1] == {"role": "assistant", "content": "Hello! How can I help?"}
+    s.handle("and?")  # the history holds the answer on the final channel, not the reasoning
+    assert "<|channel|>final<|message|>Hello! How can I help?<|end|>" in harmony.prompts[-1]
+    assert "The user greets me." not in harmony.prompts[-1]
 
 
 def test_qwen3_template_renders_as_transformers_renders_it(tmp_path, int4_model):

@@ -274,15 +274,17 @@ class Generation:
             return engine.encode_prompt(prompt, **self.template_kwargs)
         return engine.encode_prompt(prompt)
 
-    def reasoning(self) -> tuple[bool, bool]:
-        """(the model may think, its reply starts inside <think>) for the first prompt (chat)."""
+    def reasoning(self) -> tuple[str | None, bool]:
+        """(how the model may think: reasoning.reasons, its reply starts inside <think>) for the
+        first prompt (chat)."""
         from ..reasoning import opened, reasons
 
         engine = self.model.engine
-        if not reasons(engine.tokenizer.chat_template) or not self.prompt_ids:
-            return False, False
+        kind = reasons(engine.tokenizer.chat_template)
+        if not kind or not self.prompt_ids:
+            return None, False
         tail = engine.tokenizer.decode(self.prompt_ids[0][-16:], skip_special_tokens=False)
-        return True, opened(tail)
+        return kind, opened(tail)
 
     def _sink(self, aloop: asyncio.AbstractEventLoop, i: int):
         def deliver(item):  # on the event loop; bookkeeping here, so it never depends on a reader

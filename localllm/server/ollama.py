@@ -506,8 +506,9 @@ async def _run(state: ServerState, name: str, prompt: str | list[dict] | FimRequ
     except BaseException:
         release()
         raise
-    # as Ollama: with think unset the reply is passed through as the model wrote it
-    thinks, inside = gen.reasoning() if think is not None else (False, False)
+    # as Ollama: with think unset the reply is passed through as the model wrote it, except a
+    # harmony reply (gpt-oss), whose reasoning Ollama always returns as its thinking
+    thinks, inside = gen.reasoning() if think is not None or reasons(template) == "harmony" else (False, False)
     reply = ReplyStream(thinks, inside, tools[0] if tools else None)
 
     def piece(part: ReplyDelta) -> dict:
