@@ -10,6 +10,10 @@
                                                          # window 512, q/k norms, 262,144-token vocab)
     python bench/make_gguf.py gemma2-2b [--out DIR]      # Gemma 2 2B (arch gemma2: every other layer
                                                          # local, window 4096, soft-caps 50 / 30)
+    python bench/make_gguf.py gpt-oss-20b [--out DIR]    # gpt-oss-20b (arch gpt-oss: 24 x 2880, 32
+                                                         # experts of 2880, top 4, sinks, biases, yarn)
+                                                         # as the published file: MXFP4 experts (random
+                                                         # blocks), Q8_0 matrices (~12 GB)
     python bench/make_gguf.py llama-1b --type Q4_K_M     # any llama.cpp file type (Q4_K_M, Q5_K_M,
                                                          # Q6_K, Q8_0, IQ4_XS, ...): an F16 file of the
                                                          # shape (kept beside it, reused), then
@@ -90,6 +94,14 @@ SHAPES = {
                       head_count_kv=4, context_length=8192, sliding_window=4096, attn_logit_softcapping=50.0,
                       final_logit_softcapping=30.0, layer_norm_rms_epsilon=1e-6, arch="gemma2", head_dim=256,
                       vocab=256000),
+    # gpt-oss-20b: o200k's 201,088-token vocabulary (the tokenizer padded), every even layer a
+    # window of 128, YaRN x32 over 4,096 positions; the experts' type is its own (see GPT_OSS_TYPES)
+    "gpt-oss-20b": {**dict(block_count=24, embedding_length=2880, feed_forward_length=2880, head_count=64,
+                           head_count_kv=8, rope_freq_base=150000.0, context_length=131072, sliding_window=128,
+                           layer_norm_rms_epsilon=1e-5, arch="gpt-oss", head_dim=64, vocab=201088, expert_count=32,
+                           expert_used_count=4, expert_feed_forward_length=2880),
+                    "rope.scaling.type": "yarn", "rope.scaling.factor": 32.0,
+                    "rope.scaling.original_context_length": 4096},
 }
 PEAKED = {"tiny", "tiny-qwen3", "tiny-moe"}
 GEMMA = {"gemma3-1b", "gemma3-4b", "gemma2-2b"}  # weighted for the llama.cpp check (see above)
@@ -128,7 +140,24 @@ def tensor_shapes(s: dict, vocab: int) -> dict[str, tuple[int, ...]]:
             out.update({f"blk.{i}.attn_q_norm.weight": (hd,), f"blk.{i}.attn_k_norm.weight": (hd,)})
         if s.get("arch") in SANDWICH_ARCHS:
             out.update({f"blk.{i}.post_attention_norm.weight": (h,), f"blk.{i}.post_ffw_norm.weight": (h,)})
+        if s.get("arch") == "gpt-oss":  # its norm before the MLP's name, sinks, biases everywhere
+            out[f"blk.{i}.post_attention_norm.weight"] = out.pop(f"blk.{i}.ffn_norm.weight")
+            out.update({f"blk.{i}.attn_sinks.weight": (s["head_count"],), f"blk.{i}.attn_q.bias": (q,),
+                        f"blk.{i}.attn_k.bias": (kv,), f"blk.{i}.attn_v.bias": (kv,), f"blk.{i}.attn_output.bias": (h,),
+                        f"blk.{i}.ffn_gate_inp.bias": (n,), f"blk.{i}.ffn_gate_exps.bias": (n, fe),
+                        f"blk.{i}.ffn_up_exps.bias": (n, fe), f"blk.{i}.ffn_down_exps.bias": (n, h)})
+    if s.get("arch") == "gpt-oss":
+        out["output.weight"] = (vocab, h)  # untied
     return out
+
+
+def random_mxfp4(rng: np.random.Generator, shp: tuple[int, ...]) -> np.ndarray:
+    """Random MXFP4 blocks of a [..., cols] matrix (cols / 32 blocks of 17 bytes a row): E8M0 scales
+    2^-9 .. 2^-7 (values up to ~0.05, as N(0, 0.02) quantizes), uniform 4-bit codes. Drawn as
+    blocks: quantizing 19B floats in numpy would take most of an hour."""
+    blocks = rng.integers(0, 256, size=(*shp[:-1], shp[-1] // 32, 17), dtype=np.uint8)
+    blocks[..., 0] = rng.integers(119, 122, size=blocks.shape[:-1], dtype=np.uint8)
+    return blocks.reshape(*shp[:-1], -1)
 
 
 def scale(shape: str, name: str, cols: int) -> float:
@@ -160,11 +189,15 @@ def write(shape: str, out_path: str, seed: int = 0, src=None, meta=None, f16: bo
     for t in src.tensors:  # the type each role has in the real file
         role = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else t.name
         types[role] = t.tensor_type
-    for norm in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
+    for norm in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm", "attn_sinks"):
         types[f"{norm}.weight"] = types["attn_norm.weight"]
     for part in ("gate", "up", "down"):  # experts as the dense matrices; the router in F32 (as llama.cpp keeps it)
         types[f"ffn_{part}_exps.weight"] = types[f"ffn_{part}.weight"]
     types["ffn_gate_inp.weight"] = types["attn_norm.weight"]
+    if arch == "gpt-oss":  # as the published gpt-oss-20b file: MXFP4 experts, Q8_0 matrices
+        types |= {r: gguf.GGMLQuantizationType.Q8_0 for r in ("token_embd.weight", "output.weight", "attn_q.weight",
+                                                               "attn_k.weight", "attn_v.weight", "attn_output.weight")}
+        types |= {f"ffn_{p}_exps.weight": gguf.GGMLQuantizationType.MXFP4 for p in ("gate", "up", "down")}
     tmp = out_path + ".partial"
     w = gguf.GGUFWriter(tmp, arch)
     skip = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture"}
@@ -201,7 +234,14 @@ def write(shape: str, out_path: str, seed: int = 0, src=None, meta=None, f16: bo
     rng = np.random.default_rng(seed)
     for name, shp in tensor_shapes(SHAPES[shape], vocab).items():
         role = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        if name.endswith(".bias") or role == "attn_sinks.weight":  # gpt-oss: small F32 vectors
+            w.add_tensor(name, 0.1 * rng.standard_normal(shp, dtype=np.float32))
+            continue
         qtype = gguf.GGMLQuantizationType.F16 if f16 and len(shp) > 1 else types[role]
+        if qtype == gguf.GGMLQuantizationType.MXFP4:
+            q = random_mxfp4(rng, shp)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+            continue
         if len(shp) == 1:
             if shape in GEMMA:
                 gain = shp[0] ** 0.5 / 6 if "post_" in name else 1.0
@@ -233,7 +273,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="the quantizer's threads")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"random-{args.shape}.{args.type}.gguf")
+    own = SHAPES[args.shape].get("arch") == "gpt-oss" and args.type == "Q4_1"  # its own types (named MXFP4)
+    path = os.path.join(args.out, f"random-{args.shape}.{'MXFP4' if own else args.type}.gguf")
     if os.path.exists(path):
         print(path)
         return

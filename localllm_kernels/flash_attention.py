@@ -113,13 +113,13 @@ def _softmax_step(acc, m_i, l_i, q, k, v, mask, qk_scale, softcap, USE_MASK: tl.
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr,
-    cu_q_ptr, cached_ptr, bt_ptr,
+    cu_q_ptr, cached_ptr, bt_ptr, sinks_ptr,
     qk_scale, softcap, window, num_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_bt,
     GQA: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, Q8: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, Q8: tl.constexpr, SINKS: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD  # query tokens per tile
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
@@ -218,6 +218,10 @@ def _prefill_kernel(
         causal = _window_mask((j[None, :] <= tok[:, None]) & j_mask[None, :], j, tok[:, None], window, WINDOW)
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, kk, vv, causal, qk_scale, softcap, True, SOFTCAP, DOT_PREC)
 
+    # the head's sink logit (log2 domain) joins the denominator: no value, no max update (capped at
+    # 2^126: a row with no key left, where m_i is still -1e30, stays 0 without an inf)
+    if SINKS:
+        l_i += tl.math.exp2(tl.minimum(tl.load(sinks_ptr + head, mask=row_mask, other=0.0) - m_i, 126.0))
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -235,6 +239,13 @@ def _prefill_config(head_dim_pad: int, g_pad: int, elem_size: int) -> tuple[int,
     # 4 warps at 128 rows, or at head_dim 256, sit at the 255-register limit (spill at 256)
     num_warps = 8 if block_m >= 128 or head_dim_pad > 128 else 4
     return block_m, block_n, num_warps, 2
+
+
+def _sink_args(sinks: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(sinks in the kernels' exp2 domain, fp32 [H], or a dummy pointer; whether there are any)."""
+    if sinks is None:
+        return like, False
+    return (sinks.to(like.device, torch.float32) * LOG2E).contiguous(), True
 
 
 def _score_args(scale: float, softcap: float | None) -> tuple[float, float]:
@@ -260,6 +271,7 @@ def flash_attn_varlen_paged(
     block_n: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over (cached prefix + themselves).
 
@@ -271,7 +283,8 @@ def flash_attn_varlen_paged(
     A q8_0 cache (uint8 [num_blocks, block_size, KVH, D / 32 * 34]) is read as d * q; k and v
     should then be the new tokens as it holds them (kv_quant), so every read sees one value.
     window > 0: a token at position p sees positions > p - window only; softcap > 0: scores s
-    become softcap * tanh(s / softcap) before the softmax. None or 0: off.
+    become softcap * tanh(s / softcap) before the softmax. None or 0: off. sinks [H] (gpt-oss): a
+    logit per query head in each softmax's denominator.
     """
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -292,9 +305,10 @@ def flash_attn_varlen_paged(
         return out
     # Upper bound on the number of query tiles; spare programs exit at once.
     grid = (total_q // (bm // g_pad) + num_seqs, num_kv_heads)
+    sink_t, has_sinks = _sink_args(sinks, cached_lens)
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, out,
-        cu_seqlens_q, cached_lens, block_tables,
+        cu_seqlens_q, cached_lens, block_tables, sink_t,
         *_score_args(scale, softcap), window or 0, num_seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
@@ -302,7 +316,7 @@ def flash_attn_varlen_paged(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GQA=gqa, G_PAD=g_pad, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=bm, BLOCK_N=bn, DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
-        WINDOW=bool(window), SOFTCAP=bool(softcap), Q8=k_cache.dtype == torch.uint8, num_warps=num_warps,
-        num_stages=num_stages,
+        WINDOW=bool(window), SOFTCAP=bool(softcap), Q8=k_cache.dtype == torch.uint8, SINKS=has_sinks,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

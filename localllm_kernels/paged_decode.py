@@ -16,19 +16,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_attention import _cache_tile, _load_kv, _score_args, _softmax_step, _window_mask
+from .flash_attention import _cache_tile, _load_kv, _score_args, _sink_args, _softmax_step, _window_mask
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, ctx_ptr, bt_ptr, o_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, kc_ptr, vc_ptr, ctx_ptr, bt_ptr, o_ptr, mid_o_ptr, mid_lse_ptr, sinks_ptr,
     qk_scale, softcap, window,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_bt,
     NUM_HEADS: tl.constexpr, GQA: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, Q8: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, Q8: tl.constexpr, SINKS: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == D_PAD
     b = tl.program_id(0)
@@ -83,7 +83,10 @@ def _decode_split_kernel(
                                       qk_scale, softcap, True, SOFTCAP, DOT_PREC)
 
     has = l_i > 0.0  # False for empty splits and for context_len 0 (padding rows)
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    den = l_i
+    if SINKS and NUM_SPLITS == 1:  # (split: the merge adds the sink once)
+        den += tl.math.exp2(tl.minimum(tl.load(sinks_ptr + head, mask=h_mask, other=0.0) - m_i, 126.0))
+    out = acc / tl.where(den > 0.0, den, 1.0)[:, None]
     if NUM_SPLITS == 1:
         tl.store(o_ptr + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
@@ -97,9 +100,9 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    mid_o_ptr, mid_lse_ptr, o_ptr, stride_ob, stride_oh,
+    mid_o_ptr, mid_lse_ptr, o_ptr, sinks_ptr, stride_ob, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -113,6 +116,8 @@ def _decode_merge_kernel(
     w = tl.math.exp2(lse - m)
     parts = tl.load(mid_o_ptr + row[:, None] * D_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     den = tl.sum(w, 0)
+    if SINKS:  # the head's sink (log2 domain) in the denominator, on the same max
+        den += tl.math.exp2(tl.minimum(tl.load(sinks_ptr + h) - m, 126.0))
     out = tl.sum(parts * w[:, None], 0) / tl.where(den > 0.0, den, 1.0)
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
@@ -153,6 +158,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [batch, H, D] (one token per sequence) over context_lens[b] cached tokens.
 
@@ -162,7 +168,7 @@ def paged_decode_attention(
     dtype. num_splits None picks from shapes (and max_context_len if given); fixed per shape,
     so it is safe under CUDA-graph capture. window > 0: the query (at position context_lens[b] - 1)
     sees the last `window` positions only; softcap > 0: scores s become softcap * tanh(s / softcap).
-    None or 0: off.
+    None or 0: off. sinks [H] (gpt-oss): a logit per query head in each softmax's denominator.
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -185,8 +191,9 @@ def paged_decode_attention(
         mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out  # unused
+    sink_t, has_sinks = _sink_args(sinks, context_lens)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, context_lens, block_tables, out, mid_o, mid_lse,
+        q, k_cache, v_cache, context_lens, block_tables, out, mid_o, mid_lse, sink_t,
         *_score_args(scale, softcap), window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -194,14 +201,14 @@ def paged_decode_attention(
         NUM_HEADS=num_heads, GQA=gqa, BLOCK_H=max(16, triton.next_power_of_2(gqa)),
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         NUM_SPLITS=num_splits, DOT_PREC="tf32x3" if q.dtype == torch.float32 else "tf32",
-        WINDOW=bool(window), SOFTCAP=bool(softcap), Q8=k_cache.dtype == torch.uint8,
+        WINDOW=bool(window), SOFTCAP=bool(softcap), Q8=k_cache.dtype == torch.uint8, SINKS=has_sinks,
         num_warps=8 if q.element_size() > 2 else 4, num_stages=2,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1),
+            mid_o, mid_lse, out, sink_t, out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad,
-            NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits),
+            NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits), SINKS=has_sinks,
             num_warps=4 if d_pad >= 128 else 1,
         )
     return out

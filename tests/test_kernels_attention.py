@@ -54,9 +54,11 @@ def make_paged_cache(lens: list[int], num_kv_heads: int, head_dim: int, block_si
 
 
 def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int, scale: float,
-                  window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                  window: int | None = None, softcap: float | None = None,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [Lq, H, D] at positions q_pos0.., k/v [Lk, KVH, D] at positions 0..; causal (and a query at p
-    sees keys > p - window only); scores capped at +-softcap through tanh; float64."""
+    sees keys > p - window only); scores capped at +-softcap through tanh; with sinks [H], head h's
+    one more logit in its softmax (dropped after it); float64."""
     g = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(g, dim=1)
     v = v.repeat_interleave(g, dim=1)
@@ -66,6 +68,9 @@ def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos0: int
     qpos = q_pos0 + torch.arange(q.shape[0])[:, None]
     kpos = torch.arange(k.shape[0])[None, :]
     s = s.masked_fill((kpos > qpos) | (kpos <= qpos - (window or q_pos0 + q.shape[0] + 1)), float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().view(-1, 1, 1).expand(s.shape[0], s.shape[1], 1)
+        return torch.einsum("hqk,khd->qhd", torch.softmax(torch.cat([s, sink], -1), dim=-1)[..., :-1], v.double())
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v.double())
 
 
@@ -266,6 +271,52 @@ def test_paged_decode_window_and_softcap(window, softcap, splits, d):
     live = [b for b, n in enumerate(lens) if n]
     rows = [(q[b:b + 1].cpu(), *kvs[b], lens[b] - 1, scale) for b in live]
     ref = torch.cat([ref_attention(*r, window, softcap) for r in rows])
+    assert rel_err(out.cpu()[live], ref) < RTOL[torch.float16]
+    assert (out[3] == 0).all()
+    assert rel_err(torch.cat([ref_attention(*r) for r in rows]), ref) > 0.1
+
+
+# ---------------------------------------------------------------- attention sinks (gpt-oss)
+
+SINKS = torch.tensor([-2.0, 0.5, 3.0, 1.0])  # one per query head, both sides of the scores
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_flash_attn_sinks(window):
+    """The prefill/extend kernel with sinks: each head's logit joins its denominator (with and without
+    a window, over a cached prefix and new tokens); the sinks change the output."""
+    h, kvh, d, bs, seqs = 4, 2, 64, 16, [(0, 37), (19, 20), (45, 6)]
+    gen = torch.Generator().manual_seed(500)
+    cached = [c for c, _ in seqs]
+    k_cache, v_cache, block_tables, kvs = make_paged_cache([c + n for c, n in seqs], kvh, d, bs, torch.float16, gen)
+    k_new = torch.cat([kk[c:] for (kk, _), c in zip(kvs, cached, strict=True)]).half().to(DEV)
+    v_new = torch.cat([vv[c:] for (_, vv), c in zip(kvs, cached, strict=True)]).half().to(DEV)
+    q = torch.randn(sum(n for _, n in seqs), h, d, generator=gen).half().to(DEV)
+    cu = torch.tensor([0] + list(torch.tensor([n for _, n in seqs]).cumsum(0)), dtype=torch.int32, device=DEV)
+    scale = d ** -0.5
+    out = flash_attn_varlen_paged(q, k_new, v_new, k_cache, v_cache, cu, torch.tensor(cached, dtype=torch.int32,
+                                  device=DEV), block_tables, scale, block_m=16, block_n=16, window=window,
+                                  sinks=SINKS.to(DEV))
+    rows = [(q[cu[i]:cu[i + 1]].cpu(), *kvs[i], cached[i], scale) for i in range(len(seqs))]
+    ref = torch.cat([ref_attention(*r, window, None, SINKS) for r in rows])
+    assert rel_err(out.cpu(), ref) < RTOL[torch.float16]
+    assert rel_err(torch.cat([ref_attention(*r, window) for r in rows]), ref) > 0.1
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_decode_sinks(splits):
+    """Decode with sinks, in one split and merged from three (the sink added once, on the merged max);
+    a padding row (context 0) stays 0."""
+    lens = [1, 17, 50, 0, 33]
+    gen = torch.Generator().manual_seed(600 + splits)
+    k_cache, v_cache, block_tables, kvs = make_paged_cache(lens, 2, 64, 16, torch.float16, gen)
+    q = torch.randn(len(lens), 4, 64, generator=gen).half().to(DEV)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = paged_decode_attention(q, k_cache, v_cache, ctx, block_tables, 0.125, splits, block_n=16,
+                                 sinks=SINKS.to(DEV))
+    live = [b for b, n in enumerate(lens) if n]
+    rows = [(q[b:b + 1].cpu(), *kvs[b], lens[b] - 1, 0.125) for b in live]
+    ref = torch.cat([ref_attention(*r, None, None, SINKS) for r in rows])
     assert rel_err(out.cpu()[live], ref) < RTOL[torch.float16]
     assert (out[3] == 0).all()
     assert rel_err(torch.cat([ref_attention(*r) for r in rows]), ref) > 0.1

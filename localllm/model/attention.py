@@ -163,12 +163,8 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      v_cache: torch.Tensor, meta: AttnMeta, scale: float, window: int | None = None,
                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """As torch_attention, with our Triton kernels (a q8_0 cache: quantized by store_kv, read as
-    d * q; the prefill kernel takes the new tokens rounded as the cache holds them). No sinks yet
-    (the loader refuses such a model on CUDA)."""
+    d * q; the prefill kernel takes the new tokens rounded as the cache holds them)."""
     from localllm_kernels import flash_attn_varlen_paged, paged_decode_attention, store_kv
-
-    if sinks is not None:
-        raise ValueError("attention sinks (gpt-oss) are not in the Triton kernels yet: run this model on CPU")
 
     T, H, D = q.shape
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -176,10 +172,10 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         k, v = as_cached(k, k_cache.dtype, q.dtype), as_cached(v, v_cache.dtype, q.dtype)
     if meta.decode_only:
         out = paged_decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale,
-                                     window=window, softcap=softcap)
+                                     window=window, softcap=softcap, sinks=sinks)
     else:
         out = flash_attn_varlen_paged(q, k, v, k_cache, v_cache, meta.cu_seqlens_q, meta.cached_lens,
-                                      meta.block_tables, scale, window=window, softcap=softcap)
+                                      meta.block_tables, scale, window=window, softcap=softcap, sinks=sinks)
     return out.reshape(T, H * D)
 
 

@@ -372,9 +372,6 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
               "max_model_len": max_model_len, "fast_head": fast_head, "cpu_kernels": cpu_kernels}
     weights = open_weights(path)
     cfg = weights.config
-    if cfg.attn_sinks and device != "cpu":
-        raise ModelLoadError(f"{path}: attention sinks ({cfg.architecture}) run on CPU only for now "
-                             "(not yet in the Triton kernels): use --device cpu")
     if device == "cpu" and cpu_kernels:  # a first contact compiles them at once, not one by one
         from localllm_kernels import cpu_prebuild
 
