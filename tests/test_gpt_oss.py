@@ -156,11 +156,12 @@ def test_greedy_decode_and_batches_equal_transformers(gpt_oss):
 
 def test_mxfp4_experts_run_on_the_files_values(gpt_oss, tmp_path, gguf_path):
     """The published files' layout: MXFP4 experts, Q8_0 matrices, F32 biases, norms, sinks and router.
-    Loaded by default (our int8-lane kernel for MXFP4 and Q8_0, the biases added, the experts looped
-    for their activation): greedy tokens equal transformers' fp32 on the file's dequantized values."""
+    Loaded by default (our int8-lane kernel for MXFP4 and Q8_0; the experts stacked for moe_int8w with
+    their biases and clamped SwiGLU): greedy tokens equal transformers' fp32 on the file's dequantized
+    values, and the stacked op's logits are the looped experts' bit for bit."""
     import gguf
 
-    from localllm.model.moe import LoopExperts
+    from localllm.model.moe import Int8wExperts, LoopExperts
     from localllm.model.weights import open_weights
 
     ref_model, _ = gpt_oss
@@ -175,7 +176,7 @@ def test_mxfp4_experts_run_on_the_files_values(gpt_oss, tmp_path, gguf_path):
     path = gpt_oss_gguf(ref_model, tmp_path / "mxfp4.gguf", gguf_path, qtype_of)
     loaded = load_model(path, "auto")
     assert "MXFP4/Q8_0 weights as stored" in loaded.precision
-    assert isinstance(loaded.model.layers[0].moe.experts, LoopExperts)
+    assert isinstance(loaded.model.layers[0].moe.experts, Int8wExperts)
     # transformers on the file's values: every tensor dequantized back into its place
     weights = open_weights(path)
     ref = transformers.GptOssForCausalLM(ref_model.config).eval()
@@ -210,6 +211,19 @@ def test_mxfp4_experts_run_on_the_files_values(gpt_oss, tmp_path, gguf_path):
     assert (ours - theirs).abs().max() < 0.02 * theirs.abs().max()
     *_, last = make_engine(loaded).generate(list(PROMPT), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert last.token_ids == want[:8]
+    for layer in loaded.model.layers:  # the same experts looped: the same logits, bit for bit
+        ex = layer.moe.experts
+        layer.moe.experts = LoopExperts(*zip(*[_expert_linears(ex, e) for e in range(ex.w1.shape[0])]))
+    assert torch.equal(make_engine(loaded).score(PROMPT + want), make_engine(load_model(path, "auto")).score(PROMPT + want))
+
+
+def _expert_linears(ex, e: int):
+    """Expert e of stacked Int8wExperts as the two Int8wLinears it was stacked from."""
+    from localllm.model.layers import Int8wLinear
+
+    gate_up = Int8wLinear(ex.w1[e], ex.s1[e], 2 * ex.inter, ex.group1, ex.zero1, ex.b1[e])
+    down = Int8wLinear(ex.w2[e], ex.s2[e], ex.b2.shape[1], ex.group2, ex.zero2, ex.b2[e])
+    return gate_up, down
 
 
 def _hf_name(i: int, gguf_name: str) -> str:

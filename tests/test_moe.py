@@ -347,6 +347,50 @@ def test_moe_int8w_op_matches_the_torch_loop(kind):
         torch.ops.localllm.int8w_isa("auto")
 
 
+@pytest.mark.parametrize("kind", ["MXFP4", "Q4_K+Q6_K"])
+def test_moe_int8w_with_biases_and_clamped_swiglu(kind):
+    """gpt-oss's experts in the one op: biases on gate_up and down, the clamped SwiGLU (alpha 1.702,
+    limit 7, with gate/up outputs past the limit so the clamps act): bit for bit the torch loop over
+    the same biased linears with moe.swiglu_oai, on every instruction-set path, and near the fp32 math."""
+    import functools
+
+    from localllm.model.moe import Int8wExperts, LoopExperts, make_experts, swiglu_oai
+    from localllm_kernels import cpu_int8
+
+    assert cpu_int8.load()
+    E, H, inter = 8, 256, 256 if "_K" in kind else 96
+    pairs, dense = _int8w_experts(kind, E, H, inter, seed=5)
+    g = torch.Generator().manual_seed(1)
+    for gate_up, down in pairs:
+        gate_up.bias = torch.nn.Parameter(torch.randn(2 * inter, generator=g) * 3, requires_grad=False)
+        down.bias = torch.nn.Parameter(torch.randn(H, generator=g) * 0.3, requires_grad=False)
+    act = functools.partial(swiglu_oai, alpha=1.702, limit=7.0)
+    fused = make_experts(lambda e: pairs[e], E, inter, (1, 1.702, 7.0))
+    loop = LoopExperts([g for g, _ in pairs], [d for _, d in pairs])
+    assert isinstance(fused, Int8wExperts) and fused.b1 is not None
+    best = cpu_int8.isa()
+    paths = {"avx512_vnni": ["avx512_vnni", "avx2", "generic"], "avx2": ["avx2", "generic"]}.get(best, ["generic"])
+    try:
+        for path in paths:
+            torch.ops.localllm.int8w_isa(path)
+            for ids in ([[3, 5]], [[1, 4], [4, 1], [6, 0], [4, 6]], [[e % 8, (e + 3) % 8] for e in range(300)]):
+                ids = torch.tensor(ids)
+                x = torch.randn(len(ids), H, generator=g) * 4
+                w = torch.softmax(torch.randn(ids.shape, generator=g), -1)
+                got = fused(x, ids, w, act)
+                assert torch.equal(got, loop(x, ids, w, act)), path
+                ref = torch.zeros_like(x)
+                for t in range(len(ids)):
+                    for j, e in enumerate(ids[t].tolist()):
+                        gu = x[t] @ dense[e][0].t() + pairs[e][0].bias
+                        ref[t] += w[t, j] * (act(gu) @ dense[e][1].t() + pairs[e][1].bias)
+                assert ((got - ref).norm() / ref.norm()) < 2e-3, path
+            gu = torch.cat([p[0](torch.randn(4, H, generator=g) * 4) for p in pairs])
+            assert (gu.abs() > 7).any()  # the clamps are reached
+    finally:
+        torch.ops.localllm.int8w_isa("auto")
+
+
 @pytest.mark.slow  # ~11 s of compiling: `make test-slow`, outside CI's 20-minute budget
 @pytest.mark.parametrize("family", ["mixtral"], indirect=True)  # one family: each package compiles ~20 s
 def test_compiled_step_covers_int4_moe(family):

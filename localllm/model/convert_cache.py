@@ -44,8 +44,9 @@ class ConvertCache:
     # beyond Q4_0/Q4_1 on our kernels (Int8wLinear, ConcatLinear of mixed parts), none re-quantized;
     # 8: K-quant sub-scales and IQ4 indices as the file keeps them, Q4_0 without offsets; 9: 5- and 6-bit
     # values' high bits as shifted bits / 2-bit pairs (were bit planes); 10: int8-lane experts stacked
-    # (Int8wExperts, were looped), MXFP4 as codebook indices (was fp32); 11: XXH3-64 checksums (were crc32)
-    VERSION = 11
+    # (Int8wExperts, were looped), MXFP4 as codebook indices (was fp32); 11: XXH3-64 checksums (were crc32);
+    # 12: experts with biases stacked (gpt-oss: Int8wExperts' b1/b2, were looped)
+    VERSION = 12
     # this process's writes still under way, by file: a load of the same file waits for its write
     # rather than converting again (a server reloading a model it just evicted)
     _writing: dict[Path, threading.Thread] = {}
@@ -86,15 +87,17 @@ class ConvertCache:
                 self._keep_linear(key, m)
         return m
 
-    def experts(self, key: str, n: int, inter: int, build) -> nn.Module:
+    def experts(self, key: str, n: int, inter: int, build, act: tuple[int, float, float] = (0, 0.0, 0.0)
+                ) -> nn.Module:
         """The cached experts `key` of an MoE layer (Int4Experts or Int8wExperts from their stacks, or
-        LoopExperts from each expert's linears), or build() (remembered when the cache can hold it)."""
+        LoopExperts from each expert's linears), or build() (remembered when the cache can hold it).
+        act: Int8wExperts' activation (the model's, not the cache's)."""
         t = self.tensors
         if self.hit and f"{key}.w1" in t:
             stacks = [t[f"{key}.{b}"] for b in ("w1", "s1", "w2", "s2")]
             if f"{key}.zero1" in t:
                 forms = tuple(int(t[f"{key}.{f}"]) for f in ("group1", "zero1", "group2", "zero2"))
-                return Int8wExperts(*stacks, forms, inter)
+                return Int8wExperts(*stacks, forms, inter, t.get(f"{key}.b1"), t.get(f"{key}.b2"), act)
             return Int4Experts(*stacks, int(t[f"{key}.group1"]), int(t[f"{key}.group2"]), inter)
         keys = [f"{key}.{e}.{part}" for e in range(n) for part in ("gate_up", "down")]
         linears = [self._cached_linear(k) for k in keys] if self.hit else [None]
@@ -103,7 +106,8 @@ class ConvertCache:
         m = build()
         if isinstance(m, (Int4Experts, Int8wExperts)):
             forms = ("group1", "group2") + (("zero1", "zero2") if isinstance(m, Int8wExperts) else ())
-            t.update({f"{key}.{b}": getattr(m, b) for b in ("w1", "s1", "w2", "s2")})
+            t.update({f"{key}.{b}": getattr(m, b) for b in ("w1", "s1", "w2", "s2", "b1", "b2")
+                      if getattr(m, b, None) is not None})
             t.update({f"{key}.{f}": torch.tensor(getattr(m, f)) for f in forms})
         elif isinstance(m, LoopExperts):
             linears = [x for pair in zip(m.gate_up, m.down) for x in pair]

@@ -45,7 +45,7 @@ from .layers import (
     W16Matrix,
 )
 from .llama import DecoderLayer, LlamaModel
-from .moe import MoE, expert_tensor_names, make_experts, swiglu_oai
+from .moe import EXPERT_ACTS, MoE, expert_tensor_names, make_experts, swiglu_oai
 from .weights import Weights, open_weights
 
 log = logging.getLogger(__name__)
@@ -311,8 +311,10 @@ def _moe_block(weights: Weights, cfg: ModelConfig, layer: int, mode: str, act_dt
         return (_linear(weights, [g, u], mode, act_dtype, device, cpu_kernel=cpu_kernel),
                 _linear(weights, [d], mode, act_dtype, device, cpu_kernel=cpu_kernel))
 
+    act = (EXPERT_ACTS[cfg.expert_act], cfg.swiglu_alpha, cfg.swiglu_limit)
+
     def build_experts():
-        experts = make_experts(expert, cfg.num_experts, cfg.moe_intermediate_size, silu=cfg.expert_act == "silu")
+        experts = make_experts(expert, cfg.num_experts, cfg.moe_intermediate_size, act)
         _trim_heap()
         return experts
 
@@ -321,13 +323,13 @@ def _moe_block(weights: Weights, cfg: ModelConfig, layer: int, mode: str, act_dt
             return weights.dense(name).float().to(device)
         return cache.tensor(name, build) if cache else build()
 
-    experts = (cache.experts(f"{layer}.experts", cfg.num_experts, cfg.moe_intermediate_size, build_experts) if cache
-               else build_experts())
+    experts = (cache.experts(f"{layer}.experts", cfg.num_experts, cfg.moe_intermediate_size, build_experts, act)
+               if cache else build_experts())
     bias = router.replace(".weight", ".bias")
-    act = (functools.partial(swiglu_oai, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
-           if cfg.expert_act == "swiglu_oai" else None)
+    loop_act = (functools.partial(swiglu_oai, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+                if cfg.expert_act == "swiglu_oai" else None)  # (the looped experts' and LoopExperts')
     return MoE(exact(router), experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-               exact(bias) if weights.has(bias) else None, cfg.router_gating, act)
+               exact(bias) if weights.has(bias) else None, cfg.router_gating, loop_act)
 
 
 def _linear_names(cfg: ModelConfig) -> list[str]:

@@ -12,8 +12,8 @@ group the (token, expert) pairs by expert and run one GEMM per used expert on it
     op (localllm::moe_int4): no data-dependent Python, so the compiled CPU step exports it;
   Int8wExperts: the same for experts on the int8-lane kernel (GGUF MXFP4, Q5_K, Q6_K, Q8_0, ...
     experts, one type a matrix, and the mixes of a K-quant file: Q4_K gate/up beside a Q6_K down,
-    the int4 layout being the int8-lane one for 4-bit values): localllm::moe_int8w; eager (no
-    package is built for it);
+    the int4 layout being the int8-lane one for 4-bit values; gpt-oss's biases and clamped
+    SwiGLU too): localllm::moe_int8w; eager (no package is built for it);
   LoopExperts: any other linears (fp32/bf16, torch's int4, CUDA, experts whose matrices take
     different kernels), a Python loop over the used experts: eager only (`compilable` says so to
     the compiled step and the CUDA graphs).
@@ -152,39 +152,54 @@ class Int4Experts(nn.Module):
 class Int8wExperts(nn.Module):
     """Int8-lane experts stacked for localllm::moe_int8w (localllm_kernels/cpu/int8_gemm.cpp): w1/s1
     each expert's gate_up, w2/s2 its down, [E, ...] in Int8wLinear's layout; one group size, zero
-    point and scale form per matrix (what the conversion cache stores). The activations keep 16
-    bits (--act-bits 8 leaves the experts as it leaves moe_int4's)."""
+    point and scale form per matrix (what the conversion cache stores); b1/b2 their biases [E, 2I] /
+    [E, H] (gpt-oss) or None; act (kind, alpha, limit): kind 0 SiLU*up, 1 gpt-oss's clamped SwiGLU
+    (EXPERT_ACTS). The activations keep 16 bits (--act-bits 8 leaves the experts as it leaves
+    moe_int4's)."""
 
     def __init__(self, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, forms: tuple[int, ...],
-                 inter: int):
+                 inter: int, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                 act: tuple[int, float, float] = (0, 0.0, 0.0)):
         from localllm_kernels import cpu_int8
 
         super().__init__()
         cpu_int8.load()  # registers the op (stacks from the conversion cache come without an Int8wLinear)
         (self.group1, self.zero1, self.group2, self.zero2), self.inter = forms, inter
-        for name, t in (("w1", w1), ("s1", s1), ("w2", w2), ("s2", s2)):
+        self.act_kind, self.alpha, self.limit = act
+        for name, t in (("w1", w1), ("s1", s1), ("w2", w2), ("s2", s2), ("b1", b1), ("b2", b2)):
             self.register_buffer(name, t)
 
     @classmethod
-    def stacked(cls, experts: Iterable[tuple[nn.Module, nn.Module]], n: int, inter: int) -> Int8wExperts | None:
+    def stacked(cls, experts: Iterable[tuple[nn.Module, nn.Module]], n: int, inter: int,
+                act: tuple[int, float, float] = (0, 0.0, 0.0)) -> Int8wExperts | None:
         """The n (gate_up, down) pairs stacked (_stack); None when one does not fit the kernel."""
         def parts(gate_up: nn.Module, down: nn.Module) -> tuple | None:
             if not cls.fits([gate_up], [down]):
                 return None
             (w1, s1, g1, z1), (w2, s2, g2, z2) = _int8w_form(gate_up), _int8w_form(down)
-            return (w1, s1, w2, s2), (g1, z1, g2, z2)
+            biases = (gate_up.bias.float(), down.bias.float()) if gate_up.bias is not None else ()
+            return (w1, s1, w2, s2, *biases), (g1, z1, g2, z2, len(biases))
         stack = _stack(experts, n, parts)
-        return None if stack is None else cls(*stack[0], stack[1], inter)
+        if stack is None:
+            return None
+        (w1, s1, w2, s2, *biases), form = stack
+        return cls(w1, s1, w2, s2, form[:4], inter, *(biases or (None, None)), act=act)
 
     @staticmethod
     def fits(gate_up: list[nn.Module], down: list[nn.Module]) -> bool:
-        """Every expert's matrices on the int8-lane kernel as they are, without bias."""
-        return all(_int8w_form(m) is not None for m in (*gate_up, *down))
+        """Every expert's matrices on the int8-lane kernel as they are, both with a bias or neither."""
+        return all(_int8w_form(m) is not None for m in (*gate_up, *down)) and all(
+            (g.bias is None) == (d.bias is None) for g, d in zip(gate_up, down))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act: Callable) -> torch.Tensor:
         y = torch.ops.localllm.moe_int8w(x.float(), ids, w.float(), self.w1, self.s1, self.w2, self.s2, self.group1,
-                                         self.zero1, self.group2, self.zero2, self.inter)
+                                         self.zero1, self.group2, self.zero2, self.inter, 2, self.b1, self.b2,
+                                         self.act_kind, self.alpha, self.limit)
         return y.to(x.dtype)
+
+
+# an expert activation's kind in moe_int8w (its name in ModelConfig.expert_act)
+EXPERT_ACTS = {"silu": 0, "swiglu_oai": 1}
 
 
 def _stack(experts: Iterable[tuple[nn.Module, nn.Module]], n: int, parts: Callable) -> tuple[list, tuple] | None:
@@ -214,29 +229,29 @@ def _stack(experts: Iterable[tuple[nn.Module, nn.Module]], n: int, parts: Callab
 
 
 def _int8w_form(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-    """(w, scales, group size, zero point) of a linear the int8-lane kernel runs as it is stored: an
-    Int8wLinear, or an Int4Linear on our int4 kernel with groups of 32 (its layout and scale forms
-    are the int8-lane ones for 4-bit values with zero point 8: the same outputs bit for bit)."""
-    if isinstance(m, Int8wLinear) and m.bias is None:
+    """(w, scales, group size, zero point) of a linear the int8-lane kernel runs as it is stored (its
+    bias aside): an Int8wLinear, or an Int4Linear on our int4 kernel with groups of 32 (its layout and
+    scale forms are the int8-lane ones for 4-bit values with zero point 8: the same outputs bit for bit)."""
+    if isinstance(m, Int8wLinear):
         return m.qw, m.qsc, m.group_size, m.zero
-    if (isinstance(m, Int4Linear) and m.kind == "cpu_int4" and m.bias is None and m.in_perm is None
+    if (isinstance(m, Int4Linear) and m.kind == "cpu_int4" and m.in_perm is None
             and m.dense is None and m.group_size == 32):
         return m.qw, m.qsc, 32, 8
     return None
 
 
 def make_experts(expert: Callable[[int], tuple[nn.Module, nn.Module]], n: int, inter: int,
-                 silu: bool = True) -> nn.Module:
+                 act: tuple[int, float, float] = (0, 0.0, 0.0)) -> nn.Module:
     """The fastest implementation the experts' linears allow (see the module docstring), from
     expert(e) -> (gate_up, down), called once per expert in order (twice in the rare layer whose
-    experts start on the kernel and then leave it: mixed group sizes). silu=False: the experts take
-    another activation, which the C++ ops (SiLU*up inside) do not: looped."""
+    experts start on the kernel and then leave it: mixed group sizes). act: the experts' activation
+    (Int8wExperts' (kind, alpha, limit); moe_int4 has SiLU*up only, and no biases)."""
     first = expert(0)
-    for cls in (Int4Experts, Int8wExperts) if silu else ():
+    for cls in (Int4Experts, Int8wExperts) if act[0] == 0 else (Int8wExperts,):
         if cls.fits([first[0]], [first[1]]):
             pairs = itertools.chain([first], (expert(e) for e in range(1, n)))
             del first  # the chain holds it only until it is copied
-            stacked = cls.stacked(pairs, n, inter)
+            stacked = cls.stacked(pairs, n, inter) if cls is Int4Experts else cls.stacked(pairs, n, inter, act)
             if stacked is not None:
                 return stacked
             first = expert(0)

@@ -47,8 +47,12 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/floor_divide.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/clamp_max.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
@@ -1083,10 +1087,14 @@ void experts_pass8(Isa isa, std::vector<ExpertRows8>& rows, const std::vector<st
 // with this kernel's layouts. w1/s1: the experts' gate and up rows stacked (gate 0..I-1, up
 // I..2I-1) in int8w_gemm's layout and scale form, group1 / zero1 theirs; w2/s2 down (K = inter).
 // Each expert's rows get the same arithmetic as int8w_gemm on them (the activations quantized per
-// row, the same kernels and route), then silu in fp32.
+// row, the same kernels and route), then silu in fp32. gpt-oss: b1 [E, 2I] / b2 [E, H] the experts'
+// biases (added to each matrix's outputs, as a linear adds its bias), act 1 its clamped SwiGLU,
+// (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit) (act 0: silu).
 at::Tensor moe_int8w(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w1,
                      const at::Tensor& s1, const at::Tensor& w2, const at::Tensor& s2, int64_t group1, int64_t zero1,
-                     int64_t group2, int64_t zero2, int64_t inter, int64_t parts) {
+                     int64_t group2, int64_t zero2, int64_t inter, int64_t parts,
+                     const std::optional<at::Tensor>& b1, const std::optional<at::Tensor>& b2, int64_t act,
+                     double alpha, double limit) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "moe_int8w: x must be fp32 [T, H]");
   TORCH_CHECK(parts == 1 || parts == 2, "moe_int8w: parts must be 1 or 2, got ", parts);
   const int64_t T = x.size(0), H = x.size(1);
@@ -1095,6 +1103,11 @@ at::Tensor moe_int8w(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
               "moe_int8w: weights must be fp32 [T, k]");
   TORCH_CHECK(w1.dim() == 4 && w2.dim() == 4 && w1.size(0) == w2.size(0) && w1.size(1) * kRows >= 2 * inter &&
               w2.size(1) * kRows >= H, "moe_int8w: expert shapes do not match H = ", H, ", I = ", inter);
+  TORCH_CHECK(act == 0 || act == 1, "moe_int8w: act must be 0 (silu) or 1 (clamped SwiGLU), got ", act);
+  TORCH_CHECK(!b1.has_value() || (b1->dim() == 2 && b1->size(0) == w1.size(0) && b1->size(1) == 2 * inter &&
+                                  b1->scalar_type() == at::kFloat), "moe_int8w: b1 must be fp32 [E, 2I]");
+  TORCH_CHECK(!b2.has_value() || (b2->dim() == 2 && b2->size(0) == w1.size(0) && b2->size(1) == H &&
+                                  b2->scalar_type() == at::kFloat), "moe_int8w: b2 must be fp32 [E, H]");
   const ExpertStack m1{w1, s1, H, group1, zero1}, m2{w2, s2, inter, group2, zero2};
   with_stack("moe_int8w", m1, [](auto, const auto*, const Form&) {});  // (both forms checked before any work)
   with_stack("moe_int8w", m2, [](auto, const auto*, const Form&) {});
@@ -1125,9 +1138,19 @@ at::Tensor moe_int8w(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   }
   const int np = static_cast<int>(parts);
   experts_pass8(isa, rows, where, m1, true, np);
-  // the gate as LoopExperts' silu_mul computes it (torch's silu): the same values
-  at::mul_out(A, at::silu(H1.narrow(1, 0, inter)), H1.narrow(1, inter, inter));
+  at::Tensor eids;  // each pair's expert, in expert order (whose bias row it takes)
+  if (b1.has_value() || b2.has_value()) eids = at::index_select(ic.view({-1}), 0, sorted);
+  if (b1.has_value()) H1.narrow(1, 0, 2 * inter).add_(at::index_select(*b1, 0, eids));
+  // the gate as LoopExperts computes it (torch's ops, in moe.py's order): the same values
+  const at::Tensor gate = H1.narrow(1, 0, inter), up = H1.narrow(1, inter, inter);
+  if (act == 0) {
+    at::mul_out(A, at::silu(gate), up);
+  } else {
+    const at::Tensor g = at::clamp_max(gate, limit);
+    at::mul_out(A, at::add(at::clamp(up, -limit, limit), 1), at::mul(g, at::sigmoid(at::mul(g, alpha))));
+  }
   experts_pass8(isa, rows, where, m2, false, np);
+  if (b2.has_value()) H2.narrow(1, 0, H).add_(at::index_select(*b2, 0, eids));
   // weighted into each token's row, its pairs in expert order (as LoopExperts adds them: each product
   // rounded, then added; this generic code has no FMA to contract them into)
   std::vector<int64_t> pos(P);
@@ -1155,7 +1178,8 @@ at::Tensor moe_int8w(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("moe_int8w(Tensor x, Tensor ids, Tensor weights, Tensor w1, Tensor s1, Tensor w2, Tensor s2, int group1, "
-        "int zero1, int group2, int zero2, int inter, int parts=2) -> Tensor");
+        "int zero1, int group2, int zero2, int inter, int parts=2, Tensor? b1=None, Tensor? b2=None, int act=0, "
+        "float alpha=0.0, float limit=0.0) -> Tensor");
   m.def("int8w_gemm(Tensor x, Tensor w, Tensor scales, int group_size, int zero, int parts=2) -> Tensor");
   m.def("int8w_dequantize(Tensor w, Tensor scales, int group_size, int zero) -> Tensor");
   m.def("int8w_isa(str? force=None) -> str", &int8w_isa);  // no tensors: one kernel for every key
