@@ -391,6 +391,29 @@ def test_moe_int8w_with_biases_and_clamped_swiglu(kind):
         torch.ops.localllm.int8w_isa("auto")
 
 
+def test_moe_int8w_in_expert_groups():
+    """A prefill's pairs over wide experts run in groups of experts whose buffers stay under 16 MB
+    (here 4 groups of ~600 pairs at N = 4096): still bit for bit the looped experts, biases and the
+    clamped SwiGLU included, each token's sum in expert order across the groups."""
+    import functools
+
+    from localllm.model.moe import LoopExperts, make_experts, swiglu_oai
+
+    E, H, inter = 4, 2048, 2048
+    pairs, _ = _int8w_experts("MXFP4", E, H, inter, seed=7)
+    g = torch.Generator().manual_seed(2)
+    for gate_up, down in pairs:
+        gate_up.bias = torch.nn.Parameter(torch.randn(2 * inter, generator=g), requires_grad=False)
+        down.bias = torch.nn.Parameter(torch.randn(H, generator=g) * 0.1, requires_grad=False)
+    act = functools.partial(swiglu_oai, alpha=1.702, limit=7.0)
+    fused = make_experts(lambda e: pairs[e], E, inter, (1, 1.702, 7.0))
+    loop = LoopExperts([p[0] for p in pairs], [p[1] for p in pairs])
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(1200)])
+    x = torch.randn(len(ids), H, generator=g)
+    w = torch.softmax(torch.randn(ids.shape, generator=g), -1)
+    assert torch.equal(fused(x, ids, w, act), loop(x, ids, w, act))
+
+
 @pytest.mark.slow  # ~11 s of compiling: `make test-slow`, outside CI's 20-minute budget
 @pytest.mark.parametrize("family", ["mixtral"], indirect=True)  # one family: each package compiles ~20 s
 def test_compiled_step_covers_int4_moe(family):

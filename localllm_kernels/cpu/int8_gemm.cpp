@@ -1118,59 +1118,73 @@ at::Tensor moe_int8w(const at::Tensor& x, const at::Tensor& ids, const at::Tenso
   const int64_t* ip = ic.data_ptr<int64_t>();
   std::vector<int64_t> start, order;  // the pairs t * k + j grouped by expert
   moe_route::by_expert(ip, T * k, E, "moe_int8w", start, order);
-  // every pair's rows in expert order, as one tensor each: the gathered activations, the gate_up
-  // outputs, the gated activations, the down outputs (uninitialized: zeroed buffers cost a prefill
-  // ~20% of the op)
   const int64_t P = T * k;
   const at::Tensor sorted = at::from_blob(order.data(), {P}, at::kLong);
   const at::Tensor tokens = at::floor_divide(sorted, k);
-  const at::Tensor X = at::index_select(xc, 0, tokens), H1 = at::empty({P, N1}, x.options());
-  at::Tensor A = at::empty({P, inter}, x.options());
-  const at::Tensor H2 = at::empty({P, N2}, x.options());
-  std::vector<ExpertRows8> rows;
-  std::vector<std::pair<int64_t, int64_t>> where;  // pair (in expert order) -> (expert's rows, row)
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = start[e + 1] - start[e], s0 = start[e];
-    if (n == 0) continue;
-    rows.push_back(ExpertRows8{e, n, X.data_ptr<float>() + s0 * H, H1.data_ptr<float>() + s0 * N1,
-                               A.data_ptr<float>() + s0 * inter, H2.data_ptr<float>() + s0 * N2});
-    for (int64_t i = 0; i < n; ++i) where.emplace_back(rows.size() - 1, i);
-  }
-  const int np = static_cast<int>(parts);
-  experts_pass8(isa, rows, where, m1, true, np);
   at::Tensor eids;  // each pair's expert, in expert order (whose bias row it takes)
   if (b1.has_value() || b2.has_value()) eids = at::index_select(ic.view({-1}), 0, sorted);
-  if (b1.has_value()) H1.narrow(1, 0, 2 * inter).add_(at::index_select(*b1, 0, eids));
-  // the gate as LoopExperts computes it (torch's ops, in moe.py's order): the same values
-  const at::Tensor gate = H1.narrow(1, 0, inter), up = H1.narrow(1, inter, inter);
-  if (act == 0) {
-    at::mul_out(A, at::silu(gate), up);
-  } else {
-    const at::Tensor g = at::clamp_max(gate, limit);
-    at::mul_out(A, at::add(at::clamp(up, -limit, limit), 1), at::mul(g, at::sigmoid(at::mul(g, alpha))));
-  }
-  experts_pass8(isa, rows, where, m2, false, np);
-  if (b2.has_value()) H2.narrow(1, 0, H).add_(at::index_select(*b2, 0, eids));
-  // weighted into each token's row, its pairs in expert order (as LoopExperts adds them: each product
-  // rounded, then added; this generic code has no FMA to contract them into)
   std::vector<int64_t> pos(P);
   for (int64_t i = 0; i < P; ++i) pos[order[i]] = i;
   const float* wp = wc.data_ptr<float>();
-  const float* h2 = H2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / (k * H)), [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> mine(k);
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t j = 0; j < k; ++j) mine[j] = pos[t * k + j];
-      std::sort(mine.begin(), mine.end());
-      float* yr = yp + t * H;
-      for (const int64_t i : mine) {
-        const float wt = wp[order[i]];
-        const float* hr = h2 + i * N2;
-        for (int64_t c = 0; c < H; ++c) yr[c] += wt * hr[c];
+  const int np = static_cast<int>(parts);
+  // The experts in groups (in expert order) whose rows' buffers stay under 16 MB each: a prefill's
+  // 2,048 gpt-oss pairs held at once (a 47 MB gate_up output) took fresh pages from the kernel at
+  // every call, above malloc's mmap threshold (32 MB after load), ~25% of the op.
+  const int64_t cap = std::max<int64_t>(1, (int64_t{16} << 20) / (4 * std::max({H, N1, N2})));
+  for (int64_t e0 = 0; e0 < E;) {
+    int64_t e1 = e0 + 1;
+    while (e1 < E && start[e1 + 1] - start[e0] <= cap) ++e1;
+    const int64_t p0 = start[e0], p1 = start[e1], Pg = p1 - p0;
+    if (Pg > 0) {
+      // the group's pairs' rows, as one tensor each: the gathered activations, the gate_up outputs,
+      // the gated activations, the down outputs (uninitialized: zeroed buffers cost a prefill ~20%)
+      const at::Tensor X = at::index_select(xc, 0, tokens.narrow(0, p0, Pg)), H1 = at::empty({Pg, N1}, x.options());
+      at::Tensor A = at::empty({Pg, inter}, x.options());
+      const at::Tensor H2 = at::empty({Pg, N2}, x.options());
+      std::vector<ExpertRows8> rows;
+      std::vector<std::pair<int64_t, int64_t>> where;  // pair (in expert order) -> (expert's rows, row)
+      for (int64_t e = e0; e < e1; ++e) {
+        const int64_t n = start[e + 1] - start[e], s0 = start[e] - p0;
+        if (n == 0) continue;
+        rows.push_back(ExpertRows8{e, n, X.data_ptr<float>() + s0 * H, H1.data_ptr<float>() + s0 * N1,
+                                   A.data_ptr<float>() + s0 * inter, H2.data_ptr<float>() + s0 * N2});
+        for (int64_t i = 0; i < n; ++i) where.emplace_back(rows.size() - 1, i);
       }
+      experts_pass8(isa, rows, where, m1, true, np);
+      if (b1.has_value()) H1.narrow(1, 0, 2 * inter).add_(at::index_select(*b1, 0, eids.narrow(0, p0, Pg)));
+      // the gate as LoopExperts computes it (torch's ops, in moe.py's order): the same values
+      const at::Tensor gate = H1.narrow(1, 0, inter), up = H1.narrow(1, inter, inter);
+      if (act == 0) {
+        at::mul_out(A, at::silu(gate), up);
+      } else {
+        const at::Tensor g = at::clamp_max(gate, limit);
+        at::mul_out(A, at::add(at::clamp(up, -limit, limit), 1), at::mul(g, at::sigmoid(at::mul(g, alpha))));
+      }
+      experts_pass8(isa, rows, where, m2, false, np);
+      if (b2.has_value()) H2.narrow(1, 0, H).add_(at::index_select(*b2, 0, eids.narrow(0, p0, Pg)));
+      // weighted into each token's row, its pairs in expert order (as LoopExperts adds them: each
+      // product rounded, then added; this generic code has no FMA to contract them into); the groups
+      // come in expert order too
+      const float* h2 = H2.data_ptr<float>();
+      at::parallel_for(0, T, std::max<int64_t>(1, 4096 / (k * H)), [&](int64_t t0, int64_t t1) {
+        std::vector<int64_t> mine;
+        for (int64_t t = t0; t < t1; ++t) {
+          mine.clear();
+          for (int64_t j = 0; j < k; ++j)
+            if (pos[t * k + j] >= p0 && pos[t * k + j] < p1) mine.push_back(pos[t * k + j]);
+          std::sort(mine.begin(), mine.end());
+          float* yr = yp + t * H;
+          for (const int64_t i : mine) {
+            const float wt = wp[order[i]];
+            const float* hr = h2 + (i - p0) * N2;
+            for (int64_t c = 0; c < H; ++c) yr[c] += wt * hr[c];
+          }
+        }
+      });
     }
-  });
+    e0 = e1;
+  }
   return y;
 }
 
