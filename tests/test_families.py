@@ -288,20 +288,27 @@ def test_batched_with_prefix_hits_and_chunked_prefill(family):
     the cache once the first is in), prompts prefilled in 8-token chunks across KV blocks."""
     ref_model, hf_dir, _, _, fam = family
     eng = make_engine(load_model(hf_dir, "float32", **fam.load), max_num_batched_tokens=8, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    first, replies = batch_with_prefix_hits(eng, params)
+    assert eng.cache_stats()["cached_tokens"] >= 2 * 32
+    assert first == replies[0][1]
+    for prompt, tokens in replies:
+        assert tokens == hf_greedy(ref_model, prompt, 32)
+
+
+def batch_with_prefix_hits(eng, params: SamplingParams) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+    """Three prompts, two sharing a 32-token prefix, run alone first (the first one fills the prefix
+    cache) and then in one batch: (the first one's tokens alone, [(prompt, its tokens in the batch)])."""
     shared = PROMPT * 2
     prompts = [shared + [7, 8, 9], shared + [400, 500], list(reversed(PROMPT))]
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    *_, first = eng.generate(prompts[0], params)  # fills the prefix cache
+    *_, first = eng.generate(prompts[0], params)
     ids = [eng.add_request(p, params) for p in prompts]
     done = {}
     while eng.has_unfinished():
         for out in eng.step():
             if out.finished:
                 done[out.request_id] = out
-    assert eng.cache_stats()["cached_tokens"] >= 2 * 32
-    assert first.token_ids == done[ids[0]].token_ids
-    for rid, p in zip(ids, prompts):
-        assert done[rid].token_ids == hf_greedy(ref_model, p, 32)
+    return first.token_ids, [(p, done[rid].token_ids) for rid, p in zip(ids, prompts)]
 
 
 def test_int4_gguf_follows_its_fp32_weights(family):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_engine
-from test_families import PROMPT, gguf_tensors, hf_greedy, write_gguf
+from test_families import PROMPT, batch_with_prefix_hits, gguf_tensors, hf_greedy, write_gguf
 
 from localllm.model.loader import load_model
 from localllm.sampling import SamplingParams
@@ -140,18 +140,10 @@ def test_greedy_decode_and_batches_equal_transformers(gpt_oss):
     *_, last = make_engine(load_model(path, "float32")).generate(list(PROMPT), params)
     assert last.token_ids == hf_greedy(ref_model, PROMPT, 24)
     eng = make_engine(load_model(path, "float32"), max_num_batched_tokens=8, block_size=16)
-    shared = PROMPT * 2
-    prompts = [shared + [7, 8, 9], shared + [400, 500], list(reversed(PROMPT))]
-    eng.generate(prompts[0], params)
-    ids = [eng.add_request(p, params) for p in prompts]
-    done = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    assert eng.cache_stats()["cached_tokens"] >= 32
-    for rid, p in zip(ids, prompts):
-        assert done[rid].token_ids == hf_greedy(ref_model, p, 24)
+    first, replies = batch_with_prefix_hits(eng, params)
+    assert eng.cache_stats()["cached_tokens"] >= 32 and first == replies[0][1]
+    for prompt, tokens in replies:
+        assert tokens == hf_greedy(ref_model, prompt, 24)
 
 
 def test_mxfp4_experts_run_on_the_files_values(gpt_oss, tmp_path, gguf_path):

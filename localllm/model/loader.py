@@ -327,7 +327,7 @@ def _moe_block(weights: Weights, cfg: ModelConfig, layer: int, mode: str, act_dt
                if cache else build_experts())
     bias = router.replace(".weight", ".bias")
     loop_act = (functools.partial(swiglu_oai, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
-                if cfg.expert_act == "swiglu_oai" else None)  # (the looped experts' and LoopExperts')
+                if cfg.expert_act == "swiglu_oai" else None)  # (LoopExperts apply it; Int8wExperts carry `act`)
     return MoE(exact(router), experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                exact(bias) if weights.has(bias) else None, cfg.router_gating, loop_act)
 
