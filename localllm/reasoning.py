@@ -86,14 +86,18 @@ class HarmonySplitter:
     """feed(delta) -> (reasoning, answer) of a harmony reply (see the module doc): text on the
     `analysis` channel is reasoning, on any other (final, commentary) or before any header the
     answer; headers, the role after <|start|> and the markers themselves are dropped, as is what
-    follows <|return|> / <|call|>. A marker may arrive split over deltas: from a "<|" on, text is
-    held until it is a marker or cannot be one."""
+    follows <|return|> / <|call|>. A message to a function (`to=functions.NAME` in its role or
+    header: a tool call) is neither: its text is kept in `calls` as (NAME, arguments text). A marker
+    may arrive split over deltas: from a "<|" on, text is held until it is a marker or cannot be one."""
 
     def __init__(self):
         self._held = ""
         self._mode = "body"  # body | header (after <|channel|>) | role (after <|start|>) | ended
         self._channel = ""
         self._header = ""
+        self._role = ""
+        self._to = ""  # the message's recipient function, if any
+        self.calls: list[tuple[str, str]] = []
 
     def feed(self, text: str) -> tuple[str, str]:
         buf, self._held = self._held + text, ""
@@ -120,36 +124,58 @@ class HarmonySplitter:
         return "".join(reasoning), "".join(answer)
 
     def flush(self) -> tuple[str, str]:
-        """What is held back, once the stream has ended (an unfinished marker is text)."""
+        """What is held back, once the stream has ended (an unfinished marker is text; an unended
+        call is a call)."""
         reasoning, answer = [], []
         held, self._held = self._held, ""
         self._text(held, reasoning, answer)
+        self._end_message()
         return "".join(reasoning), "".join(answer)
 
     def _marker(self, marker: str) -> None:
         if self._mode == "ended":
             return
         if marker == CHANNEL:
-            self._mode, self._header = "header", ""
+            if self._mode != "header":
+                self._header = ""
+            self._mode = "header"
         elif marker == MESSAGE:
-            if self._mode == "header":  # "analysis", "final", "commentary to=functions.f <|constrain|>json"
+            # the header: "analysis", "final", "commentary to=functions.f <|constrain|>json"; the
+            # recipient may also follow the role ("<|start|>assistant to=functions.f<|channel|>...")
+            if self._mode == "header":
                 self._channel = self._header.split(" ")[0].strip()
-            self._mode = "body"
+            to = next((w[3:] for w in f"{self._role} {self._header}".split() if w.startswith("to=")), "")
+            self._to = to[len("functions."):] if to.startswith("functions.") else ""
+            self._mode, self._role, self._header = "body", "", ""
+            if self._to:
+                self.calls.append((self._to, ""))
         elif marker == START_MESSAGE:
-            self._mode, self._channel = "role", ""
+            self._end_message()
+            self._mode, self._channel, self._role = "role", "", ""
         elif marker == END_MESSAGE:
+            self._end_message()
             self._mode = "role"  # until the next message's header: nothing shown
         elif marker in HARMONY_ENDS:
+            self._end_message()
             self._mode = "ended"
         # (<|constrain|> inside a header is part of the header: dropped with it)
+
+    def _end_message(self) -> None:
+        self._to = ""
 
     def _text(self, text: str, reasoning: list[str], answer: list[str]) -> None:
         if not text:
             return
         if self._mode == "header":
             self._header += text
+        elif self._mode == "role":
+            self._role += text
         elif self._mode == "body":
-            (reasoning if self._channel == "analysis" else answer).append(text)
+            if self._to:
+                name, args = self.calls[-1]
+                self.calls[-1] = (name, args + text)
+            else:
+                (reasoning if self._channel == "analysis" else answer).append(text)
 
 
 def partial_tag(text: str, tag: str) -> int:

@@ -30,7 +30,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from .reasoning import HarmonySplitter, ThinkSplitter
-from .tool_calls import ToolCall, ToolCallStream
+from .tool_calls import ToolCall, ToolCallStream, tool_call
 
 
 @dataclass
@@ -67,12 +67,20 @@ class ReplyStream:
 
     def finish(self) -> ReplyDelta:
         """The end of the reply: held-back text (an unfinished tag is text, an unclosed <think>
-        reasoning) and the tool calls the reply made."""
+        reasoning) and the tool calls the reply made (a harmony reply's messages to functions: calls
+        of offered tools whose arguments are a JSON object; otherwise their text is content)."""
         reasoning, answer = self._think.flush() if self._think is not None else ("", "")
+        harmony = self._think.calls if isinstance(self._think, HarmonySplitter) else []
         if self._calls is None:
-            return ReplyDelta(reasoning, answer)
+            return ReplyDelta(reasoning, answer + "".join(args for _, args in harmony))
         answer = self._calls.feed(answer)
         rest, calls = self._calls.finish()
+        for name, args in harmony:
+            call = tool_call(name, args, self._calls.names)
+            if call is None:
+                rest += args
+            else:
+                calls.append(call)
         return ReplyDelta(reasoning, answer + rest, calls)
 
     def whole(self, text: str) -> ReplyDelta:

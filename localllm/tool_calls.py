@@ -71,6 +71,12 @@ def _call(obj, names: Collection[str]) -> ToolCall | None:
     return ToolCall(obj["name"], args) if isinstance(args, dict) else None
 
 
+def tool_call(name: str, arguments: str, names: Collection[str]) -> ToolCall | None:
+    """A call of tool `name` with `arguments` as JSON text (harmony's form: the name in the message's
+    header), or None when the tool was not offered or the arguments are not a JSON object."""
+    return _call({"name": name, "arguments": arguments or "{}"}, names)
+
+
 def _calls(text: str, names: Collection[str]) -> list[ToolCall] | None:
     """The calls in a JSON object or list of them, or None if `text` is not that."""
     try:

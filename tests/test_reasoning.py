@@ -82,6 +82,37 @@ def test_harmony_every_cut_gives_the_same_split(text, reasoning, answer):
     assert feed_harmony(text, list(range(1, len(text)))) == (reasoning, answer)
 
 
+HARMONY_CALLS = [
+    # the recipient in the header, after the channel
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+    "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>",
+    # the recipient after the role, the format in the header
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant to=functions.get_weather"
+    "<|channel|>commentary json<|message|>{\"city\": \"Paris\"}<|call|>",
+]
+
+
+@pytest.mark.parametrize("text", HARMONY_CALLS)
+def test_harmony_tool_calls(text):
+    """A harmony message to functions.NAME is a tool call of NAME with its text as the arguments (in
+    either place harmony puts the recipient), whatever the deltas; never content. A call of a tool
+    not offered, or arguments that are no JSON object, come back as content."""
+    from localllm.tool_calls import ToolCall
+
+    def run(tools, cuts):
+        s = ReplyStream(reasoning="harmony", tools=tools)
+        parts = [s.feed(text[lo:hi]) for lo, hi in zip([0] + cuts, cuts + [len(text)])] + [s.finish()]
+        return ("".join(p.reasoning for p in parts), "".join(p.content for p in parts),
+                [(c.name, c.arguments) for p in parts for c in p.tool_calls])
+
+    for cuts in ([], [len(text) // 2], list(range(1, len(text)))):
+        assert run({"get_weather"}, cuts) == ("Need the weather.", "", [("get_weather", {"city": "Paris"})])
+        assert run({"other"}, cuts) == ("Need the weather.", '{"city": "Paris"}', [])
+    assert isinstance(ReplyStream(reasoning="harmony", tools={"get_weather"}).whole(text).tool_calls[0], ToolCall)
+    bad = text.replace('{"city": "Paris"}', "not json")
+    assert ReplyStream(reasoning="harmony", tools={"get_weather"}).whole(bad).content == "not json"
+
+
 def test_harmony_markup_is_rendered_and_ends_the_reply(tmp_path, gguf_path):
     """A gpt-oss vocabulary: the markup tokens decode as text (the splitter needs them), the other
     special tokens stay hidden; <|return|> and <|call|> end a reply, <|end|> does not."""
