@@ -188,3 +188,36 @@ def test_reasoning_replies_become_reasoning_items_and_thinking_blocks(size):
     starts = [e["content_block"]["type"] for e in block_events if e["type"] == "content_block_start"]
     stops = [e["index"] for e in block_events if e["type"] == "content_block_stop"]
     assert starts == ["thinking", "text"] and stops == [0, 1]
+
+
+# harmony's shape (gpt-oss): the effort in a system message, the assistant's turns on channels
+HARMONY_TEMPLATE = ("{%- if reasoning_effort is defined %}<|start|>system<|message|>Reasoning: {{ reasoning_effort }}"
+                    "<|end|>{%- endif %}{%- for m in messages %}<|start|>{{ m.role }}{%- if m.role == 'assistant' %}"
+                    "<|channel|>final{%- endif %}<|message|>{{ m.content }}<|end|>{%- endfor %}"
+                    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}")
+
+
+def test_reasoning_effort_reaches_a_harmony_template(tmp_path):
+    """gpt-oss's effort: OpenAI's reasoning_effort and Ollama's think levels reach the template's
+    `reasoning_effort`; another think value is refused in one line."""
+    from localllm.tokenizer import LLMTokenizer
+
+    model_dir = tiny_checkpoint_with_template(tmp_path / "tiny-harmony", HARMONY_TEMPLATE)
+    tok = LLMTokenizer.from_dir(model_dir)
+
+    def count(**kw) -> int:
+        return len(tok.encode(render_chat(HARMONY_TEMPLATE, ASK, bos_token=tok.bos_token, eos_token=tok.eos_token,
+                                          **kw)))
+    with running("--ctx", "512", "--kv-memory", "20MiB", "--threads", "1", "--enforce-eager",
+                 model=str(model_dir)) as s:
+        c = openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        default = c.chat.completions.create(model=str(model_dir), messages=ASK, max_tokens=2, temperature=0)
+        high = c.chat.completions.create(model=str(model_dir), messages=ASK, max_tokens=2, temperature=0,
+                                         reasoning_effort="high")
+        assert default.usage.prompt_tokens == count() < high.usage.prompt_tokens == count(reasoning_effort="high")
+        o = ollama.Client(host=s.base, timeout=60)
+        low = o.chat(model=str(model_dir), messages=ASK, think="low", options={"temperature": 0, "num_predict": 2})
+        assert low.prompt_eval_count == count(reasoning_effort="low", enable_thinking=True)
+        r = httpx.post(s.base + "/api/chat", timeout=30, json={"model": str(model_dir), "messages": ASK,
+                                                              "think": "extreme", "stream": False})
+        assert r.status_code == 400 and "think must be" in r.json()["error"]

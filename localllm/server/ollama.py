@@ -41,6 +41,9 @@ from .state import ServerState
 VERSION = "0.11.0"  # the Ollama API version we answer like (clients check a minimum)
 FOREVER = "2318-11-30T00:00:00Z"  # what Ollama reports as expires_at for keep_alive < 0
 
+# Ollama's think levels (gpt-oss: its reasoning effort); true/false for the others
+THINK_LEVELS = ("low", "medium", "high")
+
 
 def is_ollama_path(path: str) -> bool:
     return path.startswith("/api/")
@@ -179,8 +182,9 @@ def _now_iso() -> str:
 
 
 def _refuse_unsupported(body: _GenBody) -> None:
-    if body.think is not None and not isinstance(body.think, bool):
-        raise APIError(400, f"think must be true or false, got {body.think!r}", param="think")
+    if body.think is not None and not isinstance(body.think, bool) and body.think not in THINK_LEVELS:
+        raise APIError(400, f"think must be true, false or one of {', '.join(THINK_LEVELS)}, got {body.think!r}",
+                       param="think")
     o = body.options
     if o is not None:
         if o.num_ctx is not None and o.num_ctx < 1:
@@ -468,7 +472,7 @@ async def _load_only(state: ServerState, name: str, keep_alive: float | None, ch
 
 async def _run(state: ServerState, name: str, prompt: str | list[dict] | FimRequest, options: Options | None,
                keep_alive: float | None, stream: bool, request: Request, chat: bool, fmt: Any = None,
-               think: bool | None = None, tools: tuple[dict, list] | None = None):
+               think: bool | str | None = None, tools: tuple[dict, list] | None = None):
     """`tools`: (name -> parameters, the tools as sent) of a chat that offers some."""
     from ..generic_calls import GenericTools
     from ..reasoning import reasons
@@ -485,6 +489,9 @@ async def _run(state: ServerState, name: str, prompt: str | list[dict] | FimRequ
         if think and not reasons(template):
             raise APIError(400, f"\"{name}\" does not support thinking (its chat template has no <think> tags)",
                            param="think")
+        if isinstance(think, str) and reasons(template) != "harmony":
+            raise APIError(400, f"think levels ({', '.join(THINK_LEVELS)}) set a gpt-oss model's reasoning effort; "
+                           f"\"{name}\" takes think true or false", param="think")
         constraint_param = "format"
         if chat and not generic_tools.takes_tools(template):  # the tools and tool turns as text turns
             prompt = generic_tools.messages(prompt, tools[1] if tools else None, template)
@@ -496,7 +503,9 @@ async def _run(state: ServerState, name: str, prompt: str | list[dict] | FimRequ
         params = sampling_params(options, constraint)
         if isinstance(prompt, FimRequest):
             prompt = await fim_prompt(served, prompt, [params])
-        kwargs = {} if think is None else {"enable_thinking": think}
+        kwargs = {} if think is None else {"enable_thinking": bool(think)}
+        if think in THINK_LEVELS:  # gpt-oss's reasoning effort (Ollama's levels); others just think
+            kwargs["reasoning_effort"] = think
         if tools and tools[1] is not None:
             kwargs["tools"] = tools[1]
         gen = Generation(served, state.admission, [prompt], [params], max_tokens_param="num_predict",
@@ -512,7 +521,7 @@ async def _run(state: ServerState, name: str, prompt: str | list[dict] | FimRequ
     reply = ReplyStream(thinks, inside, tools[0] if tools else None)
 
     def piece(part: ReplyDelta) -> dict:
-        extra = {"thinking": part.reasoning} if part.reasoning and think else {}
+        extra = {"thinking": part.reasoning} if part.reasoning and (think or thinks == "harmony") else {}
         if part.tool_calls:  # Ollama's shape: arguments as an object, no ids
             extra["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}}
                                    for c in part.tool_calls]
@@ -534,7 +543,7 @@ async def _run(state: ServerState, name: str, prompt: str | list[dict] | FimRequ
                 if timing.first is None and out.new_token_ids:
                     timing.first = time.perf_counter()
                 part = reply.feed(out.delta, out.finished)
-                if part.content or (part.reasoning and think) or part.tool_calls:
+                if part.content or (part.reasoning and (think or thinks == "harmony")) or part.tool_calls:
                     yield _line({"model": name, "created_at": _now_iso(), **piece(part), "done": False})
                 if out.finished:
                     timing.end = time.perf_counter()

@@ -323,6 +323,8 @@ async def start_chat(state: ServerState, body: oai.ChatCompletionRequest, served
         body = body.model_copy(update={"response_format": None})  # held to it inside the generic JSON
     params, constraint_param = _params_list(body, max_tokens, mt_param, logprobs, vocab, forced)
     kwargs = _template_kwargs(body.chat_template_kwargs)
+    if body.reasoning_effort is not None:  # (as vLLM: a template variable; gpt-oss's writes "Reasoning: high")
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     fetched = await oai.fetch_image_urls(body.messages, state.cfg.image_urls)
     messages = template_messages(oai.message_dicts(body.messages, fetched))
     if not generic_tools.takes_tools(template):  # the tools (if offered) and tool turns as text turns

@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -179,6 +179,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM: extra variables for the chat template
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # gpt-oss's template reads it
     functions: Any = None
     function_call: Any = None
     modalities: Any = None

@@ -180,8 +180,8 @@ def chat_request(req: ResponsesRequest) -> oai.ChatCompletionRequest:
                             "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
                             "top_p": req.top_p, "seed": req.seed, "user": req.user}
     effort = (req.reasoning or {}).get("effort")
-    if effort is not None:  # a reasoning model thinks unless told the least effort
-        body["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal")}
+    if effort is not None:  # a reasoning model thinks unless told the least effort (gpt-oss: at that effort)
+        body["chat_template_kwargs"] = {"enable_thinking": effort not in ("none", "minimal"), "reasoning_effort": effort}
     if req.top_logprobs:
         body.update(logprobs=True, top_logprobs=req.top_logprobs)
     if not body["messages"]:
