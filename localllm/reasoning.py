@@ -12,10 +12,11 @@ Tokens are untouched: this only splits text.
 
 from __future__ import annotations
 
+from .tokenizer import HARMONY_EOG, HARMONY_MARKUP
+
 START, END = "<think>", "</think>"
-CHANNEL, MESSAGE, END_MESSAGE, START_MESSAGE = "<|channel|>", "<|message|>", "<|end|>", "<|start|>"
-HARMONY_ENDS = ("<|return|>", "<|call|>")
-_HARMONY_MARKERS = (CHANNEL, MESSAGE, END_MESSAGE, START_MESSAGE, "<|constrain|>", *HARMONY_ENDS)
+START_MESSAGE, END_MESSAGE, CHANNEL, MESSAGE, _ = HARMONY_MARKUP
+_HARMONY_MARKERS = (*HARMONY_MARKUP, *HARMONY_EOG)
 _LONGEST_MARKER = max(map(len, _HARMONY_MARKERS))
 
 
@@ -155,7 +156,7 @@ class HarmonySplitter:
         elif marker == END_MESSAGE:
             self._end_message()
             self._mode = "role"  # until the next message's header: nothing shown
-        elif marker in HARMONY_ENDS:
+        elif marker in HARMONY_EOG:
             self._end_message()
             self._mode = "ended"
         # (<|constrain|> inside a header is part of the header: dropped with it)

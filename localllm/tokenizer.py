@@ -22,7 +22,7 @@ _GPT4O_REGEX = "|".join([
     r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
 # gpt-oss (harmony): a reply ends at <|return|>, or at <|call|> (a tool call); its <|end|> closes one
 # message (the reasoning) and the reply goes on, so it is no end of turn there (llama.cpp's rule too)
-_HARMONY_EOG = ("<|return|>", "<|call|>")
+HARMONY_EOG = ("<|return|>", "<|call|>")
 # harmony's message markup, written out in replies (reasoning.HarmonySplitter reads the channels from
 # it, as llama.cpp renders these for its parser)
 HARMONY_MARKUP = ("<|start|>", "<|end|>", "<|channel|>", "<|message|>", "<|constrain|>")
@@ -239,9 +239,9 @@ def _gguf_byte_level(meta: dict) -> TokenizerInfo:
     tok.decoder = decoders.ByteLevel()
     _gguf_add_special_tokens(tok, tokens, types)
     eot = {int(meta["tokenizer.ggml.eot_token_id"])} if "tokenizer.ggml.eot_token_id" in meta else set()
-    harmony = _HARMONY_EOG[0] in tokens
+    harmony = HARMONY_EOG[0] in tokens
     if harmony:
-        eot = (eot | {i for i, t in enumerate(tokens) if t in _HARMONY_EOG}) - {
+        eot = (eot | {i for i, t in enumerate(tokens) if t in HARMONY_EOG}) - {
             i for i, t in enumerate(tokens) if t == "<|end|>"}
     return TokenizerInfo(
         tok, _gguf_token_name(meta, tokens, "tokenizer.ggml.bos_token_id"),
