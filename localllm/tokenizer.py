@@ -239,10 +239,10 @@ def _gguf_byte_level(meta: dict) -> TokenizerInfo:
     tok.decoder = decoders.ByteLevel()
     _gguf_add_special_tokens(tok, tokens, types)
     eot = {int(meta["tokenizer.ggml.eot_token_id"])} if "tokenizer.ggml.eot_token_id" in meta else set()
-    harmony = HARMONY_EOG[0] in tokens
+    harmony = tok.token_to_id(HARMONY_EOG[0]) is not None
     if harmony:
-        eot = (eot | {i for i, t in enumerate(tokens) if t in HARMONY_EOG}) - {
-            i for i, t in enumerate(tokens) if t == "<|end|>"}
+        ids = {t: tok.token_to_id(t) for t in (*HARMONY_EOG, "<|end|>")}  # (the vocabulary's own lookup)
+        eot = (eot | {ids[t] for t in HARMONY_EOG if ids[t] is not None}) - {ids["<|end|>"]}
     return TokenizerInfo(
         tok, _gguf_token_name(meta, tokens, "tokenizer.ggml.bos_token_id"),
         _gguf_token_name(meta, tokens, "tokenizer.ggml.eos_token_id"),

@@ -133,17 +133,19 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
             if softcap:
                 s = torch.tanh(s / softcap) * softcap
             s = s.masked_fill(~mask, float("-inf"))
-            p = softmax_with_sinks(s, sinks) if sinks is not None else s.softmax(-1)
-            o = torch.einsum("bhgnl,bhld->bhgnd", p.unflatten(1, (kvh, g)), vv).flatten(1, 2)
+            o = torch.einsum("bhgnl,bhld->bhgnd", softmax_with_sinks(s, sinks).unflatten(1, (kvh, g)), vv).flatten(1, 2)
         else:
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=kvh != H)
         out[start:end] = o[0].transpose(0, 1)
     return out
 
 
-def softmax_with_sinks(s: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def softmax_with_sinks(s: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
     """Softmax of scores s [..., H, n, L] over L with head h's sink (sinks [H]) as one more logit in
-    the denominator, dropped from the result (transformers' gpt-oss eager attention)."""
+    the denominator, dropped from the result (transformers' gpt-oss eager attention); no sinks: the
+    plain softmax."""
+    if sinks is None:
+        return s.softmax(-1)
     sink = sinks.float().view(-1, 1, 1).expand(*s.shape[:-1], 1)
     return torch.cat([s, sink], dim=-1).softmax(-1)[..., :-1]
 

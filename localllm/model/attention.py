@@ -237,5 +237,4 @@ def span_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~allowed[None], float("-inf"))
-    p = softmax_with_sinks(s, sinks) if sinks is not None else s.softmax(-1)
-    return torch.einsum("hqk,khd->qhd", p, v)
+    return torch.einsum("hqk,khd->qhd", softmax_with_sinks(s, sinks), v)

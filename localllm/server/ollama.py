@@ -519,9 +519,10 @@ async def _run(state: ServerState, name: str, prompt: str | list[dict] | FimRequ
     # harmony reply (gpt-oss), whose reasoning Ollama always returns as its thinking
     thinks, inside = gen.reasoning() if think is not None or reasons(template) == "harmony" else (False, False)
     reply = ReplyStream(thinks, inside, tools[0] if tools else None)
+    shows_thinking = bool(think) or thinks == "harmony"
 
     def piece(part: ReplyDelta) -> dict:
-        extra = {"thinking": part.reasoning} if part.reasoning and (think or thinks == "harmony") else {}
+        extra = {"thinking": part.reasoning} if part.reasoning and shows_thinking else {}
         if part.tool_calls:  # Ollama's shape: arguments as an object, no ids
             extra["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}}
                                    for c in part.tool_calls]
@@ -543,7 +544,7 @@ async def _run(state: ServerState, name: str, prompt: str | list[dict] | FimRequ
                 if timing.first is None and out.new_token_ids:
                     timing.first = time.perf_counter()
                 part = reply.feed(out.delta, out.finished)
-                if part.content or (part.reasoning and (think or thinks == "harmony")) or part.tool_calls:
+                if part.content or (part.reasoning and shows_thinking) or part.tool_calls:
                     yield _line({"model": name, "created_at": _now_iso(), **piece(part), "done": False})
                 if out.finished:
                     timing.end = time.perf_counter()
