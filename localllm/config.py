@@ -96,7 +96,8 @@ class ModelConfig:
         # which no released model sets)
         window = (cfg.get("sliding_window") if arch in ("Phi3ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
                   else None)
-        fields = (_gemma_fields(arch, cfg) if gemma else {}) | _moe_fields(arch, cfg)
+        fields = (_gemma_fields(arch, cfg) if gemma else {}) | _moe_fields(arch, cfg) \
+            | (_gpt_oss_fields(cfg) if arch == "GptOssForCausalLM" else {})
         return cls(**{**dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -254,7 +255,7 @@ class ModelConfig:
         return round(2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes)
 
 
-MOE_ARCHS = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHS = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 MROPE_ARCHS = ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 
 
@@ -281,7 +282,7 @@ def _moe_fields(arch: str, cfg: dict) -> dict:
     if arch not in MOE_ARCHS:
         return {}
     L, k = cfg["num_hidden_layers"], cfg["num_experts_per_tok"]
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
         return {"num_experts": cfg["num_local_experts"], "num_experts_per_tok": k,
                 "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True, "moe_layers": (True,) * L}
     n = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
@@ -473,6 +474,18 @@ def _gguf_gpt_oss_fields(m: Callable) -> dict:
         raise ValueError(f"gpt-oss with rope scaling {m('rope.scaling.type')!r} is not supported (yarn only)")
     return dict(layer_windows=tuple(window if i % 2 == 0 else None for i in range(n)), rope_scaling=rope,
                 attn_sinks=True, router_gating="topk_softmax", expert_act="swiglu_oai")
+
+
+def _gpt_oss_fields(cfg: dict) -> dict:
+    """gpt-oss as its HF config says: the window on the layers layer_types calls sliding (every even
+    one in the published configs), attention sinks, the router's softmax over its top k and the
+    experts' clamped SwiGLU (transformers' defaults where a key is absent: alpha 1.702, limit 7)."""
+    window = int(cfg.get("sliding_window") or 128)
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                       for i in range(cfg["num_hidden_layers"])]
+    return dict(layer_windows=tuple(window if t == "sliding_attention" else None for t in types), attn_sinks=True,
+                router_gating="topk_softmax", expert_act="swiglu_oai",
+                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
 
 
 def _gguf_longrope(m: Callable, tensors: Collection[str], read_floats: Callable[[str], list[float]]) -> dict | None:

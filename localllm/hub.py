@@ -282,7 +282,9 @@ def select_files(repo: str, names: list[str], filename: str | None = None, mmpro
                 raise HubError(f"{repo} has no file {f!r}" + (f" (GGUF files: {', '.join(ggufs[:6])})"
                                                               if ggufs else ""))
         return wanted
-    chosen = [n for n in names if any(fnmatch.fnmatch(n, p) for p in ALLOW_PATTERNS)]
+    # the checkpoint's own files sit at the top (gpt-oss's repos keep their original weights, as big,
+    # under original/); a pattern naming a folder (sentence-transformers' pooling) reaches into it
+    chosen = [n for n in names if any(fnmatch.fnmatch(n, p) and ("/" not in n or "/" in p) for p in ALLOW_PATTERNS)]
     if not any(n.endswith(".safetensors") for n in chosen):
         found = sorted({Path(n).suffix or n for n in names if n.endswith((".bin", ".pth", ".pt", ".gguf", ".ckpt",
                                                                           ".h5", ".msgpack", ".onnx"))})
@@ -365,7 +367,8 @@ def _pull_online(repo: str, revision: str, filename: str | None, show: bool, t0:
     info = HfApi(endpoint=endpoint()).model_info(repo, revision=revision, files_metadata=True)
     commit = check_commit(info.sha, repo)
     sizes = {s.rfilename: (s.size or 0) for s in (info.siblings or [])}
-    files = [check_filename(f, repo) for f in select_files(repo, list(sizes), filename, mmproj)]
+    # every name the hub lists is checked, the ones not taken too: a hostile listing is refused whole
+    files = select_files(repo, [check_filename(f, repo) for f in sizes], filename, mmproj)
     snap = repo_dir(repo) / "snapshots" / commit
     todo = [f for f in files if not (snap / f).exists()]
     metas = {f: _file_meta(repo, f, commit) for f in todo}  # every name checked before a byte is written

@@ -405,6 +405,12 @@ def _native_bytes(weights) -> dict[str, int]:
                     total += t.nbytes
                 else:
                     total += int(n * (0.5 + 4 / 32)) if linear and t.qtype.name in ("Q4_0", "Q4_1") else n * other
+        elif weights.mxfp4:  # gpt-oss: the experts' blocks on our kernel (CPU), the rest 16-bit as stored
+            f = ModelFacts.from_config("", cfg)
+            experts = sum(map(cfg.is_moe_layer, range(cfg.num_layers))) * cfg.num_experts * 3 * \
+                cfg.hidden_size * cfg.moe_intermediate_size
+            total += (int(experts * gguf_blocks.cpu_bytes_per_value("MXFP4")) + (f.params - experts) * 2
+                      if kind == "cpu" else f.params * other)
         else:
             f = ModelFacts.from_config("", cfg)
             g = weights.quant.get("group_size", 128)

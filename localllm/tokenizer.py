@@ -156,9 +156,10 @@ class LLMTokenizer:
             add_bos = full[:1] != plain[:1]
         if add_eos is None:
             add_eos = full[-1:] != plain[-1:]
+        eot, rendered = _harmony(tok, set(extra_eos_ids or ()))
         info = TokenizerInfo(
             tok, _token_content(cfg.get("bos_token")), _token_content(cfg.get("eos_token")),
-            bool(add_bos), template, set(extra_eos_ids or ()), bool(add_eos))
+            bool(add_bos), template, eot, bool(add_eos), rendered=rendered)
         if template is not None:
             from .family_templates import template_family
 
@@ -239,16 +240,22 @@ def _gguf_byte_level(meta: dict) -> TokenizerInfo:
     tok.decoder = decoders.ByteLevel()
     _gguf_add_special_tokens(tok, tokens, types)
     eot = {int(meta["tokenizer.ggml.eot_token_id"])} if "tokenizer.ggml.eot_token_id" in meta else set()
-    harmony = tok.token_to_id(HARMONY_EOG[0]) is not None
-    if harmony:
-        ids = {t: tok.token_to_id(t) for t in (*HARMONY_EOG, "<|end|>")}  # (the vocabulary's own lookup)
-        eot = (eot | {ids[t] for t in HARMONY_EOG if ids[t] is not None}) - {ids["<|end|>"]}
+    eot, rendered = _harmony(tok, eot)
     return TokenizerInfo(
         tok, _gguf_token_name(meta, tokens, "tokenizer.ggml.bos_token_id"),
         _gguf_token_name(meta, tokens, "tokenizer.ggml.eos_token_id"),
         bool(meta.get("tokenizer.ggml.add_bos_token", pre in _BOS_BY_DEFAULT)), meta.get("tokenizer.chat_template"),
-        eot, rendered=frozenset(HARMONY_MARKUP) if harmony else frozenset(),
+        eot, rendered=rendered,
     )
+
+
+def _harmony(tok: Tokenizer, eot: set[int]) -> tuple[set[int], frozenset[str]]:
+    """A harmony vocabulary's (gpt-oss's) end-of-generation ids added to `eot` (<|end|> taken out:
+    a message ends there, not the reply) and the markup decode() writes out; as given otherwise."""
+    if tok.token_to_id(HARMONY_EOG[0]) is None:
+        return eot, frozenset()
+    ids = {t: tok.token_to_id(t) for t in (*HARMONY_EOG, "<|end|>")}  # (the vocabulary's own lookup)
+    return (eot | {ids[t] for t in HARMONY_EOG if ids[t] is not None}) - {ids["<|end|>"]}, frozenset(HARMONY_MARKUP)
 
 
 def _spm_merges(tokens: list[str], types: list[int], scores: list[float]) -> list[tuple[str, str]]:

@@ -5,6 +5,7 @@ the router's softmax over its top k, the experts' clamped SwiGLU; MXFP4 experts 
 published files hold) against transformers on the file's own dequantized values; the o200k
 pre-tokenizer and harmony's end-of-generation tokens."""
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -193,13 +194,7 @@ def test_mxfp4_experts_run_on_the_files_values(gpt_oss, tmp_path, gguf_path):
     # our kernels take 16-bit activations (two int8 parts a value): teacher-forced on transformers'
     # greedy continuation, the argmax may differ only where transformers' top two nearly tie
     want = hf_greedy(ref, PROMPT, 32)
-    ours = make_engine(loaded).score(PROMPT + want)[len(PROMPT) - 1:-1]
-    with torch.no_grad():
-        theirs = ref(torch.tensor([PROMPT + want])).logits[0, len(PROMPT) - 1:-1].float()
-    flips = (ours.argmax(-1) != torch.tensor(want)).nonzero().flatten().tolist()
-    top2 = theirs.topk(2, dim=-1).values
-    gaps = [(top2[i, 0] - top2[i, 1]).item() for i in flips]
-    assert len(flips) <= 2 and all(gap < 0.05 for gap in gaps), (flips, gaps)
+    ours, theirs = teacher_forced(make_engine(loaded), ref, want)
     assert (ours - theirs).abs().max() < 0.02 * theirs.abs().max()
     *_, last = make_engine(loaded).generate(list(PROMPT), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert last.token_ids == want[:8]
@@ -207,6 +202,19 @@ def test_mxfp4_experts_run_on_the_files_values(gpt_oss, tmp_path, gguf_path):
         ex = layer.moe.experts
         layer.moe.experts = LoopExperts(*zip(*[_expert_linears(ex, e) for e in range(ex.w1.shape[0])]))
     assert torch.equal(make_engine(loaded).score(PROMPT + want), make_engine(load_model(path, "auto")).score(PROMPT + want))
+
+
+def teacher_forced(eng, ref, want: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our and transformers' logits at each step of transformers' greedy continuation `want` of PROMPT;
+    checks our argmax is its token but for at most 2 steps where its top two nearly tie (< 0.05)."""
+    ours = eng.score(PROMPT + want)[len(PROMPT) - 1:-1]
+    with torch.no_grad():
+        theirs = ref(torch.tensor([PROMPT + want])).logits[0, len(PROMPT) - 1:-1].float()
+    flips = (ours.argmax(-1) != torch.tensor(want)).nonzero().flatten().tolist()
+    top2 = theirs.topk(2, dim=-1).values
+    gaps = [(top2[i, 0] - top2[i, 1]).item() for i in flips]
+    assert len(flips) <= 2 and all(gap < 0.05 for gap in gaps), (flips, gaps)
+    return ours, theirs
 
 
 def _expert_linears(ex, e: int):
@@ -235,3 +243,143 @@ def test_triton_backend_matches_transformers(gpt_oss):
     torch.testing.assert_close(eng.score(PROMPT), ref, atol=2e-4, rtol=1e-4)
     *_, last = eng.generate(list(PROMPT), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert last.token_ids == hf_greedy(ref_model, PROMPT, 12)
+
+
+# ---- Hugging Face checkpoints: transformers' own layout and the published MXFP4 one ----------
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, K] -> the published checkpoints' (blocks uint8 [..., rows, K / 32, 16], scales uint8
+    [..., rows, K / 32]): per 32 values an E8M0 scale 2^(s - 127) putting the largest at most 6, each
+    value its nearest E2M1 code; byte j holds values 2j (low nibble) and 2j + 1."""
+    *pre, k = w.shape
+    b = w.reshape(*pre, k // 32, 32)
+    e = torch.ceil(torch.log2(b.abs().amax(-1).clamp(min=1e-30) / 6)).clamp(-127, 127)
+    codes = (b / torch.exp2(e).unsqueeze(-1)).unsqueeze(-1).sub(FP4).abs().argmin(-1).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (e + 127).to(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_hf(gpt_oss, tmp_path_factory, fp32_model):
+    """Directories of the model as transformers writes it in fp32 ("fp32") and in bf16 ("bf16": the
+    fine-tunes' layout, experts fused [E, in, out], gate and up interleaved), and as openai/gpt-oss-*
+    are published ("mxfp4": the bf16 one with the experts as MXFP4 blocks and scales, quant_method
+    mxfp4)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from test_families import write_hf
+
+    ref_model, _ = gpt_oss
+    out = tmp_path_factory.mktemp("gpt-oss-hf")
+    dirs = {"fp32": write_hf(ref_model, out / "fp32", fp32_model.tokenizer)}
+    bf16 = transformers.GptOssForCausalLM(ref_model.config).eval()
+    bf16.load_state_dict(ref_model.state_dict())
+    dirs["bf16"] = write_hf(bf16.to(torch.bfloat16), out / "bf16", fp32_model.tokenizer)
+    dirs["mxfp4"] = mx = write_hf(bf16, out / "mxfp4", fp32_model.tokenizer)
+    state = load_file(mx / "model.safetensors")
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        state[name + "_blocks"], state[name + "_scales"] = mxfp4_blocks(state.pop(name).float().transpose(1, 2))
+    save_file(state, mx / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((mx / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (mx / "config.json").write_text(json.dumps(cfg))
+    return dirs
+
+
+def test_hf_checkpoint_matches_transformers(gpt_oss, gpt_oss_hf):
+    """transformers' own fp32 checkpoint of the model (router, sinks and fused experts under its names):
+    the same config as the GGUF's, every position's logits to 2e-4, greedy tokens equal."""
+    from localllm.model.weights import open_weights
+
+    ref_model, path = gpt_oss
+    ours, gguf = (dataclasses.asdict(open_weights(p).config) for p in (gpt_oss_hf["fp32"], path))
+    rope = ours.pop("rope_scaling")  # (HF's keeps rope_theta in it too; the GGUF's eps is an fp32)
+    assert all(rope[k] == v for k, v in gguf.pop("rope_scaling").items())
+    assert ours.pop("rms_norm_eps") == pytest.approx(gguf.pop("rms_norm_eps")) and ours == gguf
+    loaded = load_model(gpt_oss_hf["fp32"], "auto")
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(make_engine(loaded).score(PROMPT), ref, atol=2e-4, rtol=1e-4)
+    *_, last = make_engine(loaded).generate(list(PROMPT), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert last.token_ids == hf_greedy(ref_model, PROMPT, 16)
+
+
+def _reference(path, **kw):
+    """transformers' fp32 model of a checkpoint directory (an MXFP4 one dequantized by its own reader:
+    E2M1 times a power of two is exact in bf16, so in fp32 too)."""
+    return transformers.GptOssForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32,
+                                                          **kw).eval()
+
+
+def test_bf16_checkpoint_keeps_its_weights_in_16_bits(gpt_oss_hf):
+    """A bf16 checkpoint by default: every matrix on our 16-bit kernel as stored (the experts sliced
+    out of their fused stacks), fp32 math: transformers' fp32 on the same values, logits to fp32
+    summation-order error, greedy tokens equal; with the default 16-bit KV cache, flips at near ties."""
+    from localllm.model.layers import W16Linear
+
+    loaded = load_model(gpt_oss_hf["bf16"], "auto")
+    assert loaded.precision.startswith("16-bit weights (bf16")
+    assert all(isinstance(m, W16Linear) for m in loaded.model.layers[0].moe.experts.gate_up)
+    ref = _reference(gpt_oss_hf["bf16"])
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPT])).logits[0]
+    # on an fp32 KV cache: the default 16-bit one moves these peaked logits by up to 0.1 (a greedy
+    # token at a 0.005 tie flips), as it does for every 16-bit and quantized model
+    exact = make_engine(loaded, kv_type="f32")
+    torch.testing.assert_close(exact.score(PROMPT), want, atol=2e-4, rtol=1e-4)
+    *_, last = exact.generate(list(PROMPT), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert last.token_ids == hf_greedy(ref, PROMPT, 16)
+    teacher_forced(make_engine(loaded), ref, last.token_ids)
+
+
+def test_published_mxfp4_checkpoint_runs_on_its_blocks(gpt_oss_hf):
+    """openai/gpt-oss-*'s layout: read by default without a dequantized copy, each expert matrix's
+    blocks in GGUF's MXFP4 layout on our int8-lane kernel (the values bit-equal to transformers' own
+    MXFP4 reader's), stacked for moe_int8w with their biases; attention, embedding and head bf16 as
+    stored. Exact math ("float32") matches transformers on the checkpoint to 2e-4; the default (16-bit
+    activations into the kernels) gives its greedy tokens, flips only where its top two nearly tie.
+    The second load takes the experts from the conversion cache: the same logits."""
+    from test_model_memory import planner_matches_held
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from localllm.model.layers import W16Linear, W16Matrix
+    from localllm.model.moe import Int8wExperts
+    from localllm.model.weights import open_weights
+
+    mx = gpt_oss_hf["mxfp4"]
+    ref = _reference(mx, quantization_config=transformers.Mxfp4Config(dequantize=True))
+    weights = open_weights(mx)
+    for i, layer in enumerate(ref.model.layers):
+        ex = layer.mlp.experts
+        assert torch.equal(ex.down_proj, convert_moe_packed_tensors(
+            *(weights.dense(f"model.layers.{i}.mlp.experts.down_proj_{s}") for s in ("blocks", "scales")),
+            dtype=torch.float32))  # (transformers' reader: its dequantizer)
+        for e in range(ex.num_experts):
+            gate, up, down = (weights.blocks(f"model.layers.{i}.mlp.experts.{e}.{part}_proj.weight").values().t()
+                              for part in ("gate", "up", "down"))
+            assert torch.equal(gate, ex.gate_up_proj[e][:, 0::2]) and torch.equal(up, ex.gate_up_proj[e][:, 1::2])
+            assert torch.equal(down, ex.down_proj[e])
+
+    with torch.no_grad():
+        want_logits = ref(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(make_engine(load_model(mx, "float32")).score(PROMPT), want_logits, atol=2e-4, rtol=1e-4)
+
+    loaded = load_model(mx, "auto")
+    assert loaded.precision.startswith("BF16/MXFP4 weights as stored (our int8-lane/16-bit kernels")
+    layer = loaded.model.layers[0]
+    assert isinstance(layer.moe.experts, Int8wExperts) and layer.moe.experts.b1 is not None
+    assert isinstance(layer.qkv, W16Linear) and isinstance(loaded.model.embed, W16Matrix)
+    planner_matches_held(loaded, mx)
+    want = hf_greedy(ref, PROMPT, 32)
+    teacher_forced(make_engine(loaded), ref, want)
+    from localllm.model.convert_cache import ConvertCache
+    from localllm.paths import cache_home
+
+    ConvertCache.wait_written()
+    assert list((cache_home() / "converted").glob("mxfp4-*.safetensors"))
+    again = load_model(mx, "auto")
+    assert torch.equal(make_engine(again).score(PROMPT + want), make_engine(loaded).score(PROMPT + want))

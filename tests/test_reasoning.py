@@ -113,9 +113,11 @@ def test_harmony_tool_calls(text):
     assert ReplyStream(reasoning="harmony", tools={"get_weather"}).whole(bad).content == "not json"
 
 
-def test_harmony_markup_is_rendered_and_ends_the_reply(tmp_path, gguf_path):
-    """A gpt-oss vocabulary: the markup tokens decode as text (the splitter needs them), the other
-    special tokens stay hidden; <|return|> and <|call|> end a reply, <|end|> does not."""
+@pytest.mark.parametrize("source", ["gguf", "hf"])
+def test_harmony_markup_is_rendered_and_ends_the_reply(tmp_path, gguf_path, source):
+    """A gpt-oss vocabulary, from a GGUF or a Hugging Face tokenizer.json: the markup tokens decode as
+    text (the splitter needs them), the other special tokens stay hidden; <|return|> and <|call|> end
+    a reply, <|end|> does not."""
     from test_families import tokenizer_fields
 
     from localllm.tokenizer import LLMTokenizer
@@ -126,6 +128,9 @@ def test_harmony_markup_is_rendered_and_ends_the_reply(tmp_path, gguf_path):
     meta |= {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.pre": "gpt-4o",
              "tokenizer.ggml.token_type": list(meta["tokenizer.ggml.token_type"]) + [3] * len(extra)}
     tok = LLMTokenizer.from_gguf(meta, str(tmp_path / "x.gguf"))
+    if source == "hf":
+        tok.save_hf(tmp_path)
+        tok = LLMTokenizer.from_dir(tmp_path)
     ids = {t: tok.tok.token_to_id(t) for t in extra}
     text = "<|channel|>final<|message|>Hi<|return|>"
     enc = tok.encode(text)

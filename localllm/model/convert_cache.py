@@ -14,6 +14,7 @@ from torch import nn
 from . import cache_file
 from .errors import ModelLoadError
 from .gguf_weights import GGUFWeights
+from .hf_weights import HFWeights
 from .layers import ConcatLinear, Int4Linear, Int8wLinear
 from .moe import Int4Experts, Int8wExperts, LoopExperts
 
@@ -34,9 +35,10 @@ def weights_fingerprint(path: str | os.PathLike, *how) -> str:
 
 
 class ConvertCache:
-    """What loading a GGUF on CPU computes (int4pack repacks, MoE layers' stacked experts, the fp32
-    embedding, the int4 copy of the head) saved once per file as safetensors under ~/.cache/localllm/converted, keyed by the
-    file's path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md).
+    """What loading a GGUF (or gpt-oss's MXFP4 checkpoint) on CPU computes (int4pack repacks, MoE
+    layers' stacked experts, the fp32 embedding, the int4 copy of the head) saved once per file as
+    safetensors under ~/.cache/localllm/converted, keyed by the file's (a directory's: each file's)
+    path, size and mtime: a later `localllm run` skips the conversion (see BENCHMARKS.md).
     Written durably with a checksum of every tensor (cache_file); a file that does not match is
     converted again, never used."""
 
@@ -74,7 +76,8 @@ class ConvertCache:
 
     @staticmethod
     def open(path, weights, mode: str, device: str, dense: bool, cpu_kernel: bool) -> ConvertCache | None:
-        if not (isinstance(weights, GGUFWeights) and mode == "int4" and device == "cpu"):
+        blocks = isinstance(weights, GGUFWeights) or (isinstance(weights, HFWeights) and weights.mxfp4)
+        if not (blocks and mode == "int4" and device == "cpu"):
             return None
         return ConvertCache(Path(path), dense, cpu_kernel)
 

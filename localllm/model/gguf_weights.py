@@ -186,6 +186,10 @@ class GGUFWeights:
         blocks = torch.from_numpy(buf).view(-1, k // gguf_blocks.BLOCK_VALUES[kind], gguf_blocks.BLOCK_BYTES[kind])
         return blocks, torch.cat(order) if perms else None
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """`name`'s shape ([N, K] for a matrix)."""
+        return tuple(self._tensor(name).shape)
+
     def kind(self, name: str) -> str:
         """The GGUF type `name` is stored in ("Q4_K", "F16", ...)."""
         ex = EXPERT_NAME.fullmatch(name)

@@ -11,10 +11,14 @@ import torch
 from ..config import ModelConfig
 from ..paths import safe_relative_name
 from ..tokenizer import LLMTokenizer
-from . import quant_formats  # AWQ / GPTQ
+from . import gguf_blocks, quant_formats  # AWQ / GPTQ / MXFP4
 from .errors import ModelLoadError
 from .int4 import Int4Weight
 from .moe import EXPERT_NAME, EXPERT_PART
+
+# gpt-oss's own names of what the loader asks for under the common ones (router, sinks)
+_GPT_OSS_NAMES = {"mlp.router.weight": "mlp.gate.weight", "mlp.router.bias": "mlp.gate.bias",
+                  "self_attn.sinks": "self_attn.sinks.weight"}
 
 
 class HFWeights:
@@ -88,17 +92,117 @@ class HFWeights:
         if self.stored and "lm_head.weight" not in index and "language_model.lm_head.weight" in index:
             self.stored["lm_head.weight"] = "language_model.lm_head.weight"  # an untied head, older layout
             index["lm_head.weight"] = index["language_model.lm_head.weight"]
+        for k in list(index):
+            m = re.fullmatch(r"(model\.layers\.\d+\.)(.+)", k)
+            if m and m[2] in _GPT_OSS_NAMES:
+                ours = m[1] + _GPT_OSS_NAMES[m[2]]
+                self.stored[ours] = self.stored.get(k, k)
+                index[ours] = index[k]
         return index
 
     def has(self, name: str) -> bool:
-        return name in self.index
+        if name in self.index:
+            return True
+        oss = self._gpt_oss_expert(name)
+        return oss is not None and (oss[0] in self.index or oss[0] + "_blocks" in self.index)
+
+    def kind(self, name: str) -> str | None:
+        """How `name` is stored: "MXFP4" (gpt-oss's experts as published), else its safetensors
+        dtype ("BF16", "F16", "F32", ...; an expert of a fused stack: the stack's); None where the
+        checkpoint has no such tensor (an AWQ / GPTQ module, held as qweight, scales, ...)."""
+        from safetensors import safe_open
+
+        oss = self._gpt_oss_expert(name)
+        stored = name if oss is None else oss[0]
+        if oss is not None and self.mxfp4 and stored + "_blocks" in self.index:
+            return "MXFP4"
+        if stored not in self.index:
+            return None
+        with safe_open(str(self.index[stored]), framework="pt") as h:
+            return h.get_slice(self.stored.get(stored, stored)).get_dtype()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """`name`'s shape as the loader holds it ([N, K] for a matrix)."""
+        from safetensors import safe_open
+
+        if self.kind(name) == "MXFP4":
+            n, g, _ = self._mxfp4_blocks(name).shape
+            return n, g * 32
+        if name not in self.index:  # an expert of a fused stack
+            return tuple(self.dense(name).shape)
+        with safe_open(str(self.index[name]), framework="pt") as h:
+            return tuple(h.get_slice(self.stored.get(name, name)).get_shape())
+
+    def stacked_blocks(self, names: list[str], kinds: tuple[str, ...]
+                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The parts `names` of a fused layer as GGUF blocks side by side (uint8 [N_1 + N_2 + ..., K /
+        32, 17]; row order as stored, None) where all are MXFP4 and MXFP4 is one of `kinds`; else
+        None (as GGUFWeights.stacked_blocks)."""
+        if "MXFP4" not in kinds or any(self.kind(n) != "MXFP4" for n in names):
+            return None
+        parts = [self._mxfp4_blocks(n) for n in names]
+        if any(p.shape[1] != parts[0].shape[1] for p in parts):
+            return None
+        return torch.cat(parts), None
+
+    def blocks(self, name: str) -> gguf_blocks.Blocks:
+        """An MXFP4 matrix's values as integers and scales (gguf_blocks); ValueError for others."""
+        if self.kind(name) != "MXFP4":
+            raise ValueError(f"{name} is not stored in blocks")
+        return gguf_blocks.decode("MXFP4", self._mxfp4_blocks(name))
+
+    def _slice(self, stored: str, index) -> torch.Tensor:
+        """Part of the stored tensor `stored`, read alone (an expert's rows of a layer's stack)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.index[stored]), framework="pt") as h:
+            return h.get_slice(self.stored.get(stored, stored))[index]
+
+    def _gpt_oss_expert(self, name: str) -> tuple[str, int, slice] | None:
+        """(stored tensor, expert, rows) of gpt-oss expert matrix `name` as its checkpoints fuse them
+        per layer: gate_up_proj [E, H, 2I] (gate the even columns, up the odd) and down_proj [E, I, H]
+        as transformers writes them (stored transposed, [in, out]); the published files' MXFP4 blocks
+        gate_up_proj_blocks [E, 2I, H / 32, 16] and down_proj_blocks [E, H, I / 32, 16] with their
+        E8M0 scales (gate the even rows); the biases gate_up_proj_bias [E, 2I], down_proj_bias [E, H].
+        For a weight the stored name lacks the suffix (_blocks / _scales are added by the reader)."""
+        ex = EXPERT_NAME.fullmatch(name)
+        if self.config.architecture != "GptOssForCausalLM" or not ex:
+            return None
+        part = EXPERT_PART[ex[3]]
+        stem = f"model.layers.{ex[1]}.mlp.experts.{'down_proj' if part == 'down' else 'gate_up_proj'}"
+        rows = slice(None) if part == "down" else slice(0 if part == "gate" else 1, None, 2)
+        return stem + ("_bias" if ex[4] == "bias" else ""), int(ex[2]), rows
+
+    @property
+    def mxfp4(self) -> bool:
+        """The published gpt-oss layout: MXFP4 experts (quant_method mxfp4)."""
+        return self.quant is not None and self.quant["quant_method"] == "mxfp4"
+
+    def _mxfp4_blocks(self, name: str) -> torch.Tensor:
+        """gpt-oss expert matrix `name`'s MXFP4 blocks in GGUF's layout, uint8 [rows, K / 32, 17]: the
+        E8M0 byte, then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31 (the
+        checkpoint's bytes hold values 2j and 2j + 1). The same codes and scale: exact."""
+        stem, e, rows = self._gpt_oss_expert(name)
+        blocks, scales = self._slice(stem + "_blocks", e)[rows], self._slice(stem + "_scales", e)[rows]
+        codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2)  # [rows, K / 32, 32], value order
+        return torch.cat([scales.unsqueeze(-1), codes[..., :16] | (codes[..., 16:] << 4)], dim=-1)
 
     def _fused_expert(self, name: str) -> torch.Tensor | None:
         """Expert layouts as transformers 5 holds them in memory (and writes them when its
         conversion is off): the experts fused per layer under mlp.experts, gate_up_proj
-        [E, 2I, H] (gate rows, then up) and down_proj [E, H, I]; the router as mlp.gate."""
+        [E, 2I, H] (gate rows, then up) and down_proj [E, H, I]; the router as mlp.gate.
+        gpt-oss's own layouts: _gpt_oss_expert."""
         from safetensors import safe_open
 
+        oss = self._gpt_oss_expert(name)
+        if oss is not None:
+            stem, e, rows = oss
+            if stem.endswith("_bias"):
+                return self._slice(stem, e)[rows] if stem in self.index else None
+            if self.mxfp4 and stem + "_blocks" in self.index:
+                raw = self._mxfp4_blocks(name)
+                return gguf_blocks.decode("MXFP4", raw).values()
+            return self._slice(stem, e)[:, rows].t().contiguous() if stem in self.index else None
         ex = EXPERT_NAME.fullmatch(name)
         router = re.fullmatch(r"(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight", name)
         if router:

@@ -45,7 +45,7 @@ from .layers import (
     W16Matrix,
 )
 from .llama import DecoderLayer, LlamaModel
-from .moe import EXPERT_ACTS, MoE, expert_tensor_names, make_experts, swiglu_oai
+from .moe import EXPERT_ACTS, Int8wExperts, MoE, expert_tensor_names, make_experts, swiglu_oai
 from .weights import Weights, open_weights
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def _resolve_precision(precision: str, weights: Weights, device: str) -> tuple[s
     # the first layer's MLP (an MoE layer: its first expert's), as stored
     first = ("model.layers.0." + cfg.checkpoint_linears()["gate_up"][0] + ".weight" if not cfg.is_moe_layer(0)
              else expert_tensor_names(cfg, 0)[1][0][0])
-    native_int4 = isinstance(weights, GGUFWeights) and (
+    native_int4 = _reads_blocks(weights) and (
         weights.int4(first) is not None or (device == "cpu" and (gguf_blocks.supported(weights.kind(first)) or
                                                                weights.kind(first) in w16.GGUF_KINDS)))
     quantized = isinstance(weights, HFWeights) and weights.quant is not None
@@ -78,6 +78,12 @@ def _resolve_precision(precision: str, weights: Weights, device: str) -> tuple[s
     if precision in DTYPES:
         return precision, DTYPES[precision]
     return precision, (torch.float32 if device == "cpu" else torch.float16)
+
+
+def _reads_blocks(weights: Weights) -> bool:
+    """Weights the loader takes as stored, block by block (each matrix on its type's kernel): a GGUF
+    file's, and gpt-oss's published checkpoints (MXFP4 experts, bf16 elsewhere)."""
+    return isinstance(weights, GGUFWeights) or (isinstance(weights, HFWeights) and weights.mxfp4)
 
 
 def _keep_dense(cfg: ModelConfig, mode: str, device: str, cpu_kernel: bool) -> bool:
@@ -211,7 +217,7 @@ def _gguf_kernel_linear(weights: GGUFWeights, names: list[str], bias: torch.Tens
     matrix, several runs a ConcatLinear. The weights are exactly the file's values."""
     kernels, keys = [], []
     for name in names:
-        n, k = weights._tensor(name).shape
+        n, k = weights.shape(name)
         kind = weights.kind(name)
         kernels.append(_gguf_kernel(kind, n, k))
         # int8-lane parts stack only with parts of their own group and zero point: each keeps the
@@ -227,7 +233,7 @@ def _gguf_kernel_linear(weights: GGUFWeights, names: list[str], bias: torch.Tens
         else:
             runs.append((kern, [name]))
         last = key
-    sizes = [sum(weights._tensor(n).shape[0] for n in run) for _, run in runs]
+    sizes = [sum(weights.shape(n)[0] for n in run) for _, run in runs]
     biases = [None] * len(runs) if bias is None else list(bias.split(sizes))
     linears = [_gguf_run_linear(weights, run, kern, b) for (kern, run), b in zip(runs, biases)]
     return linears[0] if len(linears) == 1 else ConcatLinear(linears)
@@ -239,7 +245,7 @@ def _linear(weights: Weights, names: list[str], mode: str, act_dtype: torch.dtyp
     bias = torch.cat([weights.dense(b).float() for b in biases]) if all(weights.has(b) for b in biases) else None
     if mode == "w16":
         return w16.linear(weights, names, bias)
-    if mode == "int4" and device == "cpu" and cpu_kernel and not dense and isinstance(weights, GGUFWeights):
+    if mode == "int4" and device == "cpu" and cpu_kernel and not dense and _reads_blocks(weights):
         fast = _gguf_q4_linear(weights, names, bias)
         if fast is not None:
             return fast
@@ -472,18 +478,22 @@ def _load_model(path: str | os.PathLike, precision: str, device: str, max_model_
         isa = cpu_int4.isa_name() if kernel == "cpu_int4" else ""
         desc = {"cpu_int4": f"int4 weights (our kernel, {isa}, 16-bit matmul inputs), fp32 activations",
                 "aten": "int4 weights, bf16 matmul inputs, fp32 activations"}.get(kernel, mode)
-        if kinds - {"cpu_int4", "aten"}:  # a GGUF of wider or mixed types, each tensor on its type's kernel
+        # the kernels each matrix runs on (an MoE's stacked int8-lane experts too)
+        lanes = kinds | ({"int8w"} if any(isinstance(m, Int8wExperts) for layer in layers for m in layer.modules())
+                         else set())
+        if lanes - {"cpu_int4", "aten"}:  # a GGUF of wider or mixed types, each tensor on its type's kernel
             from localllm_kernels import cpu_int8
 
             # (an MoE layer's experts share their stacks' types: its first expert's names them)
             experts = [n for i in range(cfg.num_layers) if cfg.is_moe_layer(i) for n in expert_tensor_names(cfg, i)[1][0]]
             types = "/".join(sorted({weights.kind(n) for n in _linear_names(cfg) + experts}))
             int4 = any(isinstance(m, Int4Linear) and m.kind == "cpu_int4" for layer in layers for m in layer.modules())
-            ours = "/".join(n for n, k in (("int4", int4), ("int8-lane", "int8w" in kinds), ("16-bit", "w16" in kinds))
+            ours = "/".join(n for n, k in (("int4", int4), ("int8-lane", "int8w" in lanes), ("16-bit", "w16" in lanes))
                             if k)  # (the head's int4 copy aside)
-            inputs = "16-bit matmul inputs" if int4 or "int8w" in kinds else "fp32 matmul inputs"
-            isa = cpu_int8.isa() if "int8w" in kinds else w16.isa()
-            desc = f"GGUF {types} weights as stored (our {ours} kernels, {isa}, {inputs}), fp32 activations"
+            inputs = "16-bit matmul inputs" if int4 or "int8w" in lanes else "fp32 matmul inputs"
+            isa = cpu_int8.isa() if "int8w" in lanes else w16.isa()
+            source = "GGUF " if isinstance(weights, GGUFWeights) else ""
+            desc = f"{source}{types} weights as stored (our {ours} kernels, {isa}, {inputs}), fp32 activations"
     if mode == "w16":
         desc = w16.describe(layers)
     # CPU, int4/int8 weights: a 16-bit KV cache reads half the bytes per decode step; measured on

@@ -17,6 +17,9 @@ groups with the same scale when needed (g128 with K = 576 -> g64), and act-order
 K sorted by g_idx once here, with the layer gathering its input the same way (`in_perm`). A
 module that still cannot be expressed (K not a multiple of 32, N not a multiple of 16) is loaded
 dequantized to a dense layer instead, with a warning.
+
+`quant_method: mxfp4` (gpt-oss as published: MXFP4 experts, every other tensor bf16) is read
+here as a setting only: hf_weights hands the experts' blocks to the loader in GGUF's MXFP4 layout.
 """
 
 from __future__ import annotations
@@ -69,9 +72,12 @@ def normalize_quant_config(q: dict, where: str = "quantization_config") -> dict:
     """-> {quant_method, bits, group_size, zero_point|sym, version|checkpoint_format, desc_act,
     modules_to_not_convert}; a clear error naming the field for anything we cannot load."""
     method = str(q.get("quant_method", "")).lower()
+    if method == "mxfp4":  # gpt-oss's experts as published (hf_weights reads their blocks)
+        return {"quant_method": method, "bits": 4, "group_size": 32,
+                "modules_to_not_convert": list(q.get("modules_to_not_convert") or [])}
     if method not in ("awq", "gptq"):
         raise QuantFormatError(f"{where}: quant_method {q.get('quant_method')!r} is not supported "
-                               "(supported: awq with version gemm, gptq)")
+                               "(supported: awq with version gemm, gptq, mxfp4 for gpt-oss)")
     bits = q.get("bits", q.get("w_bit", 4))
     if bits != 4:
         raise QuantFormatError(f"{where}: bits={bits} is not supported (only 4-bit {method.upper()})")

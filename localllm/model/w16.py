@@ -25,17 +25,10 @@ def kernel_available() -> bool:
 def stored_dtype(weights, name: str) -> torch.dtype | None:
     """The 16-bit dtype `name` is stored in (a GGUF F16/BF16 tensor, an HF bf16/fp16 one); None
     for any other storage (fp32, quantized)."""
-    # the loader's GGUFWeights (a parsed .file) or HFWeights (a safetensors .index), told apart by
-    # what they hold: this module is imported by the loader, not the other way round
-    if hasattr(weights, "file"):
-        return GGUF_KINDS.get(weights.kind(name))
-    if getattr(weights, "quant", None) is None and name in getattr(weights, "index", {}):
-        from safetensors import safe_open
-
-        with safe_open(str(weights.index[name]), framework="pt") as h:
-            dtype = h.get_slice(weights.stored.get(name, name)).get_dtype()
-        return {"BF16": torch.bfloat16, "F16": torch.float16}.get(dtype)
-    return None
+    # an AWQ / GPTQ checkpoint: the loader's int4 path holds it (its float tensors as before)
+    if getattr(weights, "quant", None) is not None and weights.quant["quant_method"] != "mxfp4":
+        return None
+    return GGUF_KINDS.get(weights.kind(name))  # (HF's safetensors dtypes have GGUF's names)
 
 
 def tensor16(weights, name: str) -> torch.Tensor:
