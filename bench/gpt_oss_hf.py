@@ -62,7 +62,9 @@ def convert(src: Path, out: Path) -> None:
                 e, rows, k = g.shape
                 raw = torch.from_numpy(w.file.read(g)).view(e, rows, k // 32, 17)
                 parts[part] = hf_mxfp4(raw)
-                parts[part + "_bias"] = torch.from_numpy(w.file.read(w.file.tensors[f"blk.{i}.ffn_{part}_exps.bias"]))
+                bias = w.file.tensors[f"blk.{i}.ffn_{part}_exps.bias"]
+                assert bias.qtype.name == "F32", bias.qtype.name
+                parts[part + "_bias"] = torch.from_numpy(w.file.read(bias)).view(torch.float32)
             for j, suffix in enumerate(("blocks", "scales")):
                 gate, up = parts["gate"][j], parts["up"][j]
                 t[f"{p}mlp.experts.gate_up_proj_{suffix}"] = torch.stack([gate, up], dim=2).flatten(1, 2).contiguous()

@@ -37,7 +37,7 @@ ALLOW_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "g
                   # an embedding model's pooling, normalisation and input length (sentence-transformers)
                   "modules.json", "sentence_bert_config.json", "*Pooling/config.json"]
 QUANTS = ("auto", "bf16", "awq", "gptq", "gguf")
-SUPPORTED = "supported: safetensors (bf16/fp16/fp32), AWQ or GPTQ int4 safetensors, GGUF"
+SUPPORTED = "supported: safetensors (bf16/fp16/fp32), AWQ or GPTQ int4 safetensors, gpt-oss MXFP4 safetensors, GGUF"
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _BLOB = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")  # the hub's ETags: git sha1, or sha256 for LFS files

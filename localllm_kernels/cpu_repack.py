@@ -91,12 +91,14 @@ def int8(blocks: torch.Tensor, kind: str, bits: int, rows: torch.Tensor | None =
     return torch.ops.localllm.k_repack(blocks.contiguous(), kind, _planes(kind, bits), rows)
 
 
-def block32(blocks: torch.Tensor, kind: str, bits: int, rows: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def block32(blocks: torch.Tensor, kind: str, bits: int, rows: torch.Tensor | None = None,
+            scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Q5_0 / Q5_1 / IQ4_NL / Q8_0 / MXFP4 blocks uint8 [N, K / 32, block bytes] -> (w as `int8` lays it
     out, the blocks' fp16 d (and m) [N/16, K/32, 1 | 2, 16]): what cpu_int8.pack makes of the decoded
     blocks where every scale is finite in fp16 (it keeps fp32 scales otherwise; an MXFP4 scale
-    fp16 cannot hold comes out NaN here)."""
+    fp16 cannot hold comes out NaN here). scales: MXFP4 as gpt-oss's checkpoints hold it, blocks
+    [N, K / 32, 16] (byte m: values 2m, 2m + 1) and their E8M0 bytes [N, K / 32] apart."""
     if kind not in BLOCK32:
         raise ValueError(f"no 32-value block repack for {kind} (only {', '.join(BLOCK32)})")
-    return torch.ops.localllm.block32_repack(blocks.contiguous(), kind, _planes(kind, bits), rows)
+    return torch.ops.localllm.block32_repack(blocks.contiguous(), kind, _planes(kind, bits), rows,
+                                             None if scales is None else scales.contiguous())

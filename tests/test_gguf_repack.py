@@ -100,6 +100,26 @@ def test_32_value_block_repacks_equal_the_torch_path(kind, bits, n, s):
     assert cpu_repack.ZERO[kind] == b.zero
 
 
+@pytest.mark.parametrize("rows", [None, "interleaved"])
+def test_mxfp4_as_gpt_oss_checkpoints_keep_it(rows):
+    """gpt-oss's safetensors hold MXFP4 as 16 bytes a block, byte m holding values 2m and 2m + 1, its E8M0
+    scales apart: the repack reads that layout itself (a gate/up stack's interleaved rows reordered as
+    it goes) and gives the GGUF blocks' output; the torch path's GGUF copy of it is the blocks."""
+    from localllm.model.hf_weights import _gguf_mxfp4
+
+    assert cpu_repack.load()
+    raw = blocks("MXFP4", 40, 6, 5)
+    codes = torch.cat([raw[..., 1:] & 15, raw[..., 1:] >> 4], dim=-1)  # the 32 values' codes in order
+    hf, scales = codes[..., 0::2] | (codes[..., 1::2] << 4), raw[..., 0].contiguous()
+    order = None if rows is None else torch.cat([torch.arange(0, 40, 2), torch.arange(1, 40, 2)])
+    want = cpu_repack.block32(raw, "MXFP4", 4, order)
+    got = cpu_repack.block32(hf, "MXFP4", 4, order, scales)
+    assert all(torch.equal(a, c) for a, c in zip(got, want))
+    assert torch.equal(_gguf_mxfp4(hf, scales), raw)
+    with pytest.raises(RuntimeError, match="scales apart are MXFP4's only"):
+        torch.ops.localllm.block32_repack(hf, "IQ4_NL", 0, None, scales)
+
+
 def test_mxfp4_scales_fp16_cannot_hold_come_out_nan():
     """MXFP4's E8M0 scales span 2^-128 .. 2^127: the repack writes fp16 where that is exact (2^-24
     .. 2^15, subnormals included) and NaN elsewhere, which sends the loader to the torch path and

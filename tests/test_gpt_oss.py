@@ -383,3 +383,34 @@ def test_published_mxfp4_checkpoint_runs_on_its_blocks(gpt_oss_hf):
     assert list((cache_home() / "converted").glob("mxfp4-*.safetensors"))
     again = load_model(mx, "auto")
     assert torch.equal(make_engine(again).score(PROMPT + want), make_engine(loaded).score(PROMPT + want))
+
+
+def test_run_pulls_the_published_layout_and_answers_as_from_disk(gpt_oss_hf, tmp_path):
+    """`localllm run openai/gpt-oss-20b "..."` as a user types it, against a loopback hub holding the
+    published layout with its second checkpoint under original/: the pull takes the top-level files
+    only, and the answer is the one `localllm run DIR` gives on the same files."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from hub_mirror import HubMirror, make_repo
+
+    repo = shutil.copytree(gpt_oss_hf["mxfp4"], tmp_path / "repo")
+    (repo / "original").mkdir()
+    (repo / "original" / "model.safetensors").write_bytes(b"\0" * 4096)  # (13 GB in the real repo)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+
+    def run(model: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "localllm.cli", "run", model, "Hello", "-n", "6", "--temperature",
+                            "0"], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    with HubMirror({"openai/gpt-oss-20b": make_repo(repo)}) as hub:
+        env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=hub.url, HF_HUB_DISABLE_TELEMETRY="1")
+        pulled = run("openai/gpt-oss-20b")
+        fetched = [p for _, p, _ in hub.gets()]
+    assert fetched and not any("original" in p for p in fetched)
+    assert any(p.endswith("model.safetensors") for p in fetched)
+    assert pulled.strip() and pulled == run(str(gpt_oss_hf["mxfp4"]))

@@ -161,13 +161,13 @@ class GGUFWeights:
         return w.permute_rows(perm) if perm is not None else w
 
     def stacked_blocks(self, names: list[str], kinds: tuple[str, ...]
-                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, None] | None:
         """The file's own blocks of the parts `names` of a fused layer if their type is one of
         `kinds`, read side by side into one buffer (uint8 [N_1 + N_2 + ..., K / block values, block
         bytes]; read, not viewed through the map: they are repacked, and mapped pages would stay in
         our RSS, a whole MoE file's), and the row order `int4` applies over the stack (q/k into
-        rotate_half order; None: as stored); None where a part's type is not one of `kinds` or the
-        parts differ in type or width."""
+        rotate_half order; None: as stored), and None (scales apart: HFWeights'); None where a part's
+        type is not one of `kinds` or the parts differ in type or width."""
         ts = [self._tensor(n) for n in names]
         kind = ts[0].qtype.name
         if (kind not in kinds or not gguf_blocks.supported(kind) or any(len(t.shape) != 2 for t in ts)
@@ -184,7 +184,7 @@ class GGUFWeights:
             order.append((torch.arange(t.shape[0]) if perm is None else perm) + first)
             off += t.nbytes
         blocks = torch.from_numpy(buf).view(-1, k // gguf_blocks.BLOCK_VALUES[kind], gguf_blocks.BLOCK_BYTES[kind])
-        return blocks, torch.cat(order) if perms else None
+        return blocks, torch.cat(order) if perms else None, None
 
     def shape(self, name: str) -> tuple[int, ...]:
         """`name`'s shape ([N, K] for a matrix)."""

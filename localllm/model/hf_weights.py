@@ -68,6 +68,7 @@ class HFWeights:
         from safetensors import safe_open
 
         index = {}
+        self.headers: dict[str, tuple[str, tuple[int, ...]]] = {}  # stored name -> (dtype, shape)
         for f in self.files:
             try:
                 end = _safetensors_data_end(f)
@@ -78,6 +79,9 @@ class HFWeights:
             try:
                 with safe_open(str(f), framework="pt") as h:
                     index.update(dict.fromkeys(h.keys(), f))
+                    for k in h.keys():  # (the header's: no tensor read)
+                        t = h.get_slice(k)
+                        self.headers[k] = (t.get_dtype(), tuple(t.get_shape()))
             except Exception as e:
                 raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
         # a multimodal checkpoint (Gemma 3 4B+, SmolVLM) holds the text model under a prefix: older
@@ -110,40 +114,44 @@ class HFWeights:
         """How `name` is stored: "MXFP4" (gpt-oss's experts as published), else its safetensors
         dtype ("BF16", "F16", "F32", ...; an expert of a fused stack: the stack's); None where the
         checkpoint has no such tensor (an AWQ / GPTQ module, held as qweight, scales, ...)."""
-        from safetensors import safe_open
-
         oss = self._gpt_oss_expert(name)
         stored = name if oss is None else oss[0]
         if oss is not None and self.mxfp4 and stored + "_blocks" in self.index:
             return "MXFP4"
         if stored not in self.index:
             return None
-        with safe_open(str(self.index[stored]), framework="pt") as h:
-            return h.get_slice(self.stored.get(stored, stored)).get_dtype()
+        return self.headers[self.stored.get(stored, stored)][0]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """`name`'s shape as the loader holds it ([N, K] for a matrix)."""
-        from safetensors import safe_open
-
         if self.kind(name) == "MXFP4":
-            n, g, _ = self._mxfp4_blocks(name).shape
-            return n, g * 32
+            stem, _, rows = self._gpt_oss_expert(name)
+            _, n, g, _ = self.headers[self.stored.get(stem + "_blocks", stem + "_blocks")][1]
+            return len(range(n)[rows]), g * 32
         if name not in self.index:  # an expert of a fused stack
             return tuple(self.dense(name).shape)
-        with safe_open(str(self.index[name]), framework="pt") as h:
-            return tuple(h.get_slice(self.stored.get(name, name)).get_shape())
+        return self.headers[self.stored.get(name, name)][1]
 
     def stacked_blocks(self, names: list[str], kinds: tuple[str, ...]
-                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The parts `names` of a fused layer as GGUF blocks side by side (uint8 [N_1 + N_2 + ..., K /
-        32, 17]; row order as stored, None) where all are MXFP4 and MXFP4 is one of `kinds`; else
-        None (as GGUFWeights.stacked_blocks)."""
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
+        """The parts `names` of a fused layer where all are MXFP4 and MXFP4 is one of `kinds` (else
+        None), as the checkpoint keeps them: (blocks uint8 [N_1 + N_2 + ..., K / 32, 16] in its nibble
+        order, the row order over them (None: as read), their E8M0 scales uint8 [N, K / 32]) for
+        cpu_repack.block32, which reads this layout itself."""
         if "MXFP4" not in kinds or any(self.kind(n) != "MXFP4" for n in names):
             return None
-        parts = [self._mxfp4_blocks(n) for n in names]
-        if any(p.shape[1] != parts[0].shape[1] for p in parts):
+        where = [self._gpt_oss_expert(n) for n in names]
+        if len(where) == 2 and where[0][:2] == where[1][:2] and where[0][2].start == 0 and where[1][2].start == 1:
+            # an expert's gate and up: its rows as stored (interleaved), reordered by the repack
+            stem, e, _ = where[0]
+            blocks, scales = self._slice(stem + "_blocks", e), self._slice(stem + "_scales", e)
+            n = blocks.shape[0]
+            return blocks, torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)]), scales
+        parts = [(self._slice(stem + "_blocks", e)[rows], self._slice(stem + "_scales", e)[rows])
+                 for stem, e, rows in where]
+        if any(b.shape[1] != parts[0][0].shape[1] for b, _ in parts):
             return None
-        return torch.cat(parts), None
+        return torch.cat([b for b, _ in parts]), None, torch.cat([s for _, s in parts])
 
     def blocks(self, name: str) -> gguf_blocks.Blocks:
         """An MXFP4 matrix's values as integers and scales (gguf_blocks); ValueError for others."""
@@ -183,9 +191,7 @@ class HFWeights:
         E8M0 byte, then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31 (the
         checkpoint's bytes hold values 2j and 2j + 1). The same codes and scale: exact."""
         stem, e, rows = self._gpt_oss_expert(name)
-        blocks, scales = self._slice(stem + "_blocks", e)[rows], self._slice(stem + "_scales", e)[rows]
-        codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2)  # [rows, K / 32, 32], value order
-        return torch.cat([scales.unsqueeze(-1), codes[..., :16] | (codes[..., 16:] << 4)], dim=-1)
+        return _gguf_mxfp4(self._slice(stem + "_blocks", e)[rows], self._slice(stem + "_scales", e)[rows])
 
     def _fused_expert(self, name: str) -> torch.Tensor | None:
         """Expert layouts as transformers 5 holds them in memory (and writes them when its
@@ -254,6 +260,19 @@ class HFWeights:
         eos = self.raw_config.get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         return {int(i) for i in ids}
+
+
+def _gguf_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's MXFP4 (blocks uint8 [..., 16], byte m holding values 2m and 2m + 1 in its low
+    and high nibbles; scales uint8 [...]) in GGUF's blocks, uint8 [..., 17]: the scale byte, then qs
+    with value j in the low nibble of qs[j] and value j + 16 in its high one. So qs[2m] takes the low
+    nibbles of bytes m and m + 8, qs[2m + 1] their high nibbles. The same codes and scale: exact."""
+    lo, hi = blocks[..., :8], blocks[..., 8:]
+    out = torch.empty(*scales.shape, 17, dtype=torch.uint8)
+    out[..., 0] = scales
+    out[..., 1::2] = (lo & 15) | (hi << 4)
+    out[..., 2::2] = (lo >> 4) | (hi & 0xF0)
+    return out
 
 
 def _safetensors_data_end(f: Path) -> int:

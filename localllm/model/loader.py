@@ -112,7 +112,7 @@ def _gguf_q4_linear(weights: GGUFWeights, names: list[str], bias: torch.Tensor |
     stacked = weights.stacked_blocks(names, ("Q4_0", "Q4_1"))  # one type, one width
     if stacked is None:
         return None
-    raw, rows = stacked
+    raw, rows, _ = stacked
     n, k = raw.shape[0], raw.shape[1] * 32
     if not (cpu_int4.fits(n, k, 32) and cpu_int4.load() and cpu_repack.load()):
         return None
@@ -153,14 +153,14 @@ def _gguf_repacked_linear(weights: GGUFWeights, names: list[str], kernel: str,
     stacked = weights.stacked_blocks(names, cpu_repack.KINDS)
     if stacked is None or not cpu_repack.load():
         return None
-    raw, rows = stacked
+    raw, rows, scales = stacked  # (scales: MXFP4's E8M0 bytes apart, as gpt-oss's checkpoints keep them)
     n = raw.shape[0]
     bits = cpu_int8.preferred_bits(cpu_repack.BITS.get(kind, 4))
     if kind == "Q4_K":
         qw, qsc = cpu_repack.q4_k(raw, rows)
         return Int4Linear.from_kernel_tensors({"qw": qw, "qsc": qsc}, n, 32, bias)
     if kind in cpu_repack.BLOCK32:
-        qw, qsc = cpu_repack.block32(raw, kind, bits, rows)
+        qw, qsc = cpu_repack.block32(raw, kind, bits, rows, scales)
         # the torch path keeps fp32 scales then (numpy's check: torch's forks its threads for each of
         # an MoE's thousands of small matrices, 0.6 s of an OLMoE-shaped first load)
         if not np.isfinite(qsc.numpy()).all():

@@ -19,7 +19,8 @@
 //     row r at byte 4r + k%4 of chunk k/4; records). Q5_K takes 1 plane, Q6_K 2, Q3_K and Q2_K
 //     0, or byte lanes; IQ4_XS 0 (its 4-bit codebook indices as they are).
 //   block32_repack(kind, planes) -> (w as k_repack's, the blocks' fp16 d (and m) [N/16, K/32, 1 | 2, 16]):
-//     Q5_0, Q5_1 (1 plane or bytes), IQ4_NL (its indices), Q8_0 (bytes of value + 128), [N, K/32, bytes]
+//     Q5_0, Q5_1 (1 plane or bytes), IQ4_NL (its indices), Q8_0 (bytes of value + 128), [N, K/32, bytes];
+//     MXFP4 also as gpt-oss's checkpoints hold it: [N, K/32, 16] nibbles with the E8M0 scales [N, K/32] beside
 //   pack_gguf_q4(parts, rows, K) -> Q4_0 / Q4_1 parts (and a row order) into cpu_int4's layout, fp16 scales
 //   records uint8 [N/16, K/256, bytes]: group_scales.h's Super form: the 16 rows' fp16 d (and -dmin),
 //     then the int8 sub-scales (and mins), [group][row].
@@ -350,17 +351,35 @@ inline void block32_values(const uint8_t* blk, const Block32& t, uint8_t* q) {
   }
 }
 
+// gpt-oss's MXFP4 nibbles (byte m: values 2m and 2m + 1) -> GGUF's (qs[j]: values j and j + 16): qs[2m]
+// takes the low nibbles of bytes m and m + 8, qs[2m + 1] their high ones
+inline void mxfp4_gguf_order(const uint8_t* hf, uint8_t qs[16]) {
+  for (int m = 0; m < 8; ++m) {
+    qs[2 * m] = static_cast<uint8_t>((hf[m] & 15) | (hf[m + 8] << 4));
+    qs[2 * m + 1] = static_cast<uint8_t>((hf[m] >> 4) | (hf[m + 8] & 0xF0));
+  }
+}
+
 // Q5_0, Q5_1, IQ4_NL, Q8_0 or MXFP4 blocks [N, K / 32, bytes] -> cpu_int8's layout (`planes`: the type's
 // own, or -1 for byte lanes where the values are not codebook indices) and the blocks' fp16
-// scales [N/16, K/32, 1 | 2, 16]
+// scales [N/16, K/32, 1 | 2, 16]. `scales` (MXFP4 only): the checkpoint's layout, blocks [N, K / 32, 16]
+// of gpt-oss's nibble order with their E8M0 bytes [N, K / 32] apart (no GGUF copy made first).
 std::tuple<at::Tensor, at::Tensor> block32_repack(const at::Tensor& blocks, const std::string& kind, int64_t planes,
-                                                  const std::optional<at::Tensor>& rows) {
+                                                  const std::optional<at::Tensor>& rows,
+                                                  const std::optional<at::Tensor>& scales) {
   const Block32 t = block32(kind);
   const bool indices = kind == "IQ4_NL" || t.mx;  // codebook indices: no byte lanes
   TORCH_CHECK(planes == t.planes || (planes == -1 && !indices), "block32_repack: ", kind, " packs with ",
               t.planes, " bit planes", !indices ? " or in byte lanes (-1)" : "", ", got ", planes);
+  const bool apart = scales.has_value();
+  const int64_t bytes = apart ? 16 : t.bytes;
+  TORCH_CHECK(!apart || t.mx, "block32_repack: scales apart are MXFP4's only");
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-              blocks.size(2) == t.bytes, "block32_repack: blocks must be contiguous uint8 [N, K / 32, ", t.bytes, "]");
+              blocks.size(2) == bytes, "block32_repack: blocks must be contiguous uint8 [N, K / 32, ", bytes, "]");
+  TORCH_CHECK(!apart || (scales->scalar_type() == at::kByte && scales->is_contiguous() && scales->dim() == 2 &&
+                         scales->size(0) == blocks.size(0) && scales->size(1) == blocks.size(1)),
+              "block32_repack: scales must be contiguous uint8 [N, K / 32]");
+  const uint8_t* esrc = apart ? scales->data_ptr<uint8_t>() : nullptr;
   const std::vector<int64_t> order = row_order(blocks, rows, "block32_repack");
   const int64_t N = static_cast<int64_t>(order.size()), G = blocks.size(1), K = G * 32, nb = (N + kRows - 1) / kRows;
   const int64_t record = planes < 0 ? 64 : 64 + 16 * planes, group_bytes = planes < 0 ? 8 * 64 : 4 * record;
@@ -375,9 +394,12 @@ std::tuple<at::Tensor, at::Tensor> block32_repack(const at::Tensor& blocks, cons
       const int64_t rows = std::min(kRows, N - b * kRows);
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t r = 0; r < rows; ++r) {
-          const uint8_t* blk = src + (order[b * kRows + r] * G + g) * t.bytes;
+          const int64_t at = order[b * kRows + r] * G + g;
+          const uint8_t* blk = src + at * bytes;
+          uint8_t qs[16];
+          if (apart) mxfp4_gguf_order(blk, qs);
           if (t.mx) {
-            const uint16_t d = e8m0_half(blk[0]);
+            const uint16_t d = e8m0_half(apart ? esrc[at] : blk[0]);
             std::memcpy(sp + ((b * G + g) * kRows + r) * 2, &d, 2);
           } else {
             for (int j = 0; j < t.scales; ++j)
@@ -385,7 +407,7 @@ std::tuple<at::Tensor, at::Tensor> block32_repack(const at::Tensor& blocks, cons
           }
           if (planes == 0) {  // 4-bit indices (IQ4_NL, MXFP4): the file's nibbles straight into the records
             uint32_t c[4];
-            nibble_chunks(blk + t.bytes - 16, c, t.mx);
+            nibble_chunks(apart ? qs : blk + t.bytes - 16, c, t.mx);
             for (int k = 0; k < 4; ++k) std::memcpy(wp + (b * G + g) * group_bytes + k * 64 + 4 * r, &c[k], 4);
           } else {
             block32_values(blk, t, q + r * 32);
@@ -467,7 +489,7 @@ std::tuple<at::Tensor, at::Tensor> pack_gguf_q4(at::TensorList raws, const at::T
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("q4_k_repack(Tensor blocks, Tensor? rows=None) -> (Tensor, Tensor)");
   m.def("k_repack(Tensor blocks, str kind, int planes, Tensor? rows=None) -> (Tensor, Tensor)");
-  m.def("block32_repack(Tensor blocks, str kind, int planes, Tensor? rows=None) -> (Tensor, Tensor)");
+  m.def("block32_repack(Tensor blocks, str kind, int planes, Tensor? rows=None, Tensor? scales=None) -> (Tensor, Tensor)");
   m.def("pack_gguf_q4(Tensor[] raws, Tensor rows, int K) -> (Tensor, Tensor)");
 }
 
