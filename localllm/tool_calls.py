@@ -19,7 +19,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from . import generic_calls
-from .reasoning import partial_tag
+from .reasoning import CHANNEL, partial_tag
 
 HERMES, MISTRAL, PYTHON_TAG = "<tool_call>", "[TOOL_CALLS]", "<|python_tag|>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
@@ -36,7 +36,10 @@ class ToolCall:
 
 
 def style_of(template: str | None) -> str:
-    """The call format a chat template teaches its model: hermes, mistral or json (Llama 3)."""
+    """The call format a chat template teaches its model: harmony (gpt-oss), hermes, mistral or json
+    (Llama 3)."""
+    if template and CHANNEL in template:
+        return "harmony"
     if template and HERMES in template:
         return "hermes"
     if template and MISTRAL in template:
@@ -49,10 +52,14 @@ def forcing_grammar(tools: dict[str, dict], choice: str, style: str) -> str:
     tool or (required) of any offered tool, in the model's own format. One call, not "one or more":
     a weak model repeats the call until max_tokens and the last one is cut."""
     names = list(tools) if choice == "required" else [choice]
-    alts = [{"type": "object", "properties": {"name": {"const": n}, "arguments": tools[n]},
-             "required": ["name", "arguments"], "additionalProperties": False} for n in names]
     # compact JSON as the templates write calls: free whitespace let weak models pad forever
     compact = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    if style == "harmony":  # a commentary message to functions.NAME, its arguments JSON, ended by <|call|>
+        return "start: " + " | ".join(
+            f'<|channel|> {json.dumps(f"commentary to=functions.{n} ")} <|constrain|> "json" <|message|> '
+            f"%json {json.dumps({**compact, **tools[n]})} <|call|>" for n in names)
+    alts = [{"type": "object", "properties": {"name": {"const": n}, "arguments": tools[n]},
+             "required": ["name", "arguments"], "additionalProperties": False} for n in names]
     call = json.dumps({**compact, **(alts[0] if len(alts) == 1 else {"anyOf": alts})})
     if style == "hermes":
         return f'start: "<tool_call>\\n" %json {call} "\\n</tool_call>"'

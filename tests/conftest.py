@@ -69,6 +69,9 @@ def pytest_sessionfinish(session, exitstatus):
     if factory is not None:
         homes.append(str(factory.getbasetemp()))
     end_builders(homes)
+    from localllm.model.convert_cache import ConvertCache
+
+    ConvertCache.wait_written()  # a conversion cache still being written into the home (else it fails mid-write)
     shutil.rmtree(HOME, ignore_errors=True)
 
 

@@ -113,21 +113,31 @@ def test_harmony_tool_calls(text):
     assert ReplyStream(reasoning="harmony", tools={"get_weather"}).whole(bad).content == "not json"
 
 
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|return|>", "<|call|>"]
+
+
+def harmony_tokenizer(tmp_path, gguf_path):
+    """The embedded model's GGUF vocabulary with harmony's special tokens added, o200k's pre-tokenizer."""
+    from test_families import tokenizer_fields
+
+    from localllm.tokenizer import LLMTokenizer
+
+    meta = {k: v for k, v, _, _ in tokenizer_fields(gguf_path)}
+    tokens = list(meta["tokenizer.ggml.tokens"]) + HARMONY_TOKENS
+    meta |= {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.pre": "gpt-4o",
+             "tokenizer.ggml.token_type": list(meta["tokenizer.ggml.token_type"]) + [3] * len(HARMONY_TOKENS)}
+    return LLMTokenizer.from_gguf(meta, str(tmp_path / "x.gguf"))
+
+
 @pytest.mark.parametrize("source", ["gguf", "hf"])
 def test_harmony_markup_is_rendered_and_ends_the_reply(tmp_path, gguf_path, source):
     """A gpt-oss vocabulary, from a GGUF or a Hugging Face tokenizer.json: the markup tokens decode as
     text (the splitter needs them), the other special tokens stay hidden; <|return|> and <|call|> end
     a reply, <|end|> does not."""
-    from test_families import tokenizer_fields
-
     from localllm.tokenizer import LLMTokenizer
 
-    extra = ["<|start|>", "<|end|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|return|>", "<|call|>"]
-    meta = {k: v for k, v, _, _ in tokenizer_fields(gguf_path)}
-    tokens = list(meta["tokenizer.ggml.tokens"]) + extra
-    meta |= {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.pre": "gpt-4o",
-             "tokenizer.ggml.token_type": list(meta["tokenizer.ggml.token_type"]) + [3] * len(extra)}
-    tok = LLMTokenizer.from_gguf(meta, str(tmp_path / "x.gguf"))
+    extra = HARMONY_TOKENS
+    tok = harmony_tokenizer(tmp_path, gguf_path)
     if source == "hf":
         tok.save_hf(tmp_path)
         tok = LLMTokenizer.from_dir(tmp_path)
@@ -140,6 +150,39 @@ def test_harmony_markup_is_rendered_and_ends_the_reply(tmp_path, gguf_path, sour
     assert {ids["<|return|>"], ids["<|call|>"]} <= tok.eos_ids and ids["<|end|>"] not in tok.eos_ids
     whole = ReplyStream(reasoning=reasons("{{ '<|channel|>' }}")).whole(tok.decode(enc))
     assert (whole.reasoning, whole.content) == ("", "Hi")
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_a_forced_call_is_written_as_harmony_writes_it(tmp_path, gguf_path, choice):
+    """tool_choice required (or a named tool) for a harmony model: its grammar takes the call as gpt-oss
+    writes it, a commentary message to functions.NAME with the arguments' JSON under the tool's schema,
+    ended by <|call|> (an end of the reply), and nothing else; the reply reads back as that call."""
+    from localllm.structured import Constraint, Grammars
+    from localllm.tool_calls import forcing_grammar, style_of
+
+    tok = harmony_tokenizer(tmp_path, gguf_path)
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+            "additionalProperties": False}
+    tools = {"get_weather": city, "get_time": {"type": "object", "properties": {}}}
+    style = style_of("{{- '<|start|>assistant<|channel|>final<|message|>' }}")
+    grammars = Grammars(tok.tok.to_str, tok.vocab_size, sorted(tok.eos_ids))
+    constraint = Constraint.make("grammar", forcing_grammar(tools, choice, style))
+
+    def takes(text: str) -> bool:
+        m = grammars.matcher(constraint)
+        return all(m.consume_token(t) for t in tok.encode(text)) and m._m.is_accepting()
+
+    call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+    assert style == "harmony" and takes(call)
+    assert not takes(call.replace('"Paris"', "3"))  # the tool's schema holds
+    assert not takes(call.replace("<|call|>", ""))  # a call ends at <|call|>
+    assert not takes('{"name": "get_weather", "arguments": {"city": "Paris"}}')  # the JSON style
+    assert not takes("<|channel|>final<|message|>It is sunny.")
+    assert takes(call.replace("get_weather", "get_time").replace('{"city": "Paris"}', "{}")) == (choice == "required")
+    ids = tok.encode(call)
+    assert ids[-1] in tok.eos_ids
+    got = ReplyStream(reasoning="harmony", tools=set(tools)).whole(tok.decode(ids))
+    assert [(c.name, c.arguments) for c in got.tool_calls] == [("get_weather", {"city": "Paris"})] and not got.content
 
 
 def test_templates_and_prompts():
