@@ -221,3 +221,41 @@ def test_reasoning_effort_reaches_a_harmony_template(tmp_path):
         r = httpx.post(s.base + "/api/chat", timeout=30, json={"model": str(model_dir), "messages": ASK,
                                                               "think": "extreme", "stream": False})
         assert r.status_code == 400 and "think must be" in r.json()["error"]
+
+
+GPT_OSS_TEMPLATE = (Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja").read_text()
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "required": ["city"], "properties": {
+                                                "city": {"type": "string", "description": "Its name."},
+                                                "days": {"type": "integer"}}}}}
+
+
+def test_an_agent_turn_renders_gpt_oss_published_template(tmp_path):
+    """gpt-oss's published chat template (openai/gpt-oss-*'s, as llama.cpp keeps it) read as harmony
+    (its reasoning and its calls), and an agent's second turn as the OpenAI SDK sends it (tools, the
+    assistant's call with null content and its arguments as JSON text, the tool's answer) served:
+    the prompt is the template's own rendering of the call (arguments as an object, after `to=functions.`)
+    and of the answer (after `functions.get_weather to=assistant`)."""
+    from localllm.reasoning import reasons
+    from localllm.tokenizer import LLMTokenizer
+    from localllm.tool_calls import style_of
+
+    assert reasons(GPT_OSS_TEMPLATE) == "harmony" and style_of(GPT_OSS_TEMPLATE) == "harmony"
+    model_dir = tiny_checkpoint_with_template(tmp_path / "tiny-gpt-oss", GPT_OSS_TEMPLATE)
+    tok = LLMTokenizer.from_dir(model_dir)
+    turn = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"}]
+    text = render_chat(GPT_OSS_TEMPLATE, [*turn[:2], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        turn[3]], tools=[WEATHER], bos_token=tok.bos_token, eos_token=tok.eos_token)
+    assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}<|call|>'
+            '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"Sunny, 21 C"<|end|>'
+            '<|start|>assistant') in text and "city: string,\n" in text and text.endswith("<|start|>assistant")
+    with running("--ctx", "1024", "--kv-memory", "20MiB", "--threads", "1", "--enforce-eager",
+                 model=str(model_dir)) as s:
+        c = openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model=str(model_dir), messages=turn, tools=[WEATHER], max_tokens=2,
+                                      temperature=0)
+    assert r.usage.prompt_tokens == len(tok.encode(text))
