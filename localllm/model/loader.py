@@ -1,10 +1,10 @@
 """Checkpoints -> a ready LlamaModel: the loading policy over the weights readers (gguf_weights,
 hf_weights), which expose tensors under HF names with HF's rotate_half q/k row order, so the
 model and the exporters see one layout. Linear layers are built in the precision the caller asks
-for. A GGUF on CPU keeps the file's values, each matrix on the kernel of its type (exact
-repacks): Q4_0/Q4_1/Q4_K on the int4 kernel, the other block types (Q8_0, Q6_K, Q5_*, IQ4_*,
-Q3_K, Q2_K) on the int8-lane one, float and other types dequantized to fp32; nothing is
-re-quantized. Elsewhere GGUF Q4_0/Q4_1 stay int4 and the rest is dequantized.
+for. A GGUF on CPU (and gpt-oss's MXFP4 checkpoint: its experts' blocks, bf16 elsewhere) keeps
+the file's values, each matrix on the kernel of its type (exact repacks): Q4_0/Q4_1/Q4_K on the
+int4 kernel, the other block types (Q8_0, Q6_K, Q5_*, IQ4_*, MXFP4, Q3_K, Q2_K) on the int8-lane
+one, F16/BF16 on the 16-bit one, other types dequantized to fp32; nothing is re-quantized. Elsewhere GGUF Q4_0/Q4_1 stay int4 and the rest is dequantized.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def _gguf_kernel(kind: str, n: int, k: int) -> str:
     return "int8" if cpu_int8.fits(n, k, gguf_blocks.GROUP[kind]) and cpu_int8.load() else "dense"
 
 
-def _gguf_repacked_linear(weights: GGUFWeights, names: list[str], kernel: str,
+def _gguf_repacked_linear(weights: Weights, names: list[str], kernel: str,
                           bias: torch.Tensor | None) -> nn.Module | None:
     """Parts all Q4_K (on the int4 kernel) or all of one of cpu_repack's other types (int8-lane)
     repacked from the file's blocks in one C++ pass (localllm_kernels.cpu_repack: the torch path's bytes;
@@ -170,7 +170,7 @@ def _gguf_repacked_linear(weights: GGUFWeights, names: list[str], kernel: str,
     return Int8wLinear(qw, qsc, n, gguf_blocks.GROUP[kind], cpu_repack.ZERO[kind], bias)
 
 
-def _gguf_run_linear(weights: GGUFWeights, names: list[str], kernel: str, bias: torch.Tensor | None) -> nn.Module:
+def _gguf_run_linear(weights: Weights, names: list[str], kernel: str, bias: torch.Tensor | None) -> nn.Module:
     """One kernel's linear over consecutive parts of a fused layer (their rows stacked)."""
     if kernel == "dense":
         return DenseLinear(torch.cat([weights.dense(n).float() for n in names]), bias)
@@ -211,7 +211,7 @@ def _gguf_run_linear(weights: GGUFWeights, names: list[str], kernel: str, bias: 
     return Int8wLinear(qw, qsc, n, group, zero, bias)
 
 
-def _gguf_kernel_linear(weights: GGUFWeights, names: list[str], bias: torch.Tensor | None) -> nn.Module:
+def _gguf_kernel_linear(weights: Weights, names: list[str], bias: torch.Tensor | None) -> nn.Module:
     """A GGUF linear on our CPU kernels, each part on the kernel of its type (a K-quant mix stores
     the parts of one fused layer in different types): runs of parts sharing a kernel become one
     matrix, several runs a ConcatLinear. The weights are exactly the file's values."""
