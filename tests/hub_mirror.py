@@ -270,10 +270,6 @@ def tiny_checkpoint() -> Path:
     out = export_hf(resolve_model("smollm2-135m").local_path, root / "tiny", torch.bfloat16, num_layers=2)
     (out / "pytorch_model.bin").write_bytes(b"pickle weights must never be downloaded")
     (out / "README.md").write_text("# tiny test model\n")
-    # gpt-oss's repos keep their original checkpoint (13 GB for the 20B) and a Metal one in folders
-    (out / "original").mkdir()
-    (out / "original" / "model.safetensors").write_bytes(b"\0" * 100)
-    (out / "original" / "config.json").write_text("{}")
     return out
 
 
