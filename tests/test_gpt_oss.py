@@ -338,8 +338,8 @@ def test_bf16_checkpoint_keeps_its_weights_in_16_bits(gpt_oss_hf):
 
 def test_published_mxfp4_checkpoint_runs_on_its_blocks(gpt_oss_hf):
     """openai/gpt-oss-*'s layout: read by default without a dequantized copy, each expert matrix's
-    blocks in GGUF's MXFP4 layout on our int8-lane kernel (the values bit-equal to transformers' own
-    MXFP4 reader's), stacked for moe_int8w with their biases; attention, embedding and head bf16 as
+    blocks repacked as the checkpoint keeps them for our int8-lane kernel (their values bit-equal to
+    transformers' own MXFP4 reader's), stacked for moe_int8w with their biases; attention, embedding and head bf16 as
     stored. Exact math ("float32") matches transformers on the checkpoint to 2e-4; the default (16-bit
     activations into the kernels) gives its greedy tokens, flips only where its top two nearly tie.
     The second load takes the experts from the conversion cache: the same logits."""
