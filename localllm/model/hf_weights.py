@@ -149,6 +149,8 @@ class HFWeights:
             return blocks, torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)]), scales
         parts = [(self._slice(stem + "_blocks", e)[rows], self._slice(stem + "_scales", e)[rows])
                  for stem, e, rows in where]
+        if len(parts) == 1:  # (a down projection: no copy)
+            return parts[0][0], None, parts[0][1]
         if any(b.shape[1] != parts[0][0].shape[1] for b, _ in parts):
             return None
         return torch.cat([b for b, _ in parts]), None, torch.cat([s for _, s in parts])

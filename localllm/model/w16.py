@@ -48,7 +48,8 @@ def linear(weights, names: list[str], bias: torch.Tensor | None) -> torch.nn.Mod
     dtypes = {stored_dtype(weights, n) for n in names}
     if len(dtypes) != 1 or dtypes.pop() not in DTYPES or not kernel_available():
         return DenseLinear(torch.cat([weights.dense(n).float() for n in names]), bias)
-    return W16Linear(torch.cat([tensor16(weights, n) for n in names]), bias)
+    parts = [tensor16(weights, n) for n in names]
+    return W16Linear(parts[0] if len(parts) == 1 else torch.cat(parts), bias)  # (one part: no copy)
 
 
 def isa() -> str:
