@@ -344,6 +344,7 @@ def test_published_mxfp4_checkpoint_runs_on_its_blocks(gpt_oss_hf):
     activations into the kernels) gives its greedy tokens, flips only where its top two nearly tie.
     The second load takes the experts from the conversion cache: the same logits."""
     from test_model_memory import planner_matches_held
+    from test_moe import assert_stacks_are_one_by_ones
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from localllm.model.layers import W16Linear, W16Matrix
@@ -374,6 +375,7 @@ def test_published_mxfp4_checkpoint_runs_on_its_blocks(gpt_oss_hf):
     assert isinstance(layer.moe.experts, Int8wExperts) and layer.moe.experts.b1 is not None
     assert isinstance(layer.qkv, W16Linear) and isinstance(loaded.model.embed, W16Matrix)
     planner_matches_held(loaded, mx)
+    assert_stacks_are_one_by_ones(loaded, mx)  # each layer's experts repacked at once, as one by one
     want = hf_greedy(ref, PROMPT, 32)
     teacher_forced(make_engine(loaded), ref, want)
     from localllm.model.convert_cache import ConvertCache

@@ -207,7 +207,9 @@ def test_mxfp4_experts_run_on_the_files_values(family, tmp_path, gguf_path, monk
     calls, block32 = [], cpu_repack.block32
     monkeypatch.setattr(cpu_repack, "block32", lambda raw, kind, *a, **kw: calls.append(kind) or block32(raw, kind, *a, **kw))
     loaded = load_model(path, "auto")
-    assert calls.count("MXFP4") == 2 * loaded.config.num_experts * sum(map(loaded.config.is_moe_layer, range(loaded.config.num_layers)))
+    # each MoE layer's experts in two repacks, one a matrix, giving the stacks one expert at a time gives
+    assert calls.count("MXFP4") == 2 * sum(map(loaded.config.is_moe_layer, range(loaded.config.num_layers)))
+    assert_stacks_are_one_by_ones(loaded, path)
     assert "MXFP4/Q8_0 weights as stored" in loaded.precision  # our CPU kernels, not the fp32 fallback
     layer = len(loaded.model.layers) - 1  # an MoE layer in both families
     experts = loaded.model.layers[layer].moe.experts
@@ -221,6 +223,25 @@ def test_mxfp4_experts_run_on_the_files_values(family, tmp_path, gguf_path, monk
     hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(path, tmp_path / "hf"), dtype=torch.float32)
     *_, last = make_engine(loaded).generate(list(PROMPT), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert last.token_ids == hf_greedy(hf.eval(), PROMPT, 24)
+
+
+def assert_stacks_are_one_by_ones(loaded, path) -> None:
+    """Every MoE layer's Int8wExperts (built a layer at a time) hold the bytes make_experts stacks from
+    each expert's own linears."""
+    from localllm.model import loader
+    from localllm.model.moe import EXPERT_ACTS, expert_tensor_names, make_experts
+    from localllm.model.weights import open_weights
+
+    weights, cfg = open_weights(path), loaded.config
+    act = (EXPERT_ACTS[cfg.expert_act], cfg.swiglu_alpha, cfg.swiglu_limit)
+    for i in filter(cfg.is_moe_layer, range(cfg.num_layers)):
+        def expert(e: int, names=expert_tensor_names(cfg, i)[1]):
+            return tuple(loader._linear(weights, parts, "int4", torch.float32, "cpu")
+                         for parts in (list(names[e][:2]), [names[e][2]]))
+        want, got = make_experts(expert, cfg.num_experts, cfg.moe_intermediate_size, act), loaded.model.layers[i].moe.experts
+        for b in ("w1", "s1", "w2", "s2", "b1", "b2", "group1", "zero1", "group2", "zero2"):
+            x, y = getattr(want, b), getattr(got, b)
+            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), (i, b)
 
 
 def test_quantizer_refuses_moe_in_one_line(family, tmp_path):

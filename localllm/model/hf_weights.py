@@ -134,26 +134,27 @@ class HFWeights:
 
     def stacked_blocks(self, names: list[str], kinds: tuple[str, ...]
                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None:
-        """The parts `names` of a fused layer where all are MXFP4 and MXFP4 is one of `kinds` (else
-        None), as the checkpoint keeps them: (blocks uint8 [N_1 + N_2 + ..., K / 32, 16] in its nibble
-        order, the row order over them (None: as read), their E8M0 scales uint8 [N, K / 32]) for
+        """The parts `names` (experts' matrices of one layer's stack: an expert's gate and up, or every
+        expert's) where all are MXFP4 and MXFP4 is one of `kinds` (else None), as the checkpoint keeps
+        them: (blocks uint8 [rows read, K / 32, 16] in its nibble order, the rows of the parts in
+        order over them (None: all, as read), their E8M0 scales uint8 [rows read, K / 32]) for
         cpu_repack.block32, which reads this layout itself."""
         if "MXFP4" not in kinds or any(self.kind(n) != "MXFP4" for n in names):
             return None
         where = [self._gpt_oss_expert(n) for n in names]
-        if len(where) == 2 and where[0][:2] == where[1][:2] and where[0][2].start == 0 and where[1][2].start == 1:
-            # an expert's gate and up: its rows as stored (interleaved), reordered by the repack
-            stem, e, _ = where[0]
-            blocks, scales = self._slice(stem + "_blocks", e), self._slice(stem + "_scales", e)
-            n = blocks.shape[0]
-            return blocks, torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)]), scales
-        parts = [(self._slice(stem + "_blocks", e)[rows], self._slice(stem + "_scales", e)[rows])
-                 for stem, e, rows in where]
-        if len(parts) == 1:  # (a down projection: no copy)
-            return parts[0][0], None, parts[0][1]
-        if any(b.shape[1] != parts[0][0].shape[1] for b, _ in parts):
+        stems = {stem for stem, _, _ in where}
+        if len(stems) != 1:
             return None
-        return torch.cat([b for b, _ in parts]), None, torch.cat([s for _, s in parts])
+        # the experts' stack read once, from the first to the last expert named; the rows the names
+        # take (an expert's gate: its even rows, interleaved with up's) picked by the repack
+        stem = stems.pop()
+        _, n, g, _ = self.headers[self.stored.get(stem + "_blocks", stem + "_blocks")][1]
+        first, last = min(e for _, e, _ in where), max(e for _, e, _ in where)
+        span = slice(first, last + 1)
+        blocks = self._slice(stem + "_blocks", span).reshape(-1, g, 16)
+        scales = self._slice(stem + "_scales", span).reshape(-1, g)
+        order = torch.cat([(e - first) * n + torch.arange(n)[rows] for _, e, rows in where])
+        return blocks, None if torch.equal(order, torch.arange(len(blocks))) else order, scales
 
     def blocks(self, name: str) -> gguf_blocks.Blocks:
         """An MXFP4 matrix's values as integers and scales (gguf_blocks); ValueError for others."""

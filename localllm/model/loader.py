@@ -318,9 +318,11 @@ def _moe_block(weights: Weights, cfg: ModelConfig, layer: int, mode: str, act_dt
                 _linear(weights, [d], mode, act_dtype, device, cpu_kernel=cpu_kernel))
 
     act = (EXPERT_ACTS[cfg.expert_act], cfg.swiglu_alpha, cfg.swiglu_limit)
+    whole = mode == "int4" and device == "cpu" and cpu_kernel and _reads_blocks(weights)
 
     def build_experts():
-        experts = make_experts(expert, cfg.num_experts, cfg.moe_intermediate_size, act)
+        experts = ((_layer_experts(weights, names, cfg.moe_intermediate_size, act) if whole else None)
+                   or make_experts(expert, cfg.num_experts, cfg.moe_intermediate_size, act))
         _trim_heap()
         return experts
 
@@ -336,6 +338,37 @@ def _moe_block(weights: Weights, cfg: ModelConfig, layer: int, mode: str, act_dt
                 if cfg.expert_act == "swiglu_oai" else None)  # (LoopExperts apply it; Int8wExperts carry `act`)
     return MoE(exact(router), experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                exact(bias) if weights.has(bias) else None, cfg.router_gating, loop_act)
+
+
+def _layer_experts(weights: Weights, names: list[tuple[str, str, str]], inter: int,
+                   act: tuple[int, float, float]) -> Int8wExperts | None:
+    """An MoE layer's experts on the int8-lane kernel built whole: each matrix of all E experts in one
+    repack of the blocks the reader gives side by side (the layer's gate/up rows expert by expert,
+    then its downs), which is already moe_int8w's [E, ...] stack when an expert's rows fill whole
+    16-row panels: no expert repacked alone, then copied into the stack (make_experts' way, 1,536
+    calls and 10 GB of copies for gpt-oss-20b). None where the types or shapes do not allow it."""
+    e = len(names)
+    mats = []
+    for parts in ([n for g, u, _ in names for n in (g, u)], [d for *_, d in names]):
+        kinds = {weights.kind(n) for n in parts}
+        rows, k = sum(weights.shape(n)[0] for n in parts), weights.shape(parts[0])[1]
+        if len(kinds) != 1 or rows % (16 * e) or _gguf_kernel(kinds.pop(), rows // e, k) != "int8":
+            return None
+        m = _gguf_repacked_linear(weights, parts, "int8", None)
+        if not isinstance(m, Int8wLinear):
+            return None
+        mats.append(m)
+    biases = []
+    for parts in ([(g, u) for g, u, _ in names], [(d,) for *_, d in names]):
+        have = [weights.has(n.replace(".weight", ".bias")) for p in parts for n in p]
+        if any(have) != all(have):
+            return None
+        if all(have):
+            biases.append(torch.stack([torch.cat([weights.dense(n.replace(".weight", ".bias")).float() for n in p])
+                                       for p in parts]))
+    (w1, s1), (w2, s2) = ((m.qw.view(e, -1, *m.qw.shape[1:]), m.qsc.view(e, -1, *m.qsc.shape[1:])) for m in mats)
+    forms = (mats[0].group_size, mats[0].zero, mats[1].group_size, mats[1].zero)
+    return Int8wExperts(w1, s1, w2, s2, forms, inter, *(biases or (None, None)), act=act)
 
 
 def _linear_names(cfg: ModelConfig) -> list[str]:
