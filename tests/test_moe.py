@@ -225,9 +225,33 @@ def test_mxfp4_experts_run_on_the_files_values(family, tmp_path, gguf_path, monk
     assert last.token_ids == hf_greedy(hf.eval(), PROMPT, 24)
 
 
+@pytest.mark.parametrize("family", ["qwen3moe"], indirect=True)
+def test_mixed_experts_stack_a_layer_at_once(family, tmp_path, gguf_path, monkeypatch):
+    """A K-quant mix's shape of experts, 4-bit gate/up beside an 8-bit down (here Q4_0 and Q8_0, which
+    gguf-py writes): each MoE layer's experts in one repack a matrix, Int8wExperts holding the int4
+    matrix in its int8-lane form, the stacks make_experts builds one expert at a time."""
+    import gguf
+
+    from localllm.model.moe import Int8wExperts
+    from localllm_kernels import cpu_repack
+
+    def mixed(name: str, a: np.ndarray):
+        if "_exps." in name and "down" not in name:
+            return gguf.GGMLQuantizationType.Q4_0
+        return mxfp4_moe(name, a) and gguf.GGMLQuantizationType.Q8_0  # the rest as in mxfp4_moe
+    path = moe_gguf(family[0], family[4].arch, tmp_path / "mixed.gguf", gguf_path, qtype_of=mixed)
+    calls, q4 = [], cpu_repack.q4_0_1
+    monkeypatch.setattr(cpu_repack, "q4_0_1", lambda raws, *a: calls.append(len(raws[0])) or q4(raws, *a))
+    loaded = load_model(path, "auto")
+    cfg = loaded.config
+    assert calls == [2 * cfg.num_experts * cfg.moe_intermediate_size]  # the one MoE layer's gate/up at once
+    assert isinstance(loaded.model.layers[1].moe.experts, Int8wExperts)
+    assert_stacks_are_one_by_ones(loaded, path)
+
+
 def assert_stacks_are_one_by_ones(loaded, path) -> None:
-    """Every MoE layer's Int8wExperts (built a layer at a time) hold the bytes make_experts stacks from
-    each expert's own linears."""
+    """Every MoE layer's stacked experts (built a layer at a time) are what make_experts stacks from
+    each expert's own linears: the same class, buffers and forms."""
     from localllm.model import loader
     from localllm.model.moe import EXPERT_ACTS, expert_tensor_names, make_experts
     from localllm.model.weights import open_weights
@@ -239,9 +263,10 @@ def assert_stacks_are_one_by_ones(loaded, path) -> None:
             return tuple(loader._linear(weights, parts, "int4", torch.float32, "cpu")
                          for parts in (list(names[e][:2]), [names[e][2]]))
         want, got = make_experts(expert, cfg.num_experts, cfg.moe_intermediate_size, act), loaded.model.layers[i].moe.experts
-        for b in ("w1", "s1", "w2", "s2", "b1", "b2", "group1", "zero1", "group2", "zero2"):
-            x, y = getattr(want, b), getattr(got, b)
-            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), (i, b)
+        ws, gs = want.state_dict(), got.state_dict()
+        assert type(want) is type(got) and ws.keys() == gs.keys() and all(torch.equal(ws[k], gs[k]) for k in ws), i
+        for a in ("group1", "zero1", "group2", "zero2", "inter", "act_kind", "alpha", "limit"):
+            assert getattr(want, a, None) == getattr(got, a, None), (i, a)
 
 
 def test_quantizer_refuses_moe_in_one_line(family, tmp_path):
@@ -509,6 +534,7 @@ def test_moe_layers_load_from_the_conversion_cache(family, kind, tmp_path, monke
     monkeypatch.setattr(convert_cache.ConvertCache, "open", staticmethod(lambda *a: caches.append(open_cache(*a)) or caches[-1]))
     cold = load_model(q4_file, "auto")
     assert not caches[0].hit and any(".experts." in k for k in caches[0].tensors)
+    assert_stacks_are_one_by_ones(cold, q4_file)
 
     def fail(*a, **kw):
         raise AssertionError("a cache hit built a layer")

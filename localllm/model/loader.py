@@ -45,7 +45,16 @@ from .layers import (
     W16Matrix,
 )
 from .llama import DecoderLayer, LlamaModel
-from .moe import EXPERT_ACTS, Int8wExperts, MoE, expert_tensor_names, make_experts, swiglu_oai
+from .moe import (
+    EXPERT_ACTS,
+    Int4Experts,
+    Int8wExperts,
+    MoE,
+    expert_tensor_names,
+    int8w_form,
+    make_experts,
+    swiglu_oai,
+)
 from .weights import Weights, open_weights
 
 log = logging.getLogger(__name__)
@@ -341,21 +350,25 @@ def _moe_block(weights: Weights, cfg: ModelConfig, layer: int, mode: str, act_dt
 
 
 def _layer_experts(weights: Weights, names: list[tuple[str, str, str]], inter: int,
-                   act: tuple[int, float, float]) -> Int8wExperts | None:
-    """An MoE layer's experts on the int8-lane kernel built whole: each matrix of all E experts in one
-    repack of the blocks the reader gives side by side (the layer's gate/up rows expert by expert,
-    then its downs), which is already moe_int8w's [E, ...] stack when an expert's rows fill whole
-    16-row panels: no expert repacked alone, then copied into the stack (make_experts' way, 1,536
-    calls and 10 GB of copies for gpt-oss-20b). None where the types or shapes do not allow it."""
+                   act: tuple[int, float, float]) -> Int4Experts | Int8wExperts | None:
+    """An MoE layer's experts built whole: each matrix of all E experts in one repack of the blocks
+    the reader gives side by side (the layer's gate/up rows expert by expert, then its downs), which
+    is already the op's [E, ...] stack when an expert's rows fill whole 16-row panels: no expert
+    repacked alone and then copied into the stack (make_experts' way: 1,536 repacks and 10 GB of
+    copies for gpt-oss-20b). The stacks make_experts would build from the same linears (Int4Experts
+    where both matrices are int4 and the activation SiLU, else Int8wExperts); None where the types or
+    shapes do not allow it."""
     e = len(names)
     mats = []
     for parts in ([n for g, u, _ in names for n in (g, u)], [d for *_, d in names]):
         kinds = {weights.kind(n) for n in parts}
         rows, k = sum(weights.shape(n)[0] for n in parts), weights.shape(parts[0])[1]
-        if len(kinds) != 1 or rows % (16 * e) or _gguf_kernel(kinds.pop(), rows // e, k) != "int8":
+        kernel = _gguf_kernel(kinds.pop(), rows // e, k) if len(kinds) == 1 else None
+        if rows % (16 * e) or kernel not in ("int4", "int8"):
             return None
-        m = _gguf_repacked_linear(weights, parts, "int8", None)
-        if not isinstance(m, Int8wLinear):
+        m = (_gguf_q4_linear(weights, parts, None) if kernel == "int4" else None) or \
+            _gguf_repacked_linear(weights, parts, kernel, None)
+        if m is None:
             return None
         mats.append(m)
     biases = []
@@ -366,9 +379,13 @@ def _layer_experts(weights: Weights, names: list[tuple[str, str, str]], inter: i
         if all(have):
             biases.append(torch.stack([torch.cat([weights.dense(n.replace(".weight", ".bias")).float() for n in p])
                                        for p in parts]))
-    (w1, s1), (w2, s2) = ((m.qw.view(e, -1, *m.qw.shape[1:]), m.qsc.view(e, -1, *m.qsc.shape[1:])) for m in mats)
-    forms = (mats[0].group_size, mats[0].zero, mats[1].group_size, mats[1].zero)
-    return Int8wExperts(w1, s1, w2, s2, forms, inter, *(biases or (None, None)), act=act)
+    stacks = [t.view(e, -1, *t.shape[1:]) for m in mats for t in (m.qw, m.qsc)]
+    if not biases and act[0] == 0 and Int4Experts.fits(mats[:1], mats[1:]):
+        return Int4Experts(*stacks, mats[0].group_size, mats[1].group_size, inter)
+    if not Int8wExperts.fits(mats[:1], mats[1:]):
+        return None
+    (_, _, g1, z1), (_, _, g2, z2) = (int8w_form(m) for m in mats)
+    return Int8wExperts(*stacks, (g1, z1, g2, z2), inter, *(biases or (None, None)), act=act)
 
 
 def _linear_names(cfg: ModelConfig) -> list[str]:

@@ -176,7 +176,7 @@ class Int8wExperts(nn.Module):
         def parts(gate_up: nn.Module, down: nn.Module) -> tuple | None:
             if not cls.fits([gate_up], [down]):
                 return None
-            (w1, s1, g1, z1), (w2, s2, g2, z2) = _int8w_form(gate_up), _int8w_form(down)
+            (w1, s1, g1, z1), (w2, s2, g2, z2) = int8w_form(gate_up), int8w_form(down)
             biases = (gate_up.bias.float(), down.bias.float()) if gate_up.bias is not None else ()
             return (w1, s1, w2, s2, *biases), (g1, z1, g2, z2, len(biases))
         stack = _stack(experts, n, parts)
@@ -188,7 +188,7 @@ class Int8wExperts(nn.Module):
     @staticmethod
     def fits(gate_up: list[nn.Module], down: list[nn.Module]) -> bool:
         """Every expert's matrices on the int8-lane kernel as they are, both with a bias or neither."""
-        return all(_int8w_form(m) is not None for m in (*gate_up, *down)) and all(
+        return all(int8w_form(m) is not None for m in (*gate_up, *down)) and all(
             (g.bias is None) == (d.bias is None) for g, d in zip(gate_up, down))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, act: Callable) -> torch.Tensor:
@@ -228,7 +228,7 @@ def _stack(experts: Iterable[tuple[nn.Module, nn.Module]], n: int, parts: Callab
     return (bufs, form) if count == n else None
 
 
-def _int8w_form(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+def int8w_form(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
     """(w, scales, group size, zero point) of a linear the int8-lane kernel runs as it is stored (its
     bias aside): an Int8wLinear, or an Int4Linear on our int4 kernel with groups of 32 (its layout and
     scale forms are the int8-lane ones for 4-bit values with zero point 8: the same outputs bit for bit)."""
