@@ -379,6 +379,8 @@ def _layer_experts(weights: Weights, names: list[tuple[str, str, str]], inter: i
         if all(have):
             biases.append(torch.stack([torch.cat([weights.dense(n.replace(".weight", ".bias")).float() for n in p])
                                        for p in parts]))
+    if len(biases) == 1:  # biases on one matrix only: make_experts' way (looped) takes them
+        return None
     stacks = [t.view(e, -1, *t.shape[1:]) for m in mats for t in (m.qw, m.qsc)]
     if not biases and act[0] == 0 and Int4Experts.fits(mats[:1], mats[1:]):
         return Int4Experts(*stacks, mats[0].group_size, mats[1].group_size, inter)
