@@ -13,10 +13,9 @@ from torch import nn
 
 from . import cache_file
 from .errors import ModelLoadError
-from .gguf_weights import GGUFWeights
-from .hf_weights import HFWeights
 from .layers import ConcatLinear, Int4Linear, Int8wLinear
 from .moe import Int4Experts, Int8wExperts, LoopExperts
+from .weights import reads_blocks
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +75,7 @@ class ConvertCache:
 
     @staticmethod
     def open(path, weights, mode: str, device: str, dense: bool, cpu_kernel: bool) -> ConvertCache | None:
-        blocks = isinstance(weights, GGUFWeights) or (isinstance(weights, HFWeights) and weights.mxfp4)
-        if not (blocks and mode == "int4" and device == "cpu"):
+        if not (reads_blocks(weights) and mode == "int4" and device == "cpu"):
             return None
         return ConvertCache(Path(path), dense, cpu_kernel)
 

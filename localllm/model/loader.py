@@ -55,7 +55,7 @@ from .moe import (
     make_experts,
     swiglu_oai,
 )
-from .weights import Weights, open_weights
+from .weights import Weights, open_weights, reads_blocks
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,7 +72,7 @@ def _resolve_precision(precision: str, weights: Weights, device: str) -> tuple[s
     # the first layer's MLP (an MoE layer: its first expert's), as stored
     first = ("model.layers.0." + cfg.checkpoint_linears()["gate_up"][0] + ".weight" if not cfg.is_moe_layer(0)
              else expert_tensor_names(cfg, 0)[1][0][0])
-    native_int4 = _reads_blocks(weights) and (
+    native_int4 = reads_blocks(weights) and (
         weights.int4(first) is not None or (device == "cpu" and (gguf_blocks.supported(weights.kind(first)) or
                                                                weights.kind(first) in w16.GGUF_KINDS)))
     quantized = isinstance(weights, HFWeights) and weights.quant is not None
@@ -87,12 +87,6 @@ def _resolve_precision(precision: str, weights: Weights, device: str) -> tuple[s
     if precision in DTYPES:
         return precision, DTYPES[precision]
     return precision, (torch.float32 if device == "cpu" else torch.float16)
-
-
-def _reads_blocks(weights: Weights) -> bool:
-    """Weights the loader takes as stored, block by block (each matrix on its type's kernel): a GGUF
-    file's, and gpt-oss's published checkpoints (MXFP4 experts, bf16 elsewhere)."""
-    return isinstance(weights, GGUFWeights) or (isinstance(weights, HFWeights) and weights.mxfp4)
 
 
 def _keep_dense(cfg: ModelConfig, mode: str, device: str, cpu_kernel: bool) -> bool:
@@ -254,7 +248,7 @@ def _linear(weights: Weights, names: list[str], mode: str, act_dtype: torch.dtyp
     bias = torch.cat([weights.dense(b).float() for b in biases]) if all(weights.has(b) for b in biases) else None
     if mode == "w16":
         return w16.linear(weights, names, bias)
-    if mode == "int4" and device == "cpu" and cpu_kernel and not dense and _reads_blocks(weights):
+    if mode == "int4" and device == "cpu" and cpu_kernel and not dense and reads_blocks(weights):
         fast = _gguf_q4_linear(weights, names, bias)
         if fast is not None:
             return fast
@@ -327,7 +321,7 @@ def _moe_block(weights: Weights, cfg: ModelConfig, layer: int, mode: str, act_dt
                 _linear(weights, [d], mode, act_dtype, device, cpu_kernel=cpu_kernel))
 
     act = (EXPERT_ACTS[cfg.expert_act], cfg.swiglu_alpha, cfg.swiglu_limit)
-    whole = mode == "int4" and device == "cpu" and cpu_kernel and _reads_blocks(weights)
+    whole = mode == "int4" and device == "cpu" and cpu_kernel and reads_blocks(weights)
 
     def build_experts():
         experts = ((_layer_experts(weights, names, cfg.moe_intermediate_size, act) if whole else None)

@@ -12,6 +12,13 @@ from .hf_weights import HFWeights
 Weights = GGUFWeights | HFWeights
 
 
+def reads_blocks(weights: Weights) -> bool:
+    """Weights the loader takes as stored, block by block (each matrix on its type's kernel), and whose
+    conversions the cache keeps: a GGUF file's, and gpt-oss's published checkpoints (MXFP4 experts,
+    bf16 elsewhere)."""
+    return isinstance(weights, GGUFWeights) or (isinstance(weights, HFWeights) and weights.mxfp4)
+
+
 def open_weights(path: str | os.PathLike) -> Weights:
     path = Path(path)
     if path.is_file():
