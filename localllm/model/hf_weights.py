@@ -209,8 +209,7 @@ class HFWeights:
             if stem.endswith("_bias"):
                 return self._slice(stem, e)[rows] if stem in self.index else None
             if self.mxfp4 and stem + "_blocks" in self.index:
-                raw = self._mxfp4_blocks(name)
-                return gguf_blocks.decode("MXFP4", raw).values()
+                return self.blocks(name).values()
             return self._slice(stem, e)[:, rows].t().contiguous() if stem in self.index else None
         ex = EXPERT_NAME.fullmatch(name)
         router = re.fullmatch(r"(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight", name)

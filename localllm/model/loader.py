@@ -4,7 +4,8 @@ model and the exporters see one layout. Linear layers are built in the precision
 for. A GGUF on CPU (and gpt-oss's MXFP4 checkpoint: its experts' blocks, bf16 elsewhere) keeps
 the file's values, each matrix on the kernel of its type (exact repacks): Q4_0/Q4_1/Q4_K on the
 int4 kernel, the other block types (Q8_0, Q6_K, Q5_*, IQ4_*, MXFP4, Q3_K, Q2_K) on the int8-lane
-one, F16/BF16 on the 16-bit one, other types dequantized to fp32; nothing is re-quantized. Elsewhere GGUF Q4_0/Q4_1 stay int4 and the rest is dequantized.
+one, F16/BF16 on the 16-bit one, other types dequantized to fp32; nothing is re-quantized.
+Elsewhere GGUF Q4_0/Q4_1 stay int4 and the rest is dequantized.
 """
 
 from __future__ import annotations
@@ -360,8 +361,9 @@ def _layer_experts(weights: Weights, names: list[tuple[str, str, str]], inter: i
         kernel = _gguf_kernel(kinds.pop(), rows // e, k) if len(kinds) == 1 else None
         if rows % (16 * e) or kernel not in ("int4", "int8"):
             return None
-        m = (_gguf_q4_linear(weights, parts, None) if kernel == "int4" else None) or \
-            _gguf_repacked_linear(weights, parts, kernel, None)
+        m = _gguf_q4_linear(weights, parts, None) if kernel == "int4" else None
+        if m is None:
+            m = _gguf_repacked_linear(weights, parts, kernel, None)
         if m is None:
             return None
         mats.append(m)
