@@ -230,7 +230,18 @@ class ModelConfig:
     def num_params(self) -> int:
         h = self.hidden_size
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.linear_params + self.num_layers * 2 * h + emb + h
+        return self.linear_params + self.num_layers * 2 * h + emb + h + self.bias_params
+
+    @property
+    def bias_params(self) -> int:
+        """Biases and sinks: Qwen2's on q/k/v; gpt-oss's on every linear (q/k/v/o, the router,
+        each expert's gate_up and down) and a sink per query head."""
+        L, h = self.num_layers, self.hidden_size
+        n = L * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
+        if self.architecture == "GptOssForCausalLM":
+            moe = sum(self.moe_layers or ())
+            n += L * (h + self.num_heads) + moe * self.num_experts * (1 + 2 * self.moe_intermediate_size + h)
+        return n
 
     @property
     def linear_params(self) -> int:

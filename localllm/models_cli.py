@@ -34,8 +34,8 @@ def _latest_snapshot(info) -> Path | None:
     return Path(revs[0].snapshot_path) if revs else None
 
 
-def _kind_of(path: Path | None) -> str:
-    """bf16 / awq / gptq / gguf of a downloaded snapshot, from its files and config.json."""
+def _kind_of(path: Path | None, unquantized: str = "safetensors") -> str:
+    """bf16 / awq / gptq / mxfp4 / gguf of a downloaded snapshot, from its files and config.json."""
     if path is None:
         return "?"
     if any(path.glob("*.gguf")):
@@ -44,7 +44,19 @@ def _kind_of(path: Path | None) -> str:
         q = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
     except (OSError, ValueError):
         q = {}
-    return str(q.get("quant_method", "safetensors")).lower()
+    return str(q.get("quant_method", unquantized)).lower()
+
+
+def _repo_kind(v: Variant, snapshot: Path | None = None) -> str:
+    """A registry variant's form as listed: a model repo published quantized (gpt-oss's MXFP4
+    experts) says so, from its files once downloaded, else from the planner's known config."""
+    if v.kind != "bf16":
+        return v.kind
+    if snapshot is not None:
+        return _kind_of(snapshot, "bf16")
+    from .planner import KNOWN_CONFIGS
+
+    return KNOWN_CONFIGS.get(v.repo.lower(), {}).get("quantization_config", {}).get("quant_method", "bf16")
 
 
 def _size(path: Path) -> int:
@@ -72,9 +84,9 @@ def list_models() -> list[dict]:
         for v in spec_variants(spec):
             info = cache.pop(v.repo, None)
             if info is not None:
-                mine.append(row(spec.name, v.repo, v.kind, "downloaded", info.size_on_disk,
-                                _latest_snapshot(info), spec))
-        rows += mine or [row(spec.name, spec.repo, spec_variants(spec)[0].kind, "available", None, None, spec)]
+                snap = _latest_snapshot(info)
+                mine.append(row(spec.name, v.repo, _repo_kind(v, snap), "downloaded", info.size_on_disk, snap, spec))
+        rows += mine or [row(spec.name, spec.repo, _repo_kind(spec_variants(spec)[0]), "available", None, None, spec)]
     for repo_id, info in sorted(cache.items()):
         snap = _latest_snapshot(info)
         rows.append(row(repo_id, repo_id, _kind_of(snap), "downloaded", info.size_on_disk, snap))

@@ -18,7 +18,7 @@ chunk, logits, allocator slack).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .config import KV_TYPE_BYTES, ModelConfig, kv_blocks, kv_tokens
@@ -78,6 +78,51 @@ KNOWN_SHAPES = {
     "huggingfacetb/smolvlm-500m-instruct": (32, 960, 2560, 15, 5, 64, 49280, False),
     "huggingfacetb/smolvlm-instruct": (24, 2048, 8192, 32, 32, 64, 49155, False),
 }
+
+
+def _gpt_oss(layers: int, experts: int) -> dict:
+    """openai/gpt-oss-20b / -120b's published config.json: the fields our config reads."""
+    return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088,
+            "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": layers, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": experts, "num_experts_per_tok": 4,
+            "attention_bias": True, "sliding_window": 128, "max_position_embeddings": 131072,
+            "layer_types": ["sliding_attention", "full_attention"] * (layers // 2), "rope_theta": 150000,
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "original_max_position_embeddings": 4096, "truncate": False},
+            "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+            "quantization_config": {"quant_method": "mxfp4"}}
+
+
+# Registry models whose shape a KNOWN_SHAPES tuple cannot hold (gpt-oss: biases, sinks, MXFP4
+# experts as published): their config.json, as the hub serves it.
+KNOWN_CONFIGS = {"openai/gpt-oss-20b": _gpt_oss(24, 32), "openai/gpt-oss-120b": _gpt_oss(36, 128)}
+
+
+def known_facts(repo: str, name: str | None = None, context: int | None = None,
+                variants: dict | None = None, vision_params: int = 0) -> ModelFacts | None:
+    """The facts of a registry repo from KNOWN_SHAPES / KNOWN_CONFIGS (None: not among them): what
+    the planner knows of a model before it is downloaded."""
+    repo = repo.lower()
+    if repo in KNOWN_CONFIGS:
+        return config_facts(name or repo, KNOWN_CONFIGS[repo], context, variants, vision_params)
+    if repo in KNOWN_SHAPES:
+        return ModelFacts.from_config(name or repo, shape_config(KNOWN_SHAPES[repo], context),
+                                      variants=dict(variants or {}), vision_params=vision_params)
+    return None
+
+
+def config_facts(name: str, hf: dict, context: int | None = None, variants: dict | None = None,
+                 vision_params: int = 0) -> ModelFacts:
+    """The facts of a checkpoint from its config.json alone (`hf`), as facts_for_path finds them
+    from its files: one published with MXFP4 experts (gpt-oss) is counted as the loader holds it."""
+    cfg = ModelConfig.from_hf(hf)
+    if context:
+        cfg = replace(cfg, max_position_embeddings=context)
+    native = (hf.get("quantization_config") or {}).get("quant_method")
+    if native not in (None, "mxfp4"):
+        raise ValueError(f"{name}: a {native} checkpoint is sized from its files, not its config")
+    return ModelFacts.from_config(name, cfg, native=native, variants=dict(variants or {}),
+                                  native_bytes=_mxfp4_bytes(cfg) if native else {}, vision_params=vision_params)
 
 
 def shape_config(shape: tuple, context: int | None = None) -> ModelConfig:
@@ -385,11 +430,13 @@ def _estimated_facts(name: str, params: int, context: int | None) -> ModelFacts:
 
 
 def _native_bytes(weights) -> dict[str, int]:
-    """Weights of a GGUF / AWQ / GPTQ checkpoint as the loader holds them, per device kind."""
+    """Weights of a GGUF / AWQ / GPTQ / MXFP4 checkpoint as the loader holds them, per device kind."""
     from .model import gguf_blocks
     from .model.gguf_weights import GGUFWeights
 
     cfg = weights.config
+    if not isinstance(weights, GGUFWeights) and weights.mxfp4:
+        return _mxfp4_bytes(cfg)
     out = {}
     for kind, other in (("cpu", 4), ("cuda", 2)):
         fast_head = int(cfg.vocab_size * cfg.hidden_size * (0.5 + 4 / 32)) if kind == "cpu" else 0
@@ -405,12 +452,6 @@ def _native_bytes(weights) -> dict[str, int]:
                     total += t.nbytes
                 else:
                     total += int(n * (0.5 + 4 / 32)) if linear and t.qtype.name in ("Q4_0", "Q4_1") else n * other
-        elif weights.mxfp4:  # gpt-oss: the experts' blocks on our kernel (CPU), the rest 16-bit as stored
-            f = ModelFacts.from_config("", cfg)
-            experts = sum(map(cfg.is_moe_layer, range(cfg.num_layers))) * cfg.num_experts * 3 * \
-                cfg.hidden_size * cfg.moe_intermediate_size
-            total += (int(experts * gguf_blocks.cpu_bytes_per_value("MXFP4")) + (f.params - experts) * 2
-                      if kind == "cpu" else f.params * other)
         else:
             f = ModelFacts.from_config("", cfg)
             g = weights.quant.get("group_size", 128)
@@ -418,6 +459,19 @@ def _native_bytes(weights) -> dict[str, int]:
             total += int(f.linear_params * (0.5 + 4 / g)) + (f.params - f.linear_params) * other
         out[kind] = total
     return out
+
+
+def _mxfp4_bytes(cfg: ModelConfig) -> dict[str, int]:
+    """gpt-oss's published checkpoint as the loader holds it, per device kind: on CPU the experts'
+    MXFP4 blocks on our kernel, the rest 16-bit as stored, and the head's int4 ranking copy; on a
+    GPU 16 bits throughout."""
+    from .model import gguf_blocks
+
+    experts = sum(map(cfg.is_moe_layer, range(cfg.num_layers))) * cfg.num_experts * 3 * \
+        cfg.hidden_size * cfg.moe_intermediate_size
+    fast_head = int(cfg.vocab_size * cfg.hidden_size * (0.5 + 4 / 32))
+    return {"cpu": fast_head + int(experts * gguf_blocks.cpu_bytes_per_value("MXFP4")) + (cfg.num_params - experts) * 2,
+            "cuda": cfg.num_params * 2}
 
 
 def _vision_params(w, path: str | Path, mmproj: str | Path | None) -> int:
@@ -489,11 +543,10 @@ def facts_for(model, mmproj: str | Path | None = None) -> ModelFacts:
         gguf = cached_snapshot(repo, rev, file, beside)
         if gguf is not None:
             return facts_for_path(gguf / file, ref.name, variants, mmproj)
-    shape = KNOWN_SHAPES.get((ref.repo or "").lower())
     context = spec.context if spec else None
     vision = spec.vision_params if spec else 0  # the registry's figure: the tower is not downloaded either
-    if shape is not None:
-        f = ModelFacts.from_config(ref.name, shape_config(shape, context), variants=variants, vision_params=vision)
+    f = known_facts(ref.repo or "", ref.name, context, variants, vision)
+    if f is not None:
         if spec is not None and spec.params:
             f.params = spec.params
         return f

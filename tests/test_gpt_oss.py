@@ -387,10 +387,12 @@ def test_published_mxfp4_checkpoint_runs_on_its_blocks(gpt_oss_hf):
     assert torch.equal(make_engine(again).score(PROMPT + want), make_engine(loaded).score(PROMPT + want))
 
 
-def test_run_pulls_the_published_layout_and_answers_as_from_disk(gpt_oss_hf, tmp_path):
-    """`localllm run openai/gpt-oss-20b "..."` as a user types it, against a loopback hub holding the
-    published layout with its second checkpoint under original/: the pull takes the top-level files
-    only, and the answer is the one `localllm run DIR` gives on the same files."""
+def test_the_registry_name_pulls_the_published_layout_and_answers_as_from_disk(gpt_oss_hf, tmp_path):
+    """`localllm pull gpt-oss:20b`, then `localllm run gpt-oss:20b "..."` (and by its repo id) as a
+    user types them, against a loopback hub holding the published layout under openai/gpt-oss-20b
+    with its second checkpoint under original/: the pull takes the top-level files only, `list`
+    shows the MXFP4 form, and the answer is the one `localllm run DIR` gives on the same files.
+    (Before the download the run is planned from the published config: test_planner.)"""
     import os
     import shutil
     import subprocess
@@ -403,16 +405,35 @@ def test_run_pulls_the_published_layout_and_answers_as_from_disk(gpt_oss_hf, tmp
     (repo / "original" / "model.safetensors").write_bytes(b"\0" * 4096)  # (13 GB in the real repo)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
 
-    def run(model: str) -> str:
-        r = subprocess.run([sys.executable, "-m", "localllm.cli", "run", model, "Hello", "-n", "6", "--temperature",
-                            "0"], env=env, capture_output=True, text=True, timeout=300)
+    def cli(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "localllm.cli", *args], env=env, capture_output=True, text=True,
+                           timeout=300)
         assert r.returncode == 0, r.stderr
         return r.stdout
 
+    def run(model: str) -> str:
+        return cli("run", model, "Hello", "-n", "6", "--temperature", "0")
+
     with HubMirror({"openai/gpt-oss-20b": make_repo(repo)}) as hub:
         env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=hub.url, HF_HUB_DISABLE_TELEMETRY="1")
-        pulled = run("openai/gpt-oss-20b")
+        cli("pull", "gpt-oss:20b")
         fetched = [p for _, p, _ in hub.gets()]
     assert fetched and not any("original" in p for p in fetched)
     assert any(p.endswith("model.safetensors") for p in fetched)
-    assert pulled.strip() and pulled == run(str(gpt_oss_hf["mxfp4"]))
+    listed = [line.split() for line in cli("list").splitlines() if line.startswith("gpt-oss-20b ")]
+    assert [row[1:] for row in listed if "downloaded" in row][0][0] == "mxfp4"
+    pulled = run("gpt-oss:20b")
+    assert pulled.strip() and pulled == run("openai/gpt-oss-20b") == run(str(gpt_oss_hf["mxfp4"]))
+
+
+def test_the_registry_plan_is_the_checkpoints(gpt_oss_hf):
+    """What the planner counts for a gpt-oss checkpoint from its config.json alone (a registry
+    entry before its download) is what it counts from the files (which test_published_mxfp4_...
+    holds to what the loader holds)."""
+    import json
+
+    from localllm.planner import config_facts, facts_for_path
+
+    mx = gpt_oss_hf["mxfp4"]
+    before, after = config_facts("m", json.loads((mx / "config.json").read_text())), facts_for_path(mx)
+    assert (before.params, before.native, before.native_bytes) == (after.params, after.native, after.native_bytes)

@@ -11,6 +11,7 @@ from localllm.planner import (
     GiB,
     ModelFacts,
     PlanError,
+    known_facts,
     kv_bytes,
     normalize_quant,
     overhead_bytes,
@@ -155,8 +156,52 @@ def test_known_shapes_match_the_registry():
     for spec in load_registry().models.values():
         if spec.kind != "generate":  # embedding models and rerankers are sized from their files, not planned
             continue
-        f = facts(spec.repo.lower())
-        assert abs(f.params - spec.params) / spec.params < 1e-4, spec.name  # qwen's qkv biases aside
+        f = known_facts(spec.repo)
+        assert abs(f.params - spec.params) / spec.params < 1e-4, spec.name  # (a shape tuple holds no biases)
+
+
+def test_parameter_counts_are_transformers_own():
+    """Biases and sinks are counted (Qwen2's on q/k/v; gpt-oss's on every linear, its router and
+    experts, a sink per head): our count of a config is transformers' on the meta device; gpt-oss's
+    registry entries are sized from their published configs, whose counts are the model cards'."""
+    import torch
+    import transformers
+
+    from localllm.config import ModelConfig
+    from localllm.planner import KNOWN_CONFIGS
+    from localllm.registry import load_registry
+
+    qwen = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 151936, "hidden_size": 896,
+            "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+            "tie_word_embeddings": True}
+    for hf, cls in [(qwen, transformers.Qwen2ForCausalLM),
+                    *((c, transformers.GptOssForCausalLM) for c in KNOWN_CONFIGS.values())]:
+        kw = {k: v for k, v in hf.items() if k not in ("architectures", "quantization_config")}
+        with torch.device("meta"):
+            model = cls(cls.config_class(**kw))
+        assert ModelConfig.from_hf(hf).num_params == sum(p.numel() for p in model.parameters())
+    assert ModelConfig.from_hf(qwen).num_params == load_registry().lookup("qwen2.5:0.5b").params
+    for repo in KNOWN_CONFIGS:
+        f = known_facts(repo)
+        assert f.params == load_registry().lookup(repo).params and f.native == "mxfp4"
+
+
+def test_gpt_oss_is_planned_before_its_download():
+    """`localllm run gpt-oss:20b` plans from the published config before pulling 13 GB: the experts
+    as the MXFP4 blocks the loader keeps, the rest 16-bit; where that does not fit, the run stops
+    before any download and says what it needs."""
+    from localllm.cli import app
+    from localllm.planner import gib
+
+    f = known_facts("openai/gpt-oss-20b")
+    assert 13 * GiB < f.native_bytes["cpu"] < 14 * GiB  # 12.8 GB of blocks and bf16 tables + the head's int4 copy
+    r = CliRunner().invoke(app, ["run", "gpt-oss:20b", "--dry-run", "--max-memory", "16", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("plan: MXFP4 as stored on cpu, ctx ")
+    assert f"weights {gib(f.native_bytes['cpu'])}" in r.output
+    r = CliRunner().invoke(app, ["run", "gpt-oss:20b", "--dry-run", "--max-memory", "8", "--device", "cpu"])
+    assert r.exit_code == 1
+    assert f"weights {gib(f.native_bytes['cpu'])} as MXFP4 as stored" in r.output and "only 8.00 GiB" in r.output
 
 
 def test_plan_for_the_embedded_model(gguf_path):
