@@ -20,6 +20,7 @@ The templates are the publishers' strings, shipped as package data (localllm/tem
   phi3          microsoft/Phi-3-mini-4k-instruct
   phi4-mini     microsoft/Phi-4-mini-instruct
   phi4          microsoft/phi-4
+  gpt-oss       openai/gpt-oss-20b (harmony: channels, reasoning effort, tool calls; -120b ships the same)
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def template_family(template: str | None) -> str:
     """A short name for a template by the turn markers it writes."""
     if not template:
         return "chatml"
-    for mark, name in (("<|im_sep|>", "phi4"), ("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"),
+    for mark, name in (("<|channel|>", "gpt-oss"), ("<|im_sep|>", "phi4"), ("<|im_start|>", "chatml"), ("<|start_header_id|>", "llama3"),
                        ("[INST]", "mistral/llama2"), ("<start_of_turn>", "gemma"), ("<|user|>", "phi3")):
         if mark in template:
             return name
@@ -83,6 +84,8 @@ def _family(meta: dict, arch: str) -> tuple[str, str] | None:
         return "gemma3", on_arch
     if arch in ("gemma", "gemma2"):
         return "gemma", on_arch
+    if arch == "gpt-oss":
+        return "gpt-oss", on_arch
     if arch in ("qwen3", "qwen3moe"):
         return "qwen3", on_arch
     if arch in ("qwen2", "qwen2moe"):

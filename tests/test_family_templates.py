@@ -329,6 +329,23 @@ def test_family_picks_render_as_published(meta, name, messages, bos, eos, expect
     assert render_chat(choice.template, messages, bos_token=bos, eos_token=eos) == expected
 
 
+def test_gpt_oss_without_a_template_gets_harmony():
+    """A gpt-oss file without a template gets the one openai/gpt-oss-* publish (harmony: the
+    effort, channels and tool calls its replies are read by), never ChatML; a file's own harmony
+    template is named for it."""
+    from localllm.family_templates import template_family
+    from localllm.tool_calls import style_of
+
+    published = (Path(__file__).parent / "data" / "gpt_oss_chat_template.jinja").read_text()
+    choice = gguf_chat_template(_meta("gpt-oss", ["<|start|>", "<|channel|>", "<|message|>", "<|end|>"]))
+    assert (choice.name, choice.template) == ("gpt-oss", published)
+    assert choice.why == "built-in, file has no chat template; architecture gpt-oss"
+    assert style_of(choice.template) == "harmony"
+    text = render_chat(choice.template, SYSTEM_AND_QUESTION, reasoning_effort="low")
+    assert "Reasoning: low" in text and text.endswith("<|start|>user<|message|>Hi<|end|><|start|>assistant")
+    assert template_family(published) == "gpt-oss"
+
+
 def test_gemma2_refuses_a_system_prompt_as_published():
     choice = gguf_chat_template(_meta("gemma2", [], "llama"))
     with pytest.raises(ChatTemplateError, match="System role not supported"):
