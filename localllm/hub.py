@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .gguf_names import shard_names
 from .paths import safe_relative_name
 from .registry import ModelRef, ModelSpec
 
@@ -173,7 +174,7 @@ def snapshot_complete(path: Path, filename: str | None = None, mmproj: str | Non
     """Does a snapshot folder hold a loadable model (not half of a pull)? A GGUF with an mmproj:
     both files (without it the model would load text-only)."""
     if filename:
-        return (path / filename).is_file() and (mmproj is None or (path / mmproj).is_file())
+        return all((path / f).is_file() for f in shard_names(filename)) and (mmproj is None or (path / mmproj).is_file())
     if not (path / "config.json").is_file():
         return False
     index = path / "model.safetensors.index.json"
@@ -275,7 +276,7 @@ def human_bytes(n: float) -> str:
 def select_files(repo: str, names: list[str], filename: str | None = None, mmproj: str | None = None) -> list[str]:
     """The files of `repo` that a variant needs, or a HubError naming what the repo has instead."""
     if filename is not None:
-        wanted = [filename, *([mmproj] if mmproj else [])]
+        wanted = [*shard_names(filename), *([mmproj] if mmproj else [])]  # a split GGUF: every shard
         for f in wanted:
             if f not in names:
                 ggufs = [n for n in names if n.endswith(".gguf")]
@@ -344,7 +345,8 @@ def pull(repo: str, revision: str = "main", filename: str | None = None, progres
         if path is None:
             raise HubError(f"{repo} is not in the local cache and offline mode is on (HF_HUB_OFFLINE=1); "
                            "pull it once while online")
-        files = [filename, *([mmproj] if mmproj else [])] if filename else sorted(p.name for p in path.iterdir())
+        files = [*shard_names(filename), *([mmproj] if mmproj else [])] if filename else \
+            sorted(p.name for p in path.iterdir())
         size = sum((path / f).stat().st_size for f in files)
         return PullResult(repo, revision, path.name, path / filename if filename else path, files, size)
     try:

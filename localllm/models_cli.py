@@ -10,6 +10,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+from .gguf_names import shard_names
 from .hub import HubError, Variant, cached_snapshot, hub_cache, human_bytes, repo_dir, spec_variants
 from .registry import ModelRef, ModelSpec, load_registry, resolve_model
 
@@ -59,8 +60,12 @@ def _repo_kind(v: Variant, snapshot: Path | None = None) -> str:
     return KNOWN_CONFIGS.get(v.repo.lower(), {}).get("quantization_config", {}).get("quant_method", "bf16")
 
 
-def _size(path: Path) -> int:
-    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+def disk_size(path: Path) -> int:
+    """Bytes of a model on disk: a file (a split GGUF's every shard), or a directory's files."""
+    if path.is_file():
+        shards = [path.with_name(n) for n in shard_names(path.name)]
+        return sum(f.stat().st_size for f in shards if f.is_file()) if path in shards else path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def list_models() -> list[dict]:
@@ -80,7 +85,7 @@ def list_models() -> list[dict]:
         if emb is not None:
             m = _GGUF_QUANT.search(emb.name)
             variant = "safetensors" if emb.is_dir() else f"gguf-{m.group(1).lower()}" if m else "gguf"
-            mine.append(row(spec.name, spec.repo, variant, "embedded", _size(emb), emb, spec))
+            mine.append(row(spec.name, spec.repo, variant, "embedded", disk_size(emb), emb, spec))
         for v in spec_variants(spec):
             info = cache.pop(v.repo, None)
             if info is not None:
@@ -186,15 +191,14 @@ def describe(model: str | None, prompt: str | None = None, system: str | None = 
     from .model.encoder_loader import describe_encoder, encoder_kind
 
     if encoder_kind(path):  # an embedding model or a reranker: no chat template, no generation
-        info.update(describe_encoder(path), size_bytes=_size(path))
+        info.update(describe_encoder(path), size_bytes=disk_size(path))
         return info
     weights = open_weights(path)  # headers and metadata only: no tensor is read
     cfg = weights.config
     vision, mmproj = _vision(weights, path)
     tok = weights.tokenizer()
     stop_ids = sorted(set(tok.eos_ids) | weights.extra_eos_ids())
-    size = path.stat().st_size if path.is_file() else sum(
-        f.stat().st_size for f in path.iterdir() if f.is_file())
+    size = disk_size(path)
     info.update({
         "format": "gguf" if isinstance(weights, GGUFWeights) else "safetensors",
         "architecture": cfg.architecture,

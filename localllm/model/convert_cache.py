@@ -21,10 +21,14 @@ log = logging.getLogger(__name__)
 
 
 def weights_fingerprint(path: str | os.PathLike, *how) -> str:
-    """Identity of a checkpoint on disk (path, size and mtime of each file) plus how it was loaded:
-    the key of everything derived from the weights and cached between processes."""
+    """Identity of a checkpoint on disk (path, size and mtime of each file: a split GGUF's every
+    shard) plus how it was loaded: the key of everything derived from the weights and cached
+    between processes."""
+    from .gguf import read_gguf
+
     path = Path(path).resolve()
-    files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file())
+    files = (list(read_gguf(path).paths) if path.suffix == ".gguf" else [path]) if path.is_file() else \
+        sorted(f for f in path.iterdir() if f.is_file())
     h = hashlib.sha256()
     for f in files:
         st = f.stat()

@@ -76,13 +76,15 @@ class GGUFTensor:
     offset: int  # absolute byte offset in the file
     nbytes: int
     data: np.ndarray = field(repr=False, default=None)  # raw bytes, uint8 memmap view
+    path: Path | None = None  # the file it is in (a split GGUF's shard)
 
 
 @dataclass
 class GGUFFile:
-    path: Path
-    metadata: dict
+    path: Path  # the file named (a split GGUF's first shard)
+    metadata: dict  # (a split GGUF's: its first shard's, which holds them all)
     tensors: dict[str, GGUFTensor]
+    paths: tuple[Path, ...] = ()  # every file its tensors are in: the path, or a split GGUF's shards
 
     def get(self, key: str, default=None):
         return self.metadata.get(key, default)
@@ -97,11 +99,11 @@ class GGUFFile:
         if buf.dtype != np.uint8 or buf.size != t.nbytes or not buf.flags.c_contiguous:
             raise ValueError(f"reading {t.name}: a contiguous uint8 buffer of {t.nbytes} bytes is needed")
         view, done = memoryview(buf.reshape(-1)), 0
-        with open(self.path, "rb") as f:
+        with open(t.path or self.path, "rb") as f:
             while done < t.nbytes:  # one read returns at most ~2 GiB
                 n = os.preadv(f.fileno(), [view[done:]], t.offset + done)
                 if n <= 0:
-                    raise GGUFError(f"{self.path}: truncated file while reading tensor {t.name}")
+                    raise GGUFError(f"{t.path or self.path}: truncated file while reading tensor {t.name}")
                 done += n
         return buf.reshape(t.data.shape)
 
@@ -235,15 +237,55 @@ class StringArray(Sequence):
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse a GGUF file's header and map its tensors (no tensor data is copied). Parsed once
     per process and file version: the planner and the loader both read it, and the header's
-    49k tokenizer strings cost ~0.1 s of every cold start."""
-    path = Path(path)
+    49k tokenizer strings cost ~0.1 s of every cold start. A split GGUF (split.count in its
+    header) is named by its first shard and read whole, as llama.cpp reads it: the first shard's
+    metadata, every shard's tensors."""
+    first = _read_one(Path(path))
+    count = int(first.metadata.get("split.count") or 1)
+    return first if count <= 1 else _read_split(first, count)
+
+
+def _read_one(path: Path) -> GGUFFile:
     if not path.is_file():
         raise GGUFError(f"{path}: no such file")
     st = path.stat()
     return _read_gguf(path, st.st_size, st.st_mtime_ns)
 
 
-@functools.lru_cache(maxsize=4)
+def _read_split(first: GGUFFile, count: int) -> GGUFFile:
+    from ..gguf_names import shard_names, shard_of
+
+    path, no = first.path, int(first.metadata.get("split.no") or 0)
+    if no != 0:
+        name = shard_names(path.name, count)[0] if shard_of(path.name) else "its first shard"
+        raise GGUFError(f"{path}: shard {no + 1} of {count} of a split GGUF; pass the first shard ({name}): it "
+                        "names the others")
+    names = shard_names(path.name, count)
+    if len(names) != count:
+        raise GGUFError(f"{path}: the first of {count} shards of a split GGUF, but its name does not say where the "
+                        f"others are: keep the shards' names as written (NAME-00001-of-{count:05d}.gguf, ...)")
+    tensors, paths = dict(first.tensors), [path]
+    for i, name in enumerate(names[1:], 1):
+        if not path.with_name(name).is_file():
+            raise GGUFError(f"{path}: shard {i + 1} of {count} of this split GGUF is missing: "
+                            f"{path.with_name(name)} (download every shard into one folder)")
+        shard = _read_one(path.with_name(name))
+        said = (int(shard.metadata.get("split.no", -1)), int(shard.metadata.get("split.count") or 1))
+        if said != (i, count):
+            raise GGUFError(f"{shard.path}: its header does not make it shard {i + 1} of {count} of {path.name} "
+                            f"(it says shard {said[0] + 1} of {said[1]})")
+        twice = sorted(tensors.keys() & shard.tensors.keys())
+        if twice:
+            raise GGUFError(f"{shard.path}: tensor {twice[0]} is in two shards of {path.name}")
+        tensors.update(shard.tensors)
+        paths.append(shard.path)
+    want = first.metadata.get("split.tensors.count")
+    if want is not None and int(want) != len(tensors):
+        raise GGUFError(f"{path}: its {count} shards hold {len(tensors)} tensors; the first says {int(want)}")
+    return GGUFFile(path, first.metadata, tensors, tuple(paths))
+
+
+@functools.lru_cache(maxsize=16)
 def _read_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
     if size < 24:
         raise GGUFError(f"{path}: not a GGUF file (only {size} bytes)")
@@ -292,8 +334,8 @@ def _read_gguf(path: Path, size: int, mtime_ns: int) -> GGUFFile:
             )
         rows = n_el // dims[0]
         raw = mm[start:start + nbytes].reshape(rows, -1)
-        tensors[name] = GGUFTensor(name, tuple(reversed(dims)), qt, start, nbytes, raw)
-    return GGUFFile(path, metadata, tensors)
+        tensors[name] = GGUFTensor(name, tuple(reversed(dims)), qt, start, nbytes, raw, path)
+    return GGUFFile(path, metadata, tensors, (path,))
 
 
 def dequantize(t: GGUFTensor, raw: np.ndarray | None = None) -> np.ndarray:

@@ -92,15 +92,13 @@ class Pinned:
         """The model as /api/tags lists it (its file is there once `load` has pulled it)."""
         import os
 
-        from ..models_cli import local_path
+        from ..models_cli import disk_size, local_path
         from ..registry import resolve_model
 
         path = local_path(resolve_model(self.name))
         size, modified = 0, 0.0
         if path is not None:
-            size = path.stat().st_size if path.is_file() else sum(
-                f.stat().st_size for f in path.iterdir() if f.is_file())
-            modified = os.stat(path).st_mtime
+            size, modified = disk_size(path), os.stat(path).st_mtime
         from ..model.encoder_loader import encoder_kind
 
         return LocalModel(self.name, [a for a in self.aliases if a], str(path) if path else None, size, modified,
