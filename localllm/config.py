@@ -152,15 +152,12 @@ class ModelConfig:
             partial_rotary_factor=m("rope.dimension_count", head_dim) / head_dim,
             # Phi-3 only, as from_hf (llama.cpp writes 0 for "none")
             sliding_window=(m("attention.sliding_window") or None) if arch == "phi3" else None,
-            rope_scaling=_gguf_longrope(m, tensors, read_floats),
+            rope_scaling=_gguf_longrope(m, tensors, read_floats) or _gguf_rope_freqs(tensors, read_floats),
             architecture=GGUF_ARCHS[arch],
             model_type=arch,
         ) | (_gguf_gemma_fields(m, arch, heads, hidden, head_dim) if arch.startswith("gemma") else {}) \
             | (_gguf_mrope_fields(m, arch) if arch in ("qwen2vl", "qwen3vl") else {}) \
             | (_gguf_gpt_oss_fields(m) if arch == "gpt-oss" else {})
-        if "rope_freqs.weight" in tensors:
-            raise ValueError("GGUF rope_freqs (Llama-3.1 rope scaling) is not supported yet; "
-                             "use the HF checkpoint of this model")
         return cls(**fields | _gguf_moe_fields(m, arch, fields["num_layers"], tensors))
 
     def window(self, layer: int) -> int | None:
@@ -199,6 +196,9 @@ class ModelConfig:
         return norms
 
     def to_hf(self) -> dict:
+        if (self.rope_scaling or {}).get("rope_type") == "freq_factors":
+            raise ValueError("a GGUF's per-frequency RoPE factors (rope_freqs: Llama 3.1+) have no Hugging Face "
+                             "config form; use the model's Hugging Face checkpoint")
         extra = _moe_to_hf(self)
         if self.partial_rotary_factor != 1.0:
             extra["partial_rotary_factor"] = self.partial_rotary_factor
@@ -497,6 +497,14 @@ def _gpt_oss_fields(cfg: dict) -> dict:
     return dict(layer_windows=tuple(window if t == "sliding_attention" else None for t in types), attn_sinks=True,
                 router_gating="topk_softmax", expert_act="swiglu_oai",
                 swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+
+
+def _gguf_rope_freqs(tensors: Collection[str], read_floats: Callable[[str], list[float]]) -> dict | None:
+    """Llama 3.1+'s RoPE scaling as llama.cpp's converter stores it: no parameters, a factor per
+    frequency (rope_freqs.weight, from the checkpoint's llama3 rope_scaling) that divides it."""
+    if "rope_freqs.weight" not in tensors:
+        return None
+    return {"rope_type": "freq_factors", "freq_factors": read_floats("rope_freqs.weight")}
 
 
 def _gguf_longrope(m: Callable, tensors: Collection[str], read_floats: Callable[[str], list[float]]) -> dict | None:

@@ -61,7 +61,8 @@ def rope_params(cfg) -> dict:
 
 def gguf_tensors(model, state: dict | None = None, arch: str = "llama"):
     """(llama.cpp name, fp32 array) of each tensor of a dense family's model, or of `state` (some
-    of its tensors by name); q/k rows as stored: llama.cpp permutes them for arch 'llama' only.
+    of its tensors by name); q/k rows in HF's order (llama.cpp's converter permutes them for arch
+    'llama' only: llama_tensors).
     Gemma's layer tensors are named by gguf-py's own table (the converter's), not one of ours: a
     name we got wrong on both sides would load here and nowhere else (post_attention_norm did)."""
     import gguf
@@ -86,6 +87,20 @@ def gguf_tensors(model, state: dict | None = None, arch: str = "llama"):
         if gemma and name.endswith("norm.weight"):  # the converter stores Gemma's (1 + w)
             data = data + 1
         yield gname, data
+
+
+def llama_qk_perm(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's permute of q/k rows for arch llama (our loader undoes it)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama_tensors(model):
+    """gguf_tensors of an arch-llama model with q/k permuted as the converter stores them."""
+    cfg = model.config
+    for name, a in gguf_tensors(model):
+        if ".attn_q." in name or ".attn_k." in name:
+            a = llama_qk_perm(a, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
+        yield name, a
 
 
 @functools.cache
@@ -142,6 +157,8 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "llama3":  # Llama 3.1+: no keys, a factor per frequency
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg, rope))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "phi3":  # as convert_hf_to_gguf.py's Phi3MiniModel writes them
         head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -161,7 +178,9 @@ def write_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: boo
             w.add_array(key, val)
         else:
             w.add_key_value(key, val, kv_types[type(val)])
-    for gname, data in (gguf_tensors(model, arch=arch) if tensors is None else tensors):
+    if tensors is None:
+        tensors = llama_tensors(model) if arch == "llama" else gguf_tensors(model, arch=arch)
+    for gname, data in tensors:
         qtype = None
         if qtype_of is not None:
             qtype = qtype_of(gname, data)
@@ -219,6 +238,35 @@ FAMILIES = {
         original_max_position_embeddings=PHI4_ORIG, tie_word_embeddings=True, pad_token_id=0)), "phi3", True,
         {"max_model_len": PHI4_ORIG}),
 }
+
+
+# Llama 3.2-like: its llama3 RoPE scaling (x32, the published low/high frequency factors) from an
+# original context of 256, so every band is crossed: high frequencies kept, low ones scaled, two
+# smoothed between; the GGUF carries it as llama.cpp's converter writes it (rope_freqs.weight)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+FAMILIES["llama3.2"] = Family(lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    **TINY, rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=True, pad_token_id=0)), "llama", True)
+
+
+def llama3_rope_factors(cfg, rope: dict) -> np.ndarray:
+    """rope_freqs.weight as convert_hf_to_gguf.py's LlamaModel writes it for a llama3 rope_scaling:
+    the factor that divides each frequency."""
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 # Gemma: windows of 12 positions (the 16-token prompt and 32 generated tokens cross them), a
@@ -330,7 +378,7 @@ def test_int4_gguf_follows_its_fp32_weights(family):
 # one method per family (both methods run on every layout kind: separate and fused linears, q/k
 # norms, Gemma's norms; tests/test_quant.py runs both on the default model)
 QUANT_METHODS = {"qwen3-tied": "awq", "qwen3-untied": "gptq", "phi3-mini": "gptq", "phi4-mini": "awq",
-                 "gemma2": "gptq", "gemma3": "awq"}
+                 "gemma2": "gptq", "gemma3": "awq", "llama3.2": "gptq"}
 
 
 def test_quantizer_writes_a_checkpoint_of_the_family(family, request, tmp_path):
@@ -433,6 +481,32 @@ def test_longrope_long_factors_past_the_original_length(family, source):
     with torch.no_grad():
         ref = ref_model(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama3.2"], indirect=True)
+def test_llama3_gguf_rope_freqs_are_the_checkpoints_scaling(family, tmp_path, gguf_path):
+    """A Llama 3.1+ GGUF keeps its RoPE scaling as a factor per frequency (rope_freqs.weight, every
+    published Llama 3.1/3.2/3.3 file has one): its frequencies are the HF checkpoint's llama3 ones
+    (to fp32 rounding), the factors matter (without them the logits move), and such a file is not
+    written back as a Hugging Face checkpoint it could not describe."""
+    from localllm.model.export import export_hf
+    from localllm.model.weights import open_weights
+
+    ref_model, hf_dir, gguf_file, _, _ = family
+    gguf_model, hf_model = load_model(gguf_file, "float32").model, load_model(hf_dir, "float32").model
+    for m in (gguf_model, hf_model):
+        m.cover(64)
+    torch.testing.assert_close(gguf_model.rope.cos[:64], hf_model.rope.cos[:64], atol=1e-6, rtol=0)
+    cfg = open_weights(gguf_file).config
+    assert cfg.rope_scaling["rope_type"] == "freq_factors" and max(cfg.rope_scaling["freq_factors"]) == 32.0
+    unscaled = copy.deepcopy(ref_model)
+    unscaled.config.rope_parameters = {"rope_type": "default", "rope_theta": LLAMA3_ROPE["rope_theta"]}
+    plain = write_gguf(unscaled, "llama", tmp_path / "no-rope-freqs.gguf", gguf_path)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor([PROMPT])).logits[0].float()
+    assert not torch.allclose(make_engine(load_model(plain, "float32")).score(PROMPT), ref, atol=1e-2)
+    with pytest.raises(ValueError, match="rope_freqs: Llama 3.1"):
+        export_hf(gguf_file, tmp_path / "hf")
 
 
 @pytest.mark.parametrize("family", ["phi3-mini"], indirect=True)

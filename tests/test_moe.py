@@ -18,6 +18,7 @@ from test_families import (  # noqa: F401  (the imported tests run on this modul
     gguf_reader,
     gguf_tensors,
     hf_greedy,
+    llama_qk_perm,
     peaked,
     test_batched_with_prefix_hits_and_chunked_prefill,
     test_greedy_decode_equals_transformers,
@@ -43,11 +44,6 @@ FAMILIES = {
         **MOE, intermediate_size=128, moe_intermediate_size=64, num_experts=8, mlp_only_layers=[0],
         norm_topk_prob=False, rope_theta=1e6)), "qwen3moe", False),
 }
-
-
-def llama_qk_perm(w: np.ndarray, heads: int) -> np.ndarray:
-    """convert_hf_to_gguf's permute for arch llama (our loader undoes it)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def moe_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool = False,

@@ -305,6 +305,11 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None,
         return torch.where(is_mid, mid, scaled).float(), 1.0
     if kind == "linear":
         return (inv / scaling["factor"]).float(), 1.0
+    if kind == "freq_factors":  # a GGUF's rope_freqs (Llama 3.1+): each frequency over its factor, as llama.cpp
+        factors = torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+        if factors.numel() != rotary_dim // 2:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors, expected rotary_dim / 2 = {rotary_dim // 2}")
+        return (inv / factors).float(), 1.0
     if kind == "longrope":
         # transformers' _compute_longrope_parameters: 1 / (ext_factor * theta^(2i/d))
         long = max_positions > scaling["original_max_position_embeddings"]
@@ -314,7 +319,8 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None,
         return 1.0 / (ext * theta ** exponent), float(scaling.get("attention_factor", 1.0))
     if kind == "yarn":
         return _yarn(theta ** exponent, rotary_dim, theta, scaling)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope, yarn)")
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope, yarn, "
+                     "freq_factors)")
 
 
 def _yarn(pos_freqs: torch.Tensor, dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
