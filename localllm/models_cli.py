@@ -63,8 +63,7 @@ def _repo_kind(v: Variant, snapshot: Path | None = None) -> str:
 def disk_size(path: Path) -> int:
     """Bytes of a model on disk: a file (a split GGUF's every shard), or a directory's files."""
     if path.is_file():
-        shards = [path.with_name(n) for n in shard_names(path.name)]
-        return sum(f.stat().st_size for f in shards if f.is_file()) if path in shards else path.stat().st_size
+        return sum(f.stat().st_size for f in (path.with_name(n) for n in shard_names(path.name)) if f.is_file())
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 

@@ -20,6 +20,16 @@ _GPT4O_REGEX = "|".join([
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
     r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
+# Mistral NeMo / Small 3 (llama.cpp's "tekken"): o200k's case-change words without contractions, one digit
+_TEKKEN_REGEX = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*",
+    r"\p{N}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
+# a GGUF's tokenizer.ggml.pre -> the split its tokenizer.json makes before the byte-level BPE, named
+# as llama.cpp's llama-vocab.cpp groups them (several names, one pre-tokenizer)
+_PRE_SPLITS = {**dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "pixtral"), _LLAMA3_REGEX),
+               **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_REGEX),
+               **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_REGEX), "tekken": _TEKKEN_REGEX}
 # gpt-oss (harmony): a reply ends at <|return|>, or at <|call|> (a tool call); its <|end|> closes one
 # message (the reasoning) and the reply goes on, so it is no end of turn there (llama.cpp's rule too)
 HARMONY_EOG = ("<|return|>", "<|call|>")
@@ -224,12 +234,8 @@ def _gguf_byte_level(meta: dict) -> TokenizerInfo:
                                fuse_unk=False, byte_fallback=False))
     pre = meta.get("tokenizer.ggml.pre", "default")
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
-        split = pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated")
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    elif pre in ("qwen2", "gpt-4o"):
-        split = pre_tokenizers.Split(Regex(_QWEN2_REGEX if pre == "qwen2" else _GPT4O_REGEX), behavior="isolated")
+    if pre in _PRE_SPLITS:
+        split = pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated")
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     elif pre in ("smollm", "starcoder", "refact"):  # these split every digit

@@ -355,3 +355,33 @@ def test_the_cached_header_does_not_hold_the_vocabulary_as_python_strings(tmp_pa
         tracemalloc.stop()
     assert decoded == strings
     assert held < as_strings / 4, (held, as_strings)
+
+
+# the published tokenizer.json regexes (what llama.cpp's pre-tokenizer names stand for)
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")  # Qwen/Qwen2.5-7B-Instruct, deepseek-ai/DeepSeek-R1-Distill-Qwen-*
+TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+                r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")  # mistralai/Mistral-Nemo-Instruct-2407
+SPLIT_TEXTS = ["Hello world, it's 2024!", "camelCaseWords and HTTPServer", "x=12345; (paren) 'quoted' don't",
+               "path/to/file.py\r\n  indented\n\nÉcole naïve ÑANDÚ", "ABCdef GHIjkl 3.14159", "  spaces   here  "]
+
+
+@pytest.mark.parametrize("pre, split", [("deepseek-r1-qwen", QWEN2_SPLIT), ("qwen2", QWEN2_SPLIT),
+                                        ("tekken", TEKKEN_SPLIT)])
+def test_pre_tokenizer_names_split_as_their_tokenizer_json(gguf_path, pre, split):
+    """A byte-level GGUF's tokenizer.ggml.pre names its family's split (DeepSeek-R1's Qwen distills say
+    "deepseek-r1-qwen" for Qwen2's, Mistral NeMo "tekken"): the words our tokenizer hands the BPE are
+    the published tokenizer.json regex's on the same text, and not GPT-2's (the default)."""
+    import regex
+    from test_families import tokenizer_fields
+
+    meta = {k: v for k, v, _, _ in tokenizer_fields(gguf_path)}
+
+    def words(name: str, text: str) -> list[str]:
+        tok = LLMTokenizer.from_gguf(meta | {"tokenizer.ggml.pre": name}).tok
+        return [tok.decoder.decode([w]) for w, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+
+    for text in SPLIT_TEXTS:
+        assert words(pre, text) == regex.findall(split, text), text
+    assert any(words(pre, t) != words("default", t) for t in SPLIT_TEXTS)
