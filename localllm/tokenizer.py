@@ -28,7 +28,7 @@ _TEKKEN_REGEX = "|".join([
 # a GGUF's tokenizer.ggml.pre -> the split its tokenizer.json makes before the byte-level BPE, named
 # as llama.cpp's llama-vocab.cpp groups them (several names, one pre-tokenizer)
 _PRE_SPLITS = {**dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3", "pixtral"),
-                               _LLAMA3_REGEX),  # (cl100k's, dbrx's and Phi-4's, is Llama 3's)
+                               _LLAMA3_REGEX),  # (dbrx: cl100k's split, the same as Llama 3's)
                **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "kormo"), _QWEN2_REGEX),
                **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_REGEX), "tekken": _TEKKEN_REGEX}
 # gpt-oss (harmony): a reply ends at <|return|>, or at <|call|> (a tool call); its <|end|> closes one
