@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,9 @@ _PRE_SPLITS = {**dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", 
                                _LLAMA3_REGEX),  # (dbrx: cl100k's split, the same as Llama 3's)
                **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "kormo"), _QWEN2_REGEX),
                **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_REGEX), "tekken": _TEKKEN_REGEX}
+_DIGIT_SPLITS = ("smollm", "starcoder", "refact")  # GPT-2's split with every digit apart
+# names llama.cpp gives GPT-2's own split
+_GPT2_SPLITS = ("default", "gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "exaone4", "mellum", "roberta-bpe")
 # gpt-oss (harmony): a reply ends at <|return|>, or at <|call|> (a tool call); its <|end|> closes one
 # message (the reasoning) and the reply goes on, so it is no end of turn there (llama.cpp's rule too)
 HARMONY_EOG = ("<|return|>", "<|call|>")
@@ -239,10 +243,14 @@ def _gguf_byte_level(meta: dict) -> TokenizerInfo:
         split = pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated")
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    elif pre in ("smollm", "starcoder", "refact"):  # these split every digit
+    elif pre in _DIGIT_SPLITS:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level])
     else:
+        if pre not in _GPT2_SPLITS:  # llama.cpp warns and does the same
+            logging.getLogger("localllm").warning(
+                "warning: tokenizer.ggml.pre %r is no pre-tokenizer we know: GPT-2's split is used, so the tokens "
+                "may not be the ones the model was trained on", pre)
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     _gguf_add_special_tokens(tok, tokens, types)

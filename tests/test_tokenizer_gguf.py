@@ -385,3 +385,19 @@ def test_pre_tokenizer_names_split_as_their_tokenizer_json(gguf_path, pre, split
     for text in SPLIT_TEXTS:
         assert words(pre, text) == regex.findall(split, text), text
     assert any(words(pre, t) != words("default", t) for t in SPLIT_TEXTS)
+
+
+def test_an_unknown_pre_tokenizer_name_is_said(gguf_path, caplog):
+    """A name no family has gets GPT-2's split, as llama.cpp gives it, and a warning says so; the
+    names llama.cpp gives GPT-2's split itself say nothing."""
+    from test_families import tokenizer_fields
+
+    meta = {k: v for k, v, _, _ in tokenizer_fields(gguf_path)}
+    with caplog.at_level("WARNING", logger="localllm"):
+        unknown = LLMTokenizer.from_gguf(meta | {"tokenizer.ggml.pre": "some-new-model"})
+    assert "tokenizer.ggml.pre 'some-new-model' is no pre-tokenizer we know" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="localllm"):
+        gpt2 = LLMTokenizer.from_gguf(meta | {"tokenizer.ggml.pre": "gpt-2"})
+    assert caplog.text == ""
+    assert unknown.encode(SPLIT_TEXTS[0]) == gpt2.encode(SPLIT_TEXTS[0])
