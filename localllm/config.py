@@ -152,7 +152,8 @@ class ModelConfig:
             partial_rotary_factor=m("rope.dimension_count", head_dim) / head_dim,
             # Phi-3 only, as from_hf (llama.cpp writes 0 for "none")
             sliding_window=(m("attention.sliding_window") or None) if arch == "phi3" else None,
-            rope_scaling=_gguf_longrope(m, tensors, read_floats) or _gguf_rope_freqs(tensors, read_floats),
+            rope_scaling=_gguf_longrope(m, tensors, read_floats) or _gguf_rope_freqs(tensors, read_floats)
+            or _gguf_rope_scaling(m),
             architecture=GGUF_ARCHS[arch],
             model_type=arch,
         ) | (_gguf_gemma_fields(m, arch, heads, hidden, head_dim) if arch.startswith("gemma") else {}) \
@@ -458,10 +459,8 @@ def _gguf_gemma_fields(m: Callable, arch: str, heads: int, hidden: int, head_dim
     pattern = m("attention.sliding_window_pattern") or (2 if gemma2 else 6)
     slides = pattern if isinstance(pattern, list) else sliding_layers(n, pattern)
     local_theta = m("rope.freq_base_swa") or (None if gemma2 else 10000.0)
-    kind, factor = m("rope.scaling.type"), m("rope.scaling.factor")
     return dict(
         layer_windows=tuple(window if s else None for s in slides),
-        rope_scaling={"rope_type": "linear", "factor": float(factor)} if kind == "linear" and factor else None,
         rope_local_theta=None if local_theta is None else float(local_theta),
         query_pre_attn_scalar=float(hidden // heads if n == GEMMA_27B_LAYERS[arch] else head_dim),
         attn_logit_softcap=float(m("attn_logit_softcapping", 50.0)) if gemma2 else None,
@@ -497,6 +496,23 @@ def _gpt_oss_fields(cfg: dict) -> dict:
     return dict(layer_windows=tuple(window if t == "sliding_attention" else None for t in types), attn_sinks=True,
                 router_gating="topk_softmax", expert_act="swiglu_oai",
                 swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+
+
+def _gguf_rope_scaling(m: Callable) -> dict | None:
+    """RoPE scaling as the converter's keys say it (rope.scaling.type, .factor, ...): linear (the
+    positions divided by the factor) or YaRN (Qwen2.5's long-context configs), as transformers
+    reads the same fields of config.json."""
+    kind, factor = m("rope.scaling.type"), m("rope.scaling.factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn" and factor:
+        orig = m("rope.scaling.original_context_length")
+        if not orig:
+            raise ValueError("YaRN RoPE scaling without rope.scaling.original_context_length")
+        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(orig),
+                "beta_fast": float(m("rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(m("rope.scaling.yarn_beta_slow", 1.0))}
+    return None
 
 
 def _gguf_rope_freqs(tensors: Collection[str], read_floats: Callable[[str], list[float]]) -> dict | None:

@@ -509,6 +509,35 @@ def test_llama3_gguf_rope_freqs_are_the_checkpoints_scaling(family, tmp_path, gg
         export_hf(gguf_file, tmp_path / "hf")
 
 
+@pytest.mark.parametrize("arch, rope", [
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),  # Qwen2.5's long form
+    ("llama", {"rope_type": "linear", "factor": 2.0}),
+])
+def test_gguf_rope_scaling_keys_give_transformers_frequencies(arch, rope):
+    """RoPE scaling written as the converter's keys (rope.scaling.type / factor / original context)
+    gives the frequencies and cos/sin factor transformers computes from the same config fields."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from localllm.config import ModelConfig
+    from localllm.model.layers import rope_inv_freq
+
+    ctx, theta = 131072, 1e6
+    cls = transformers.Qwen2Config if arch == "qwen2" else transformers.LlamaConfig
+    hf = cls(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=ctx,
+             rope_parameters={**rope, "rope_theta": theta})
+    want, want_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
+    keys = {"attention.head_count": 2, "attention.head_count_kv": 1, "embedding_length": 256, "block_count": 1,
+            "feed_forward_length": 512, "rope.freq_base": theta, "context_length": ctx,
+            "rope.scaling.type": rope["rope_type"], "rope.scaling.factor": rope["factor"]}
+    if "original_max_position_embeddings" in rope:
+        keys["rope.scaling.original_context_length"] = rope["original_max_position_embeddings"]
+    meta = {f"{arch}.{k}": v for k, v in keys.items()} | {"general.architecture": arch, "tokenizer.ggml.tokens": ["a"]}
+    cfg = ModelConfig.from_gguf(meta, ["token_embd.weight"], lambda name: [])
+    inv, factor = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, ctx)
+    assert torch.equal(inv, want.float()) and factor == pytest.approx(want_factor, rel=1e-12)
+    assert not torch.equal(inv, rope_inv_freq(cfg.rotary_dim, theta, None, ctx)[0])
+
+
 @pytest.mark.parametrize("family", ["phi3-mini"], indirect=True)
 def test_phi3_sliding_window_past_the_window(family):
     """Phi-3's window (512 of 1024 here, 2047 of 4096 in Phi-3-mini-4k) applies to every layer, as
@@ -695,7 +724,7 @@ def test_gemma_configs_as_published():
 def test_gemma_gguf_attention_scale_follows_llama_cpp():
     """A GGUF has no query_pre_attn_scalar: llama.cpp takes hidden / heads for the 27B models (144
     and 168, known by their layer counts) and head_dim otherwise; so do we."""
-    from localllm.config import _gguf_gemma_fields
+    from localllm.config import _gguf_gemma_fields, _gguf_rope_scaling
 
     meta = {"block_count": 46, "attention.sliding_window": 4096, "attn_logit_softcapping": 50.0,
             "final_logit_softcapping": 30.0}
@@ -706,7 +735,7 @@ def test_gemma_gguf_attention_scale_follows_llama_cpp():
     g3 = {"block_count": 62, "attention.sliding_window": 1024, "rope.scaling.type": "linear", "rope.scaling.factor": 8.0}
     f = _gguf_gemma_fields(g3.get, "gemma3", 32, 5376, 128)
     assert f["query_pre_attn_scalar"] == 168 and f["rope_local_theta"] == 10000.0
-    assert f["rope_scaling"] == {"rope_type": "linear", "factor": 8.0} and f["layer_windows"][5] is None
+    assert _gguf_rope_scaling(g3.get) == {"rope_type": "linear", "factor": 8.0} and f["layer_windows"][5] is None
 
 
 def test_gemma_gguf_keys_and_their_absence_read_as_llama_cpp():
