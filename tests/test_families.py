@@ -89,8 +89,9 @@ def gguf_tensors(model, state: dict | None = None, arch: str = "llama"):
         yield gname, data
 
 
-def llama_qk_perm(w: np.ndarray, heads: int) -> np.ndarray:
-    """convert_hf_to_gguf's permute of q/k rows for arch llama (our loader undoes it)."""
+def llama_qk_perm(w, heads: int):
+    """convert_hf_to_gguf's permute of q/k rows for arch llama (our loader undoes it), of a numpy
+    array or a torch tensor."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 

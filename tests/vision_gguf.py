@@ -12,9 +12,8 @@ import types
 from pathlib import Path
 
 import numpy as np
-import torch
 from safetensors.torch import load_file, save_file
-from test_families import gguf_tensors, tokenizer_fields, write_gguf
+from test_families import gguf_tensors, llama_qk_perm, tokenizer_fields, write_gguf
 
 # family -> (llama.cpp's projector type, the text model's GGUF architecture)
 PROJECTOR = {"gemma3": ("gemma3", "gemma3"), "idefics3": ("idefics3", "llama"),
@@ -56,11 +55,6 @@ def _text_config(cfg: dict, family: str) -> types.SimpleNamespace:
     return ns
 
 
-def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's converter's q/k permutation for arch llama (interleaved-pair RoPE rows)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def tokenizer_metadata(hf_dir: Path, base_gguf: Path) -> list[tuple]:
     """The base model's tokenizer metadata (test_families.tokenizer_fields) with the checkpoint's
     added tokens (control tokens, as the converter marks special ones) and its processor's chat
@@ -100,7 +94,7 @@ def write_text_gguf(hf_dir: Path, family: str, base_gguf: Path, out: Path, quant
         if name.endswith("lm_head.weight"):
             name = "lm_head.weight"
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            t = _permute(t, text.num_attention_heads if "q_proj" in name else text.num_key_value_heads)
+            t = llama_qk_perm(t, text.num_attention_heads if "q_proj" in name else text.num_key_value_heads)
         state[name] = t
     extra = {}
     if arch in ("qwen2vl", "qwen3vl"):
