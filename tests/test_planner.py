@@ -202,6 +202,11 @@ def test_gpt_oss_is_planned_before_its_download():
     r = CliRunner().invoke(app, ["run", "gpt-oss:20b", "--dry-run", "--max-memory", "8", "--device", "cpu"])
     assert r.exit_code == 1
     assert f"weights {gib(f.native_bytes['cpu'])} as MXFP4 as stored" in r.output and "only 8.00 GiB" in r.output
+    from localllm.models_cli import list_models
+
+    rows = {r["name"]: r for r in list_models() if r["repo"].startswith(("openai/", "meta-llama/"))}
+    assert rows["gpt-oss-20b"]["variant"] == "mxfp4"  # the form the repo holds (downloaded or not)
+    assert rows["llama3.2-1b"]["variant"] == "bf16"
 
 
 def test_plan_for_the_embedded_model(gguf_path):
