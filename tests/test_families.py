@@ -95,10 +95,11 @@ def llama_qk_perm(w, heads: int):
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def llama_tensors(model):
-    """gguf_tensors of an arch-llama model with q/k permuted as the converter stores them."""
+def llama_tensors(model, state: dict | None = None):
+    """gguf_tensors of an arch-llama model (or of `state`) with q/k permuted as the converter
+    stores them."""
     cfg = model.config
-    for name, a in gguf_tensors(model):
+    for name, a in gguf_tensors(model, state):
         if ".attn_q." in name or ".attn_k." in name:
             a = llama_qk_perm(a, cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads)
         yield name, a

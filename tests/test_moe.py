@@ -18,7 +18,7 @@ from test_families import (  # noqa: F401  (the imported tests run on this modul
     gguf_reader,
     gguf_tensors,
     hf_greedy,
-    llama_qk_perm,
+    llama_tensors,
     peaked,
     test_batched_with_prefix_hits_and_chunked_prefill,
     test_greedy_decode_equals_transformers,
@@ -56,11 +56,7 @@ def moe_gguf(model, arch: str, out: Path, tokenizer_gguf: Path, quantized: bool 
     moe = {n: state.pop(n) for n in list(state) if ".experts." in n or n.endswith("mlp.gate.weight")}
 
     def tensors():
-        for name, a in gguf_tensors(model, state):
-            if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
-                heads = cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads
-                a = llama_qk_perm(a, heads)
-            yield name, a
+        yield from llama_tensors(model, state) if arch == "llama" else gguf_tensors(model, state)
         for name, t in moe.items():
             i, a = name.split(".")[2], t.float().numpy()
             if name.endswith("gate.weight"):
